@@ -1,0 +1,24 @@
+"""kvoffload: what an inference worker imports.
+
+Kept light on purpose: importing it loads no LMDB, no key material and no
+daemon code (those live in ``kvoffload.sidecar``, imported only by the
+sidecar process).
+"""
+
+from __future__ import annotations
+
+from .contract import CompatContract, ContractError, LayerLayout, Shard
+from .keys import chunk_keys, next_key, root_key
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompatContract",
+    "ContractError",
+    "LayerLayout",
+    "Shard",
+    "__version__",
+    "chunk_keys",
+    "next_key",
+    "root_key",
+]

@@ -1,0 +1,1 @@
+"""The kvoffload sidecar daemon: store, index, keyring, server."""
