@@ -1,0 +1,53 @@
+"""Shared fixtures: real stores on real files, real LMDB, real AES-GCM."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvoffload.contract import CompatContract, LayerLayout, Shard
+
+
+def make_contract(**overrides: object) -> CompatContract:
+    base: dict[str, object] = {
+        "model_revision": "llama-tiny@seed0",
+        "tokenizer_hash": "tok-3f1c",
+        "chat_template_version": "v1",
+        "attention_backend": "FLASH_ATTN",
+        "kv_dtype": "bfloat16",
+        "block_size": 16,
+        "layer_layout": LayerLayout(num_layers=4, num_kv_heads=2, head_dim=64),
+        "rope_config": {"rope_theta": 10000.0, "rope_scaling": None},
+        "lora_id": None,
+        "tenant_namespace": "acme",
+        "shard": Shard(),
+        "chunk_tokens": 64,
+    }
+    base.update(overrides)
+    return CompatContract(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def contract() -> CompatContract:
+    return make_contract()
+
+
+@pytest.fixture
+def kek_file(tmp_path: Path) -> Path:
+    p = tmp_path / "kek"
+    p.write_bytes(os.urandom(32))
+    p.chmod(0o600)
+    return p
+
+
+@pytest.fixture
+def store(tmp_path: Path, kek_file: Path) -> Iterator[object]:
+    from kvoffload.sidecar.keyring import Kek
+    from kvoffload.sidecar.store import Store, StoreConfig
+
+    s = Store(StoreConfig(root=tmp_path / "store", durability="none"), Kek.from_file(kek_file), create=True)
+    yield s
+    s.close()
