@@ -1,9 +1,9 @@
 """Errors of the layout layer.
 
-    LayoutError
-    ├── UnknownLayoutVersion   a version this build does not implement (refuse, never guess)
-    ├── CorruptObject          an object fails a structural or integrity check
-    │   └── ObjectMismatch     a valid object, but not the one asked for (key/tenant/namespace)
+LayoutError
+├── UnknownLayoutVersion   a version this build does not implement (refuse, never guess)
+├── CorruptObject          an object fails a structural or integrity check
+│   └── ObjectMismatch     a valid object, but not the one asked for (key/tenant/namespace)
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from datetime import UTC, datetime
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 

@@ -236,7 +236,9 @@ def decode_header(buf: bytes | memoryview) -> ObjectHeader:
     layers = []
     for i in range(n):
         off, length, nonce, check = _LAYER.unpack_from(mv, _FIXED.size + i * _LAYER.size)
-        if bytes(mv[_FIXED.size + i * _LAYER.size + 44 : _FIXED.size + (i + 1) * _LAYER.size]) != bytes(4):
+        if bytes(
+            mv[_FIXED.size + i * _LAYER.size + 44 : _FIXED.size + (i + 1) * _LAYER.size]
+        ) != bytes(4):
             raise CorruptObject("non-zero reserved field in layer table")
         if not sealed and nonce != bytes(NONCE_SIZE):
             raise CorruptObject("plaintext layer with a nonce")
@@ -292,7 +294,7 @@ def seal_into(
     tenant: str,
     namespace: bytes,
     chunk_key: bytes,
-    layers: Sequence[memoryview | bytes],
+    layers: Sequence[memoryview | bytes | bytearray],
     aead: Aead | None,
     key_epoch: int = 0,
     created_ns: int = 0,

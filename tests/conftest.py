@@ -48,6 +48,10 @@ def store(tmp_path: Path, kek_file: Path) -> Iterator[object]:
     from kvoffload.sidecar.keyring import Kek
     from kvoffload.sidecar.store import Store, StoreConfig
 
-    s = Store(StoreConfig(root=tmp_path / "store", durability="none"), Kek.from_file(kek_file), create=True)
+    s = Store(
+        StoreConfig(root=tmp_path / "store", durability="none"),
+        Kek.from_file(kek_file),
+        create=True,
+    )
     yield s
     s.close()

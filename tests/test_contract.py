@@ -56,9 +56,10 @@ def test_each_field_changes_fingerprint_and_keys(name: str) -> None:
 def test_layer_layout_fields_change_fingerprint(attr: str, value: int) -> None:
     base = LayerLayout(num_layers=4, num_kv_heads=2, head_dim=64)
     other = dataclasses.replace(base, **{attr: value})
-    assert make_contract(layer_layout=base).fingerprint() != make_contract(
-        layer_layout=other
-    ).fingerprint()
+    assert (
+        make_contract(layer_layout=base).fingerprint()
+        != make_contract(layer_layout=other).fingerprint()
+    )
 
 
 def test_canonical_form_ignores_float_formatting_and_dict_order() -> None:
@@ -70,9 +71,10 @@ def test_canonical_form_ignores_float_formatting_and_dict_order() -> None:
 
 
 def test_canonical_json_is_documented_form() -> None:
-    assert canonical_json({"b": 1, "a": [1.5, None, True, "é"]}) == (
-        '{"a":["0x1.8000000000000p+0",null,true,"é"],"b":"0x1.0000000000000p+0"}'
-    ).encode()
+    assert (
+        canonical_json({"b": 1, "a": [1.5, None, True, "é"]})
+        == ('{"a":["0x1.8000000000000p+0",null,true,"é"],"b":"0x1.0000000000000p+0"}').encode()
+    )
 
 
 def test_roundtrip_dict() -> None:

@@ -130,7 +130,9 @@ def test_unknown_object_version_refused_with_clear_error() -> None:
 
 @pytest.mark.parametrize("version", [0, 2, 99, "1", None])
 def test_unknown_store_version_refused(tmp_path: Path, version: object) -> None:
-    (tmp_path / "layout.json").write_text(json.dumps({"layout_version": version, "store_id": "x", "created": "y"}))
+    (tmp_path / "layout.json").write_text(
+        json.dumps({"layout_version": version, "store_id": "x", "created": "y"})
+    )
     with pytest.raises(UnknownLayoutVersion):
         read_layout(tmp_path)
 
@@ -164,7 +166,9 @@ def test_seal_refuses_bad_input() -> None:
     with pytest.raises(ValueError):
         v1.seal_into(buf, tenant="t", namespace=b"x", chunk_key=bytes(32), layers=[b"a"], aead=None)
     with pytest.raises(ValueError):
-        v1.seal_into(buf, tenant="t", namespace=bytes(32), chunk_key=bytes(32), layers=[], aead=None)
+        v1.seal_into(
+            buf, tenant="t", namespace=bytes(32), chunk_key=bytes(32), layers=[], aead=None
+        )
     with pytest.raises(ValueError, match="too small"):
         v1.seal_into(
             memoryview(bytearray(10)),

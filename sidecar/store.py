@@ -1,0 +1,817 @@
+"""The store: objects on disk (layout v1), an LMDB index, a per-tenant keyring.
+
+Usable in-process (tests, CLI) and served by the sidecar. Thread-safe: the
+server calls it from a thread pool.
+
+Read rule: a chunk is returned only after every byte of its object has been
+verified (structure, zero padding, every tag or checksum). Any failure —
+missing file, torn or flipped bytes, another object's file, a purged key —
+is a miss, and the index entry (and a corrupt file) is dropped.
+
+Capacity rule: ``used + reserved <= capacity`` at all times. A write reserves
+its object size first, evicting least-recently-used unpinned chunks if it
+must; if it still cannot fit it fails with :class:`StoreFull`, never
+exceeding the limit. Above the high watermark, eviction runs down to the low
+watermark.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from ..layouts import CorruptObject, LayoutError, UnknownLayoutVersion, create_root, read_layout, v1
+from .errors import StoreError, StoreFull, StoreIOError, StoreLocked
+from .fileio import Durability, ScratchBuffers, read_file, read_prefix, syncfs, write_atomic
+from .index import ChunkRecord, Index
+from .keyring import Kek, Keyring, KeyringError, TenantKeys
+
+log = logging.getLogger("kvoffload.store")
+
+#: Objects larger than this are refused on read (a corrupt size must not OOM us).
+MAX_OBJECT_BYTES = 4 << 30
+#: NIST SP 800-38D: at most 2**32 random 96-bit nonces per key. Layer segments
+#: count against it; we rotate the tenant's DEK well before.
+DEFAULT_MAX_SEGMENTS_PER_EPOCH = 2**31
+_SEAL_COUNT_BLOCK = 1 << 16
+
+
+@dataclass
+class StoreConfig:
+    root: Path
+    index_dir: Path | None = None  # node-local; default <root>/../<root name>.index
+    capacity_bytes: int | None = None
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    durability: Durability = Durability.BATCH
+    batch_interval_s: float = 1.0
+    key_cache_ttl_s: float = 30.0
+    tmp_max_age_s: float = 600.0
+    probe_files_on_miss: bool = True
+    max_segments_per_epoch: int = DEFAULT_MAX_SEGMENTS_PER_EPOCH
+
+    def resolved_index_dir(self) -> Path:
+        if self.index_dir is not None:
+            return Path(self.index_dir)
+        root = Path(self.root)
+        return root.parent / f"{root.name}.index"
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+        self.durability = Durability(self.durability)
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ValueError("watermarks must satisfy 0 < low <= high <= 1")
+        if self.capacity_bytes is not None and self.capacity_bytes <= 0:
+            raise ValueError("capacity_bytes must be positive")
+
+
+class Reservation:
+    """Bytes held against the capacity for one in-flight write."""
+
+    def __init__(self, store: Store, tenant: str, nbytes: int) -> None:
+        self._store = store
+        self.tenant = tenant
+        self.nbytes = nbytes
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._store._unreserve(self.nbytes)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@dataclass
+class FsckReport:
+    objects_on_disk: int = 0
+    index_records: int = 0
+    ok: int = 0
+    missing_files: list[str] = field(default_factory=list)  # index says present, no file
+    unindexed_files: list[str] = field(default_factory=list)  # file, no index record
+    corrupt_files: list[str] = field(default_factory=list)
+    orphan_tmp_files: list[str] = field(default_factory=list)
+    purged_tenant_files: list[str] = field(default_factory=list)
+    mismatched_records: list[str] = field(default_factory=list)
+    repaired: bool = False
+
+    @property
+    def clean(self) -> bool:
+        return not (
+            self.missing_files
+            or self.unindexed_files
+            or self.corrupt_files
+            or self.orphan_tmp_files
+            or self.purged_tenant_files
+            or self.mismatched_records
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items()}
+        d["clean"] = self.clean
+        return d
+
+
+@dataclass
+class Counters:
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    put_exists: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+class Store:
+    """See the module docstring. Open with :meth:`open`; close with :meth:`close`."""
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        kek: Kek,
+        *,
+        create: bool = False,
+        audit: Callable[[str, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.root = config.root
+        if create:
+            self.layout = create_root(self.root)
+        else:
+            self.layout = read_layout(self.root)
+        index_dir = config.resolved_index_dir()
+        index_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(index_dir / "kvoffload.lock", os.O_RDWR | os.O_CREAT, 0o640)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            os.close(self._lock_fd)
+            raise StoreLocked(
+                f"the index at {index_dir} is in use by another process (a running sidecar?); "
+                "use the sidecar's admin verbs or stop it first"
+            ) from exc
+        self._audit_hook = audit
+        self._audit_path = index_dir / "audit.jsonl"
+        self.keyring = Keyring(
+            self.root / "keys", kek, cache_ttl_s=config.key_cache_ttl_s, audit=self._audit
+        )
+        self.index = Index(index_dir / "lmdb")
+        store_id = self.index.get_meta("store_id")
+        if store_id is None:
+            self.index.set_meta("store_id", self.layout.store_id.encode())
+        elif store_id.decode() != self.layout.store_id:
+            self.index.close()
+            os.close(self._lock_fd)
+            raise StoreError(
+                f"index at {index_dir} belongs to store {store_id.decode()}, "
+                f"not {self.layout.store_id}: point index_dir elsewhere or run fsck --repair"
+            )
+        self._mu = threading.Lock()
+        self._used = self.index.usage().bytes
+        self._reserved = 0
+        self._pins: dict[tuple[str, bytes], int] = {}
+        self._seal_budget: dict[tuple[str, int], int] = {}
+        self._scratch = ScratchBuffers()
+        self.counters = Counters()
+        self._closed = threading.Event()
+        self._bg: list[threading.Thread] = []
+        self._flusher: threading.Thread | None = None
+        if config.durability is Durability.BATCH:
+            self._flusher = threading.Thread(
+                target=self._flush_loop, name="kvoffload-flush", daemon=True
+            )
+            self._flusher.start()
+
+    # ------------------------------------------------------------------ life
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self.wait_background()
+        if self._flusher is not None:
+            self._flusher.join()
+        if self.config.durability is not Durability.NONE:
+            try:
+                syncfs(self.root)
+            except OSError as exc:
+                log.warning("final syncfs failed: %s", exc)
+        self.index.flush()
+        self.index.close()
+        os.close(self._lock_fd)
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _flush_loop(self) -> None:
+        while not self._closed.wait(self.config.batch_interval_s):
+            try:
+                syncfs(self.root)
+                self.index.flush()
+            except OSError as exc:
+                log.warning("batched syncfs failed: %s", exc)
+
+    def wait_background(self) -> None:
+        """Wait for background work (purge file removal) to finish."""
+        for t in list(self._bg):
+            t.join()
+        self._bg = [t for t in self._bg if t.is_alive()]
+
+    def _audit(self, event: str, details: dict[str, Any]) -> None:
+        entry = {"ts": time.time(), "event": event, **details}
+        log.warning("audit: %s", entry)
+        # Append-only, fsync'd: a purge or revocation must leave a trace even if we crash next.
+        with open(self._audit_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(entry, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if self._audit_hook is not None:
+            self._audit_hook(event, details)
+
+    # -------------------------------------------------------------- tenants
+
+    def tenant_salt(self, tenant: str) -> bytes:
+        """The tenant's secret key salt (creates the tenant's keys on first use)."""
+        return self.keyring.ensure_tenant(tenant).salt
+
+    def tenants(self) -> list[str]:
+        return self.keyring.tenants()
+
+    # ------------------------------------------------------------- capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._reserved
+
+    def _unreserve(self, n: int) -> None:
+        with self._mu:
+            self._reserved -= n
+
+    def reserve(self, tenant: str, nbytes: int) -> Reservation:
+        """Hold ``nbytes`` of capacity, evicting LRU chunks if needed; else StoreFull."""
+        cap = self.config.capacity_bytes
+        if cap is not None:
+            if nbytes > cap:
+                raise StoreFull(nbytes, cap, self._used)
+            while True:
+                with self._mu:
+                    over = self._used + self._reserved + nbytes - cap
+                    if over <= 0:
+                        self._reserved += nbytes
+                        break
+                if self._evict(over) == 0:
+                    raise StoreFull(nbytes, cap, self._used)
+        else:
+            with self._mu:
+                self._reserved += nbytes
+        return Reservation(self, tenant, nbytes)
+
+    def _evict(self, nbytes: int) -> int:
+        """Evict unpinned chunks, oldest access first, until ``nbytes`` are freed."""
+        freed = 0
+        for rec in self.index.lru():
+            if freed >= nbytes:
+                break
+            with self._mu:
+                if self._pins.get((rec.tenant, rec.chunk_key)):
+                    continue
+            if self._drop(rec.tenant, rec.chunk_key, reason="evict"):
+                freed += rec.size
+                self.counters.evictions += 1
+        return freed
+
+    def _after_write(self) -> None:
+        cap = self.config.capacity_bytes
+        if cap is None:
+            return
+        if self._used + self._reserved > cap * self.config.high_watermark:
+            target = int(cap * self.config.low_watermark)
+            self._evict(self._used + self._reserved - target)
+
+    def pin(self, tenant: str, keys: Sequence[bytes]) -> None:
+        with self._mu:
+            for k in keys:
+                self._pins[(tenant, k)] = self._pins.get((tenant, k), 0) + 1
+
+    def unpin(self, tenant: str, keys: Sequence[bytes]) -> None:
+        with self._mu:
+            for k in keys:
+                n = self._pins.get((tenant, k), 0) - 1
+                if n > 0:
+                    self._pins[(tenant, k)] = n
+                else:
+                    self._pins.pop((tenant, k), None)
+
+    # ----------------------------------------------------------------- write
+
+    def _path(self, tenant: str, key: bytes) -> Path:
+        return self.root / v1.object_relpath(tenant, key)
+
+    def _nonce_budget(self, tenant: str, epoch: int, segments: int) -> int:
+        """Count sealed segments per (tenant, epoch); rotate the DEK before the bound.
+
+        The persisted count runs ahead of the real one by up to a block, so a
+        crash can only over-count, never under-count.
+        """
+        limit = self.config.max_segments_per_epoch
+        block = max(segments, min(_SEAL_COUNT_BLOCK, limit // 4))
+        with self._mu:
+            while True:
+                left = self._seal_budget.get((tenant, epoch), 0)
+                if left >= segments:
+                    self._seal_budget[(tenant, epoch)] = left - segments
+                    return epoch
+                name = f"seal_count/{tenant}/{epoch}"
+                raw = self.index.get_meta(name)
+                done = int(raw.decode()) if raw else 0
+                if done + block > limit:
+                    epoch = self.keyring.rotate_dek(tenant)
+                    log.info("tenant %s: nonce budget spent, DEK epoch now %d", tenant, epoch)
+                    continue
+                self.index.set_meta(name, str(done + block).encode())
+                self._seal_budget[(tenant, epoch)] = left + block
+
+    def put(
+        self,
+        tenant: str,
+        namespace: bytes,
+        chunk_key: bytes,
+        layers: Sequence[memoryview | bytes | bytearray],
+        *,
+        encrypt: bool = True,
+        ttl_s: float | None = None,
+        reservation: Reservation | None = None,
+    ) -> bool:
+        """Store one chunk. True if written, False if it was already present."""
+        if len(chunk_key) != v1.KEY_SIZE or len(namespace) != v1.KEY_SIZE:
+            raise ValueError("chunk key and namespace must be 32 bytes")
+        if self.index.get(tenant, chunk_key) is not None:
+            self.counters.put_exists += 1
+            if reservation is not None:
+                reservation.release()
+            return False
+        lengths = [memoryview(x).nbytes for x in layers]
+        size = v1.object_size(lengths, encrypt)
+        res = reservation
+        if res is None or res.released or res.nbytes < size:
+            if res is not None:
+                res.release()
+            res = self.reserve(tenant, size)
+        try:
+            aead = None
+            epoch = 0
+            if encrypt:
+                tk = self.keyring.ensure_tenant(tenant)
+                epoch = self._nonce_budget(tenant, tk.current_epoch, len(layers))
+                if epoch != tk.current_epoch:
+                    tk = self.keyring.ensure_tenant(tenant)
+                aead = tk.aead(epoch)
+                if aead is None:
+                    raise StoreError(f"tenant {tenant}: no data key for epoch {epoch}")
+            now = time.time_ns()
+            buf = self._scratch.get(size)
+            v1.seal_into(
+                buf,
+                tenant=tenant,
+                namespace=namespace,
+                chunk_key=chunk_key,
+                layers=layers,
+                aead=aead,
+                key_epoch=epoch,
+                created_ns=now,
+            )
+            path = self._path(tenant, chunk_key)
+            written = write_atomic(path, buf, self.config.durability)
+            if not written:
+                # Another writer (another node on a shared FS) got there first.
+                self._adopt(tenant, chunk_key)
+                self.counters.put_exists += 1
+                return False
+            rec = ChunkRecord(
+                tenant=tenant,
+                chunk_key=chunk_key,
+                namespace=namespace,
+                key_epoch=epoch,
+                size=size,
+                payload=sum(lengths),
+                num_layers=len(lengths),
+                created_ns=now,
+                last_access_ns=now,
+                expires_ns=now + int(ttl_s * 1e9) if ttl_s else 0,
+            )
+            with self._mu:
+                # Turn the reservation into usage atomically, so the sum never dips.
+                inserted = self.index.put(rec)
+                if inserted:
+                    self._used += size
+            self.counters.puts += 1
+            self.counters.bytes_in += rec.payload
+        finally:
+            res.release()
+        self._after_write()
+        return inserted
+
+    # ------------------------------------------------------------------ read
+
+    def _adopt(self, tenant: str, key: bytes) -> bool:
+        """Index an object another writer (node) put on disk. False if absent/invalid."""
+        path = self._path(tenant, key)
+        try:
+            st = path.stat()
+            head = read_prefix(path, v1.ALIGN)
+            h = v1.decode_header(head)
+        except (OSError, LayoutError):
+            return False
+        if h.chunk_key != key or h.tenant != tenant or st.st_size != h.total_size:
+            return False
+        rec = self._record_from_header(h, st.st_size)
+        with self._mu:
+            if self.index.put(rec):
+                self._used += rec.size
+        return True
+
+    @staticmethod
+    def _record_from_header(h: v1.ObjectHeader, size: int) -> ChunkRecord:
+        now = time.time_ns()
+        return ChunkRecord(
+            tenant=h.tenant,
+            chunk_key=h.chunk_key,
+            namespace=h.namespace,
+            key_epoch=h.key_epoch,
+            size=size,
+            payload=h.payload_size,
+            num_layers=len(h.layers),
+            created_ns=h.created_ns,
+            last_access_ns=now,
+            expires_ns=0,
+        )
+
+    def _record(self, tenant: str, key: bytes) -> ChunkRecord | None:
+        rec = self.index.get(tenant, key)
+        if rec is None and self.config.probe_files_on_miss and self._adopt(tenant, key):
+            rec = self.index.get(tenant, key)
+        if rec is not None and rec.expires_ns and rec.expires_ns <= time.time_ns():
+            self._drop(tenant, key, reason="expired")
+            return None
+        return rec
+
+    def lookup(self, tenant: str, keys: Sequence[bytes]) -> int:
+        """How many leading keys are present (per the index, plus files on a miss)."""
+        n = self.index.lookup(tenant, keys)
+        now = time.time_ns()
+        # Cheap second pass: expiry and, on a miss, another node's object.
+        for i in range(len(keys)):
+            rec = self.index.get(tenant, keys[i]) if i < n else None
+            if rec is not None:
+                if rec.expires_ns and rec.expires_ns <= now:
+                    self._drop(tenant, keys[i], reason="expired")
+                    return i
+                continue
+            if not (self.config.probe_files_on_miss and self._adopt(tenant, keys[i])):
+                return i
+        return len(keys)
+
+    def contains(self, tenant: str, key: bytes) -> bool:
+        return self.lookup(tenant, [key]) == 1
+
+    def payload_info(self, tenant: str, key: bytes) -> ChunkRecord | None:
+        """Index record of a chunk (sizes, layers), no data I/O."""
+        return self._record(tenant, key)
+
+    def get_into(self, tenant: str, key: bytes, out: memoryview) -> list[int] | None:
+        """Verify the chunk and write its layers, packed, into ``out``.
+
+        Returns the per-layer lengths, or None (a miss) if the chunk is absent
+        or fails any check; then ``out`` holds garbage and the entry is dropped.
+        """
+        rec = self._record(tenant, key)
+        if rec is None:
+            self.counters.misses += 1
+            return None
+        path = self._path(tenant, key)
+        try:
+            buf = read_file(path, self._scratch, MAX_OBJECT_BYTES)
+            tk = self.keyring.get(tenant) if rec.key_epoch else None
+            h = v1.open_into(
+                buf,
+                out,
+                tenant=tenant,
+                namespace=rec.namespace,
+                chunk_key=key,
+                aead_for_epoch=_aead_lookup(tk),
+            )
+        except UnknownLayoutVersion as exc:
+            log.warning("chunk %s: %s", key.hex()[:16], exc)
+            self._miss(tenant, key, "unknown-version", remove_file=False)
+            return None
+        except (CorruptObject, KeyringError) as exc:
+            log.warning("chunk %s of %s failed verification: %s", key.hex()[:16], tenant, exc)
+            self.counters.corrupt += 1
+            self._miss(tenant, key, "corrupt", remove_file=True)
+            return None
+        except OSError as exc:
+            # ENOENT (evicted/deleted elsewhere), ESTALE (NFS), EIO: all misses.
+            log.info("chunk %s unreadable: %s", key.hex()[:16], exc)
+            self._miss(tenant, key, errno.errorcode.get(exc.errno or 0, "oserror"), False)
+            return None
+        self.index.touch(tenant, [key], time.time_ns())
+        self.counters.hits += 1
+        self.counters.bytes_out += h.payload_size
+        return [le.length for le in h.layers]
+
+    def get(self, tenant: str, key: bytes) -> list[bytes] | None:
+        """Convenience: the verified layers as bytes, or None."""
+        rec = self._record(tenant, key)
+        if rec is None:
+            self.counters.misses += 1
+            return None
+        out = bytearray(rec.payload)
+        lengths = self.get_into(tenant, key, memoryview(out))
+        if lengths is None:
+            return None
+        res, pos = [], 0
+        for n in lengths:
+            res.append(bytes(out[pos : pos + n]))
+            pos += n
+        return res
+
+    def touch(self, tenant: str, keys: Sequence[bytes]) -> None:
+        present = [k for k in keys if self.index.get(tenant, k) is not None]
+        if present:
+            self.index.touch(tenant, present, time.time_ns())
+
+    def _miss(self, tenant: str, key: bytes, reason: str, remove_file: bool) -> None:
+        self.counters.misses += 1
+        self._drop(tenant, key, reason=reason, remove_file=remove_file)
+
+    # --------------------------------------------------------------- delete
+
+    def _drop(self, tenant: str, key: bytes, *, reason: str, remove_file: bool = True) -> bool:
+        rec = self.index.remove(tenant, key)
+        if rec is not None:
+            with self._mu:
+                self._used -= rec.size
+        if remove_file:
+            try:
+                self._path(tenant, key).unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("removing %s (%s): %s", key.hex()[:16], reason, exc)
+        return rec is not None
+
+    def delete(self, tenant: str, key: bytes) -> bool:
+        return self._drop(tenant, key, reason="delete")
+
+    def expire(self) -> int:
+        """Drop every chunk whose TTL has passed."""
+        n = 0
+        for rec in self.index.expired(time.time_ns()):
+            n += self._drop(rec.tenant, rec.chunk_key, reason="expired")
+        return n
+
+    def purge_tenant(self, tenant: str, *, wait: bool = False) -> int:
+        """Crypto-erase a tenant: destroy its wrapped keys first, then remove its data.
+
+        After the key file is destroyed (overwritten, fsync'd, unlinked) no
+        object of the tenant decrypts anywhere; files and index entries are
+        removed in the background (``wait=True`` waits). Returns the number of
+        index records scheduled for removal.
+        """
+        existed = self.keyring.destroy(tenant)
+        recs = list(self.index.records(tenant=tenant))
+        self._audit("purge_tenant", {"tenant": tenant, "had_keys": existed, "chunks": len(recs)})
+
+        def work() -> None:
+            for rec in recs:
+                self._drop(rec.tenant, rec.chunk_key, reason="purge", remove_file=False)
+            shutil.rmtree(self.root / "objects" / tenant, ignore_errors=True)
+
+        t = threading.Thread(target=work, name=f"purge-{tenant}", daemon=True)
+        t.start()
+        self._bg.append(t)
+        if wait:
+            t.join()
+        return len(recs)
+
+    def purge_namespace(self, tenant: str, namespace: bytes) -> int:
+        """Remove a namespace's chunks (file removal, not a crypto erase: keys are per tenant)."""
+        recs = list(self.index.records(tenant=tenant, namespace=namespace))
+        for rec in recs:
+            self._drop(rec.tenant, rec.chunk_key, reason="purge-namespace")
+        self._audit(
+            "purge_namespace", {"tenant": tenant, "namespace": namespace.hex(), "chunks": len(recs)}
+        )
+        return len(recs)
+
+    def purge_older_than(self, age_s: float, tenant: str | None = None) -> int:
+        cutoff = time.time_ns() - int(age_s * 1e9)
+        recs = [r for r in self.index.records(tenant=tenant) if r.created_ns < cutoff]
+        for rec in recs:
+            self._drop(rec.tenant, rec.chunk_key, reason="purge-age")
+        return len(recs)
+
+    def rotate_kek(self, new_kek: Kek) -> int:
+        n = self.keyring.rotate_kek(new_kek)
+        self._audit("rotate_kek", {"tenants": n, "new_kek_id": new_kek.key_id})
+        return n
+
+    # ----------------------------------------------------------------- fsck
+
+    def _walk_objects(self) -> Iterator[Path]:
+        objects = self.root / "objects"
+        if not objects.is_dir():
+            return
+        for dirpath, _dirs, files in os.walk(objects):
+            for name in files:
+                yield Path(dirpath) / name
+
+    def fsck(
+        self,
+        repair: bool = False,
+        *,
+        verify_data: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> FsckReport:
+        """Compare the files with the index; ``repair`` rebuilds the index from files.
+
+        ``verify_data`` also decrypts/checksums every layer (slower). Objects
+        of tenants without keys (purged) and old temp files are removed on repair.
+        """
+        rep = FsckReport(repaired=repair)
+        now = time.time()
+        good: dict[tuple[str, bytes], ChunkRecord] = {}
+        to_remove: list[Path] = []
+        tenants_with_keys = set(self.keyring.tenants())
+        corrupt_ids: set[tuple[str, bytes] | None] = set()
+        for i, path in enumerate(self._walk_objects()):
+            if progress is not None and i % 256 == 0:
+                progress(i)
+            rel = str(path.relative_to(self.root))
+            if path.name.startswith(v1.TMP_PREFIX):
+                try:
+                    old = now - path.stat().st_mtime > self.config.tmp_max_age_s
+                except FileNotFoundError:
+                    continue
+                if old:
+                    rep.orphan_tmp_files.append(rel)
+                    to_remove.append(path)
+                continue
+            rep.objects_on_disk += 1
+            try:
+                st = path.stat()
+                h = v1.decode_header(read_prefix(path, v1.ALIGN * 64))
+                if rel != v1.object_relpath(h.tenant, h.chunk_key):
+                    raise CorruptObject("object is not at its own path")
+                if st.st_size != h.total_size:
+                    raise CorruptObject("size differs from header")
+                if h.tenant not in tenants_with_keys and h.sealed:
+                    rep.purged_tenant_files.append(rel)
+                    to_remove.append(path)
+                    continue
+                if verify_data:
+                    tk = self.keyring.get(h.tenant) if h.sealed else None
+                    scratch = bytearray(h.payload_size)
+                    v1.open_into(
+                        read_file(path, self._scratch, MAX_OBJECT_BYTES),
+                        memoryview(scratch),
+                        tenant=h.tenant,
+                        namespace=h.namespace,
+                        chunk_key=h.chunk_key,
+                        aead_for_epoch=_aead_lookup(tk),
+                    )
+            except (LayoutError, OSError, KeyringError) as exc:
+                rep.corrupt_files.append(f"{rel}: {exc}")
+                to_remove.append(path)
+                corrupt_ids.add(_identity_from_path(rel))
+                continue
+            good[(h.tenant, h.chunk_key)] = self._record_from_header(h, st.st_size)
+        indexed = {(r.tenant, r.chunk_key): r for r in self.index.records()}
+        rep.index_records = len(indexed)
+        for k, r in indexed.items():
+            g = good.get(k)
+            if g is None:
+                if k not in corrupt_ids:
+                    rep.missing_files.append(v1.object_relpath(*k))
+            elif (g.size, g.namespace, g.key_epoch) != (r.size, r.namespace, r.key_epoch):
+                rep.mismatched_records.append(v1.object_relpath(*k))
+            else:
+                rep.ok += 1
+        for k in good:
+            if k not in indexed:
+                rep.unindexed_files.append(v1.object_relpath(*k))
+        if repair:
+            for p in to_remove:
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+            # Rebuild from the files alone, keeping access times the index still knows.
+            merged: list[ChunkRecord] = []
+            for k, g in good.items():
+                prev = indexed.get(k)
+                same = prev is not None and (prev.size, prev.namespace, prev.key_epoch) == (
+                    g.size,
+                    g.namespace,
+                    g.key_epoch,
+                )
+                if prev is not None and same:
+                    merged.append(prev)
+                else:
+                    merged.append(g)
+            with self._mu:
+                self.index.clear()
+                self.index.put_many(merged)
+                self._used = self.index.usage().bytes
+            self.index.flush()
+        return rep
+
+    def collect_garbage(self) -> int:
+        """Remove temp files older than ``tmp_max_age_s`` (cancelled or crashed writers)."""
+        n = 0
+        now = time.time()
+        for path in self._walk_objects():
+            if path.name.startswith(v1.TMP_PREFIX):
+                try:
+                    if now - path.stat().st_mtime > self.config.tmp_max_age_s:
+                        path.unlink()
+                        n += 1
+                except FileNotFoundError:
+                    pass
+        return n
+
+    # ---------------------------------------------------------------- stats
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "store_id": self.layout.store_id,
+            "layout_version": self.layout.version,
+            "capacity_bytes": self.config.capacity_bytes,
+            "used_bytes": self._used,
+            "reserved_bytes": self._reserved,
+            "chunks": self.index.count(),
+            "tenants": len(self.keyring.tenants()),
+            "hits": c.hits,
+            "misses": c.misses,
+            "puts": c.puts,
+            "put_exists": c.put_exists,
+            "evictions": c.evictions,
+            "corrupt": c.corrupt,
+            "bytes_in": c.bytes_in,
+            "bytes_out": c.bytes_out,
+            "durability": str(self.config.durability),
+        }
+
+
+def _aead_lookup(tk: TenantKeys | None) -> Callable[[int], AESGCM | None]:
+    def lookup(epoch: int) -> AESGCM | None:
+        return tk.aead(epoch) if tk is not None else None
+
+    return lookup
+
+
+def _identity_from_path(rel: str) -> tuple[str, bytes] | None:
+    """(tenant, chunk key) that a path under objects/ names, if it names one."""
+    parts = rel.split("/")
+    if len(parts) != 5 or parts[0] != "objects" or not parts[4].endswith(v1.OBJECT_SUFFIX):
+        return None
+    try:
+        return parts[1], bytes.fromhex(parts[4][: -len(v1.OBJECT_SUFFIX)])
+    except ValueError:
+        return None
+
+
+def open_store(config: StoreConfig, kek: Kek, *, create: bool = False) -> Store:
+    try:
+        return Store(config, kek, create=create)
+    except OSError as exc:
+        raise StoreIOError(f"cannot open store at {config.root}: {exc}", exc.errno) from exc
