@@ -47,7 +47,7 @@ class ContractError(ValueError):
 
 
 def validate_tenant(tenant: str) -> str:
-    if not isinstance(tenant, str) or not TENANT_RE.match(tenant):
+    if not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
         raise ContractError(
             f"invalid tenant id {tenant!r}: 1-64 characters of [A-Za-z0-9._-], "
             "starting with a letter or digit"

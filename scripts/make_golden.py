@@ -25,9 +25,7 @@ LAYER_SIZES = (100, 4096, 5000)
 
 
 def layers() -> list[bytes]:
-    return [
-        bytes((i * 31 + j * 7) & 0xFF for j in range(n)) for i, n in enumerate(LAYER_SIZES)
-    ]
+    return [bytes((i * 31 + j * 7) & 0xFF for j in range(n)) for i, n in enumerate(LAYER_SIZES)]
 
 
 def counter_nonces() -> object:

@@ -96,6 +96,12 @@ class Reservation:
             self._released = True
             self._store._unreserve(self.nbytes)
 
+    def _commit_locked(self) -> None:
+        # Caller holds the store's lock and has just added the bytes to `used`.
+        if not self._released:
+            self._released = True
+            self._store._reserved -= self.nbytes
+
     def __enter__(self) -> Reservation:
         return self
 
@@ -178,6 +184,15 @@ class Store:
         self.keyring = Keyring(
             self.root / "keys", kek, cache_ttl_s=config.key_cache_ttl_s, audit=self._audit
         )
+        tenants = self.keyring.tenants()
+        if tenants:
+            # A wrong KEK must stop us here: later, every object would look corrupt
+            # and fsck --repair would delete them all.
+            try:
+                self.keyring.get(tenants[0])
+            except KeyringError as exc:
+                os.close(self._lock_fd)
+                raise StoreError(f"the KEK does not open this store's keys: {exc}") from exc
         self.index = Index(index_dir / "lmdb")
         store_id = self.index.get_meta("store_id")
         if store_id is None:
@@ -273,6 +288,12 @@ class Store:
     def reserved_bytes(self) -> int:
         return self._reserved
 
+    @property
+    def accounted_bytes(self) -> int:
+        """used + reserved, read atomically: never above the capacity."""
+        with self._mu:
+            return self._used + self._reserved
+
     def _unreserve(self, n: int) -> None:
         with self._mu:
             self._reserved -= n
@@ -283,18 +304,29 @@ class Store:
         if cap is not None:
             if nbytes > cap:
                 raise StoreFull(nbytes, cap, self._used)
-            while True:
+            for _attempt in range(1000):
                 with self._mu:
                     over = self._used + self._reserved + nbytes - cap
                     if over <= 0:
                         self._reserved += nbytes
                         break
-                if self._evict(over) == 0:
+                # Freed nothing: either another writer is evicting the same
+                # records (try again) or nothing is evictable (give up).
+                if self._evict(over) == 0 and not self._has_evictable():
                     raise StoreFull(nbytes, cap, self._used)
+            else:
+                raise StoreFull(nbytes, cap, self._used)
         else:
             with self._mu:
                 self._reserved += nbytes
         return Reservation(self, tenant, nbytes)
+
+    def _has_evictable(self) -> bool:
+        for rec in self.index.lru():
+            with self._mu:
+                if not self._pins.get((rec.tenant, rec.chunk_key)):
+                    return True
+        return False
 
     def _evict(self, nbytes: int) -> int:
         """Evict unpinned chunks, oldest access first, until ``nbytes`` are freed."""
@@ -430,10 +462,12 @@ class Store:
                 expires_ns=now + int(ttl_s * 1e9) if ttl_s else 0,
             )
             with self._mu:
-                # Turn the reservation into usage atomically, so the sum never dips.
+                # Turn the reservation into usage in one step: used + reserved
+                # neither dips (letting another writer in) nor double counts.
                 inserted = self.index.put(rec)
                 if inserted:
                     self._used += size
+                    res._commit_locked()
             self.counters.puts += 1
             self.counters.bytes_in += rec.payload
         finally:
@@ -577,10 +611,9 @@ class Store:
     # --------------------------------------------------------------- delete
 
     def _drop(self, tenant: str, key: bytes, *, reason: str, remove_file: bool = True) -> bool:
-        rec = self.index.remove(tenant, key)
-        if rec is not None:
-            with self._mu:
-                self._used -= rec.size
+        # The file goes first and the accounting after: the other order lets a
+        # concurrent writer spend the freed bytes while the old file still
+        # occupies them, so the disk would briefly hold more than the limit.
         if remove_file:
             try:
                 self._path(tenant, key).unlink()
@@ -588,6 +621,11 @@ class Store:
                 pass
             except OSError as exc:
                 log.warning("removing %s (%s): %s", key.hex()[:16], reason, exc)
+                return False
+        rec = self.index.remove(tenant, key)
+        if rec is not None:
+            with self._mu:
+                self._used -= rec.size
         return rec is not None
 
     def delete(self, tenant: str, key: bytes) -> bool:
@@ -613,9 +651,9 @@ class Store:
         self._audit("purge_tenant", {"tenant": tenant, "had_keys": existed, "chunks": len(recs)})
 
         def work() -> None:
+            shutil.rmtree(self.root / "objects" / tenant, ignore_errors=True)
             for rec in recs:
                 self._drop(rec.tenant, rec.chunk_key, reason="purge", remove_file=False)
-            shutil.rmtree(self.root / "objects" / tenant, ignore_errors=True)
 
         t = threading.Thread(target=work, name=f"purge-{tenant}", daemon=True)
         t.start()
@@ -642,9 +680,7 @@ class Store:
         return len(recs)
 
     def rotate_kek(self, new_kek: Kek) -> int:
-        n = self.keyring.rotate_kek(new_kek)
-        self._audit("rotate_kek", {"tenants": n, "new_kek_id": new_kek.key_id})
-        return n
+        return self.keyring.rotate_kek(new_kek)  # the keyring writes the audit record
 
     # ----------------------------------------------------------------- fsck
 
