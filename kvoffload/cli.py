@@ -1,0 +1,411 @@
+"""The ``kvoffload`` command line (typer + rich).
+
+Store commands open the store in-process and so need the index to be free:
+while a sidecar runs, they exit with code 4 and say so.
+
+Exit codes:
+  0  success
+  1  error (I/O, invalid store, invalid config)
+  2  usage error
+  3  no store at that location (run `kvoffload init`)
+  4  the store's index is held by another process (a running sidecar)
+  5  fsck found problems (without --repair)
+  6  aborted at a confirmation prompt
+  7  the sidecar is not reachable (stats)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from .sidecar.config import Config
+    from .sidecar.store import Store
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_NO_STORE = 3
+EXIT_LOCKED = 4
+EXIT_FSCK_PROBLEMS = 5
+EXIT_ABORTED = 6
+EXIT_UNREACHABLE = 7
+
+app = typer.Typer(
+    name="kvoffload",
+    help="KV-cache offload sidecar and its store.",
+    epilog=__doc__.split("Exit codes:", 1)[1].replace("\n", "\n\n") if __doc__ else None,
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,
+)
+keys_app = typer.Typer(help="Key management.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+
+out = Console()
+err = Console(stderr=True, soft_wrap=True)
+
+
+class _State:
+    config_path: Path | None = None
+    dev: bool = False
+    root: Path | None = None
+    index_dir: Path | None = None
+    kek_file: Path | None = None
+    verbose: bool = False
+
+
+state = _State()
+
+
+@app.callback()
+def _main(
+    config: Annotated[
+        Path | None, typer.Option("--config", "-c", help="Config file (TOML).")
+    ] = None,
+    dev: Annotated[
+        bool,
+        typer.Option(
+            "--dev",
+            help="Use the embedded default store under ./.kvoffload with a development KEK.",
+        ),
+    ] = False,
+    root: Annotated[Path | None, typer.Option("--root", help="Store root.")] = None,
+    index_dir: Annotated[
+        Path | None, typer.Option("--index-dir", help="Node-local index directory.")
+    ] = None,
+    kek_file: Annotated[
+        Path | None, typer.Option("--kek-file", help="KEK credential file.")
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    state.config_path, state.dev, state.root = config, dev, root
+    state.index_dir, state.kek_file, state.verbose = index_dir, kek_file, verbose
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _config() -> Config:
+    from .sidecar.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(state.config_path, dev=state.dev)
+    except ConfigError as exc:
+        err.print(f"[red]config error:[/red] {exc}")
+        raise typer.Exit(EXIT_ERROR) from exc
+    if state.root is not None:
+        cfg.store_root = state.root
+    if state.index_dir is not None:
+        cfg.index_dir = state.index_dir
+    if state.kek_file is not None:
+        cfg.kek_file = state.kek_file
+    return cfg
+
+
+def load_kek(cfg: Config) -> Any:
+    from .sidecar.keyring import Kek, KeyringError
+
+    try:
+        if cfg.kek_file is None:
+            err.print(
+                "[red]no KEK:[/red] pass --kek-file, set KVOFFLOAD_KEK_FILE or [security] "
+                "kek_file, or use --dev for the embedded development store"
+            )
+            raise typer.Exit(EXIT_ERROR)
+        if cfg.dev:
+            cfg.kek_file.parent.mkdir(parents=True, exist_ok=True)
+            return Kek.generate_dev(cfg.kek_file)
+        return Kek.from_file(cfg.kek_file)
+    except KeyringError as exc:
+        err.print(f"[red]KEK:[/red] {exc}")
+        raise typer.Exit(EXIT_ERROR) from exc
+
+
+@contextmanager
+def open_store(cfg: Config, *, create: bool = False) -> Iterator[Store]:
+    from .layouts import LayoutError
+    from .sidecar.errors import StoreError, StoreLocked
+    from .sidecar.store import Store
+
+    kek = load_kek(cfg)
+    try:
+        store = Store(cfg.store_config(), kek, create=create)
+    except StoreLocked as exc:
+        err.print(f"[red]locked:[/red] {exc}")
+        raise typer.Exit(EXIT_LOCKED) from exc
+    except LayoutError as exc:
+        missing = not (cfg.store_root / "layout.json").exists()
+        err.print(f"[red]store:[/red] {exc}")
+        raise typer.Exit(EXIT_NO_STORE if missing else EXIT_ERROR) from exc
+    except (StoreError, OSError) as exc:
+        err.print(f"[red]store:[/red] {exc}")
+        raise typer.Exit(EXIT_ERROR) from exc
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def _emit(as_json: bool, data: Any, table: Table | None = None) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    elif table is not None:
+        out.print(table)
+    else:
+        for k, v in data.items():
+            out.print(f"{k}: {v}")
+
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+
+
+def _human_bytes(n: int | None) -> str:
+    if n is None:
+        return "unlimited"
+    f = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if f < 1024 or unit == "TiB":
+            return f"{f:.1f} {unit}" if unit != "B" else f"{int(f)} B"
+        f /= 1024
+    return f"{n} B"
+
+
+@app.command()
+def init(as_json: JsonOpt = False) -> None:
+    """Create a store (layout.json, keys/, objects/) and its index."""
+    cfg = _config()
+    with open_store(cfg, create=True) as store:
+        data = {
+            "store_root": str(cfg.store_root),
+            "index_dir": str(cfg.resolved_index_dir),
+            "store_id": store.layout.store_id,
+            "layout_version": store.layout.version,
+        }
+    _emit(as_json, data)
+
+
+@app.command()
+def inspect(as_json: JsonOpt = False) -> None:
+    """Store id, layout version, tenants, namespaces, chunks, bytes, capacity."""
+    cfg = _config()
+    with open_store(cfg) as store:
+        tenants = store.index.tenants()
+        data: dict[str, Any] = {
+            "store_root": str(cfg.store_root),
+            "store_id": store.layout.store_id,
+            "layout_version": store.layout.version,
+            "capacity_bytes": store.config.capacity_bytes,
+            "used_bytes": store.used_bytes,
+            "chunks": store.index.count(),
+            "tenants": {
+                t: {
+                    "chunks": u.count,
+                    "bytes": u.bytes,
+                    "namespaces": {
+                        ns.hex(): {"chunks": nu.count, "bytes": nu.bytes}
+                        for ns, nu in store.index.namespaces(t).items()
+                    },
+                }
+                for t, u in sorted(tenants.items())
+            },
+            "tenants_with_keys": store.tenants(),
+        }
+    table = Table(title=f"store {data['store_id']} (layout v{data['layout_version']})")
+    for col in ("tenant", "namespaces", "chunks", "bytes"):
+        table.add_column(col)
+    for t, info in data["tenants"].items():
+        table.add_row(
+            t, str(len(info["namespaces"])), str(info["chunks"]), _human_bytes(info["bytes"])
+        )
+    table.caption = (
+        f"{data['chunks']} chunks, {_human_bytes(data['used_bytes'])} of "
+        f"{_human_bytes(data['capacity_bytes'])}"
+    )
+    _emit(as_json, data, table)
+
+
+@app.command("ls")
+def ls_(
+    tenant: Annotated[str | None, typer.Option("--tenant", "-t")] = None,
+    namespace: Annotated[
+        str | None, typer.Option("--namespace", "-n", help="Hex fingerprint.")
+    ] = None,
+    older_than: Annotated[
+        str | None, typer.Option("--older-than", help="Only chunks created before, e.g. 7d.")
+    ] = None,
+    newer_than: Annotated[str | None, typer.Option("--newer-than")] = None,
+    limit: Annotated[int, typer.Option("--limit")] = 100,
+    as_json: JsonOpt = False,
+) -> None:
+    """List chunks, filtered by tenant, namespace and age."""
+    from .sidecar.config import parse_duration
+
+    cfg = _config()
+    ns = _parse_ns(namespace)
+    now = time.time_ns()
+    old_cut = now - int((parse_duration(older_than) or 0) * 1e9) if older_than else None
+    new_cut = now - int((parse_duration(newer_than) or 0) * 1e9) if newer_than else None
+    rows: list[dict[str, Any]] = []
+    with open_store(cfg) as store:
+        for rec in store.index.records(tenant=tenant, namespace=ns):
+            if old_cut is not None and rec.created_ns >= old_cut:
+                continue
+            if new_cut is not None and rec.created_ns < new_cut:
+                continue
+            rows.append(
+                {
+                    "tenant": rec.tenant,
+                    "key": rec.chunk_key.hex(),
+                    "namespace": rec.namespace.hex(),
+                    "bytes": rec.size,
+                    "layers": rec.num_layers,
+                    "sealed": rec.key_epoch > 0,
+                    "age_s": round((now - rec.created_ns) / 1e9, 1),
+                }
+            )
+            if len(rows) >= limit:
+                break
+    table = Table()
+    for col in ("tenant", "key", "namespace", "bytes", "layers", "sealed", "age_s"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            r["tenant"], r["key"][:16], r["namespace"][:12], str(r["bytes"]),
+            str(r["layers"]), str(r["sealed"]), str(r["age_s"]),
+        )  # fmt: skip
+    _emit(as_json, rows, table)
+
+
+def _parse_ns(namespace: str | None) -> bytes | None:
+    if namespace is None:
+        return None
+    try:
+        ns = bytes.fromhex(namespace)
+    except ValueError:
+        ns = b""
+    if len(ns) != 32:
+        err.print("[red]--namespace must be a 64-hex-digit fingerprint[/red]")
+        raise typer.Exit(EXIT_USAGE)
+    return ns
+
+
+@app.command()
+def purge(
+    tenant: Annotated[str | None, typer.Option("--tenant", "-t")] = None,
+    namespace: Annotated[str | None, typer.Option("--namespace", "-n")] = None,
+    older_than: Annotated[str | None, typer.Option("--older-than")] = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Remove data. --tenant alone is a crypto-erase: its keys are destroyed first."""
+    from .sidecar.config import parse_duration
+
+    if tenant is None and namespace is None and older_than is None:
+        err.print(
+            "[red]say what to purge:[/red] --tenant, --namespace (with --tenant) or --older-than"
+        )
+        raise typer.Exit(EXIT_USAGE)
+    if namespace is not None and tenant is None:
+        err.print("[red]--namespace needs --tenant[/red]")
+        raise typer.Exit(EXIT_USAGE)
+    ns = _parse_ns(namespace)
+    cfg = _config()
+    what = (
+        f"tenant {tenant} (crypto-erase: keys destroyed, irreversible)"
+        if tenant and ns is None and older_than is None
+        else f"namespace {namespace} of tenant {tenant}"
+        if ns is not None
+        else f"chunks older than {older_than}" + (f" of tenant {tenant}" if tenant else "")
+    )
+    if not yes and not typer.confirm(f"Purge {what}?", default=False, err=True):
+        raise typer.Exit(EXIT_ABORTED)
+    with open_store(cfg) as store:
+        if older_than is not None:
+            age = parse_duration(older_than) or 0.0
+            n = store.purge_older_than(age, tenant)
+            kind = "age"
+        elif ns is not None:
+            assert tenant is not None
+            n = store.purge_namespace(tenant, ns)
+            kind = "namespace"
+        else:
+            assert tenant is not None
+            with err.status(f"erasing tenant {tenant}…"):
+                n = store.purge_tenant(tenant, wait=True)
+            kind = "tenant"
+    _emit(as_json, {"purged": kind, "tenant": tenant, "namespace": namespace, "chunks": n})
+
+
+@app.command()
+def fsck(
+    repair: Annotated[
+        bool, typer.Option("--repair", help="Rebuild the index from the files.")
+    ] = False,
+    verify_data: Annotated[
+        bool, typer.Option("--verify-data", help="Also decrypt/checksum every layer.")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Compare the index with the files; --repair rebuilds the index from the files alone."""
+    cfg = _config()
+    with open_store(cfg) as store:
+        if as_json:
+            report = store.fsck(repair, verify_data=verify_data)
+        else:
+            with err.status("checking objects…") as status:
+                report = store.fsck(
+                    repair,
+                    verify_data=verify_data,
+                    progress=lambda n: status.update(f"checked {n} objects…"),
+                )
+    data = report.to_dict()
+    _emit(as_json, data)
+    if not report.clean and not repair:
+        raise typer.Exit(EXIT_FSCK_PROBLEMS)
+
+
+@keys_app.command("rotate-kek")
+def rotate_kek(
+    new_kek_file: Annotated[Path, typer.Option("--new-kek-file", help="The new KEK.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Re-wrap every tenant's keys under a new KEK; then destroy the old KEK."""
+    from .sidecar.keyring import Kek, KeyringError
+
+    cfg = _config()
+    try:
+        new = Kek.from_file(new_kek_file)
+    except KeyringError as exc:
+        err.print(f"[red]new KEK:[/red] {exc}")
+        raise typer.Exit(EXIT_ERROR) from exc
+    with open_store(cfg) as store:
+        n = store.rotate_kek(new)
+    _emit(
+        as_json,
+        {
+            "rewrapped_tenants": n,
+            "new_kek_id": new.key_id,
+            "next": "point the sidecar at the new KEK file, then destroy the old one",
+        },
+    )
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
