@@ -365,7 +365,8 @@ def seal_into(
 
 
 def _is_zero(mv: memoryview) -> bool:
-    return not any(mv) if len(mv) < 64 else mv == bytes(len(mv))
+    # bytes == bytes is a memcmp; memoryview == bytes compares item by item (50x slower).
+    return bytes(mv) == bytes(len(mv))
 
 
 def open_into(

@@ -87,6 +87,26 @@ class ScratchBuffers:
         return memoryview(buf)[:size]
 
 
+def _make_dirs(path: Path, *, durable: bool) -> None:
+    """mkdir -p; when durable, fsync the parent of every directory created.
+
+    Without that, a power loss can drop a new fan-out directory and with it
+    an object whose own directory entry was fsync'd.
+    """
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir()
+        except FileExistsError:
+            continue
+        if durable:
+            fsync_dir(d.parent)
+
+
 def _write_all(fd: int, data: memoryview) -> None:
     done = 0
     total = len(data)
@@ -107,7 +127,7 @@ def write_atomic(final: Path, data: memoryview, durability: Durability) -> bool:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
         except FileNotFoundError:
-            parent.mkdir(parents=True, exist_ok=True)
+            _make_dirs(parent, durable=durability is Durability.OBJECT)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
         try:
             if len(data):

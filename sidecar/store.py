@@ -208,6 +208,8 @@ class Store:
         self._used = self.index.usage().bytes
         self._reserved = 0
         self._pins: dict[tuple[str, bytes], int] = {}
+        self._touch_pending: dict[tuple[str, bytes], int] = {}
+        self._touch_flushed = time.time_ns()
         self._seal_budget: dict[tuple[str, int], int] = {}
         self._scratch = ScratchBuffers()
         self.counters = Counters()
@@ -227,6 +229,7 @@ class Store:
             return
         self._closed.set()
         self.wait_background()
+        self._flush_touches()
         if self._flusher is not None:
             self._flusher.join()
         if self.config.durability is not Durability.NONE:
@@ -330,6 +333,7 @@ class Store:
 
     def _evict(self, nbytes: int) -> int:
         """Evict unpinned chunks, oldest access first, until ``nbytes`` are freed."""
+        self._flush_touches()
         freed = 0
         for rec in self.index.lru():
             if freed >= nbytes:
@@ -578,7 +582,7 @@ class Store:
             log.info("chunk %s unreadable: %s", key.hex()[:16], exc)
             self._miss(tenant, key, errno.errorcode.get(exc.errno or 0, "oserror"), False)
             return None
-        self.index.touch(tenant, [key], time.time_ns())
+        self._touch_later(tenant, key)
         self.counters.hits += 1
         self.counters.bytes_out += h.payload_size
         return [le.length for le in h.layers]
@@ -600,9 +604,31 @@ class Store:
         return res
 
     def touch(self, tenant: str, keys: Sequence[bytes]) -> None:
-        present = [k for k in keys if self.index.get(tenant, k) is not None]
-        if present:
-            self.index.touch(tenant, present, time.time_ns())
+        for k in keys:
+            self._touch_later(tenant, k)  # the index ignores keys it does not hold
+
+    def _touch_later(self, tenant: str, key: bytes) -> None:
+        """Record an access; written to the index in batches (a write txn per get is
+        most of a small get's cost). The LRU order is at most a batch stale."""
+        now = time.time_ns()
+        with self._mu:
+            self._touch_pending[(tenant, key)] = now
+            due = len(self._touch_pending) >= 512 or now - self._touch_flushed > 500_000_000
+        if due:
+            self._flush_touches()
+
+    def _flush_touches(self) -> None:
+        with self._mu:
+            pending, self._touch_pending = self._touch_pending, {}
+            self._touch_flushed = time.time_ns()
+        # One write txn per tenant per batch: the batch shares one access time.
+        by_tenant: dict[str, list[bytes]] = {}
+        latest: dict[str, int] = {}
+        for (tenant, key), ts in pending.items():
+            by_tenant.setdefault(tenant, []).append(key)
+            latest[tenant] = max(ts, latest.get(tenant, 0))
+        for tenant, keys in by_tenant.items():
+            self.index.touch(tenant, keys, latest[tenant])
 
     def _miss(self, tenant: str, key: bytes, reason: str, remove_file: bool) -> None:
         self.counters.misses += 1
