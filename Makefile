@@ -9,6 +9,9 @@ STAMP := $(VENV)/.installed
 .PHONY: serve test lint typecheck pytest clean
 
 $(STAMP): pyproject.toml
+	# systemd-analyze for the unit tests (they skip with a reason if this fails).
+	command -v systemd-analyze >/dev/null || { command -v apt-get >/dev/null && \
+	  (apt-get update -qq && apt-get install -y -qq systemd >/dev/null) || true; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned to the local CPU build: an unpinned torch pulls a CUDA build.
