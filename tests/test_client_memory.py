@@ -1,0 +1,544 @@
+"""SidecarClient against a fake sidecar over the in-memory test transport.
+
+``FakeSidecar`` is a test double: it speaks protocol v1 through
+``MemoryTransport`` with the real framing and validation, keeps chunks in a
+dict, and can be told to misbehave (go down, hang, refuse, send garbage).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvoffload import protocol as p
+from kvoffload.client import ChunkTooLarge, LoadedChunk, SidecarClient
+from kvoffload.protocol import ErrorCode, StoreStatus
+from kvoffload.staging import RegionAllocator, StagingBuffer
+from kvoffload.transport import MemoryTransport, Transport, TransportError
+
+SALT = bytes(range(32))
+NS = b"\x11" * 32
+PAGE = 4096
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeSidecar:
+    """Fake sidecar for tests: protocol v1 over MemoryTransport, chunks in a dict."""
+
+    def __init__(self, *, max_batch: int = p.MAX_BATCH, timeout_s: float = 5.0) -> None:
+        self.chunks: dict[bytes, list[bytes]] = {}
+        self.requests: list[p.Request] = []
+        self.max_batch = max_batch
+        self.timeout_s = timeout_s
+        self.down = False
+        self.hang = False
+        self.garbage = False
+        self.bad_offsets = False
+        self.forbid_store = False
+        self.refuse_version = False
+        self.reject_no_space: set[bytes] = set()
+        self.connects = 0
+        self._conns: list[MemoryTransport] = []
+        self._threads: list[threading.Thread] = []
+
+    # The client's connect factory.
+    def connect(self) -> Transport:
+        self.connects += 1
+        if self.down:
+            raise TransportError("connection refused (fake sidecar is down)")
+        client, server = MemoryTransport.pair(timeout_s=self.timeout_s)
+        self._conns.append(server)
+        t = threading.Thread(target=self._serve, args=(server,), daemon=True)
+        t.start()
+        self._threads.append(t)
+        return client
+
+    def kill_connections(self) -> None:
+        for c in self._conns:
+            c.close()
+        self.join()
+
+    def join(self) -> None:
+        for t in self._threads:
+            t.join(timeout=10)
+            assert not t.is_alive()
+
+    def of_type(self, cls: type[Any]) -> list[Any]:
+        return [r for r in self.requests if isinstance(r, cls)]
+
+    def _serve(self, t: MemoryTransport) -> None:
+        staging: StagingBuffer | None = None
+        alloc: RegionAllocator | None = None
+        handles: dict[int, Any] = {}
+        next_handle = 1
+        try:
+            while True:
+                try:
+                    frame = t.recv(timeout_s=30)
+                except TransportError:
+                    return
+                rid, req = p.parse_request(frame.msg)
+                self.requests.append(req)
+                if self.hang and not isinstance(req, p.Hello | p.RegisterStaging):
+                    continue
+                if self.garbage and isinstance(req, p.Lookup):
+                    t.send({"op": "lookup", "id": rid, "code": 0, "found": "many"})
+                    continue
+                reply: p.Reply
+                if isinstance(req, p.Hello):
+                    if self.refuse_version:
+                        reply = p.ErrorReply("hello", ErrorCode.UNSUPPORTED_VERSION, "v9 only")
+                    else:
+                        reply = p.HelloReply(
+                            1,
+                            "fake-1",
+                            "store-1",
+                            {tn: SALT for tn in req.tenants},
+                            max_batch=self.max_batch,
+                        )
+                elif isinstance(req, p.RegisterStaging):
+                    assert len(frame.fds) == 1
+                    staging = StagingBuffer.from_fd(frame.fds[0], req.size)
+                    alloc = RegionAllocator(req.size)
+                    reply = p.Ack(p.Op.REGISTER_STAGING)
+                elif isinstance(req, p.Lookup):
+                    n = 0
+                    while n < len(req.keys) and req.keys[n] in self.chunks:
+                        n += 1
+                    reply = p.LookupReply(n)
+                elif isinstance(req, p.Touch):
+                    reply = p.Ack(p.Op.TOUCH)
+                elif isinstance(req, p.Stats):
+                    reply = p.StatsReply({"chunks": len(self.chunks)})
+                elif isinstance(req, p.PrepareStore):
+                    assert alloc is not None
+                    if self.forbid_store:
+                        reply = p.ErrorReply("prepare_store", ErrorCode.FORBIDDEN, "not yours")
+                    else:
+                        slots, held = [], []
+                        for c in req.chunks:
+                            size = p.packed_layout(c.layers)[1]
+                            if c.key in self.chunks:
+                                slots.append(p.StoreSlot(StoreStatus.EXISTS))
+                            elif c.key in self.reject_no_space:
+                                slots.append(
+                                    p.StoreSlot(StoreStatus.REJECTED, code=ErrorCode.NO_SPACE)
+                                )
+                            elif (off := alloc.alloc(size)) is None:
+                                slots.append(p.StoreSlot(StoreStatus.REJECTED, code=ErrorCode.BUSY))
+                            else:
+                                slots.append(p.StoreSlot(StoreStatus.WRITE, offset=off))
+                                held.append((off, c))
+                        h = 0
+                        if held:
+                            h, next_handle = next_handle, next_handle + 1
+                            handles[h] = (req, slots, held)
+                        reply = p.PrepareStoreReply(h, tuple(slots))
+                elif isinstance(req, p.CompleteStore):
+                    assert staging is not None and alloc is not None
+                    _, slots, held = handles.pop(req.handle)
+                    for off, c in held:
+                        offs, _ = p.packed_layout(c.layers)
+                        self.chunks[c.key] = [
+                            bytes(staging.view[off + lo : off + lo + n])
+                            for lo, n in zip(offs, c.layers, strict=True)
+                        ]
+                        alloc.free(off)
+                    reply = p.CompleteStoreReply(
+                        tuple(s.status is not StoreStatus.REJECTED for s in slots)
+                    )
+                elif isinstance(req, p.PrepareLoad):
+                    assert staging is not None and alloc is not None
+                    loaded: list[p.LoadSlot] = []
+                    stop = ErrorCode.OK
+                    for k in req.keys:
+                        layers = self.chunks.get(k)
+                        if layers is None:
+                            stop = ErrorCode.NOT_FOUND
+                            break
+                        sizes = [len(x) for x in layers]
+                        offs, size = p.packed_layout(sizes)
+                        if size > staging.size:
+                            stop = ErrorCode.TOO_LARGE
+                            break
+                        off = alloc.alloc(size)
+                        if off is None:
+                            stop = ErrorCode.BUSY
+                            break
+                        for lo, data in zip(offs, layers, strict=True):
+                            staging.view[off + lo : off + lo + len(data)] = data
+                        if self.bad_offsets:
+                            off = staging.size  # points past the end of the buffer
+                        loaded.append(p.LoadSlot(True, off, tuple(sizes)))
+                    pad = [p.LoadSlot(False)] * (len(req.keys) - len(loaded))
+                    h = 0
+                    if loaded:
+                        h, next_handle = next_handle, next_handle + 1
+                        handles[h] = loaded
+                    reply = p.PrepareLoadReply(h, stop, tuple(loaded + pad))
+                elif isinstance(req, p.CompleteLoad):
+                    assert alloc is not None
+                    for slot in handles.pop(req.handle):
+                        if slot.offset in alloc.allocations:
+                            alloc.free(slot.offset)
+                    reply = p.Ack(p.Op.COMPLETE_LOAD)
+                elif isinstance(req, p.Abort):
+                    handles.pop(req.handle)
+                    reply = p.Ack(p.Op.ABORT)
+                elif isinstance(req, p.Bye):
+                    t.send(p.reply_message(rid, p.Ack(p.Op.BYE)))
+                    return
+                else:
+                    reply = p.ErrorReply(req.OP.value, ErrorCode.UNSUPPORTED, "fake")
+                t.send(p.reply_message(rid, reply))
+        finally:
+            t.close()
+            if staging is not None:
+                staging.close()
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeSidecar]:
+    f = FakeSidecar()
+    yield f
+    f.kill_connections()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def make_client(
+    fake: FakeSidecar, clock: FakeClock, staging_bytes: int = 1 << 20, **kw: Any
+) -> SidecarClient:
+    return SidecarClient(
+        "/nonexistent/fake.sock",
+        "acme",
+        staging_bytes=staging_bytes,
+        connect=fake.connect,
+        clock=clock,
+        **kw,
+    )
+
+
+def layers_of(i: int, sizes: tuple[int, ...] = (5000, 1, 4096)) -> list[bytes]:
+    rng = np.random.default_rng(i)
+    return [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+
+
+def as_kind(data: bytes, kind: str) -> Any:
+    if kind == "bytes":
+        return data
+    if kind == "numpy":
+        return np.frombuffer(data, dtype=np.uint8).copy()
+    if kind == "numpy-f16":
+        assert len(data) % 2 == 0
+        return np.frombuffer(data, dtype=np.float16).reshape(2, -1).copy()
+    if kind == "torch-bf16":
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(torch.bfloat16)
+        return t.reshape(2, -1).clone()
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["bytes", "numpy", "numpy-f16", "torch-bf16"])
+def test_save_then_load_roundtrip(fake: FakeSidecar, clock: FakeClock, kind: str) -> None:
+    sizes = (4000, 8196, 4)  # 2-D 16-bit views need multiples of 4 bytes
+    with make_client(fake, clock) as c:
+        assert c.salt == SALT
+        data = {key(i): layers_of(i, sizes) for i in range(3)}
+        chunks = [(k, [as_kind(x, kind) for x in v]) for k, v in data.items()]
+        assert c.save(NS, chunks) == [True, True, True]
+        assert fake.chunks == data
+        assert c.lookup(list(data)) == 3
+        got = c.load(list(data))
+        assert [g.ok for g in got] == [True] * 3
+        for g in got:
+            assert [bytes(v) for v in g.layers] == data[g.key]
+
+
+def test_load_into_callback_gets_views_valid_only_during_the_call(
+    fake: FakeSidecar, clock: FakeClock
+) -> None:
+    with make_client(fake, clock) as c:
+        data = {key(i): layers_of(i) for i in range(2)}
+        assert all(c.save(NS, list(data.items())))
+        seen: list[tuple[int, bytes, list[bytes]]] = []
+        kept: list[memoryview] = []
+
+        def into(idx: int, k: bytes, views: Any) -> None:
+            seen.append((idx, k, [bytes(v) for v in views]))
+            assert all(v.readonly for v in views)
+            kept.extend(views)
+
+        got = c.load(list(data), into=into)
+        assert [g.ok for g in got] == [True, True]
+        assert all(g.layers == [] for g in got)
+        assert seen == [(i, k, v) for i, (k, v) in enumerate(data.items())]
+        with pytest.raises(ValueError):
+            bytes(kept[0])  # released: staging may be reused by now
+
+
+def test_load_callback_exception_propagates_after_complete_load(
+    fake: FakeSidecar, clock: FakeClock
+) -> None:
+    with make_client(fake, clock) as c:
+        assert c.save(NS, [(key(1), layers_of(1))]) == [True]
+
+        def boom(idx: int, k: bytes, views: Any) -> None:
+            raise RuntimeError("caller bug")
+
+        with pytest.raises(RuntimeError, match="caller bug"):
+            c.load([key(1)], into=boom)
+        assert len(fake.of_type(p.CompleteLoad)) == 1
+        assert c.load([key(1)])[0].ok  # the connection and staging are still fine
+
+
+def test_save_splits_batches_to_fit_staging(fake: FakeSidecar, clock: FakeClock) -> None:
+    sizes = (PAGE * 3, 100)  # packs to 4 pages
+    with make_client(fake, clock, staging_bytes=10 * PAGE) as c:  # room for 2 chunks
+        data = {key(i): layers_of(i, sizes) for i in range(7)}
+        assert c.save(NS, list(data.items())) == [True] * 7
+        prepares = fake.of_type(p.PrepareStore)
+        assert [len(r.chunks) for r in prepares] == [2, 2, 2, 1]
+        assert all(sum(p.region_size(ch.layers) for ch in r.chunks) <= 10 * PAGE for r in prepares)
+        assert fake.chunks == data
+
+
+def test_load_continues_after_busy_until_all_loaded(fake: FakeSidecar, clock: FakeClock) -> None:
+    sizes = (PAGE * 3, 100)
+    with make_client(fake, clock, staging_bytes=10 * PAGE) as c:
+        data = {key(i): layers_of(i, sizes) for i in range(7)}
+        fake.chunks.update(data)
+        got = c.load(list(data))
+        assert [g.ok for g in got] == [True] * 7
+        assert [[bytes(v) for v in g.layers] for g in got] == list(data.values())
+        loads = fake.of_type(p.PrepareLoad)
+        assert [len(r.keys) for r in loads] == [7, 5, 3, 1]
+        assert len(fake.of_type(p.CompleteLoad)) == 4
+
+
+def test_requests_respect_the_servers_max_batch(clock: FakeClock) -> None:
+    fake = FakeSidecar(max_batch=2)
+    try:
+        with make_client(fake, clock) as c:
+            keys = [key(i) for i in range(5)]
+            fake.chunks.update({k: [b"x"] for k in keys})
+            assert c.lookup(keys) == 5
+            assert [len(r.keys) for r in fake.of_type(p.Lookup)] == [2, 2, 1]
+            assert (
+                c.save(NS, [(key(9), [b"a"]), (key(10), [b"b"]), (key(11), [b"c"])]) == [True] * 3
+            )
+            assert [len(r.chunks) for r in fake.of_type(p.PrepareStore)] == [2, 1]
+            c.touch(keys)
+            assert [len(r.keys) for r in fake.of_type(p.Touch)] == [2, 2, 1]
+    finally:
+        fake.kill_connections()
+
+
+def test_lookup_stops_at_a_short_batch(clock: FakeClock) -> None:
+    fake = FakeSidecar(max_batch=2)
+    try:
+        with make_client(fake, clock) as c:
+            fake.chunks.update({key(0): [b"x"], key(3): [b"x"]})
+            assert c.lookup([key(0), key(1), key(2), key(3)]) == 1
+            assert len(fake.of_type(p.Lookup)) == 1
+    finally:
+        fake.kill_connections()
+
+
+def test_load_stops_at_first_miss(fake: FakeSidecar, clock: FakeClock) -> None:
+    with make_client(fake, clock) as c:
+        fake.chunks.update({key(i): layers_of(i) for i in (0, 1, 3)})
+        got = c.load([key(0), key(1), key(2), key(3)])
+        assert [g.ok for g in got] == [True, True, False, False]
+        assert got[3] == LoadedChunk(key(3), False, [])
+
+
+def test_chunk_larger_than_staging_is_rejected_before_sending(
+    fake: FakeSidecar, clock: FakeClock
+) -> None:
+    with make_client(fake, clock, staging_bytes=2 * PAGE) as c:
+        with pytest.raises(ChunkTooLarge):
+            c.save(NS, [(key(0), [b"a"]), (key(1), [b"x" * PAGE, b"y" * (PAGE + 1)])])
+        assert fake.of_type(p.PrepareStore) == []
+
+
+def test_exists_and_rejected_statuses(fake: FakeSidecar, clock: FakeClock) -> None:
+    with make_client(fake, clock) as c:
+        fake.chunks[key(0)] = [b"old"]
+        fake.reject_no_space.add(key(1))
+        res = c.save(NS, [(key(0), [b"new"]), (key(1), [b"a"]), (key(2), [b"b"])])
+        assert res == [True, False, True]
+        assert fake.chunks[key(0)] == [b"old"]  # "exists" means nothing was rewritten
+        assert key(1) not in fake.chunks
+
+
+def test_only_existing_chunks_need_no_complete(fake: FakeSidecar, clock: FakeClock) -> None:
+    with make_client(fake, clock) as c:
+        fake.chunks[key(0)] = [b"old"]
+        assert c.save(NS, [(key(0), [b"new"])]) == [True]
+        assert fake.of_type(p.CompleteStore) == []
+
+
+def test_forbidden_store_is_false_and_keeps_the_connection(
+    fake: FakeSidecar, clock: FakeClock
+) -> None:
+    with make_client(fake, clock) as c:
+        fake.forbid_store = True
+        assert c.save(NS, [(key(0), [b"a"])]) == [False]
+        assert c.connected
+        assert c.lookup([key(0)]) == 0
+        assert fake.connects == 1
+
+
+def test_sidecar_down_gives_empty_answers_and_one_warning(
+    fake: FakeSidecar, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake.down = True
+    caplog.set_level(logging.WARNING, logger="kvoffload.client")
+    with make_client(fake, clock) as c:
+        for _ in range(3):
+            assert c.salt is None
+            assert c.lookup([key(0)]) == 0
+            assert c.save(NS, [(key(0), [b"a"])]) == [False]
+            assert [g.ok for g in c.load([key(0), key(1)])] == [False, False]
+            assert c.stats() == {}
+            c.touch([key(0)])
+            clock.t += 5  # past the backoff, well within the log interval
+        assert fake.connects == 3
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1
+        assert "unavailable" in warnings[0].getMessage()
+
+
+def test_backoff_limits_connect_attempts(fake: FakeSidecar, clock: FakeClock) -> None:
+    fake.down = True
+    with make_client(fake, clock, backoff_initial_s=1.0, backoff_max_s=4.0) as c:
+        assert c.lookup([key(0)]) == 0
+        assert fake.connects == 1
+        clock.t += 0.4  # jitter keeps the wait within [0.5, 1.0] × backoff
+        assert c.lookup([key(0)]) == 0
+        assert fake.connects == 1
+        clock.t += 0.7
+        assert c.lookup([key(0)]) == 0
+        assert fake.connects == 2
+        clock.t += 0.9  # backoff doubled to 2 s: at least 1 s before the next try
+        assert c.lookup([key(0)]) == 0
+        assert fake.connects == 2
+        fake.down = False
+        clock.t += 10
+        fake.chunks[key(0)] = [b"x"]
+        assert c.lookup([key(0)]) == 1
+        assert fake.connects == 3
+
+
+def test_sidecar_restart_mid_session(fake: FakeSidecar, clock: FakeClock) -> None:
+    with make_client(fake, clock) as c:
+        assert c.save(NS, [(key(0), layers_of(0))]) == [True]
+        fake.kill_connections()
+        assert c.load([key(0)])[0].ok is False  # the dead connection, not an exception
+        assert not c.connected
+        clock.t += 60
+        got = c.load([key(0)])
+        assert got[0].ok
+        assert [bytes(v) for v in got[0].layers] == layers_of(0)
+        assert fake.connects == 2
+        assert len(fake.of_type(p.RegisterStaging)) == 2  # staging re-registered
+
+
+def test_hung_sidecar_times_out_into_misses(clock: FakeClock) -> None:
+    fake = FakeSidecar(timeout_s=0.2)
+    try:
+        with make_client(fake, clock) as c:
+            assert c.salt == SALT
+            fake.hang = True
+            assert c.lookup([key(0)]) == 0
+            assert c.save(NS, [(key(0), [b"a"])]) == [False]
+            assert not c.connected
+    finally:
+        fake.kill_connections()
+
+
+def test_garbage_reply_drops_the_connection(fake: FakeSidecar, clock: FakeClock) -> None:
+    with make_client(fake, clock) as c:
+        fake.chunks[key(0)] = [b"x"]
+        fake.garbage = True
+        assert c.lookup([key(0)]) == 0
+        assert not c.connected
+        fake.garbage = False
+        clock.t += 60
+        assert c.lookup([key(0)]) == 1
+
+
+def test_out_of_bounds_region_from_server_is_a_miss(fake: FakeSidecar, clock: FakeClock) -> None:
+    with make_client(fake, clock) as c:
+        fake.chunks[key(0)] = layers_of(0)
+        fake.bad_offsets = True
+        got = c.load([key(0)])
+        assert got[0].ok is False
+        assert not c.connected
+
+
+def test_version_refusal_is_unavailable_not_an_exception(
+    fake: FakeSidecar, clock: FakeClock
+) -> None:
+    fake.refuse_version = True
+    with make_client(fake, clock) as c:
+        assert c.salt is None
+        assert c.lookup([key(0)]) == 0
+
+
+def test_close_says_bye_and_later_use_raises(fake: FakeSidecar, clock: FakeClock) -> None:
+    c = make_client(fake, clock)
+    assert c.stats() == {"chunks": 0}
+    c.close()
+    c.close()
+    fake.join()
+    assert isinstance(fake.requests[-1], p.Bye)
+    with pytest.raises(RuntimeError):
+        c.lookup([key(0)])
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda c: c.lookup([b"short"]),
+        lambda c: c.save(b"ns", [(key(0), [b"a"])]),
+        lambda c: c.save(NS, [(key(0), [b"a"]), (key(0), [b"b"])]),
+        lambda c: c.save(NS, [(key(0), [])]),
+        lambda c: c.save(NS, [(key(0), [b""])]),
+        lambda c: c.save(NS, [(key(0), [np.zeros((4, 4))[:, ::2]])]),
+        lambda c: c.save(NS, [(key(0), [object()])]),
+    ],
+)
+def test_bad_arguments_raise_without_io(fake: FakeSidecar, clock: FakeClock, call: Any) -> None:
+    with make_client(fake, clock) as c:
+        with pytest.raises((ValueError, TypeError)):
+            call(c)
+        assert fake.connects == 0
+
+
+def test_lazy_connect(fake: FakeSidecar, clock: FakeClock) -> None:
+    with make_client(fake, clock) as c:
+        assert fake.connects == 0
+        assert not c.connected
+        assert c.load([]) == []
+        assert fake.connects == 0
