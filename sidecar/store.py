@@ -816,6 +816,11 @@ class Store:
             self.index.flush()
         return rep
 
+    def maintain(self) -> dict[str, int]:
+        """Periodic upkeep the server runs: TTL expiry and orphaned temp files."""
+        self._flush_touches()
+        return {"expired": self.expire(), "tmp_removed": self.collect_garbage()}
+
     def collect_garbage(self) -> int:
         """Remove temp files older than ``tmp_max_age_s`` (cancelled or crashed writers)."""
         n = 0

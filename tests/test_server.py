@@ -1,0 +1,626 @@
+"""The sidecar server over a real Unix socket, with the real client and raw protocol frames.
+
+Most tests use ``FakeStore``, an in-memory test double of the store API
+(so these tests pin down the server, not the store); the last ones run the
+real ``Store`` end to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvoffload import protocol as p
+from kvoffload.client import SidecarClient
+from kvoffload.protocol import CLIENT_MAGIC, SERVER_MAGIC, ErrorCode, StoreStatus
+from kvoffload.sidecar.errors import StoreFull
+from kvoffload.sidecar.policy import Grant, Policy
+from kvoffload.sidecar.server import Server, ServerConfig, load_or_create_secret
+from kvoffload.staging import PAGE, StagingBuffer
+from kvoffload.transport import TransportClosed, UnixTransport
+
+NS = b"\x22" * 32
+SECRET = b"\x5a" * 32
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8
+
+
+def wait_until(cond: Callable[[], bool], what: str) -> None:
+    """Synchronise with the server's threads (not a timing assertion)."""
+    deadline = time.monotonic() + 20
+    while not cond():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.01)
+
+
+class FakeReservation:
+    def __init__(self, store: FakeStore, n: int) -> None:
+        self.store = store
+        self.n = n
+        self.released = False
+
+    def release(self) -> None:
+        with self.store.mu:
+            if not self.released:
+                self.released = True
+                self.store.reserved -= self.n
+
+
+class FakeStore:
+    """In-memory test double of the store API the server uses; records who asked for what."""
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self.mu = threading.Lock()
+        self.data: dict[tuple[str, bytes], list[bytes]] = {}
+        self.salts: dict[str, bytes] = {}
+        self.capacity = capacity
+        self.reserved = 0
+        self.pins: Counter[tuple[str, bytes]] = Counter()
+        self.touched: list[tuple[str, bytes]] = []
+        self.tenants_seen: set[str] = set()
+        self.slow_key: bytes | None = None
+        self.release_slow = threading.Event()
+
+    def _saw(self, tenant: str) -> None:
+        self.tenants_seen.add(tenant)
+
+    def tenant_salt(self, tenant: str) -> bytes:
+        self._saw(tenant)
+        return self.salts.setdefault(tenant, os.urandom(32))
+
+    def reserve(self, tenant: str, nbytes: int) -> FakeReservation:
+        self._saw(tenant)
+        with self.mu:
+            used = sum(len(b) for v in self.data.values() for b in v)
+            if self.capacity is not None and used + self.reserved + nbytes > self.capacity:
+                raise StoreFull(nbytes, self.capacity, used)
+            self.reserved += nbytes
+        return FakeReservation(self, nbytes)
+
+    def put(
+        self,
+        tenant: str,
+        namespace: bytes,
+        chunk_key: bytes,
+        layers: Sequence[memoryview],
+        *,
+        encrypt: bool = True,
+        ttl_s: float | None = None,
+        reservation: Any = None,
+    ) -> bool:
+        self._saw(tenant)
+        if reservation is not None:
+            reservation.release()
+        if (tenant, chunk_key) in self.data:
+            return False
+        self.data[(tenant, chunk_key)] = [bytes(x) for x in layers]
+        return True
+
+    def payload_info(self, tenant: str, chunk_key: bytes) -> list[int] | None:
+        self._saw(tenant)
+        layers = self.data.get((tenant, chunk_key))
+        return None if layers is None else [len(x) for x in layers]
+
+    def get_into(self, tenant: str, chunk_key: bytes, out: memoryview) -> list[int] | None:
+        self._saw(tenant)
+        layers = self.data.get((tenant, chunk_key))
+        if layers is None:
+            return None
+        pos = 0
+        for x in layers:
+            out[pos : pos + len(x)] = x
+            pos += len(x)
+        return [len(x) for x in layers]
+
+    def lookup(self, tenant: str, keys: Sequence[bytes]) -> int:
+        self._saw(tenant)
+        if self.slow_key in keys:
+            assert self.release_slow.wait(20)
+        n = 0
+        while n < len(keys) and (tenant, keys[n]) in self.data:
+            n += 1
+        return n
+
+    def pin(self, tenant: str, keys: Sequence[bytes]) -> None:
+        with self.mu:
+            self.pins.update((tenant, k) for k in keys)
+
+    def unpin(self, tenant: str, keys: Sequence[bytes]) -> None:
+        with self.mu:
+            self.pins.subtract((tenant, k) for k in keys)
+            self.pins = +self.pins
+
+    def touch(self, tenant: str, keys: Sequence[bytes]) -> None:
+        self._saw(tenant)
+        self.touched += [(tenant, k) for k in keys]
+
+    def purge_tenant(self, tenant: str) -> int:
+        gone = [k for k in self.data if k[0] == tenant]
+        for k in gone:
+            del self.data[k]
+        return len(gone)
+
+    def purge_namespace(self, tenant: str, namespace: bytes) -> int:
+        return 0
+
+    def fsck(self, repair: bool = False) -> Any:
+        class Report:
+            def to_dict(self) -> dict[str, Any]:
+                return {"clean": True, "repaired": repair, "where": Path("/x")}
+
+        return Report()
+
+    def stats(self) -> dict[str, Any]:
+        return {"store_id": "fake-store", "chunks": len(self.data), "tenants": 7}
+
+    def maintain(self) -> dict[str, int]:
+        return {"expired": 0, "tmp_removed": 0}
+
+
+def grants(*tenants: str, admin: bool = False) -> Policy:
+    return Policy(grants=[Grant("uid", os.getuid(), frozenset(tenants), admin=admin)])
+
+
+class ServerThread:
+    """A Server on its own event loop in a background thread."""
+
+    def __init__(self, store: Any, policy: Policy, config: ServerConfig) -> None:
+        self.server = Server(store, policy, config)
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, daemon=True)
+        self.thread.start()
+        assert self._ready.wait(20)
+        if self._error is not None:
+            raise self._error
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self.server.start())
+        except BaseException as exc:
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self.loop.run_until_complete(self.server.serve_forever())
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self.server.shutdown(), self.loop).result(30)
+            self.thread.join(30)
+        self.loop.close()
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    # AF_UNIX paths are limited to 107 bytes; pytest's tmp_path can be longer.
+    d = Path(tempfile.mkdtemp(prefix="kvo-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def fake_store() -> FakeStore:
+    return FakeStore()
+
+
+def start(sock_dir: Path, store: Any, policy: Policy | None = None, **cfg: Any) -> ServerThread:
+    cfg = {"secret": SECRET, "workers": 4, **cfg}
+    config = ServerConfig(socket_path=sock_dir / "kvo.sock", **cfg)
+    return ServerThread(store, policy or grants("acme"), config)
+
+
+@pytest.fixture
+def server(sock_dir: Path, fake_store: FakeStore) -> Iterator[ServerThread]:
+    st = start(sock_dir, fake_store)
+    yield st
+    st.stop()
+
+
+def sock_path(st: ServerThread) -> Path:
+    path = st.server.config.socket_path
+    assert path is not None
+    return path
+
+
+class Raw:
+    """A hand-driven protocol client for tests that need exact frames."""
+
+    def __init__(self, st: ServerThread) -> None:
+        self.t = UnixTransport.connect(sock_path(st), timeout_s=20)
+        self.next_id = 1
+
+    def call(self, req: p.Request, fds: Sequence[int] = ()) -> p.Reply:
+        rid = self.next_id
+        self.next_id += 1
+        self.t.send(p.request_message(rid, req), fds)
+        got, reply = p.parse_reply(self.t.recv().msg)
+        assert got == rid
+        return reply
+
+    def hello(self, *tenants: str) -> p.HelloReply:
+        reply = self.call(p.Hello(1, 1, "raw-test", tenants or ("acme",)))
+        assert isinstance(reply, p.HelloReply)
+        return reply
+
+    def register(self, size: int = 16 * PAGE) -> StagingBuffer:
+        buf = StagingBuffer(size)
+        assert self.call(p.RegisterStaging(size), [buf.fd]) == p.Ack(p.Op.REGISTER_STAGING)
+        return buf
+
+    def close(self) -> None:
+        self.t.close()
+
+
+# -- through the real client -----------------------------------------------------
+
+
+def test_client_end_to_end(server: ServerThread, fake_store: FakeStore) -> None:
+    with SidecarClient(sock_path(server), "acme", staging_bytes=8 * PAGE) as c:
+        assert c.salt == fake_store.salts["acme"]
+        data = {key(i): [os.urandom(5000), os.urandom(3), os.urandom(PAGE)] for i in range(5)}
+        assert c.save(NS, list(data.items())) == [True] * 5
+        assert {k: v for (t, k), v in fake_store.data.items()} == data
+        assert c.lookup([*data, key(99)]) == 5
+        got = c.load([*data, key(99)])
+        assert [g.ok for g in got] == [True] * 5 + [False]
+        assert [[bytes(v) for v in g.layers] for g in got[:5]] == list(data.values())
+        c.touch(list(data))
+        assert len(fake_store.touched) == 5
+        stats = c.stats()
+        assert stats["chunks"] == 5
+        assert "tenants" not in stats  # only admins learn how many tenants exist
+        assert stats["server"]["protocol_version"] == 1
+    wait_until(lambda: not server.server.connections, "connection closed")
+    assert fake_store.reserved == 0
+    assert not fake_store.pins
+
+
+def test_forbidden_tenant_looks_empty_and_writes_are_refused(
+    server: ServerThread, fake_store: FakeStore
+) -> None:
+    fake_store.data[("beta", key(1))] = [b"secret"]
+    raw = Raw(server)
+    hello = raw.hello("acme", "beta")
+    assert hello.salts["beta"] == p.fake_salt(SECRET, "beta")
+    assert hello.salts["acme"] == fake_store.salts["acme"]
+    raw.register()
+    assert raw.call(p.Lookup("beta", (key(1),))) == p.LookupReply(0)
+    load = raw.call(p.PrepareLoad("beta", (key(1), key(2))))
+    assert load == p.PrepareLoadReply(
+        0, ErrorCode.NOT_FOUND, (p.LoadSlot(False), p.LoadSlot(False))
+    )
+    assert raw.call(p.Touch("beta", (key(1),))) == p.Ack(p.Op.TOUCH)
+    store = raw.call(p.PrepareStore("beta", NS, (p.ChunkSpec(key(3), (10,)),)))
+    assert isinstance(store, p.ErrorReply)
+    assert store.code is ErrorCode.FORBIDDEN
+    # The store was never asked anything about beta: no content or timing signal.
+    assert "beta" not in fake_store.tenants_seen
+    raw.close()
+    with SidecarClient(sock_path(server), "beta", staging_bytes=4 * PAGE) as c:
+        assert c.salt == p.fake_salt(SECRET, "beta")
+        assert c.save(NS, [(key(3), [b"x"])]) == [False]
+        assert c.load([key(1)])[0].ok is False
+
+
+def test_policy_reload_applies_to_open_connections(
+    server: ServerThread, fake_store: FakeStore
+) -> None:
+    with SidecarClient(sock_path(server), "acme", staging_bytes=4 * PAGE) as c:
+        assert c.save(NS, [(key(1), [b"x"])]) == [True]
+        assert c.lookup([key(1)]) == 1
+        server.server.policy = grants("someone-else")
+        assert c.lookup([key(1)]) == 0
+        assert c.save(NS, [(key(2), [b"y"])]) == [False]
+        assert c.connected  # refused, not disconnected
+
+
+def test_tenant_not_named_in_hello_is_bad_request(server: ServerThread) -> None:
+    raw = Raw(server)
+    raw.hello("acme")
+    reply = raw.call(p.Lookup("other", (key(1),)))
+    assert isinstance(reply, p.ErrorReply) and reply.code is ErrorCode.BAD_REQUEST
+    raw.close()
+
+
+def test_persistent_secret_makes_fake_salts_survive_restarts(sock_dir: Path) -> None:
+    secret_file = sock_dir / "secret"
+    first = load_or_create_secret(secret_file)
+    assert load_or_create_secret(secret_file) == first
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+    salts = []
+    for _ in range(2):
+        st = start(sock_dir, FakeStore(), secret=load_or_create_secret(secret_file))
+        raw = Raw(st)
+        salts.append(raw.hello("acme", "beta").salts["beta"])
+        raw.close()
+        st.stop()
+    assert salts[0] == salts[1] == p.fake_salt(first, "beta")
+
+
+# -- handshake and framing ---------------------------------------------------------
+
+
+def _read_all(s: socket.socket) -> bytes:
+    s.settimeout(20)
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    return out
+
+
+def test_wrong_magic_is_closed_without_a_reply(server: ServerThread) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(os.fspath(sock_path(server)))
+        s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        assert _read_all(s) == SERVER_MAGIC
+
+
+def test_oversize_frame_gets_a_fatal_error_frame(server: ServerThread) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(os.fspath(sock_path(server)))
+        s.sendall(CLIENT_MAGIC + struct.pack("<I", 2 * p.MAX_FRAME))
+        data = _read_all(s)
+    assert data.startswith(SERVER_MAGIC)
+    frames = p.FrameDecoder().feed(data[len(SERVER_MAGIC) :])
+    assert len(frames) == 1
+    rid, reply = p.parse_reply(frames[0].msg)
+    assert rid == 0
+    assert isinstance(reply, p.ErrorReply) and reply.code is ErrorCode.FRAME_TOO_LARGE
+
+
+def test_version_mismatch_is_explained_then_closed(server: ServerThread) -> None:
+    raw = Raw(server)
+    reply = raw.call(p.Hello(2, 3, "future-client", ("acme",)))
+    assert isinstance(reply, p.ErrorReply)
+    assert reply.code is ErrorCode.UNSUPPORTED_VERSION
+    assert reply.server_versions == (1, 1)
+    assert "2..3" in reply.message
+    with pytest.raises(TransportClosed):
+        raw.t.recv()
+
+
+def test_requests_before_hello_are_refused(server: ServerThread) -> None:
+    raw = Raw(server)
+    reply = raw.call(p.Lookup("acme", (key(1),)))
+    assert isinstance(reply, p.ErrorReply) and reply.code is ErrorCode.BAD_REQUEST
+    with pytest.raises(TransportClosed):
+        raw.t.recv()
+
+
+def test_unsealed_staging_is_refused(server: ServerThread) -> None:
+    raw = Raw(server)
+    raw.hello()
+    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(fd, PAGE)
+    reply = raw.call(p.RegisterStaging(PAGE), [fd])
+    os.close(fd)
+    assert isinstance(reply, p.ErrorReply) and reply.code is ErrorCode.BAD_REQUEST
+    assert "sealed" in reply.message
+    not_registered = raw.call(p.PrepareLoad("acme", (key(1),)))
+    assert isinstance(not_registered, p.ErrorReply)
+    assert not_registered.code is ErrorCode.NOT_REGISTERED
+    raw.close()
+
+
+def test_descriptors_with_other_requests_are_refused_and_closed(server: ServerThread) -> None:
+    raw = Raw(server)
+    raw.hello()
+    r, w = os.pipe()
+    try:
+        reply = raw.call(p.Lookup("acme", (key(1),)), [r])
+        assert isinstance(reply, p.ErrorReply) and reply.code is ErrorCode.BAD_REQUEST
+        # The server closed its copy: the pipe's only reader is now ours.
+        os.close(r)
+        r = -1
+        with pytest.raises(BrokenPipeError):
+            os.write(w, b"x")
+    finally:
+        if r >= 0:
+            os.close(r)
+        os.close(w)
+    raw.close()
+
+
+def test_replies_come_back_out_of_order(server: ServerThread, fake_store: FakeStore) -> None:
+    fake_store.slow_key = key(7)
+    raw = Raw(server)
+    raw.hello()
+    raw.t.send(p.request_message(10, p.Lookup("acme", (key(7),))))
+    raw.t.send(p.request_message(11, p.Lookup("acme", (key(8),))))
+    first = p.parse_reply(raw.t.recv().msg)
+    fake_store.release_slow.set()
+    second = p.parse_reply(raw.t.recv().msg)
+    assert [first[0], second[0]] == [11, 10]
+    raw.close()
+
+
+# -- staging, handles and their release --------------------------------------------
+
+
+def test_store_statuses_and_staging_limits(sock_dir: Path) -> None:
+    store = FakeStore(capacity=20_000)
+    store.data[("acme", key(0))] = [b"old"]
+    st = start(sock_dir, store)
+    raw = Raw(st)
+    raw.hello()
+    buf = raw.register(3 * PAGE)
+    reply = raw.call(
+        p.PrepareStore(
+            "acme",
+            NS,
+            (
+                p.ChunkSpec(key(0), (5,)),  # present already
+                p.ChunkSpec(key(1), (PAGE, PAGE, PAGE, 1)),  # more than the whole buffer
+                p.ChunkSpec(key(2), (PAGE + 1,)),  # two pages: fits
+                p.ChunkSpec(key(3), (PAGE + 1,)),  # two more: buffer now full
+                p.ChunkSpec(key(4), (10,)),  # fits the buffer, not the capacity
+            ),
+        )
+    )
+    assert isinstance(reply, p.PrepareStoreReply)
+    statuses = [(s.status, s.code) for s in reply.chunks]
+    assert statuses == [
+        (StoreStatus.EXISTS, ErrorCode.OK),
+        (StoreStatus.REJECTED, ErrorCode.TOO_LARGE),
+        (StoreStatus.WRITE, ErrorCode.OK),
+        (StoreStatus.REJECTED, ErrorCode.BUSY),
+        (StoreStatus.REJECTED, ErrorCode.NO_SPACE),
+    ]
+    off = reply.chunks[2].offset
+    buf.view[off : off + PAGE + 1] = b"z" * (PAGE + 1)
+    done = raw.call(p.CompleteStore(reply.handle))
+    assert done == p.CompleteStoreReply((True, False, True, False, False))
+    assert store.data[("acme", key(2))] == [b"z" * (PAGE + 1)]
+    assert store.reserved == 0
+    again = raw.call(p.CompleteStore(reply.handle))
+    assert isinstance(again, p.ErrorReply) and again.code is ErrorCode.BAD_HANDLE
+    raw.close()
+    buf.close()
+    st.stop()
+
+
+def test_load_stops_at_busy_and_resumes(server: ServerThread, fake_store: FakeStore) -> None:
+    for i in range(3):
+        fake_store.data[("acme", key(i))] = [bytes([i]) * PAGE, b"t"]
+    raw = Raw(server)
+    raw.hello()
+    buf = raw.register(4 * PAGE)
+    first = raw.call(p.PrepareLoad("acme", (key(0), key(1), key(2))))
+    assert isinstance(first, p.PrepareLoadReply)
+    assert [c.verified for c in first.chunks] == [True, True, False]
+    assert first.stop is ErrorCode.BUSY
+    assert first.chunks[0].layers == (PAGE, 1)
+    off = first.chunks[1].offset
+    assert bytes(buf.view[off : off + PAGE + 1]) == b"\x01" * PAGE + b"t"
+    assert fake_store.pins == Counter({("acme", key(0)): 1, ("acme", key(1)): 1})
+    assert raw.call(p.CompleteLoad(first.handle)) == p.Ack(p.Op.COMPLETE_LOAD)
+    assert not fake_store.pins
+    rest = raw.call(p.PrepareLoad("acme", (key(2), key(9))))
+    assert isinstance(rest, p.PrepareLoadReply)
+    assert [c.verified for c in rest.chunks] == [True, False]
+    assert rest.stop is ErrorCode.NOT_FOUND
+    raw.close()
+    buf.close()
+
+
+def test_disconnect_releases_reservations_pins_and_staging(
+    server: ServerThread, fake_store: FakeStore
+) -> None:
+    fake_store.data[("acme", key(0))] = [b"x" * 100]
+    raw = Raw(server)
+    raw.hello()
+    buf = raw.register(4 * PAGE)
+    prep = raw.call(p.PrepareStore("acme", NS, (p.ChunkSpec(key(1), (100,)),)))
+    assert isinstance(prep, p.PrepareStoreReply) and prep.handle
+    load = raw.call(p.PrepareLoad("acme", (key(0),)))
+    assert isinstance(load, p.PrepareLoadReply) and load.handle
+    assert fake_store.reserved > 0 and fake_store.pins
+    raw.close()
+    wait_until(lambda: not server.server.connections, "connection torn down")
+    assert fake_store.reserved == 0
+    assert not fake_store.pins
+    assert ("acme", key(1)) not in fake_store.data  # an unfinished store leaves nothing
+    buf.close()
+
+
+def test_expired_handles_are_released(sock_dir: Path, fake_store: FakeStore) -> None:
+    st = start(sock_dir, fake_store, handle_ttl_s=0.2)
+    raw = Raw(st)
+    assert raw.hello().handle_ttl_s == 0.2
+    buf = raw.register(4 * PAGE)
+    prep = raw.call(p.PrepareStore("acme", NS, (p.ChunkSpec(key(1), (100,)),)))
+    assert isinstance(prep, p.PrepareStoreReply)
+    wait_until(lambda: fake_store.reserved == 0, "reservation expired")
+    late = raw.call(p.CompleteStore(prep.handle))
+    assert isinstance(late, p.ErrorReply) and late.code is ErrorCode.BAD_HANDLE
+    raw.close()
+    buf.close()
+    st.stop()
+
+
+def test_admin_verbs_need_the_admin_right(sock_dir: Path, fake_store: FakeStore) -> None:
+    fake_store.data[("acme", key(0))] = [b"x"]
+    st = start(sock_dir, fake_store, policy=grants("acme"))
+    raw = Raw(st)
+    raw.hello()
+    for req in (p.Purge("acme"), p.Fsck(repair=True)):
+        reply = raw.call(req)
+        assert isinstance(reply, p.ErrorReply) and reply.code is ErrorCode.FORBIDDEN
+    assert fake_store.data
+    st.server.policy = grants(admin=True)
+    assert raw.call(p.Purge("acme")) == p.PurgeReply(1)
+    assert not fake_store.data
+    fsck = raw.call(p.Fsck(repair=True))
+    assert fsck == p.FsckReply({"clean": True, "repaired": True, "where": "/x"})
+    stats = raw.call(p.Stats())
+    assert isinstance(stats, p.StatsReply) and stats.stats["tenants"] == 7
+    raw.close()
+    st.stop()
+
+
+def test_shutdown_tells_clients_and_they_degrade_to_misses(
+    sock_dir: Path, fake_store: FakeStore
+) -> None:
+    st = start(sock_dir, fake_store)
+    raw = Raw(st)
+    raw.hello()
+    client = SidecarClient(sock_path(st), "acme", staging_bytes=4 * PAGE)
+    assert client.save(NS, [(key(1), [b"x"])]) == [True]
+    st.stop()
+    rid, reply = p.parse_reply(raw.t.recv().msg)
+    assert rid == 0
+    assert isinstance(reply, p.ErrorReply) and reply.code is ErrorCode.SHUTTING_DOWN
+    assert client.lookup([key(1)]) == 0
+    assert client.load([key(1)])[0].ok is False
+    assert not sock_path(st).exists()
+    client.close()
+    raw.close()
+
+
+def test_refuses_to_steal_a_live_socket(server: ServerThread, sock_dir: Path) -> None:
+    with pytest.raises(RuntimeError, match="already serving"):
+        start(sock_dir, FakeStore())
+
+
+# -- the real store ----------------------------------------------------------------
+
+
+def test_real_store_end_to_end_and_corruption_is_a_miss(sock_dir: Path, store: Any) -> None:
+    from kvoffload.layouts import v1
+
+    st = start(sock_dir, store)
+    try:
+        with SidecarClient(sock_path(st), "acme", staging_bytes=16 * PAGE) as c:
+            salt = c.salt
+            assert salt is not None and salt == store.tenant_salt("acme")
+            data = {key(i): [os.urandom(3000), os.urandom(PAGE + 7)] for i in range(3)}
+            assert c.save(NS, list(data.items())) == [True] * 3
+            assert c.save(NS, [(key(0), data[key(0)])]) == [True]  # exists is success
+            got = c.load(list(data))
+            assert [[bytes(v) for v in g.layers] for g in got] == list(data.values())
+            path = store.root / v1.object_relpath("acme", key(1))
+            raw = bytearray(path.read_bytes())
+            raw[-PAGE // 2] ^= 0xFF  # inside the last layer's padding or data
+            raw[v1.ALIGN + 10] ^= 0xFF  # inside the first layer
+            path.write_bytes(bytes(raw))
+            got = c.load(list(data))
+            assert [g.ok for g in got] == [True, False, False]
+    finally:
+        st.stop()
