@@ -1,0 +1,590 @@
+"""Run the sidecar daemon and its clients as real processes (for test_sidecar_process.py).
+
+Imported by the tests, this module starts processes and waits for them.
+Run as a script (``python sidecar_proc.py COMMAND JSON``), it *is* a client
+process: it talks to the sidecar with ``SidecarClient`` (or raw frames) and
+prints one JSON object per line on stdout.
+
+Chunk contents are a pure function of (tenant, seed, index, size class), so
+a process that saves and another that loads agree on the expected bytes
+without exchanging any. Contents depend on the tenant, keys do not: the same
+key in two tenants holds different data, which catches a tenant mix-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+HERE = Path(__file__).resolve()
+PAGE = 4096
+NS = hashlib.sha256(b"kvoffload process tests: namespace").digest()
+#: Largest layer of each size class; no layer size is a multiple of PAGE.
+SIZES = {"small": 24_000, "big": 300_000}
+READY_TIMEOUT_S = 30.0
+
+
+# ---------------------------------------------------------------------------
+# Deterministic data
+
+
+def chunk_key(seed: str, i: int) -> bytes:
+    return hashlib.sha256(f"kvo-key/{seed}/{i}".encode()).digest()
+
+
+def chunk_layers(tenant: str, seed: str, i: int, size: str = "small") -> list[bytes]:
+    r = random.Random(f"kvo-shape/{seed}/{i}/{size}")
+    sizes = []
+    for _ in range(2 + r.randrange(4)):  # 2..5 layers
+        n = r.randrange(100, SIZES[size])
+        sizes.append(n + 1 if n % PAGE == 0 else n)
+    return [
+        random.Random(f"kvo-data/{tenant}/{seed}/{i}/{layer}").randbytes(n)
+        for layer, n in enumerate(sizes)
+    ]
+
+
+def object_relpath(tenant: str, key: bytes) -> str:
+    from kvoffload.layouts import v1
+
+    return v1.object_relpath(tenant, key)
+
+
+# ---------------------------------------------------------------------------
+# Parent side: processes
+
+
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The test's environment without anything that would configure the sidecar."""
+    drop = ("KVOFFLOAD_", "LISTEN_", "NOTIFY_SOCKET", "WATCHDOG_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    """Wait for a condition (synchronisation, not a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened within {timeout_s:.0f} s: {what}")
+        time.sleep(0.05)
+
+
+class Sidecar:
+    """One ``kvoffload serve`` process; its stdout and stderr go to a log file."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        socket_path: Path,
+        argv: Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        pass_fds: Sequence[int] = (),
+        log_name: str = "sidecar",
+    ) -> None:
+        self.workdir = workdir
+        self.socket_path = socket_path
+        self.argv = list(argv)
+        self.env = clean_env(env)
+        self.pass_fds = tuple(pass_fds)
+        self.log_path = workdir / f"{log_name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @classmethod
+    def serve_argv(cls, *args: str) -> list[str]:
+        return [sys.executable, "-m", "kvoffload.cli", *args]
+
+    def start(self) -> Sidecar:
+        assert self.proc is None or self.proc.poll() is not None
+        self._close_log()
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in _close_log
+        self.proc = subprocess.Popen(
+            self.argv,
+            cwd=self.workdir,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            pass_fds=self.pass_fds,
+        )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stats(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        from kvoffload.client import fetch_stats
+
+        return fetch_stats(self.socket_path, timeout_s=timeout_s)
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> dict[str, Any]:
+        """Poll the socket until the daemon answers ``stats`` (bounded)."""
+        from kvoffload.protocol import ProtocolError
+        from kvoffload.transport import TransportError
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.alive():
+                raise AssertionError(f"sidecar exited during start-up:\n{self.log_text()}")
+            try:
+                return self.stats(timeout_s=2.0)
+            except (TransportError, ProtocolError, OSError):
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"sidecar not ready within {timeout_s:.0f} s:\n{self.log_text()}"
+                    ) from None
+                time.sleep(0.05)
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout_s: float = 30.0) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"sidecar still running after {timeout_s:.0f} s:\n{self.log_text()}"
+            ) from None
+
+    def kill(self) -> None:
+        """SIGKILL and reap (idempotent)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10)
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def wait_idle(self, what: str = "connections closed and nothing reserved") -> dict[str, Any]:
+        """Until only our stats connection is open and no store space is reserved."""
+        last: dict[str, Any] = {}
+
+        def idle() -> bool:
+            last.update(self.stats())
+            return bool(last["server"]["connections"] == 1 and last["reserved_bytes"] == 0)
+
+        wait_until(idle, what)
+        return last
+
+
+class Child:
+    """A client process running this module; its stdout JSON lines are read by a thread."""
+
+    def __init__(
+        self,
+        command: str,
+        args: dict[str, Any],
+        *,
+        user: int | None = None,
+        group: int | None = None,
+        stdin: bool = False,
+    ) -> None:
+        if user is not None:
+            # The interpreter may live where other uids cannot exec it (under
+            # /root): start as root, import, then drop to the uid (see main()).
+            args = {**args, "as_user": [user, user if group is None else group]}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE), command, json.dumps(args)],
+            cwd="/",
+            env=clean_env(),
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        self.messages: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.seen: list[dict[str, Any]] = []
+        self._stderr: list[bytes] = []
+        self._threads = [
+            threading.Thread(target=self._read_stdout, daemon=True),
+            threading.Thread(target=self._read_stderr, daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with contextlib.suppress(ValueError):
+                self.messages.put(json.loads(line))
+        self.messages.put(None)
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._stderr.append(line)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def stderr(self) -> str:
+        return b"".join(self._stderr).decode(errors="replace")
+
+    def next(self, timeout_s: float = 60.0) -> dict[str, Any] | None:
+        """The next JSON line; None once stdout is closed."""
+        try:
+            msg = self.messages.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(
+                f"child {self.pid} said nothing for {timeout_s:.0f} s; stderr:\n{self.stderr}"
+            ) from None
+        if msg is None:
+            self.messages.put(None)  # stay at EOF
+        else:
+            self.seen.append(msg)
+        return msg
+
+    def wait_for(self, pred: Callable[[dict[str, Any]], bool], timeout_s: float = 60.0) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = self.next(max(0.1, deadline - time.monotonic()))
+            if msg is None:
+                raise AssertionError(f"child {self.pid} exited first; stderr:\n{self.stderr}")
+            if pred(msg):
+                return msg
+            if time.monotonic() > deadline:
+                raise AssertionError(f"child {self.pid}: awaited message never came")
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line.encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def finish(self, timeout_s: float = 90.0) -> list[dict[str, Any]]:
+        """Wait for exit 0 and return every JSON line it printed."""
+        try:
+            rc = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"child {self.pid} still running; stderr:\n{self.stderr}"
+            ) from None
+        for t in self._threads:
+            t.join(10)
+        while self.next(5) is not None:
+            pass
+        assert rc == 0, f"child {self.pid} exited {rc}; stderr:\n{self.stderr}"
+        return self.seen
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, sig)
+            if sig == signal.SIGKILL:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(10)
+        for t in self._threads:
+            t.join(10)
+        while self.next(5) is not None:
+            pass
+
+
+class Procs:
+    """Every process a test starts; the fixture kills what is still running."""
+
+    def __init__(self) -> None:
+        self.sidecars: list[Sidecar] = []
+        self.children: list[Child] = []
+
+    def sidecar(self, *args: Any, **kwargs: Any) -> Sidecar:
+        s = Sidecar(*args, **kwargs)
+        self.sidecars.append(s)
+        return s
+
+    def child(self, command: str, args: dict[str, Any], **kwargs: Any) -> Child:
+        c = Child(command, args, **kwargs)
+        self.children.append(c)
+        return c
+
+    def steps(self, socket_path: Path, steps: list[dict[str, Any]], **kwargs: Any) -> list[Any]:
+        """Run client steps in a fresh process; each step's value, warnings in ``.warnings``."""
+        c = self.child("steps", {"socket": str(socket_path), "steps": steps}, **kwargs)
+        out = c.finish()
+        assert len(out) == 1, out
+        return list(out[0]["results"])
+
+    def close(self) -> None:
+        for c in self.children:
+            c.kill()
+        for s in self.sidecars:
+            s.kill()
+
+
+# ---------------------------------------------------------------------------
+# Child side
+
+
+class _Captured(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _capture() -> Iterator[_Captured]:
+    h = _Captured()
+    root = logging.getLogger()
+    root.addHandler(h)
+    try:
+        yield h
+    finally:
+        root.removeHandler(h)
+
+
+def _client(socket_path: str, tenant: str, staging: int = 1 << 20) -> Any:
+    from kvoffload.client import SidecarClient
+
+    return SidecarClient(socket_path, tenant, staging_bytes=staging, timeout_s=30)
+
+
+def _classify(
+    tenant: str, seed: str, idx: Sequence[int], got: Sequence[Any], size: str
+) -> list[str]:
+    out = []
+    for i, g in zip(idx, got, strict=True):
+        if not g.ok:
+            out.append("miss")
+        elif [bytes(v) for v in g.layers] == chunk_layers(tenant, seed, i, size):
+            out.append("ok")
+        else:
+            out.append("bad")
+    return out
+
+
+def _emit(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, default=repr) + "\n")
+    sys.stdout.flush()
+
+
+def cmd_steps(a: dict[str, Any]) -> None:
+    """Each step on a fresh connection: salt, save, load, lookup, stats."""
+    from kvoffload.client import fetch_stats
+
+    sock = a["socket"]
+    results = []
+    for st in a["steps"]:
+        op = st["op"]
+        value: Any = None
+        with _capture() as cap:
+            if op == "stats":
+                value = fetch_stats(sock)
+            else:
+                tenant, seed = st["tenant"], st.get("seed", "")
+                size = st.get("size", "small")
+                idx = st.get("indices", [])
+                keys = [chunk_key(seed, i) for i in idx]
+                with _client(sock, tenant) as c:
+                    if op == "salt":
+                        salt = c.salt
+                        value = None if salt is None else salt.hex()
+                    elif op == "save":
+                        chunks = [
+                            (k, chunk_layers(tenant, seed, i, size))
+                            for k, i in zip(keys, idx, strict=True)
+                        ]
+                        value = c.save(NS, chunks)
+                    elif op == "load":
+                        value = _classify(tenant, seed, idx, c.load(keys), size)
+                    elif op == "lookup":
+                        value = c.lookup(keys)
+                    else:
+                        raise ValueError(op)
+        results.append({"op": op, "value": value, "warnings": cap.messages})
+    _emit({"results": results})
+
+
+def cmd_stream(a: dict[str, Any]) -> None:
+    """Save batches of chunks one after the other until a save fails or ``count`` are done."""
+    tenant, seed, batch, size = a["tenant"], a["seed"], a["batch"], a.get("size", "small")
+    with _client(a["socket"], tenant, a.get("staging", 1 << 20)) as c:
+        i = 0
+        while i < a.get("count", 1 << 30):
+            idx = list(range(i, i + batch))
+            _emit({"start": idx})
+            chunks = [(chunk_key(seed, j), chunk_layers(tenant, seed, j, size)) for j in idx]
+            res = c.save(NS, chunks)
+            if not all(res):
+                _emit({"fail": idx, "res": res})
+                return
+            _emit({"ok": idx})
+            i += batch
+
+
+def cmd_raw(a: dict[str, Any]) -> None:
+    """prepare_store by hand, fill the regions, then wait for orders on stdin."""
+    from kvoffload import protocol as p
+    from kvoffload.staging import StagingBuffer
+    from kvoffload.transport import UnixTransport
+
+    tenant, seed, idx = a["tenant"], a["seed"], a["indices"]
+    t = UnixTransport.connect(a["socket"], timeout_s=30)
+    next_id = 1
+
+    def call(req: p.Request, fds: Sequence[int] = ()) -> p.Reply:
+        nonlocal next_id
+        rid, next_id = next_id, next_id + 1
+        t.send(p.request_message(rid, req), fds)
+        got, reply = p.parse_reply(t.recv().msg)
+        assert got == rid, (got, rid)
+        return reply
+
+    hello = call(p.Hello(1, 1, "raw-client", (tenant,)))
+    assert isinstance(hello, p.HelloReply), hello
+    buf = StagingBuffer(a.get("staging", 1 << 20))
+    assert call(p.RegisterStaging(buf.size), [buf.fd]) == p.Ack(p.Op.REGISTER_STAGING)
+    data = [chunk_layers(tenant, seed, i) for i in idx]
+    specs = tuple(
+        p.ChunkSpec(chunk_key(seed, i), tuple(len(x) for x in layers))
+        for i, layers in zip(idx, data, strict=True)
+    )
+    prep = call(p.PrepareStore(tenant, NS, specs))
+    assert isinstance(prep, p.PrepareStoreReply), prep
+    for slot, layers in zip(prep.chunks, data, strict=True):
+        if slot.status is p.StoreStatus.WRITE:
+            packed = b"".join(layers)
+            buf.view[slot.offset : slot.offset + len(packed)] = packed
+    _emit({"handle": prep.handle, "statuses": [s.status.value for s in prep.chunks]})
+    for line in sys.stdin:
+        order = line.strip()
+        if order == "complete":
+            reply = call(p.CompleteStore(prep.handle))
+            if isinstance(reply, p.ErrorReply):
+                _emit({"code": int(reply.code)})
+            else:
+                assert isinstance(reply, p.CompleteStoreReply), reply
+                _emit({"code": 0, "stored": list(reply.stored)})
+        elif order == "exit":
+            break
+
+
+MIXED_OPS = ("save_shared", "save_own", "load_shared", "load_own", "lookup", "touch")
+
+
+def cmd_mixed(a: dict[str, Any]) -> None:
+    """Random saves, loads and lookups on keys shared by every worker and on its own."""
+    tenant, w, shared = a["tenant"], a["worker"], a["shared"]
+    rng = random.Random(f"mixed/{w}")
+    own_seed = f"own-{w}"
+    counts: Counter[str] = Counter()
+    saved_shared: set[int] = set()
+    saved_own: list[int] = []
+
+    def lay(seed: str, i: int) -> list[bytes]:
+        return chunk_layers(tenant, seed, i)
+
+    def leading(idx: Sequence[int]) -> int:
+        n = 0
+        while n < len(idx) and idx[n] in saved_shared:
+            n += 1
+        return n
+
+    def check_load(seed: str, idx: Sequence[int], must: int) -> None:
+        got = c.load([chunk_key(seed, i) for i in idx])
+        verdicts = _classify(tenant, seed, idx, got, "small")
+        n_ok = 0
+        while n_ok < len(verdicts) and verdicts[n_ok] != "miss":
+            n_ok += 1
+        counts["not_prefix"] += sum(v != "miss" for v in verdicts[n_ok:])
+        counts["bad"] += verdicts.count("bad")
+        counts["hit"] += verdicts.count("ok")
+        counts["miss"] += verdicts.count("miss")
+        counts["lost"] += n_ok < must
+
+    with _client(a["socket"], tenant, staging=256 << 10) as c, _capture() as cap:
+        for _ in range(a["rounds"]):
+            op = rng.choice(MIXED_OPS)
+            counts[op] += 1
+            if op == "save_shared":
+                idx = rng.sample(range(shared), rng.randint(1, 4))
+                res = c.save(NS, [(chunk_key("shared", i), lay("shared", i)) for i in idx])
+                counts["save_failed"] += not all(res)
+                saved_shared.update(i for i, ok in zip(idx, res, strict=True) if ok)
+            elif op == "save_own":
+                idx = list(range(len(saved_own), len(saved_own) + rng.randint(1, 3)))
+                res = c.save(NS, [(chunk_key(own_seed, i), lay(own_seed, i)) for i in idx])
+                counts["save_failed"] += not all(res)
+                saved_own.extend(i for i, ok in zip(idx, res, strict=True) if ok)
+            elif op == "load_shared":
+                idx = rng.sample(range(shared), rng.randint(1, 5))
+                check_load("shared", idx, leading(idx))
+            elif op == "load_own":
+                idx = rng.sample(saved_own, min(len(saved_own), 4)) if saved_own else [10_000]
+                check_load(own_seed, idx, len(idx) if saved_own else 0)
+            elif op == "lookup":
+                own_keys = [chunk_key(own_seed, i) for i in saved_own] or [chunk_key("x", 0)]
+                counts["lookup_short"] += c.lookup(own_keys) != len(saved_own)
+                idx = rng.sample(range(shared), 6)
+                counts["lookup_short"] += c.lookup([chunk_key("shared", i) for i in idx]) < leading(
+                    idx
+                )
+            else:
+                c.touch([chunk_key("shared", i) for i in rng.sample(range(shared), 3)])
+        warnings = cap.messages
+    _emit(
+        {
+            "counts": dict(counts),
+            "shared": sorted(saved_shared),
+            "own": len(saved_own),
+            "warnings": warnings,
+        }
+    )
+
+
+COMMANDS = {"steps": cmd_steps, "stream": cmd_stream, "raw": cmd_raw, "mixed": cmd_mixed}
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = json.loads(sys.argv[2])
+    if "as_user" in args:
+        import kvoffload.client
+        import kvoffload.layouts.v1  # noqa: F401 - everything is imported before the drop
+
+        uid, gid = args["as_user"]
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+        assert (os.getuid(), os.geteuid(), os.getgid(), os.getgroups()) == (uid, uid, gid, [])
+    COMMANDS[sys.argv[1]](args)
+
+
+if __name__ == "__main__":
+    main()
