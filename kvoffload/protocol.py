@@ -1071,9 +1071,19 @@ class FrameDecoder:
             if len(self._fds) > MAX_FDS:
                 raise _bad(f"{len(self._fds)} descriptors sent that no frame declared")
         except ProtocolError as exc:
-            close_fds(fd for f in frames for fd in f.fds)
-            raise self._fail(exc) from None
+            self._fail(exc)
+            if frames:
+                # The frames before the bad bytes are good: hand them out, and
+                # raise on the next feed (or raise_if_failed) instead of
+                # dropping them, which would depend on how reads were split.
+                return frames
+            raise exc from None
         return frames
+
+    def raise_if_failed(self) -> None:
+        """Raise the error a previous ``feed`` deferred behind good frames, if any."""
+        if self._error is not None:
+            raise self._error
 
     def _claim_fds(self, msg: Mapping[str, Any]) -> list[int]:
         n = _uint(msg.get("fds", 0), "fds", 0, MAX_FDS)

@@ -414,6 +414,7 @@ class _Connection:
                         close_fds(frame.fds)
                         continue
                     await self._dispatch(frame)
+                self.decoder.raise_if_failed()
         except ProtocolError as exc:
             if self.server.metrics is not None:
                 self.server.metrics.error(exc.code.name)

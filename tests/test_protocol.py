@@ -475,8 +475,11 @@ def test_frame_declaring_missing_fds_is_fatal() -> None:
 def test_undeclared_fds_beyond_the_limit_are_fatal_and_closed() -> None:
     dec = FrameDecoder()
     fds = [_pipe_fd() for _ in range(p.MAX_FDS + 1)]
+    # The complete frame before the violation is still delivered; the error follows.
+    frames = dec.feed(encode_frame({"op": "stats", "id": 1}), fds)
+    assert [f.fds for f in frames] == [[]]
     with pytest.raises(ProtocolError):
-        dec.feed(encode_frame({"op": "stats", "id": 1}), fds)
+        dec.raise_if_failed()
     for fd in fds:
         with pytest.raises(OSError):
             os.fstat(fd)
@@ -550,3 +553,18 @@ def test_unix_transport_wrong_magic_is_protocol_error() -> None:
 def test_unix_connect_to_missing_socket_is_transport_error(tmp_path: Path) -> None:
     with pytest.raises(TransportError):
         UnixTransport.connect(tmp_path / "nope.sock", timeout_s=1)
+
+
+def test_good_frame_before_garbage_is_delivered_then_error_raised() -> None:
+    # One read holding a valid frame and then garbage: the valid frame must not
+    # be lost (whether it was would depend on how the kernel split the reads).
+    from kvoffload.protocol import FrameDecoder, ProtocolError, encode_frame
+
+    good = encode_frame({"id": 1, "op": "bye"})
+    dec = FrameDecoder()
+    frames = dec.feed(good + b"\xff\xff\xff\x7f" + b"junk")
+    assert [f.msg["op"] for f in frames] == ["bye"]
+    with pytest.raises(ProtocolError):
+        dec.raise_if_failed()
+    with pytest.raises(ProtocolError):
+        dec.feed(b"")
