@@ -16,6 +16,8 @@ File format (every key optional; unknown keys are errors)::
     low_watermark = 0.85
     durability = "batch"                   # object | batch | none
     key_cache_ttl = "30s"                  # bound on how long a purge takes to reach other nodes
+    io = "auto"                            # auto | posix | posix-direct | posix-buffered
+                                           #   | kvikio | cufile  (env KVOFFLOAD_IO)
 
     [server]
     socket = "/run/kvoffload/kvoffload.sock"
@@ -35,7 +37,8 @@ File format (every key optional; unknown keys are errors)::
 Environment: ``KVOFFLOAD_CONFIG`` (file path) and one variable per key,
 ``KVOFFLOAD_<SECTION>_<KEY>`` upper-cased, e.g. ``KVOFFLOAD_STORE_ROOT``,
 ``KVOFFLOAD_SERVER_SOCKET``, ``KVOFFLOAD_METRICS_PORT``; plus the short forms
-``KVOFFLOAD_KEK_FILE`` and ``KVOFFLOAD_POLICY`` that systemd units use.
+``KVOFFLOAD_KEK_FILE`` and ``KVOFFLOAD_POLICY`` that systemd units use, and
+``KVOFFLOAD_IO`` for ``[store] io`` (the I/O backend, see ``sidecar/iobackend.py``).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from .fileio import Durability
+from .iobackend import IOMode, parse_mode
 
 DEV_DIR_NAME = ".kvoffload"
 
@@ -111,6 +115,7 @@ class Config:
     low_watermark: float = 0.85
     durability: Durability = Durability.BATCH
     key_cache_ttl_s: float = 30.0
+    io: IOMode = IOMode.AUTO
     # [server]
     socket_path: Path = Path("/run/kvoffload/kvoffload.sock")
     socket_group: str | None = None
@@ -160,6 +165,7 @@ class Config:
             low_watermark=self.low_watermark,
             durability=self.durability,
             key_cache_ttl_s=self.key_cache_ttl_s,
+            io=self.io,
         )
 
 
@@ -172,6 +178,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("store", "low_watermark"): ("low_watermark", float),
     ("store", "durability"): ("durability", Durability),
     ("store", "key_cache_ttl"): ("key_cache_ttl_s", parse_duration),
+    ("store", "io"): ("io", parse_mode),
     ("server", "socket"): ("socket_path", Path),
     ("server", "socket_group"): ("socket_group", str),
     ("server", "workers"): ("workers", int),
@@ -185,6 +192,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Any]] = {
 _SHORT_ENV = {
     "KVOFFLOAD_KEK_FILE": ("security", "kek_file"),
     "KVOFFLOAD_POLICY": ("security", "policy"),
+    "KVOFFLOAD_IO": ("store", "io"),
 }
 
 

@@ -6,6 +6,14 @@ O_EXCL, written in full and its byte count checked, optionally fsync'd,
 renamed into place, and optionally the directory fsync'd. A crash before the
 rename leaves only a temp file (collected later); after it, a complete
 object. "Already exists" is success.
+
+Writes and reads may use O_DIRECT (``direct=True``) when the buffer address,
+the file offset and the length are 4 KiB-aligned, which the store's
+page-aligned scratch buffers and layout v1's 4 KiB-padded objects are. A
+file system that refuses O_DIRECT (EINVAL at open or at the first I/O) gets
+the same bytes through the page cache instead: the flag only ever changes
+speed, never the result. Which backend asks for O_DIRECT, and where, is
+:mod:`.iobackend`'s business.
 """
 
 from __future__ import annotations
@@ -15,9 +23,11 @@ import ctypes
 import ctypes.util
 import enum
 import errno
+import fcntl
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from ..layouts import v1
@@ -25,6 +35,15 @@ from .errors import StoreIOError
 
 #: ENOSPC, EDQUOT, EACCES, EROFS, EPERM will not go away by retrying.
 PERMANENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM})
+#: O_DIRECT needs buffer address, file offset and length aligned to the logical
+#: block size; 4 KiB covers every common device (and is layout v1's alignment).
+DIRECT_ALIGN = v1.ALIGN
+O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+
+#: Fills an open temp file with the object (default: :func:`_write_all`).
+FillFn = Callable[[int, Path, memoryview], None]
+#: Returns a writable buffer of at least the requested size (e.g. ScratchBuffers.get).
+AllocFn = Callable[[int], memoryview]
 
 
 class Durability(enum.StrEnum):
@@ -38,13 +57,60 @@ class Durability(enum.StrEnum):
 _libc: ctypes.CDLL | None = None
 
 
-def _syncfs(fd: int) -> None:
+def _get_libc() -> ctypes.CDLL:
     global _libc
     if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    if _libc.syncfs(fd) != 0:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        lib.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        lib.fallocate.restype = ctypes.c_int
+        _libc = lib
+    return _libc
+
+
+def _syncfs(fd: int) -> None:
+    if _get_libc().syncfs(fd) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+
+
+def _fallocate(fd: int, size: int) -> None:
+    """Reserve the blocks up front (contiguous extents, ENOSPC before any byte is written).
+
+    fallocate(2), not posix_fallocate(3): glibc emulates the latter where the
+    file system lacks it by writing a byte per block, which is slow and fails
+    on an O_DIRECT descriptor. Unsupported is fine; ENOSPC/EDQUOT are raised.
+    """
+    if size <= 0:
+        return
+    if _get_libc().fallocate(fd, 0, 0, size) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(err, os.strerror(err))
+
+
+def buffer_address(buf: memoryview) -> int | None:
+    """Address of a writable buffer's first byte; None if read-only or empty."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    except (TypeError, ValueError, BufferError):
+        return None
+
+
+def direct_ok(buf: memoryview, offset: int = 0) -> bool:
+    """Whether O_DIRECT can move ``buf`` to/from ``offset`` (all three 4 KiB-aligned)."""
+    if not O_DIRECT or offset % DIRECT_ALIGN or buf.nbytes % DIRECT_ALIGN or not buf.nbytes:
+        return False
+    addr = buffer_address(buf)
+    return addr is not None and addr % DIRECT_ALIGN == 0
+
+
+def _drop_direct(fd: int) -> bool:
+    """Clear O_DIRECT on an open descriptor (Linux allows it). False if it was not set."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    if not flags & O_DIRECT:
+        return False
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~O_DIRECT)
+    return True
 
 
 def syncfs(path: Path) -> None:
@@ -108,36 +174,75 @@ def _make_dirs(path: Path, *, durable: bool) -> None:
 
 
 def _write_all(fd: int, data: memoryview) -> None:
+    """pwrite every byte from offset 0. An O_DIRECT descriptor that the file
+    system turns down (EINVAL) continues through the page cache."""
+    data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
     done = 0
     total = len(data)
     while done < total:
-        n = os.write(fd, data[done:])
+        try:
+            n = os.pwritev(fd, [data[done:]], done)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL and _drop_direct(fd):
+                continue
+            raise
         if n <= 0:
             raise OSError(errno.EIO, "short write")
         done += n
 
 
-def write_atomic(final: Path, data: memoryview, durability: Durability) -> bool:
-    """Write ``data`` as the immutable file ``final``. False if it already existed."""
+def _open_excl(path: Path, direct: bool) -> tuple[int, bool]:
+    """Create ``path`` with O_EXCL (and O_DIRECT if asked and accepted): (fd, direct)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    if direct:
+        try:
+            return os.open(path, flags | O_DIRECT, 0o640), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            # Refused (tmpfs before Linux 6.6, some FUSE): the file was created
+            # all the same, so remove it before the buffered O_EXCL retry.
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+    return os.open(path, flags, 0o640), False
+
+
+def write_atomic(
+    final: Path,
+    data: memoryview,
+    durability: Durability,
+    *,
+    direct: bool = False,
+    fill: FillFn | None = None,
+    size: int | None = None,
+) -> bool:
+    """Write ``data`` as the immutable file ``final``. False if it already existed.
+
+    ``direct``: try O_DIRECT (only used when ``data`` is 4 KiB-aligned in
+    address and length). ``fill(fd, tmp_path, data)`` replaces the default
+    pwrite loop (kvikio and cuFile write through their own file handles);
+    ``size`` is then the file size to expect if it is not ``len(data)`` (the
+    bytes of a GPU buffer are not in ``data``).
+    """
     if final.exists():
         return False
+    size = len(data) if size is None else size
     parent = final.parent
     tmp = parent / v1.tmp_name()
+    want_direct = direct and fill is None and direct_ok(data)
     try:
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
+            fd, _ = _open_excl(tmp, want_direct)
         except FileNotFoundError:
             _make_dirs(parent, durable=durability is Durability.OBJECT)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
+            fd, _ = _open_excl(tmp, want_direct)
         try:
-            if len(data):
-                try:
-                    os.posix_fallocate(fd, 0, len(data))
-                except OSError as exc:
-                    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                        raise
-            _write_all(fd, data)
-            if os.fstat(fd).st_size != len(data):
+            _fallocate(fd, size)
+            if fill is None:
+                _write_all(fd, data)
+            else:
+                fill(fd, tmp, data)
+            if os.fstat(fd).st_size != size:
                 raise OSError(errno.EIO, f"{tmp}: size after write differs")
             if durability is Durability.OBJECT:
                 os.fsync(fd)
@@ -154,21 +259,74 @@ def write_atomic(final: Path, data: memoryview, durability: Durability) -> bool:
         raise StoreIOError(f"writing {final.name} failed ({kind}): {exc}", exc.errno) from exc
 
 
-def read_file(path: Path, scratch: ScratchBuffers, max_size: int) -> memoryview:
-    """Read a whole object into a scratch buffer. Raises OSError (incl. ENOENT, ESTALE)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+def _open_read(path: Path, direct: bool) -> int:
+    flags = os.O_RDONLY | os.O_CLOEXEC
+    if direct:
+        try:
+            return os.open(path, flags | O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags)
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int, want: int) -> int:
+    """preadv up to ``want`` bytes into ``buf`` from ``offset``; stops early at EOF."""
+    done = 0
+    while done < want:
+        try:
+            n = os.preadv(fd, [buf[done:want]], offset + done)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL and _drop_direct(fd):
+                continue  # the file system turned O_DIRECT down after all
+            raise
+        if n == 0:
+            break  # shrank under us: the short buffer fails verification
+        done += n
+        if done % DIRECT_ALIGN and done < want:
+            _drop_direct(fd)  # an unaligned short read: go on buffered
+    return done
+
+
+def read_file(
+    path: Path,
+    scratch: ScratchBuffers | AllocFn,
+    max_size: int,
+    *,
+    direct: bool = False,
+) -> memoryview:
+    """Read a whole object into a buffer from ``scratch``. Raises OSError (incl. ENOENT, ESTALE).
+
+    ``direct``: try O_DIRECT; the buffer asked for is then the size rounded up
+    to 4 KiB (layout v1 objects already are), read in aligned requests.
+    """
+    alloc = scratch.get if isinstance(scratch, ScratchBuffers) else scratch
+    fd = _open_read(path, direct)
     try:
         size = os.fstat(fd).st_size
         if size > max_size:
             raise OSError(errno.EFBIG, f"{path.name}: {size} bytes exceeds the object limit")
-        buf = scratch.get(size)
-        done = 0
-        while done < size:
-            n = os.readv(fd, [buf[done:]])
-            if n == 0:
-                break  # shrank under us: the short buffer fails verification
-            done += n
-        return buf[:done]
+        want = v1.align_up(size, DIRECT_ALIGN) if direct else size
+        buf = alloc(want)
+        if direct and not direct_ok(buf[:want]):
+            _drop_direct(fd)
+            want = size
+        done = _pread_into(fd, buf, 0, want)
+        return buf[: min(done, size)]
+    finally:
+        os.close(fd)
+
+
+def read_range(path: Path, offset: int, out: memoryview, *, direct: bool = False) -> int:
+    """Read ``len(out)`` bytes at ``offset`` into ``out`` (one layer of an object).
+
+    Returns the byte count (short at end of file). O_DIRECT only when
+    ``offset``, ``len(out)`` and the address of ``out`` are 4 KiB-aligned.
+    """
+    use_direct = direct and direct_ok(out, offset)
+    fd = _open_read(path, use_direct)
+    try:
+        return _pread_into(fd, out, offset, len(out))
     finally:
         os.close(fd)
 

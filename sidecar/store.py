@@ -13,6 +13,12 @@ its object size first, evicting least-recently-used unpinned chunks if it
 must; if it still cannot fit it fails with :class:`StoreFull`, never
 exceeding the limit. Above the high watermark, eviction runs down to the low
 watermark.
+
+I/O: objects are written and read through the backend ``StoreConfig.io`` (or
+``$KVOFFLOAD_IO``) selects at open (``sidecar/iobackend.py``; ``auto`` by
+default, logged with its reason). ``put_many`` and ``get_many_into`` pipeline
+a batch on a small thread pool: chunk n+1 is sealed while chunk n is
+written, and read while chunk n is verified and decrypted.
 """
 
 from __future__ import annotations
@@ -22,11 +28,13 @@ import errno
 import fcntl
 import json
 import logging
+import mmap
 import os
 import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,8 +43,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..layouts import CorruptObject, LayoutError, UnknownLayoutVersion, create_root, read_layout, v1
 from .errors import StoreError, StoreFull, StoreIOError, StoreLocked
-from .fileio import Durability, ScratchBuffers, read_file, read_prefix, syncfs, write_atomic
+from .fileio import Durability, ScratchBuffers, read_prefix, syncfs
 from .index import ChunkRecord, Index
+from .iobackend import IOBackend, IOMode, IOPlan, select_backend
 from .keyring import Kek, Keyring, KeyringError, TenantKeys
 
 log = logging.getLogger("kvoffload.store")
@@ -62,6 +71,9 @@ class StoreConfig:
     tmp_max_age_s: float = 600.0
     probe_files_on_miss: bool = True
     max_segments_per_epoch: int = DEFAULT_MAX_SEGMENTS_PER_EPOCH
+    #: I/O backend (auto | posix | posix-direct | posix-buffered | kvikio | cufile);
+    #: None: $KVOFFLOAD_IO, else auto. See sidecar/iobackend.py.
+    io: str | IOMode | None = None
 
     def resolved_index_dir(self) -> Path:
         if self.index_dir is not None:
@@ -151,6 +163,23 @@ class Counters:
     bytes_out: int = 0
 
 
+@dataclass
+class _PutJob:
+    """One chunk between reservation and index insert (put / put_many)."""
+
+    tenant: str
+    namespace: bytes
+    chunk_key: bytes
+    layers: Sequence[memoryview | bytes | bytearray]
+    lengths: list[int]
+    size: int
+    res: Reservation
+    aead: AESGCM | None
+    epoch: int
+    ttl_s: float | None
+    now: int
+
+
 class Store:
     """See the module docstring. Open with :meth:`open`; close with :meth:`close`."""
 
@@ -212,6 +241,16 @@ class Store:
         self._touch_flushed = time.time_ns()
         self._seal_budget: dict[tuple[str, int], int] = {}
         self._scratch = ScratchBuffers()
+        self._scratch_alt = ScratchBuffers()  # the second buffer of put_many/get_many_into
+        self._pipe: ThreadPoolExecutor | None = None
+        try:
+            sel = select_backend(config.io, self.root / "objects")
+        except StoreError:
+            self.index.close()
+            os.close(self._lock_fd)
+            raise
+        self.io: IOBackend = sel.backend
+        self.io_plan: IOPlan = sel.plan
         self.counters = Counters()
         self._closed = threading.Event()
         self._bg: list[threading.Thread] = []
@@ -229,6 +268,9 @@ class Store:
             return
         self._closed.set()
         self.wait_background()
+        if self._pipe is not None:
+            self._pipe.shutdown(wait=True)
+        self.io.close()
         self._flush_touches()
         if self._flusher is not None:
             self._flusher.join()
@@ -409,13 +451,97 @@ class Store:
         reservation: Reservation | None = None,
     ) -> bool:
         """Store one chunk. True if written, False if it was already present."""
+        job = self._begin_put(tenant, namespace, chunk_key, layers, encrypt, ttl_s, reservation)
+        if job is None:
+            return False
+        try:
+            buf = self._scratch.get(job.size)
+            self._seal(job, buf)
+        except BaseException:
+            job.res.release()
+            raise
+        return self._write_sealed(job, buf)
+
+    def put_many(
+        self,
+        tenant: str,
+        namespace: bytes,
+        chunks: Sequence[tuple[bytes, Sequence[memoryview | bytes | bytearray]]],
+        *,
+        encrypt: bool = True,
+        ttl_s: float | None = None,
+    ) -> list[bool]:
+        """Store several chunks ``(chunk_key, layers)``, sealing chunk n+1 while chunk n
+        is written. Per chunk: True if written, False if already present.
+
+        On an error (StoreFull, StoreIOError…) the chunks before the failing one
+        are stored, nothing after it is, and the error is raised.
+        """
+        results = [False] * len(chunks)
+        if len(chunks) < 2:
+            for i, (key, layers) in enumerate(chunks):
+                results[i] = self.put(tenant, namespace, key, layers, encrypt=encrypt, ttl_s=ttl_s)
+            return results
+        pool = self._pipeline()
+        scratch = (self._scratch, self._scratch_alt)
+        turn = 0
+        inflight: tuple[int, Future[bool]] | None = None
+        try:
+            for i, (key, layers) in enumerate(chunks):
+                job = self._begin_put(tenant, namespace, key, layers, encrypt, ttl_s, None)
+                if job is None:
+                    continue
+                try:
+                    # The other buffer may still be being written: seal into this one.
+                    buf = scratch[turn].get(job.size)
+                    turn ^= 1
+                    self._seal(job, buf)
+                    if inflight is not None:
+                        j, fut = inflight
+                        inflight = None
+                        results[j] = fut.result()
+                except BaseException:
+                    job.res.release()
+                    raise
+                inflight = (i, pool.submit(self._write_sealed, job, buf))
+            if inflight is not None:
+                j, fut = inflight
+                inflight = None
+                results[j] = fut.result()
+        finally:
+            if inflight is not None:  # an error while a write was in flight: let it finish
+                try:
+                    inflight[1].result()
+                except Exception as exc:
+                    log.warning("put_many: in-flight write failed too: %s", exc)
+        return results
+
+    def _pipeline(self) -> ThreadPoolExecutor:
+        with self._mu:
+            if self._pipe is None:
+                self._pipe = ThreadPoolExecutor(
+                    max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="kvoffload-pipe"
+                )
+            return self._pipe
+
+    def _begin_put(
+        self,
+        tenant: str,
+        namespace: bytes,
+        chunk_key: bytes,
+        layers: Sequence[memoryview | bytes | bytearray],
+        encrypt: bool,
+        ttl_s: float | None,
+        reservation: Reservation | None,
+    ) -> _PutJob | None:
+        """Checks, capacity reservation and key for one chunk; None if already present."""
         if len(chunk_key) != v1.KEY_SIZE or len(namespace) != v1.KEY_SIZE:
             raise ValueError("chunk key and namespace must be 32 bytes")
         if self.index.get(tenant, chunk_key) is not None:
             self.counters.put_exists += 1
             if reservation is not None:
                 reservation.release()
-            return False
+            return None
         lengths = [memoryview(x).nbytes for x in layers]
         size = v1.object_size(lengths, encrypt)
         res = reservation
@@ -434,43 +560,57 @@ class Store:
                 aead = tk.aead(epoch)
                 if aead is None:
                     raise StoreError(f"tenant {tenant}: no data key for epoch {epoch}")
-            now = time.time_ns()
-            buf = self._scratch.get(size)
-            v1.seal_into(
-                buf,
-                tenant=tenant,
-                namespace=namespace,
-                chunk_key=chunk_key,
-                layers=layers,
-                aead=aead,
-                key_epoch=epoch,
-                created_ns=now,
-            )
-            path = self._path(tenant, chunk_key)
-            written = write_atomic(path, buf, self.config.durability)
+        except BaseException:
+            res.release()
+            raise
+        return _PutJob(
+            tenant, namespace, chunk_key, layers, lengths, size, res, aead, epoch, ttl_s,
+            time.time_ns(),
+        )  # fmt: skip
+
+    @staticmethod
+    def _seal(job: _PutJob, buf: memoryview) -> None:
+        v1.seal_into(
+            buf,
+            tenant=job.tenant,
+            namespace=job.namespace,
+            chunk_key=job.chunk_key,
+            layers=job.layers,
+            aead=job.aead,
+            key_epoch=job.epoch,
+            created_ns=job.now,
+        )
+
+    def _write_sealed(self, job: _PutJob, buf: memoryview) -> bool:
+        """Write a sealed object and index it; always releases the job's reservation."""
+        res = job.res
+        try:
+            path = self._path(job.tenant, job.chunk_key)
+            written = self.io.write_object(path, buf, self.config.durability)
             if not written:
                 # Another writer (another node on a shared FS) got there first.
-                self._adopt(tenant, chunk_key)
+                self._adopt(job.tenant, job.chunk_key)
                 self.counters.put_exists += 1
                 return False
+            now = job.now
             rec = ChunkRecord(
-                tenant=tenant,
-                chunk_key=chunk_key,
-                namespace=namespace,
-                key_epoch=epoch,
-                size=size,
-                payload=sum(lengths),
-                num_layers=len(lengths),
+                tenant=job.tenant,
+                chunk_key=job.chunk_key,
+                namespace=job.namespace,
+                key_epoch=job.epoch,
+                size=job.size,
+                payload=sum(job.lengths),
+                num_layers=len(job.lengths),
                 created_ns=now,
                 last_access_ns=now,
-                expires_ns=now + int(ttl_s * 1e9) if ttl_s else 0,
+                expires_ns=now + int(job.ttl_s * 1e9) if job.ttl_s else 0,
             )
             with self._mu:
                 # Turn the reservation into usage in one step: used + reserved
                 # neither dips (letting another writer in) nor double counts.
                 inserted = self.index.put(rec)
                 if inserted:
-                    self._used += size
+                    self._used += job.size
                     res._commit_locked()
             self.counters.puts += 1
             self.counters.bytes_in += rec.payload
@@ -556,9 +696,95 @@ class Store:
         if rec is None:
             self.counters.misses += 1
             return None
-        path = self._path(tenant, key)
         try:
-            buf = read_file(path, self._scratch, MAX_OBJECT_BYTES)
+            buf = self.io.read_object(self._path(tenant, key), self._scratch.get, MAX_OBJECT_BYTES)
+        except OSError as exc:
+            self._unreadable(tenant, key, exc)
+            return None
+        return self._open_into(tenant, key, rec, buf, out)
+
+    def get_many_into(
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        outs: Sequence[memoryview],
+        *,
+        stop_at_miss: bool = True,
+    ) -> list[list[int] | None]:
+        """:meth:`get_into` for several chunks, reading chunk n+1 while chunk n is
+        verified and decrypted. Per chunk: its layer lengths, or None (a miss).
+
+        With ``stop_at_miss`` (the default: a prefix cache has no use for the
+        chunks after a hole) nothing after the first miss is read; those are None.
+        """
+        if len(outs) != len(keys):
+            raise ValueError("one output buffer per key")
+        results: list[list[int] | None] = [None] * len(keys)
+        if len(keys) < 2:
+            for i, k in enumerate(keys):
+                results[i] = self.get_into(tenant, k, outs[i])
+            return results
+        pool = self._pipeline()
+        scratch = (self._scratch, self._scratch_alt)
+        turn = 0
+
+        def start(i: int) -> tuple[ChunkRecord | None, Future[memoryview] | None]:
+            nonlocal turn
+            rec = self._record(tenant, keys[i])
+            if rec is None:
+                return None, None
+            # Size the buffer here, in the caller's thread (scratch buffers are per thread).
+            buf = scratch[turn].get(v1.align_up(rec.size))
+            turn ^= 1
+            path = self._path(tenant, keys[i])
+            return rec, pool.submit(self.io.read_object, path, _Prealloc(buf), MAX_OBJECT_BYTES)
+
+        cur = start(0)
+        nxt: tuple[ChunkRecord | None, Future[memoryview] | None] = (None, None)
+        try:
+            for i in range(len(keys)):
+                rec, fut = cur
+                cur = (None, None)
+                if rec is None or fut is None:
+                    self.counters.misses += 1
+                    if stop_at_miss:
+                        break
+                    if i + 1 < len(keys):
+                        cur = start(i + 1)
+                    continue
+                try:
+                    buf = fut.result()
+                except OSError as exc:
+                    self._unreadable(tenant, keys[i], exc)
+                    if stop_at_miss:
+                        break
+                    if i + 1 < len(keys):
+                        cur = start(i + 1)
+                    continue
+                if i + 1 < len(keys):
+                    nxt = start(i + 1)  # read the next chunk while this one decrypts
+                results[i] = self._open_into(tenant, keys[i], rec, buf, outs[i])
+                del buf
+                cur, nxt = nxt, (None, None)
+                if results[i] is None and stop_at_miss:
+                    break
+        finally:
+            for _rec, f in (cur, nxt):
+                if f is not None:  # a read we no longer want still owns a buffer: wait
+                    with contextlib.suppress(Exception):
+                        f.result()
+        return results
+
+    def _unreadable(self, tenant: str, key: bytes, exc: OSError) -> None:
+        # ENOENT (evicted/deleted elsewhere), ESTALE (NFS), EIO: all misses.
+        log.info("chunk %s unreadable: %s", key.hex()[:16], exc)
+        self._miss(tenant, key, errno.errorcode.get(exc.errno or 0, "oserror"), False)
+
+    def _open_into(
+        self, tenant: str, key: bytes, rec: ChunkRecord, buf: memoryview, out: memoryview
+    ) -> list[int] | None:
+        """Verify and decrypt a read object into ``out``; None (and the entry dropped) if bad."""
+        try:
             tk = self.keyring.get(tenant) if rec.key_epoch else None
             h = v1.open_into(
                 buf,
@@ -578,9 +804,7 @@ class Store:
             self._miss(tenant, key, "corrupt", remove_file=True)
             return None
         except OSError as exc:
-            # ENOENT (evicted/deleted elsewhere), ESTALE (NFS), EIO: all misses.
-            log.info("chunk %s unreadable: %s", key.hex()[:16], exc)
-            self._miss(tenant, key, errno.errorcode.get(exc.errno or 0, "oserror"), False)
+            self._unreadable(tenant, key, exc)
             return None
         self._touch_later(tenant, key)
         self.counters.hits += 1
@@ -765,7 +989,7 @@ class Store:
                     tk = self.keyring.get(h.tenant) if h.sealed else None
                     scratch = bytearray(h.payload_size)
                     v1.open_into(
-                        read_file(path, self._scratch, MAX_OBJECT_BYTES),
+                        self.io.read_object(path, self._scratch.get, MAX_OBJECT_BYTES),
                         memoryview(scratch),
                         tenant=h.tenant,
                         namespace=h.namespace,
@@ -856,7 +1080,21 @@ class Store:
             "bytes_in": c.bytes_in,
             "bytes_out": c.bytes_out,
             "durability": str(self.config.durability),
+            "io": self.io.describe(),
         }
+
+
+class _Prealloc:
+    """An ``alloc`` for a read on another thread: the caller's buffer, sized beforehand
+    from the index record; a fresh mapping if the file turns out larger."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self._buf = buf
+
+    def __call__(self, n: int) -> memoryview:
+        if n <= len(self._buf):
+            return self._buf[:n]
+        return memoryview(mmap.mmap(-1, v1.align_up(max(n, 1))))[:n]
 
 
 def _aead_lookup(tk: TenantKeys | None) -> Callable[[int], AESGCM | None]:
