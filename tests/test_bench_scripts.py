@@ -100,3 +100,163 @@ def test_bench_store_cleans_up_when_interrupted(tmp_path: Path) -> None:
             proc.wait()
     assert proc.returncode == 130, err
     assert list(work.iterdir()) == [], "the benchmark left files behind"
+
+
+# --------------------------------------------------------------------------- bench_io.py
+
+IO_SCRIPT = SCRIPT.parent / "bench_io.py"
+PEER_SCRIPT = SCRIPT.parent / "lmcache_peer.py"
+LMCACHE_PYTHON = SCRIPT.parent.parent / ".venv-lmcache" / "bin" / "python"
+IO_BACKENDS = ("posix-buffered",)  # always runs; posix-direct only where O_DIRECT works
+IO_ROWS = ("save sealed", "save plain")
+IO_LOADS = ("load sealed cold", "load plain cold", "load sealed warm", "load plain warm")
+
+
+@pytest.mark.slow
+def test_bench_io_quick_writes_every_row(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    out = tmp_path / "bench_io.json"
+    proc = subprocess.run(
+        [sys.executable, str(IO_SCRIPT), "--quick", "--no-lmcache", "--json", str(out),
+         "--dir", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "kvoffload Store" in proc.stdout
+    assert "best sealed path" in proc.stdout
+
+    doc = json.loads(out.read_text(encoding="utf-8"))
+    rows = {r["id"]: r for r in doc["rows"]}
+    ran = [b["name"] for b in doc["backends"] if b["available"]]
+    assert set(IO_BACKENDS) <= set(ran)
+    for b in doc["backends"]:  # a backend that cannot run here says why
+        assert b["available"] or b["reason"], b["name"]
+    unavailable = {(u["backend"], u["shape"]) for u in doc["unavailable"]}
+    for b in doc["backends"]:
+        if not b["available"]:
+            assert {(b["name"], s) for s in SHAPES} <= unavailable, b["name"]
+    for s in SHAPES:
+        for backend in ran:
+            direct_read = next(b for b in doc["backends"] if b["name"] == backend)["direct_read"]
+            for d in DURABILITIES:
+                for r in IO_ROWS:
+                    assert f"{s}/{d}/{backend}/{r}" in rows
+            for r in IO_LOADS:
+                if direct_read and "warm" in r:
+                    continue
+                assert f"{s}/{backend}/{r}" in rows
+    for r in [*rows.values(), *doc["ceilings"]]:
+        assert r["ops"] >= 1 and r["seconds"] > 0 and r["gbps"] > 0, r["id"]
+    for r in rows.values():
+        assert r["ceiling_gbps"] > 0 and r["ratio"] > 0, r["id"]
+        if "cold" in r["name"] or "warm" in r["name"]:
+            assert r["cached"] is not None, r["id"]
+    ops = {(t["shape"], t["op"], t["durability"]) for t in doc["targets"]}
+    assert {(s, "cold load", None) for s in SHAPES} <= ops
+    assert {(s, "save", d) for s in SHAPES for d in DURABILITIES} <= ops
+    for t in doc["targets"]:
+        assert t["ratio"] > 0 and t["target"] == 0.8, t
+    assert doc["lmcache"]["status"].startswith("skipped")
+    assert doc["machine"]["load average at start (1/5/15 min)"]
+    assert list(work.iterdir()) == [], "the benchmark left files behind"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not LMCACHE_PYTHON.exists(),
+    reason=f"{LMCACHE_PYTHON} does not exist (python3 -m venv .venv-lmcache && "
+    ".venv-lmcache/bin/pip install torch==2.13.0 lmcache==0.5.6)",
+)
+def test_lmcache_peer_quick_reports_positive_numbers(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.run(
+        [str(LMCACHE_PYTHON), str(PEER_SCRIPT), "--quick", "--dir", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    doc = json.loads(proc.stdout)
+    names = {(r["shape"], r["variant"], r["name"]) for r in doc["rows"]}
+    for s in SHAPES:
+        for name in ("put", "put+fsync", "get cold", "get warm"):
+            assert (s, "buffered", name) in names
+    for r in [*doc["rows"], *doc["ceilings"]]:
+        assert r["chunks"] >= 1 and r["seconds"] > 0 and r["gbps"] > 0, r["id"]
+    for r in doc["rows"]:
+        assert r["ceiling_gbps"] > 0 and r["ratio"] > 0, r["id"]
+    assert doc["machine"]["lmcache"]
+    assert list(work.iterdir()) == [], "the peer left files behind"
+
+
+# --------------------------------------------------------------------------- bench_sidecar.py
+
+SIDECAR_SCRIPT = SCRIPT.parent / "bench_sidecar.py"
+SIDECAR_ROWS = (
+    "save sealed",
+    "save plain",
+    "load sealed cold",
+    "load sealed warm",
+    "load plain cold",
+    "load plain warm",
+)
+
+
+@pytest.mark.slow
+def test_bench_sidecar_quick_writes_every_row_and_stops_its_sidecars(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(SIDECAR_SCRIPT), "--quick", "--json", str(out), "--dir", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "kvoffload sidecar" in proc.stdout
+
+    doc = json.loads(out.read_text(encoding="utf-8"))
+    rows = {r["id"]: r for r in doc["rows"]}
+    ceilings = {r["id"]: r for r in doc["ceilings"]}
+    assert set(rows) == {f"{s}/{d}/{r}" for s in SHAPES for d in DURABILITIES for r in SIDECAR_ROWS}
+    for s in SHAPES:
+        for c in CPU_CEILINGS:
+            assert f"{s}/{c}" in ceilings
+        for d in DURABILITIES:
+            for f in FORMATS:
+                for c in IO_CEILINGS:
+                    assert f"{s}/{d}/{c.format(f)}" in ceilings
+    for r in [*rows.values(), *ceilings.values()]:
+        assert r["ops"] >= 1 and r["seconds"] > 0 and r["gbps"] > 0, r["id"]
+    for r in rows.values():
+        assert r["chunks_per_op"] == doc["config"]["batch"], r["id"]
+        assert r["ceiling"] in {c["name"] for c in ceilings.values()}, r["id"]
+        assert r["ceiling_gbps"] > 0 and r["ratio"] > 0, r["id"]
+        assert r["bound_gbps"] > 0 and r["ratio_to_bound"] > 0, r["id"]
+        if "cold" in r["name"] or "warm" in r["name"]:
+            assert r["cached"] is not None, r["id"]
+        assert (r["target"] is not None) == (r["name"] in ("save sealed", "load sealed cold"))
+    latency = {r["id"]: r for r in doc["latency"]}
+    for d in DURABILITIES:
+        lk = latency[f"{d}/lookup 64 keys"]
+        assert lk["ops"] == doc["config"]["lookups"]
+        assert 0 < lk["p50_us"] <= lk["p99_us"] and lk["ceiling_p99_us"] > 0
+        assert lk["target_p99_us"] == 500.0 and isinstance(lk["meets_target"], bool)
+    for fact in (*FACTS, "load average 1/5/15 min (start)", "sidecar (object) reports"):
+        assert doc["machine"][fact], fact
+    pids = doc["config"]["sidecar_pids"]
+    assert len(pids) == len(DURABILITIES)
+    for pid in pids:  # each sidecar was stopped (and reaped), not left running
+        assert not Path(f"/proc/{pid}").exists(), f"sidecar {pid} still running"
+    assert list(work.iterdir()) == [], "the benchmark left files behind"

@@ -1,0 +1,982 @@
+"""The issue-5 I/O table: kvoffload's I/O backends against the raw ceilings of the same run,
+and against the peer a user would pick instead (LMCache's ``LocalDiskBackend``).
+
+Every number comes from one run on one directory (default: a temp dir under
+the current working directory; ``--dir`` picks another file system):
+
+ceilings
+    memcpy, AES-256-GCM ``encrypt_into`` / ``decrypt_into`` (one thread, per
+    layer), XXH3-128 (the plaintext path's checksum), and raw file I/O of the
+    very object bytes the store writes, one stream: buffered write (+ fsync of
+    the file and its directory at durability ``object``), O_DIRECT write, cold
+    read buffered and O_DIRECT, warm read buffered.
+kvoffload
+    for each I/O backend (``KVOFFLOAD_IO``): ``posix-buffered``,
+    ``posix-direct`` (when the file system takes O_DIRECT), ``kvikio`` and
+    ``cufile`` (rows that say "unavailable: <the probe's reason>" where they
+    cannot run); sealed (AES-256-GCM) and plaintext (``encrypt=False``: the
+    sidecar's path for ``encryption = none`` namespaces); save at each
+    durability (``object``: fsync per object; ``none``: page cache), cold load
+    and, where reads go through the page cache, warm load. Saves use
+    ``Store.put_many`` and loads ``Store.get_many_into`` on batches of chunks
+    (the pipelined paths: chunk n+1 seals or reads while chunk n is written or
+    decrypted), so a row's ops are batches; throughput counts chunks.
+targets
+    the best sealed path's ratio to the best raw ceiling, for save (at each
+    durability) and cold load: target >= 0.8x.
+LMCache
+    ``scripts/lmcache_peer.py`` run in its own venv (``.venv-lmcache``) as a
+    subprocess, on the same directory, shapes and batch sizes; compared at
+    equal durability (its page-cache put vs our ``none``; its put + fsync of its
+    files vs our ``object``). Target: kvoffload sealed >= LMCache unencrypted.
+    Its index is in memory only and it has no encryption.
+
+Each kvoffload save row runs interleaved batch by batch with its raw write
+ceiling (and its plaintext twin), alternating which goes first; likewise each
+load row with its raw read. The shared method (page-aligned buffers, cold =
+sync + POSIX_FADV_DONTNEED + mincore check, untimed warm-up op) is
+scripts/bench_store.py's, imported from there.
+
+Usage::
+
+    .venv/bin/python scripts/bench_io.py                     # ~4 min on 2 cores
+    .venv/bin/python scripts/bench_io.py --quick --no-lmcache
+    .venv/bin/python scripts/bench_io.py --dir /mnt/nvme --json out.json
+
+Nothing is left behind: the temp dir is removed on exit, Ctrl-C and SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import FrameType, ModuleType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from kvoffload.layouts import v1
+from kvoffload.sidecar.fileio import O_DIRECT, Durability
+from kvoffload.sidecar.iobackend import IOMode, IOPlan, plan
+from kvoffload.sidecar.keyring import Kek
+from kvoffload.sidecar.store import Store, StoreConfig
+
+SCRIPTS = Path(__file__).resolve().parent
+REPO = SCRIPTS.parent
+
+
+def _load_sibling(name: str) -> ModuleType:
+    """Import scripts/<name>.py (scripts/ is not a package) once, by path."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {SCRIPTS / name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up while the body runs
+    spec.loader.exec_module(mod)
+    return mod
+
+
+if TYPE_CHECKING:
+    import bench_store as bs
+else:
+    bs = _load_sibling("bench_store")
+
+GB = bs.GB
+MiB = bs.MiB
+LMCACHE_VENV = REPO / ".venv-lmcache"
+LMCACHE_PEER = SCRIPTS / "lmcache_peer.py"
+LMCACHE_HOWTO = (
+    "python3 -m venv .venv-lmcache && .venv-lmcache/bin/pip install torch==2.13.0 lmcache==0.5.6"
+)
+BACKENDS = ("posix-buffered", "posix-direct", "posix", "auto", "kvikio", "cufile")
+DEFAULT_BACKENDS = ("posix-buffered", "posix-direct", "kvikio", "cufile")
+FORMATS = ("sealed", "plain")
+TARGET_CEIL = 0.8  # best sealed / raw ceiling, save and cold load
+TARGET_PEER = 1.0  # kvoffload sealed / LMCache unencrypted
+
+METHOD = (
+    "GB/s = payload bytes of the timed chunks / sum of the timed batches' wall times (1 GB = "
+    "1e9 B), after 1 untimed warm-up batch; p50 = median wall time of one batch. Raw rows are "
+    "quoted in payload-equivalent GB/s (payload bytes / time for the object's bytes). Each "
+    "kvoffload row runs interleaved batch by batch with its raw ceiling and its sealed or "
+    "plain twin (rotating which goes first). All buffers are page-aligned anonymous mmaps."
+)
+BOUNDS = (
+    "serial bound = 1 / sum(1/GB/s) of the raw I/O ceiling and the CPU stages the row must "
+    "run (sealed: AES-GCM one thread; plain: memcpy + XXH3-128), one after the other; "
+    "overlap bound = the slowest of them (the I/O ceiling, or the CPU stages together), "
+    "what a perfect two-stage pipeline could reach."
+)
+
+
+# --------------------------------------------------------------------------- rows
+
+
+@dataclass
+class Row(bs.Result):
+    """A bench_store Result with the backend it ran with and the batch size."""
+
+    backend: str = ""
+    batch: int = 1
+    overlap_bound_gbps: float | None = None
+    ratio_to_overlap: float | None = None
+
+    @property
+    def id(self) -> str:
+        parts = (self.shape, self.durability, self.backend, self.name)
+        return "/".join(x for x in parts if x)
+
+    def to_json(self) -> dict[str, Any]:
+        d = super().to_json()
+        d["id"] = self.id
+        return d
+
+
+@dataclass
+class BackendSpec:
+    name: str  # the KVOFFLOAD_IO value
+    available: bool
+    reason: str
+    summary: str = ""
+    direct_write: bool = False
+    direct_read: bool = False
+    plan: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def write_io(self) -> str:
+        return "O_DIRECT" if self.direct_write else "buffered"
+
+    @property
+    def read_io(self) -> str:
+        return "O_DIRECT" if self.direct_read else "buffered"
+
+
+def probe_backends(names: Sequence[str], d: Path) -> list[BackendSpec]:
+    """What each requested backend would be here, from iobackend.plan (never raises)."""
+    out: list[BackendSpec] = []
+    for name in names:
+        try:
+            p: IOPlan = plan(IOMode(name), d)
+        except Exception as exc:  # a probe that breaks is a finding, not a crash
+            out.append(BackendSpec(name, False, f"probe failed: {exc!r}"))
+            continue
+        if p.error is not None:
+            out.append(BackendSpec(name, False, p.error, p.describe(), plan=p.to_dict()))
+        else:
+            spec = BackendSpec(name, True, p.reason, p.describe(), p.direct_write, p.direct_read)
+            spec.plan = p.to_dict()
+            out.append(spec)
+    return out
+
+
+# --------------------------------------------------------------------------- raw I/O
+
+
+def raw_writer(
+    d: Path, image: memoryview, durability: str, *, direct: bool, batch: int, tag: str
+) -> Callable[[int], None]:
+    """Op ``i`` writes ``batch`` copies of ``image`` the way the store does, minus its
+    bookkeeping: open(O_EXCL[, O_DIRECT]) + write + [fsync] + close + rename + [fsync(dir)]."""
+    sync = durability == "object"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (O_DIRECT if direct else 0)
+
+    def op(i: int) -> None:
+        for j in range(batch):
+            tmp = d / f".tmp-{tag}-{i}-{j}"
+            fd = os.open(tmp, flags, 0o640)
+            try:
+                done = 0
+                while done < len(image):
+                    done += os.write(fd, image[done:])
+                if sync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, raw_file(d, tag, i, j))
+            if sync:
+                dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+
+    return op
+
+
+def raw_file(d: Path, tag: str, i: int, j: int) -> Path:
+    return d / f"{tag}-{i:06d}-{j:03d}.obj"
+
+
+def raw_reader(
+    files: Sequence[Sequence[Path]], buf: memoryview, *, direct: bool
+) -> Callable[[int], None]:
+    """Op ``i`` reads every file of ``files[i]``: open[O_DIRECT] + fstat + readv + close.
+
+    ``buf`` is page-aligned and at least the files' size rounded up to 4 KiB
+    (layout v1 objects are 4 KiB-padded, so O_DIRECT reads them whole).
+    """
+    flags = os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0)
+
+    def op(i: int) -> None:
+        for p in files[i]:
+            fd = os.open(p, flags)
+            try:
+                size = os.fstat(fd).st_size
+                want = v1.align_up(size) if direct else size
+                done = 0
+                while done < size:
+                    got = os.readv(fd, [buf[done:want]])
+                    if got == 0:
+                        raise OSError(f"{p}: short read")
+                    done += got
+            finally:
+                os.close(fd)
+
+    return op
+
+
+# --------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Shaped:
+    """A bench_store shape, its batch size, and the bytes every row of it moves."""
+
+    shape: bs.Shape
+    batch: int
+    payload: npt.NDArray[np.uint8]
+    layers: list[memoryview]
+    images: dict[str, memoryview]
+    cpu: dict[str, bs.Result]
+
+    @property
+    def batches(self) -> int:
+        return max(1, self.shape.chunks // self.batch)
+
+
+@dataclass
+class Bench:
+    base: Path
+    kek: Kek
+    budget_s: float
+    results: list[Row] = field(default_factory=list)
+    cpu_results: list[bs.Result] = field(default_factory=list)
+    open_stores: list[Store] = field(default_factory=list)
+    mincore: bs._Mincore = field(default_factory=bs._Mincore)
+    progress: Callable[[str], None] = lambda _m: None
+
+    def add(self, r: Row) -> Row:
+        self.results.append(r)
+        self.progress(f"  {r.id:<52} {r.gbps:8.3f} GB/s  ({r.ops} chunks)")
+        return r
+
+    def prepare(self, shape: bs.Shape, batch: int) -> Shaped:
+        self.progress(f"{shape.key}: {shape.describe()}, batches of {batch}")
+        cpu = bs.cpu_ceilings(shape, min(self.budget_s, 0.3))
+        for r in cpu.values():
+            self.cpu_results.append(r)
+            self.progress(f"  {r.id:<52} {r.gbps:8.3f} GB/s")
+        payload = bs.random_payload(shape.payload, 2)
+        layers = bs.split_layers(payload, shape)
+        images = {fmt: bs.object_image(shape, layers, fmt) for fmt in FORMATS}
+        return Shaped(shape, batch, payload, layers, images, cpu)
+
+    def row(
+        self,
+        kind: str,
+        name: str,
+        sh: Shaped,
+        dur: str | None,
+        backend: str,
+        fmt: str,
+        t: bs.Timing,
+        cached: float | None = None,
+    ) -> Row:
+        batches, wall, p50 = t
+        s = sh.shape
+        file_bytes = v1.object_size([s.layer_bytes] * s.layers, fmt == "sealed")
+        return Row(
+            kind, name, s.key, dur, batches * sh.batch, s.payload, file_bytes, wall, p50 * 1e3,
+            cached, backend=backend, batch=sh.batch,
+        )  # fmt: skip
+
+    @staticmethod
+    def compare(row: Row, ceiling: Row, stages: Sequence[bs.Result]) -> None:
+        row.ceiling = ceiling.name
+        row.ceiling_gbps = ceiling.gbps
+        row.ratio = row.gbps / ceiling.gbps if ceiling.gbps else None
+        if ceiling.gbps > 0 and all(p.gbps > 0 for p in stages):
+            cpu_s = sum(1.0 / p.gbps for p in stages)
+            row.bound_gbps = 1.0 / (1.0 / ceiling.gbps + cpu_s)
+            row.bound_of = [ceiling.name, *(p.name for p in stages)]
+            row.ratio_to_bound = row.gbps / row.bound_gbps
+            row.overlap_bound_gbps = min(ceiling.gbps, 1.0 / cpu_s)
+            row.ratio_to_overlap = row.gbps / row.overlap_bound_gbps
+
+    def unavailable(self, sh: Shaped, spec: BackendSpec) -> None:
+        self.results.append(
+            Row("unavailable", f"unavailable: {spec.reason}", sh.shape.key, None, 0,
+                sh.shape.payload, 0, 0.0, 0.0, backend=spec.name, batch=sh.batch)
+        )  # fmt: skip
+
+    def run_backend(self, sh: Shaped, spec: BackendSpec, durabilities: Sequence[str]) -> None:
+        s = sh.shape
+        self.progress(f"{s.key} {spec.name}: {spec.summary}")
+        work = self.base / f"{s.key}-{spec.name}"
+        rdir = work / "raw"
+        rdir.mkdir(parents=True)
+        stores: dict[str, Store] = {}
+        try:
+            self._run(sh, spec, durabilities, work, rdir, stores)
+        finally:
+            for st in stores.values():
+                self.open_stores.remove(st)
+                st.close()
+            shutil.rmtree(work, ignore_errors=True)
+
+    def _keys(self, sh: Shaped, fmt: str, dur: str, i: int) -> list[bytes]:
+        return [bs.chunk_key(sh.shape, f"{fmt}/{dur}", i * sh.batch + j) for j in range(sh.batch)]
+
+    def _run(
+        self,
+        sh: Shaped,
+        spec: BackendSpec,
+        durabilities: Sequence[str],
+        work: Path,
+        rdir: Path,
+        stores: dict[str, Store],
+    ) -> None:
+        s, b, budget = sh.shape, sh.batch, self.budget_s
+        image = sh.images["sealed"]  # the raw ceilings move the sealed object's bytes
+        written: list[tuple[str, int]] = []  # (durability, batch) of every batch written
+        for dur in durabilities:
+            store = Store(
+                StoreConfig(
+                    root=work / dur / "store",
+                    durability=Durability(dur),
+                    capacity_bytes=None,
+                    io=spec.name,
+                ),
+                self.kek,
+                create=True,
+            )
+            stores[dur] = store
+            self.open_stores.append(store)
+
+            def save(i: int, fmt: str, dur: str = dur, store: Store = store) -> None:
+                chunks = [(k, sh.layers) for k in self._keys(sh, fmt, dur, i)]
+                done = store.put_many(bs.TENANT, bs.NAMESPACE, chunks, encrypt=fmt == "sealed")
+                if not all(done):
+                    raise AssertionError("put_many found a chunk already present")
+
+            raw = raw_writer(rdir, image, dur, direct=spec.direct_write, batch=b, tag=dur)
+            raw_t, sealed_t, plain_t = bs.interleaved(
+                [raw, lambda i: save(i, "sealed"), lambda i: save(i, "plain")],
+                n=sh.batches,
+                budget_s=budget,
+                min_ops=3,
+            )
+            os.sync()  # untimed: the next rows start with no dirty pages
+            sync = "+fsync" if dur == "object" else ""
+            ceil = self.add(
+                self.row("ceiling", f"raw write{sync} {spec.write_io}", sh, dur, spec.name,
+                         "sealed", raw_t)
+            )  # fmt: skip
+            for fmt, t in (("sealed", sealed_t), ("plain", plain_t)):
+                row = self.add(self.row("kvoffload", f"save {fmt}", sh, dur, spec.name, fmt, t))
+                enc = sh.cpu["aes-gcm encrypt_into"]
+                self.compare(row, ceil, [enc] if fmt == "sealed" else self._plain_stages(sh))
+            written += [(dur, i) for i in range(raw_t[0] + 1)]
+
+        # -- loads: every batch written above (the files do not depend on durability)
+        raw_files = [[raw_file(rdir, dur, i, j) for j in range(b)] for dur, i in written]
+        keys = {fmt: [self._keys(sh, fmt, dur, i) for dur, i in written] for fmt in FORMATS}
+        obj_files = {
+            fmt: [
+                [stores[dur].root / v1.object_relpath(bs.TENANT, k) for k in ks]
+                for (dur, _i), ks in zip(written, keys[fmt], strict=True)
+            ]
+            for fmt in FORMATS
+        }
+        store_of = [stores[dur] for dur, _i in written]
+        rbuf = bs._mv(bs.touched(v1.align_up(len(image))))
+        outs = [bs._mv(bs.touched(s.payload)) for _ in range(b)]
+
+        def load(i: int, fmt: str) -> None:
+            got = store_of[i].get_many_into(bs.TENANT, keys[fmt][i], outs)
+            if any(g is None for g in got):
+                raise AssertionError(f"get_many_into ({fmt}) missed a chunk it just stored")
+            if i == 0:  # the untimed warm-up batch: check the bytes
+                want = bytes(bs._mv(sh.payload))
+                if any(bytes(o) != want for o in outs):
+                    raise AssertionError(f"load {fmt}: the bytes read differ from those saved")
+
+        n = len(written) - 1
+        flat = [p for batch in raw_files for p in batch]
+        for cache in ("cold", "warm") if not spec.direct_read else ("cold",):
+            if cache == "cold":
+                bs.drop_cache(
+                    flat + [p for fmt in FORMATS for batch in obj_files[fmt] for p in batch]
+                )
+            timed = [p for batch in raw_files[1 : n + 1] for p in batch]
+            raw_cached = self.mincore.resident(timed)
+            cached = {
+                fmt: self.mincore.resident([p for bt in obj_files[fmt][1 : n + 1] for p in bt])
+                for fmt in FORMATS
+            }
+            raw_t, sealed_t, plain_t = bs.interleaved(
+                [
+                    raw_reader(raw_files, rbuf, direct=spec.direct_read),
+                    lambda i: load(i, "sealed"),
+                    lambda i: load(i, "plain"),
+                ],
+                n=n,
+                budget_s=budget,
+                min_ops=3,
+            )
+            n = min(n, raw_t[0], sealed_t[0], plain_t[0])
+            ceil = self.add(
+                self.row("ceiling", f"raw read {cache} {spec.read_io}", sh, None, spec.name,
+                         "sealed", raw_t, raw_cached)
+            )  # fmt: skip
+            for fmt, t in (("sealed", sealed_t), ("plain", plain_t)):
+                row = self.add(
+                    self.row("kvoffload", f"load {fmt} {cache}", sh, None, spec.name, fmt, t,
+                             cached[fmt])
+                )  # fmt: skip
+                dec = sh.cpu["aes-gcm decrypt_into"]
+                self.compare(row, ceil, [dec] if fmt == "sealed" else self._plain_stages(sh))
+
+    @staticmethod
+    def _plain_stages(sh: Shaped) -> list[bs.Result]:
+        return [sh.cpu["memcpy"], sh.cpu["xxh3-128"]]
+
+
+# --------------------------------------------------------------------------- targets
+
+
+@dataclass
+class Target:
+    shape: str
+    op: str  # "save" | "cold load" | "warm load"
+    durability: str | None
+    ours: Row | None
+    theirs_name: str
+    theirs_gbps: float | None
+    theirs_ratio: float | None  # the other side's x ceil, when it has one
+    target: float
+
+    @property
+    def ratio(self) -> float | None:
+        if self.ours is None or not self.theirs_gbps:
+            return None
+        return self.ours.gbps / self.theirs_gbps
+
+    @property
+    def met(self) -> bool | None:
+        r = self.ratio
+        return None if r is None else r >= self.target
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "shape": self.shape,
+            "op": self.op,
+            "durability": self.durability,
+            "ours": self.ours.id if self.ours else None,
+            "ours_gbps": self.ours.gbps if self.ours else None,
+            "ours_x_ceil": self.ours.ratio if self.ours else None,
+            "theirs": self.theirs_name,
+            "theirs_gbps": self.theirs_gbps,
+            "theirs_x_ceil": self.theirs_ratio,
+            "ratio": self.ratio,
+            "target": self.target,
+            "met": self.met,
+        }
+
+
+def _best(rows: Sequence[Row]) -> Row | None:
+    return max(rows, key=lambda r: r.gbps) if rows else None
+
+
+def ceiling_targets(
+    results: Sequence[Row], shapes: Sequence[str], durs: Sequence[str]
+) -> list[Target]:
+    """Best sealed save/cold load against the best raw write/cold read of the run."""
+    out: list[Target] = []
+
+    def pick(kind: str, shape: str, dur: str | None, pred: Callable[[str], bool]) -> list[Row]:
+        return [
+            r
+            for r in results
+            if r.kind == kind and r.shape == shape and r.durability == dur and pred(r.name)
+        ]
+
+    for shape in shapes:
+        for dur in durs:
+            ours = _best(pick("kvoffload", shape, dur, lambda n: n == "save sealed"))
+            raw = _best(pick("ceiling", shape, dur, lambda n: n.startswith("raw write")))
+            out.append(
+                Target(shape, "save", dur, ours, f"{raw.name} [{raw.backend}]" if raw else "-",
+                       raw.gbps if raw else None, None, TARGET_CEIL)
+            )  # fmt: skip
+        ours = _best(pick("kvoffload", shape, None, lambda n: n == "load sealed cold"))
+        raw = _best(pick("ceiling", shape, None, lambda n: n.startswith("raw read cold")))
+        out.append(
+            Target(shape, "cold load", None, ours, f"{raw.name} [{raw.backend}]" if raw else "-",
+                   raw.gbps if raw else None, None, TARGET_CEIL)
+        )  # fmt: skip
+    return out
+
+
+def peer_targets(
+    results: Sequence[Row], peer: dict[str, Any], shapes: Sequence[str]
+) -> list[Target]:
+    """kvoffload's best sealed row against each LMCache variant at equal durability."""
+    rows = peer.get("rows", [])
+    out: list[Target] = []
+    cases = (
+        ("save", "none", "put", "save sealed"),
+        ("save", "object", "put+fsync", "save sealed"),
+        ("cold load", None, "get cold", "load sealed cold"),
+        ("warm load", None, "get warm", "load sealed warm"),
+    )
+    for shape in shapes:
+        for op, dur, lm_name, our_name in cases:
+            ours = _best(
+                [
+                    r
+                    for r in results
+                    if r.kind == "kvoffload"
+                    and r.shape == shape
+                    and r.name == our_name
+                    and r.durability == dur
+                ]
+            )
+            for r in rows:
+                if r["shape"] == shape and r["name"] == lm_name:
+                    default = " (default)" if r["variant"] == "buffered" else ""
+                    out.append(
+                        Target(shape, op, dur, ours,
+                               f"lmcache {r['variant']}{default} {lm_name}",
+                               float(r["gbps"]), r.get("ratio"), TARGET_PEER)
+                    )  # fmt: skip
+    return out
+
+
+# --------------------------------------------------------------------------- LMCache
+
+
+def run_lmcache(
+    args: argparse.Namespace, base: Path, err: Console
+) -> tuple[str, dict[str, Any] | None]:
+    """Run lmcache_peer.py in its venv; (status line, its JSON or None)."""
+    if args.no_lmcache:
+        return "skipped (--no-lmcache)", None
+    py = args.lmcache_python
+    if not py.exists():
+        return f"not run: {py} does not exist; create it with: {LMCACHE_HOWTO}", None
+    out = base / "lmcache.json"
+    cmd = [
+        str(py),
+        str(LMCACHE_PEER),
+        "--dir",
+        str(base),
+        "--json",
+        str(out),
+        "--row-budget-s",
+        str(args.row_budget_s),
+        "--large-mib-per-row",
+        str(args.large_mib_per_row),
+        "--small-ops",
+        str(args.small_ops),
+        "--large-batch",
+        str(args.large_batch),
+        "--small-batch",
+        str(args.small_batch),
+    ]
+    durs = [d for d in args.durability if d in ("object", "none")]
+    if not durs:
+        return "not run: LMCache has only durabilities none (put) and object (put+fsync)", None
+    cmd += ["--durability", ",".join(durs)]
+    if args.quick:
+        cmd.append("--quick")
+    err.print(f"lmcache: {' '.join(cmd)}", highlight=False)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, cwd=base)
+    try:
+        rc = proc.wait()
+    finally:
+        if proc.poll() is None:  # we were interrupted: stop it (it cleans up, then _exit)
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    if rc != 0 or not out.exists():
+        return f"failed: lmcache_peer.py exited with {rc} (its stderr is above)", None
+    doc: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
+    return "ran", doc
+
+
+# --------------------------------------------------------------------------- output
+
+
+_f = bs._f
+
+
+def _verdict(t: Target) -> str:
+    if t.met is None:
+        return "-"
+    return "[green]meets[/green]" if t.met else "[red]below[/red]"
+
+
+def render(
+    console: Console,
+    facts: dict[str, str],
+    shapes: Sequence[Shaped],
+    specs: Sequence[BackendSpec],
+    bench: Bench,
+    targets: Sequence[Target],
+    peer_status: str,
+    peer: dict[str, Any] | None,
+    peer_cmp: Sequence[Target],
+) -> None:
+    t = Table(title="machine", show_header=False)
+    t.add_column("fact", style="bold")
+    t.add_column("value")
+    for k, v in facts.items():
+        t.add_row(escape(k), escape(v))
+    for sh in shapes:
+        s = sh.shape
+        t.add_row(f"shape {s.key}", f"{s.describe()} - {s.note}; batches of {sh.batch} chunks")
+    console.print(t)
+
+    t = Table(title="I/O backends (KVOFFLOAD_IO)")
+    for col in ("backend", "status", "what / why"):
+        t.add_column(col)
+    for spec in specs:
+        status = "[green]runs[/green]" if spec.available else "[red]unavailable[/red]"
+        t.add_row(spec.name, status, escape(spec.summary + ": " + spec.reason))
+    console.print(t)
+
+    t = Table(title="ceilings (same run, same directory; raw I/O: one stream)")
+    cols = ("shape", "dur", "ceiling", "ran with", "chunks", "MiB", "GB/s", "file GB/s")
+    for col in (*cols, "p50 ms", "cached"):
+        t.add_column(col, justify="left" if col in cols[:4] else "right")
+    for r in bench.cpu_results:
+        t.add_row(r.shape, "", r.name, "", str(r.ops), f"{r.ops * r.payload_bytes / MiB:.1f}",
+                  f"{r.gbps:.3f}", "", f"{r.p50_ms:.3f}", "")  # fmt: skip
+    for r in bench.results:
+        if r.kind == "ceiling":
+            t.add_row(
+                r.shape, r.durability or "", r.name, r.backend, str(r.ops),
+                f"{r.ops * r.payload_bytes / MiB:.1f}", f"{r.gbps:.3f}", _f(r.file_gbps),
+                f"{r.p50_ms:.1f}", _f(r.cached, "{:.0%}"),
+            )  # fmt: skip
+    console.print(t)
+
+    t = Table(title="kvoffload Store (put_many / get_many_into, pipelined)")
+    left = ("shape", "dur", "backend", "row")
+    nums = ("chunks", "GB/s", "p50 ms", "cached", "ceil GB/s", "x ceil", "serial bd", "x serial")
+    for col in (*left, *nums, "overlap bd", "x overlap"):
+        t.add_column(col, justify="left" if col in left else "right")
+    for r in bench.results:
+        if r.kind == "unavailable":
+            t.add_row(r.shape, "", r.backend, f"[red]{escape(r.name)}[/red]", *[""] * 10)
+        elif r.kind == "kvoffload":
+            t.add_row(
+                r.shape, r.durability or "", r.backend, r.name, str(r.ops), f"{r.gbps:.3f}",
+                f"{r.p50_ms:.1f}", _f(r.cached, "{:.0%}"), _f(r.ceiling_gbps),
+                _f(r.ratio, "{:.2f}"), _f(r.bound_gbps), _f(r.ratio_to_bound, "{:.2f}"),
+                _f(r.overlap_bound_gbps), _f(r.ratio_to_overlap, "{:.2f}"),
+            )  # fmt: skip
+    console.print(t)
+
+    t = Table(title=f"target: best sealed path >= {TARGET_CEIL:.1f}x the raw ceiling")
+    for col in ("shape", "op", "dur", "best sealed", "GB/s", "best raw ceiling", "GB/s"):
+        t.add_column(col, justify="right" if col == "GB/s" else "left")
+    for col in ("ratio", "target", ""):
+        t.add_column(col, justify="right")
+    for tg in targets:
+        t.add_row(
+            tg.shape, tg.op, tg.durability or "", tg.ours.id if tg.ours else "-",
+            _f(tg.ours.gbps if tg.ours else None), escape(tg.theirs_name), _f(tg.theirs_gbps),
+            _f(tg.ratio, "{:.2f}x"), f">= {tg.target:.2f}x", _verdict(tg),
+        )  # fmt: skip
+    console.print(t)
+
+    console.print(f"[bold]LMCache peer[/bold]: {escape(peer_status)}")
+    if peer is not None:
+        t = Table(title="LMCache LocalDiskBackend (scripts/lmcache_peer.py, its own venv)")
+        lm_cols = ("shape", "variant", "row", "dur", "chunks", "GB/s", "p50 ms", "cached")
+        for col in (*lm_cols, "ceiling (same process)", "ceil GB/s", "x ceil"):
+            t.add_column(col, justify="left" if col in (*lm_cols[:4], "ceiling (same process)")
+                         else "right")  # fmt: skip
+        for r in peer.get("rows", []):
+            t.add_row(
+                r["shape"], r["variant"], r["name"], r["durability"] or "", str(r["chunks"]),
+                f"{r['gbps']:.3f}", f"{r['p50_ms']:.1f}", _f(r.get("cached"), "{:.0%}"),
+                r.get("ceiling") or "", _f(r.get("ceiling_gbps")), _f(r.get("ratio"), "{:.2f}"),
+            )  # fmt: skip
+        console.print(t)
+        t = Table(
+            title=f"target: kvoffload sealed >= {TARGET_PEER:.1f}x LMCache unencrypted "
+            "(equal durability; each LMCache variant)"
+        )
+        cmp_cols = ("shape", "op", "dur", "kvoffload best sealed", "GB/s", "x ceil", "LMCache")
+        for col in (*cmp_cols, "GB/s ", "x ceil ", "ratio", "target", ""):
+            t.add_column(col, justify="left" if col in (*cmp_cols[:4], "LMCache") else "right")
+        for tg in peer_cmp:
+            t.add_row(
+                tg.shape, tg.op, tg.durability or "", tg.ours.id if tg.ours else "-",
+                _f(tg.ours.gbps if tg.ours else None), _f(tg.ours.ratio if tg.ours else None,
+                "{:.2f}"), escape(tg.theirs_name), _f(tg.theirs_gbps),
+                _f(tg.theirs_ratio, "{:.2f}"), _f(tg.ratio, "{:.2f}x"), f">= {tg.target:.2f}x",
+                _verdict(tg),
+            )  # fmt: skip
+        console.print(t)
+        for note in peer.get("notes", []):
+            console.print(f"[bold]LMCache[/bold]: {escape(note)}")
+        console.print(
+            "[bold]LMCache durability[/bold]: its 'put' (page cache, it never fsyncs) is "
+            "compared with our 'none', its 'put+fsync' (fsync of its files and directory after "
+            "the batch, timed) with our 'object' (fsync of each object and its directory)."
+        )
+
+    console.print(f"[bold]method[/bold]: {METHOD}")
+    console.print(f"[bold]bounds[/bold]: {BOUNDS}")
+    console.print(f"[bold]cold reads[/bold]: {bs.COLD_METHOD}")
+    console.print(
+        "[bold]durability none[/bold]: save and raw write rows time page-cache writes only "
+        "(O_DIRECT ones go to the device without a cache flush); os.sync() runs untimed after "
+        "each save row."
+    )
+    console.print(
+        "[bold]plain[/bold]: the sidecar's path for 'encryption = none' namespaces (XXH3-128 "
+        "checksum, no cipher). The worker-side direct path (kvikio/GDS on sidecar-leased paths) "
+        "needs kvikio: see its backend row."
+    )
+    bad = [
+        r for r in bench.results if "cold" in r.name and r.cached is not None and r.cached > 0.05
+    ]
+    if bad:
+        console.print(
+            f"[bold red]warning[/bold red]: {len(bad)} cold rows had >5% of their pages cached "
+            "after DONTNEED (tmpfs or a file system that ignores fadvise?): they are not cold."
+        )
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _split(p: argparse.ArgumentParser, values: list[str] | None, allowed: Sequence[str],
+           default: Sequence[str], flag: str) -> list[str]:  # fmt: skip
+    out: list[str] = []
+    for item in values or [",".join(default)]:
+        for v in item.split(","):
+            v = v.strip()
+            if v not in allowed:
+                p.error(f"{flag}: {v!r} is not one of {', '.join(allowed)}")
+            if v not in out:
+                out.append(v)
+    return out
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--dir", type=Path, default=None, help="file system to test (default: cwd)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of seconds")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument(
+        "--backend",
+        action="append",
+        default=None,
+        help=f"{', '.join(BACKENDS)}; repeat or comma-separate "
+        f"(default: {','.join(DEFAULT_BACKENDS)})",
+    )
+    p.add_argument(
+        "--durability",
+        action="append",
+        default=None,
+        help="object, batch, none; repeat or comma-separate (default: object,none)",
+    )
+    p.add_argument("--large-mib-per-row", type=int, default=512, help="MiB per large save row")
+    p.add_argument("--small-ops", type=int, default=1024, help="chunks per small save row")
+    p.add_argument("--large-batch", type=int, default=None, help="chunks per batch (default 4)")
+    p.add_argument("--small-batch", type=int, default=None, help="chunks per batch (default 32)")
+    p.add_argument(
+        "--row-budget-s",
+        type=float,
+        default=None,
+        help="stop a row after this many seconds of its batches (>= 3); default 3 (quick: 0.3)",
+    )
+    p.add_argument("--no-lmcache", action="store_true", help="skip the LMCache peer rows")
+    p.add_argument(
+        "--lmcache-python",
+        type=Path,
+        default=LMCACHE_VENV / "bin" / "python",
+        help="the LMCache venv's python (default: .venv-lmcache/bin/python)",
+    )
+    a = p.parse_args(argv)
+    a.backend = _split(p, a.backend, BACKENDS, DEFAULT_BACKENDS, "--backend")
+    a.durability = _split(p, a.durability, bs.DURABILITIES, bs.DEFAULT_DURABILITIES,
+                          "--durability")  # fmt: skip
+    if a.row_budget_s is None:
+        a.row_budget_s = 0.3 if a.quick else 3.0
+    if a.large_batch is None:
+        a.large_batch = 2 if a.quick else 4
+    if a.small_batch is None:
+        a.small_batch = 4 if a.quick else 32
+    return a
+
+
+def _raise_interrupt(signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def _scratch_dir(parent: Path) -> Iterator[Path]:
+    """A temp dir removed on exit, Ctrl-C, SIGTERM and SIGHUP."""
+    old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    d = Path(tempfile.mkdtemp(prefix=".bench_io-", dir=parent))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _fit(shapes: list[bs.Shape], d: Path, n_backends: int, n_durs: int) -> list[bs.Shape]:
+    """Shrink the rows if the file system cannot hold one backend's files (x3: raw, sealed,
+    plain; all durabilities' files stay until the loads)."""
+    free = shutil.disk_usage(d).free
+    out: list[bs.Shape] = []
+    for s in shapes:
+        per_chunk = v1.object_size([s.layer_bytes] * s.layers, True)
+        need = 3 * n_durs * (s.chunks + 8) * per_chunk
+        if need > free // 2:
+            chunks = max(3, (free // 2) // (3 * n_durs * per_chunk) - 8)
+            s = bs.Shape(s.key, s.layers, s.layer_bytes, s.note + " (shrunk to fit disk)", chunks)
+        out.append(s)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.getLogger("kvoffload").setLevel(logging.ERROR)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)
+    err = Console(stderr=True)
+    parent = (args.dir or Path.cwd()).resolve()
+    if not parent.is_dir():
+        err.print(f"--dir {parent}: not a directory")
+        return 2
+    shapes = bs.make_shapes(args.quick, args.large_mib_per_row, args.small_ops)
+    batch = {"large": args.large_batch, "small": args.small_batch}
+    load0 = os.getloadavg()
+    peer: dict[str, Any] | None = None
+    try:
+        with _scratch_dir(parent) as base:
+            shapes = _fit(shapes, base, 1, len(args.durability))
+            facts = bs.machine_facts(base)
+            facts["load average at start (1/5/15 min)"] = " ".join(f"{x:.2f}" for x in load0)
+            specs = probe_backends(args.backend, base)
+            auto = probe_backends(["auto"], base)[0]
+            facts["KVOFFLOAD_IO=auto picks"] = f"{auto.summary}: {auto.reason}"
+            kek_path = base / "kek"
+            fd = os.open(kek_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, os.urandom(32))
+            finally:
+                os.close(fd)
+            bench = Bench(base, Kek.from_file(kek_path), args.row_budget_s)
+            bench.progress = lambda m: err.print(m, highlight=False)
+            t0 = time.perf_counter()
+            prepared: list[Shaped] = []
+            try:
+                for s in shapes:
+                    sh = bench.prepare(s, batch[s.key])
+                    prepared.append(sh)
+                    for spec in specs:
+                        if spec.available:
+                            bench.run_backend(sh, spec, args.durability)
+                        else:
+                            bench.unavailable(sh, spec)
+                    del sh
+            finally:
+                for st in list(bench.open_stores):
+                    with contextlib.suppress(Exception):
+                        st.close()
+            t1 = time.perf_counter()
+            peer_status, peer = run_lmcache(args, base, err)
+            elapsed = time.perf_counter() - t0
+    except KeyboardInterrupt:
+        err.print("interrupted: temp files removed")
+        return 130
+    facts["run time"] = f"{elapsed:.1f} s (kvoffload rows {t1 - t0:.1f} s)"
+    facts["load average at end (1/5/15 min)"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    keys = [s.key for s in shapes]
+    targets = ceiling_targets(bench.results, keys, args.durability)
+    peer_cmp = peer_targets(bench.results, peer, keys) if peer is not None else []
+    render(console, facts, prepared, specs, bench, targets, peer_status, peer, peer_cmp)
+    if args.json is not None:
+        doc = {
+            "machine": facts,
+            "config": {
+                "quick": args.quick,
+                "durability": args.durability,
+                "backends": args.backend,
+                "row_budget_s": args.row_budget_s,
+                "shapes": [
+                    asdict(sh.shape) | {"payload": sh.shape.payload, "batch": sh.batch}
+                    for sh in prepared
+                ],
+            },
+            "backends": [asdict(s) for s in specs],
+            "auto": asdict(auto),
+            "method": METHOD,
+            "bounds": BOUNDS,
+            "cold_method": bs.COLD_METHOD,
+            "ceilings": [r.to_json() for r in bench.cpu_results]
+            + [r.to_json() for r in bench.results if r.kind == "ceiling"],
+            "rows": [r.to_json() for r in bench.results if r.kind == "kvoffload"],
+            "unavailable": [
+                {"backend": r.backend, "shape": r.shape, "reason": r.name}
+                for r in bench.results
+                if r.kind == "unavailable"
+            ],
+            "targets": [t.to_json() for t in targets],
+            "lmcache": {
+                "status": peer_status,
+                "result": peer,
+                "comparison": [t.to_json() for t in peer_cmp],
+                "howto": LMCACHE_HOWTO,
+            },
+        }
+        args.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
