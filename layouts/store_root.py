@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import uuid
@@ -27,10 +28,19 @@ class LayoutInfo:
     params: dict[str, Any]
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+#: Some network filesystems refuse fsync on a directory; their metadata
+#: operations are synchronous on the server anyway.
+NO_DIRSYNC_ERRNOS = frozenset({errno.EINVAL, errno.EOPNOTSUPP})
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory (after creating or renaming an entry in it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in NO_DIRSYNC_ERRNOS:
+            raise
     finally:
         os.close(fd)
 
@@ -66,7 +76,7 @@ def create_root(root: Path, version: int = MAX_LAYOUT_VERSION) -> LayoutInfo:
         pass
     finally:
         tmp.unlink()
-    _fsync_dir(root)
+    fsync_dir(root)
     return read_layout(root)
 
 

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..layouts import v1
+from ..layouts.store_root import fsync_dir
 from .errors import StoreIOError
 
 #: ENOSPC, EDQUOT, EACCES, EROFS, EPERM will not go away by retrying.
@@ -118,14 +119,6 @@ def syncfs(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         _syncfs(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
     finally:
         os.close(fd)
 

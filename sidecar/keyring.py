@@ -41,6 +41,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvoffload.contract import TENANT_RE
 
+from ..layouts.store_root import fsync_dir
+
 __all__ = [
     "DEK_SIZE",
     "FORMAT_VERSION",
@@ -90,7 +92,6 @@ _READ_ATTEMPTS = 3
 # NFS client may still hold a negative lookup for it for a moment.
 _LOST_RACE_WAITS_S = (0.0, 0.05, 0.1, 0.2, 0.4)
 _NO_LOCK_ERRNOS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
-_NO_DIRSYNC_ERRNOS = frozenset({errno.EINVAL, errno.EOPNOTSUPP})
 
 
 class KeyringError(Exception):
@@ -111,16 +112,8 @@ def _now() -> str:
 
 def _fsync_dir(path: Path) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(path)
     except OSError as exc:
-        # Some network filesystems refuse fsync on a directory; their
-        # metadata operations are synchronous on the server anyway.
-        if exc.errno in _NO_DIRSYNC_ERRNOS:
-            return
         raise KeyringError(f"cannot fsync directory {path}: {exc}") from exc
 
 
