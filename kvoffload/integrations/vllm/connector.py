@@ -1,0 +1,158 @@
+"""``KVOffloadConnector``: the class vLLM loads through ``kv_connector_module_path``.
+
+vLLM builds the connector twice, in different processes: with role SCHEDULER
+next to the scheduler, and with role WORKER in each GPU worker. This facade
+validates the settings and derives the contract in both, then builds only
+the half its role needs (:mod:`.scheduler` or :mod:`.worker`) and forwards
+vLLM's hooks to it. A hook of the other role is a vLLM bug and raises.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from .common import EngineContracts, KVOffloadMetadata, KVOffloadSettings, KVOffloadWorkerMetadata
+from .scheduler import KVOffloadScheduler
+from .worker import KVOffloadWorker
+
+log = logging.getLogger(__name__)
+
+
+class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    # Hits come from the node's NVMe or a shared filesystem (vLLM's metrics label).
+    _cache_hit_source = CacheHitSource.DISK
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = KVOffloadSettings.from_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config
+        )
+        self.contracts = EngineContracts.from_vllm(vllm_config, kv_cache_config, self.settings)
+        self._scheduler: KVOffloadScheduler | None = None
+        self._worker: KVOffloadWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                log.warning(
+                    "kvoffload: kv_load_failure_policy=%r fails a request whose cached chunk "
+                    "cannot be loaded (evicted, purged, sidecar down); set 'recompute' to "
+                    "recompute it instead",
+                    self._kv_transfer_config.kv_load_failure_policy,
+                )
+            self._scheduler = KVOffloadScheduler(
+                vllm_config,
+                self.settings,
+                self.contracts,
+                consumer=bool(self._kv_transfer_config.is_kv_consumer),
+                producer=bool(self._kv_transfer_config.is_kv_producer),
+            )
+        else:
+            self._worker = KVOffloadWorker(
+                vllm_config, kv_cache_config, self.settings, self.contracts
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a save lost to a preemption is a later miss,
+        # not an undelivered hand-off (vLLM's default ties this to kv_producer).
+        return False
+
+    @property
+    def scheduler_side(self) -> KVOffloadScheduler:
+        if self._scheduler is None:
+            raise RuntimeError("kvoffload: scheduler hook called on a WORKER connector")
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> KVOffloadWorker:
+        if self._worker is None:
+            raise RuntimeError("kvoffload: worker hook called on a SCHEDULER connector")
+        return self._worker
+
+    def _metadata(self) -> KVOffloadMetadata:
+        meta = self._connector_metadata
+        if not isinstance(meta, KVOffloadMetadata):
+            raise TypeError(f"kvoffload: bound connector metadata is {type(meta).__name__}")
+        return meta
+
+    # -- worker role -------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        if isinstance(kv_connector_metadata, KVOffloadMetadata):
+            self.worker_side.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.worker_side.start_load_kv(self._metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Nothing to wait for per layer: a chunk object arrives with all its
+        # layers at once, so a sync load completes inside start_load_kv
+        # (which vLLM calls before the forward pass), and an async load
+        # belongs to a request that is not in this step's batch.
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        # Saving happens in wait_for_save: a chunk object needs every layer,
+        # and the saved chunks are ones vLLM processed in earlier steps (see
+        # scheduler.py), whose blocks no layer of this forward writes.
+        return
+
+    def wait_for_save(self) -> None:
+        self.worker_side.wait_for_save(self._metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        return self.worker_side.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVOffloadWorkerMetadata | None:
+        return self._worker.build_connector_worker_meta() if self._worker is not None else None
+
+    # -- scheduler role --------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self.scheduler_side.bind_kv_cache_manager(kv_cache_manager)
+
+    def on_new_request(self, request: Any) -> None:
+        self.scheduler_side.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
+        return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler_side.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request, block_ids)
+
+    # -- both ------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()

@@ -1,0 +1,382 @@
+"""Scheduler side of the connector: lookups, load plans, save plans, block holds.
+
+It runs in vLLM's engine-core process, next to the scheduler, and never
+touches KV bytes. It computes every chunk key (it alone has the tokens), asks
+the sidecar how many leading chunks it holds, tells the workers which blocks
+to fill from which keys and which blocks to save under which keys, and keeps
+a finished request's blocks alive until the workers have saved them.
+
+What gets saved, and when: at each step, the chunks of a scheduled request
+that vLLM has *processed* (``num_computed_tokens - num_in_flight_tokens``,
+i.e. after ``update_from_output`` accepted them, truncated them for a failed
+load, or dropped rejected draft tokens) and that the store does not hold yet.
+Saving one step behind the forward pass is what keeps the store clean: KV
+computed on top of a prefix whose load later turns out to have failed on
+some worker is never saved, since vLLM rewinds the request before the next
+step. A request that finishes with chunks still unsaved (or saves still
+running) keeps its blocks: ``request_finished`` returns True and the
+workers report it in ``finished_sending`` once its saves are done.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.v1.request import RequestStatus
+
+from ...keys import next_key, root_key
+from ...protocol import ALIGNMENT
+from . import common
+from .common import (
+    ChunkRef,
+    EngineContracts,
+    KVOffloadMetadata,
+    KVOffloadSettings,
+    KVOffloadWorkerMetadata,
+    LoadJob,
+    SaveJob,
+)
+
+log = logging.getLogger(__name__)
+
+#: vLLM's block pool reserves block 0 as the "null" block (placeholder for
+#: skipped positions); no real KV lives there.
+_NULL_BLOCK_ID = 0
+
+_CACHE_SALT_TAG = b"kvo-cache-salt\x00"
+_MM_TAG = b"kvo-mm\x00"
+
+
+@dataclass
+class _RequestState:
+    request: Any  # vllm.v1.request.Request
+    lora_id: str | None
+    salt: bytes | None = None
+    # Chunk keys computed so far, one list per shard (equal lengths).
+    keys: list[list[bytes]] = field(default_factory=list)
+    # The last get_num_new_matched_tokens: where vLLM's own hit ended, and
+    # how many tokens the sidecar holds.
+    query_start: int = 0
+    query_hit: int = 0
+    # Chunks [0, next_save_chunk) are in the store or being saved.
+    next_save_chunk: int = 0
+    pending_saves: set[int] = field(default_factory=set)
+    # Blocks of the last load, block id -> chunk index, until its outcome is known.
+    load_blocks: dict[int, int] = field(default_factory=dict)
+    load_async: bool = False
+    load_emitted: bool = False
+
+
+@dataclass
+class _SaveStatus:
+    req_id: str
+    remaining: int  # workers that have not reported the job done
+
+
+def offloadable(request: Any) -> bool:
+    """Whether a request's KV is a function of its token ids (so chunk keys can name it).
+
+    Prompt embeddings have no token ids; a resumable streaming session may
+    still replace its last token, after its chunk was keyed.
+    """
+    return (
+        request.prompt_token_ids is not None
+        and getattr(request, "prompt_embeds", None) is None
+        and not getattr(request, "resumable", False)
+    )
+
+
+def lora_id(request: Any) -> str | None:
+    """The adapter's name: the stable identity across engines (``lora_int_id`` is a
+    per-engine slot number, and adapter paths differ between nodes)."""
+    lora = getattr(request, "lora_request", None)
+    return None if lora is None else str(lora.lora_name)
+
+
+def chunk_extra_keys(request: Any, chunk: int, chunk_tokens: int) -> list[bytes]:
+    """Extra keys entering chunk ``chunk``'s key.
+
+    ``cache_salt`` enters the first chunk: keys chain, so every chunk of the
+    request then depends on it, exactly as vLLM folds it into its first block
+    hash. It is not made part of the namespace because the namespace is the
+    contract fingerprint, which the sidecar sees, indexes and accounts per
+    value: a per-user salt would turn one namespace into thousands and show
+    up in ``kvoffload ls``, while as an extra key it never leaves the worker.
+    Multimodal inputs enter every chunk their placeholder tokens overlap.
+    """
+    out: list[bytes] = []
+    salt = getattr(request, "cache_salt", None)
+    if chunk == 0 and salt:
+        out.append(_CACHE_SALT_TAG + str(salt).encode())
+    lo, hi = chunk * chunk_tokens, (chunk + 1) * chunk_tokens
+    for feature in getattr(request, "mm_features", None) or ():
+        pos = feature.mm_position
+        if pos.offset < hi and pos.offset + pos.length > lo:
+            out.append(_MM_TAG + str(feature.identifier).encode())
+    return out
+
+
+class KVOffloadScheduler:
+    def __init__(
+        self,
+        vllm_config: Any,
+        settings: KVOffloadSettings,
+        contracts: EngineContracts,
+        *,
+        consumer: bool,
+        producer: bool,
+    ) -> None:
+        self._settings = settings
+        self._contracts = contracts
+        self._consumer = consumer
+        self._producer = producer
+        self._async_load = settings.load_mode == "async"
+        self._ct = contracts.chunk_tokens
+        self._bs = contracts.block_size
+        self._blocks_per_chunk = self._ct // self._bs
+        self._num_workers = int(vllm_config.parallel_config.world_size)
+        # Lookups only: the staging buffer is never used, keep it minimal.
+        self._client = common.make_client(
+            settings, name="kvoffload-vllm-scheduler", staging_bytes=ALIGNMENT
+        )
+        self._requests: dict[str, _RequestState] = {}
+        self._roots: dict[tuple[str | None, int, bytes], bytes] = {}
+        self._pending_loads: list[LoadJob] = []
+        self._pending_saves: list[SaveJob] = []
+        self._saves: dict[int, _SaveStatus] = {}
+        self._next_job_id = 1
+        self._newly_held: set[str] = set()
+        self._held: set[str] = set()
+        self._kv_cache_manager: Any = None
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """Fallback source of block tables when a step carries no block state."""
+        self._kv_cache_manager = kv_cache_manager
+
+    def on_new_request(self, request: Any) -> None:
+        self._state(request)
+
+    # -- keys ------------------------------------------------------------------
+
+    def _state(self, request: Any) -> _RequestState:
+        st = self._requests.get(request.request_id)
+        if st is None or st.request is not request:
+            st = _RequestState(request, lora_id(request))
+            self._requests[request.request_id] = st
+        return st
+
+    def _keys(self, st: _RequestState, n_chunks: int) -> list[list[bytes]] | None:
+        """Keys of chunks [0, n_chunks) for every shard; None if the sidecar is unreachable."""
+        salt = self._client.salt
+        if salt is None:
+            return None
+        if st.salt != salt:
+            # First use, or the sidecar now serves another store: start over.
+            st.salt = salt
+            st.keys = [[] for _ in range(self._contracts.num_shards)]
+        have = len(st.keys[0])
+        if have < n_chunks:
+            tokens = st.request.all_token_ids
+            ct = self._ct
+            for c in range(have, n_chunks):
+                chunk_tokens = tokens[c * ct : (c + 1) * ct]
+                extra = chunk_extra_keys(st.request, c, ct)
+                for shard, shard_keys in enumerate(st.keys):
+                    parent = shard_keys[-1] if shard_keys else self._root(st.lora_id, shard, salt)
+                    shard_keys.append(next_key(parent, salt, chunk_tokens, extra))
+        return [k[:n_chunks] for k in st.keys]
+
+    def _root(self, lora: str | None, shard: int, salt: bytes) -> bytes:
+        k = (lora, shard, salt)
+        r = self._roots.get(k)
+        if r is None:
+            r = self._roots[k] = root_key(self._contracts.namespace(lora, shard), salt)
+        return r
+
+    # -- loads -------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if not self._consumer or not offloadable(request):
+            return 0, False
+        # Whole chunks only, and never the last token: vLLM must compute at
+        # least one token to sample the next.
+        n_max = (request.num_tokens - 1) // self._ct
+        st = self._state(request)
+        st.query_start, st.query_hit = num_computed_tokens, 0
+        if n_max * self._ct <= num_computed_tokens:
+            return 0, False  # vLLM's own prefix cache covers all we could add
+        keys = self._keys(st, n_max)
+        if keys is None:
+            return 0, False
+        found = n_max
+        for shard_keys in keys:
+            # Every shard must hold the chunk: a worker without it could not load.
+            found = min(found, self._client.lookup(shard_keys[:found]))
+            if found == 0:
+                break
+        st.query_hit = found * self._ct
+        # The store holds these chunks: a later save of them would only hear "exists".
+        st.next_save_chunk = max(st.next_save_chunk, found)
+        if st.query_hit <= num_computed_tokens:
+            return 0, False
+        log.debug(
+            "kvoffload: %s: sidecar holds %d of %d tokens, vLLM's cache %d",
+            request.request_id,
+            st.query_hit,
+            request.num_tokens,
+            num_computed_tokens,
+        )
+        return st.query_hit - num_computed_tokens, self._async_load
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        st = self._requests.get(request.request_id)
+        start = st.query_start if st is not None else 0
+        end = start + num_external_tokens
+        if st is None or end > st.query_hit or not st.keys:
+            # vLLM only grants what get_num_new_matched_tokens offered.
+            raise RuntimeError(
+                f"vLLM asked kvoffload to load tokens [{start}, {end}) of request "
+                f"{request.request_id}, more than the lookup offered"
+            )
+        block_ids = list(blocks.get_block_ids()[0])
+        bs, bpc = self._bs, self._blocks_per_chunk
+        first_blk, end_blk = start // bs, -(-end // bs)
+        chunks: list[ChunkRef] = []
+        st.load_blocks = {}
+        for c in range(first_blk // bpc, -(-end_blk // bpc)):
+            lo, hi = max(c * bpc, first_blk), min((c + 1) * bpc, end_blk)
+            ids = tuple(block_ids[lo:hi])
+            chunks.append(ChunkRef(c, tuple(k[c] for k in st.keys), ids, first_block=lo - c * bpc))
+            st.load_blocks.update((b, c) for b in ids)
+        st.load_async = self._async_load
+        st.load_emitted = False
+        self._pending_loads.append(LoadJob(request.request_id, tuple(chunks), self._async_load))
+
+    # -- saves -----------------------------------------------------------------------
+
+    def _plan_save(self, st: _RequestState, block_ids: list[int]) -> SaveJob | None:
+        """A job saving every processed, unsaved whole chunk of the request, if any."""
+        req = st.request
+        processed = min(req.num_computed_tokens - req.num_in_flight_tokens, req.num_tokens)
+        end = min(processed // self._ct, len(block_ids) // self._blocks_per_chunk)
+        if end <= st.next_save_chunk:
+            return None
+        keys = self._keys(st, end)
+        if keys is None:
+            return None  # sidecar unreachable: try again at a later step
+        bpc = self._blocks_per_chunk
+        chunks = []
+        for c in range(st.next_save_chunk, end):
+            ids = tuple(block_ids[c * bpc : (c + 1) * bpc])
+            if _NULL_BLOCK_ID in ids:
+                continue
+            chunks.append(ChunkRef(c, tuple(k[c] for k in keys), ids))
+        st.next_save_chunk = end
+        if not chunks:
+            return None
+        job = SaveJob(
+            self._next_job_id,
+            req.request_id,
+            tuple(
+                self._contracts.namespace(st.lora_id, s) for s in range(self._contracts.num_shards)
+            ),
+            tuple(chunks),
+        )
+        self._next_job_id += 1
+        self._saves[job.job_id] = _SaveStatus(req.request_id, self._num_workers)
+        st.pending_saves.add(job.job_id)
+        return job
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
+        meta = KVOffloadMetadata(
+            loads=self._pending_loads,
+            saves=self._pending_saves,
+            held_req_ids=self._newly_held,
+            preempted_req_ids=set(scheduler_output.preempted_req_ids or ()),
+        )
+        self._pending_loads, self._pending_saves, self._newly_held = [], [], set()
+        for load in meta.loads:
+            st = self._requests.get(load.req_id)
+            if st is not None:
+                st.load_emitted = True
+        if self._producer:
+            block_state = scheduler_output.kv_connector_block_state
+            for req_id in scheduler_output.num_scheduled_tokens:
+                st = self._requests.get(req_id)
+                if st is None or not offloadable(st.request):
+                    continue
+                groups = block_state.get_block_ids(req_id) if block_state is not None else None
+                if groups is None and self._kv_cache_manager is not None:
+                    groups = self._kv_cache_manager.get_block_ids(req_id)
+                if groups is None:
+                    continue
+                job = self._plan_save(st, list(groups[0]))
+                if job is not None:
+                    meta.saves.append(job)
+        return meta
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        st = self._requests.get(request.request_id)
+        if st is None:
+            return False, None
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            # Aborted while loading: vLLM itself frees the blocks once the
+            # load reports finished_recving; holding them too would free twice.
+            # Saves it started before a preemption were drained by the workers
+            # at that preemption.
+            del self._requests[request.request_id]
+            return False, None
+        if self._producer and offloadable(request):
+            job = self._plan_save(st, list(block_ids))
+            if job is not None:
+                self._pending_saves.append(job)
+        if st.pending_saves:
+            self._held.add(request.request_id)
+            self._newly_held.add(request.request_id)
+            return True, None
+        del self._requests[request.request_id]
+        return False, None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVOffloadWorkerMetadata):
+            for job_id, n in meta.completed_saves.items():
+                status = self._saves.get(job_id)
+                if status is None:
+                    continue
+                status.remaining -= n
+                if status.remaining > 0:
+                    continue
+                del self._saves[job_id]
+                st = self._requests.get(status.req_id)
+                if st is not None:
+                    st.pending_saves.discard(job_id)
+        invalid = connector_output.invalid_block_ids or set()
+        recving = connector_output.finished_recving or set()
+        for req_id, st in self._requests.items():
+            if not st.load_blocks or not st.load_emitted:
+                continue
+            failed = [c for b, c in st.load_blocks.items() if b in invalid]
+            if failed:
+                # Those chunks are not (readably) in the store after all:
+                # save them once vLLM has recomputed them.
+                st.next_save_chunk = min(st.next_save_chunk, min(failed))
+            if not st.load_async or req_id in recving:
+                st.load_blocks = {}
+        for req_id in connector_output.finished_sending or ():
+            self._held.discard(req_id)
+            self._requests.pop(req_id, None)
+
+    def has_held_requests(self) -> bool:
+        return bool(self._held)
+
+    def shutdown(self) -> None:
+        self._client.close()

@@ -1,0 +1,468 @@
+"""Worker side of the connector: moves KV between vLLM's paged blocks and the sidecar.
+
+Paged layouts
+-------------
+vLLM 0.33 hands ``register_kv_caches`` one tensor per attention layer: a
+*logical* ``[num_blocks, num_kv_heads, block_size, head_size + head_size_v]``
+view (``[B, H, N, C]``, K and V side by side in the last dimension), whose
+strides encode the physical ``KVCacheLayout`` the engine resolved for its
+backends: ``LBNHC`` (per layer, token-major: the old FlashAttention "NHD"),
+``LBHNC`` (head-major "HND": FlashInfer, the CPU backend), ``BLNHC``/``BLHNC``
+(block-outermost, all layers of a block together), ``LHBNC`` and ``BHLNC``.
+When the backend's kernel blocks are smaller than vLLM's blocks, the first
+dimension counts kernel blocks (``num_blocks × ratio``, ``block_size / ratio``
+tokens each). All of these are supported: gathers and scatters index the
+logical view and let the strides do the rest. Refused, with an error naming
+what was found: any other rank or shape (MLA's single latent head, packed or
+scaled quantized pages), a dtype or head count that disagrees with the KV
+spec, and a layer count that disagrees with the contract.
+
+Threads
+-------
+Loads and saves each have their own sidecar connection and one background
+thread, so a long save never delays a load. Async loads run on the load
+thread; sync loads run inline in ``start_load_kv``, which vLLM calls before
+the forward pass when a step carries one. Async saves gather and write on the
+save thread; the scheduler keeps the blocks of finished requests until the
+save is reported, and ``handle_preemptions`` drains saves of preempted
+requests before their blocks can be overwritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...client import ChunkTooLarge
+from ...protocol import region_size
+from . import common
+from .common import (
+    ChunkRef,
+    EngineContracts,
+    KVOffloadConfigError,
+    KVOffloadMetadata,
+    KVOffloadSettings,
+    KVOffloadWorkerMetadata,
+    LoadJob,
+    SaveJob,
+    ordered_layer_names,
+    registered_attention_backend,
+)
+
+log = logging.getLogger(__name__)
+
+
+class _BadChunk(Exception):
+    """A verified chunk whose shape does not fit this engine's cache."""
+
+
+@dataclass(frozen=True)
+class PagedCache:
+    """One shard's registered caches, each as ``[block, kernel_block, head, token, K|V]``."""
+
+    layer_names: tuple[str, ...]
+    layers: tuple[torch.Tensor, ...]
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def ratio(self) -> int:
+        return int(self.layers[0].shape[1])
+
+    def layer_nbytes(self, tokens: int) -> int:
+        """Bytes of one layer entry of a chunk of ``tokens`` tokens (K then V)."""
+        return tokens * self.num_kv_heads * 2 * self.head_dim * self.dtype.itemsize
+
+    def gather(self, block_ids: Sequence[int], n_chunks: int) -> list[torch.Tensor]:
+        """Per layer, ``[n_chunks, packed]``: row c is chunk c's layer entry."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        hd = self.head_dim
+        out = []
+        for layer in self.layers:
+            # [blocks, ratio, H, Nk, C] -> tokens in position order, [n, T, H, C]
+            x = layer[idx].permute(0, 1, 3, 2, 4).reshape(n_chunks, -1, self.num_kv_heads, 2 * hd)
+            packed = torch.cat(
+                (x[..., :hd].reshape(n_chunks, -1), x[..., hd:].reshape(n_chunks, -1)), 1
+            )
+            out.append(packed.cpu() if packed.device.type != "cpu" else packed)
+        return out
+
+    def scatter(self, chunk: ChunkRef, chunk_tokens: int, layers: Sequence[memoryview]) -> None:
+        """Write blocks ``chunk.block_ids`` from a loaded chunk's layer entries."""
+        if len(layers) != len(self.layers):
+            raise _BadChunk(f"{len(layers)} layers, this shard has {len(self.layers)}")
+        want = self.layer_nbytes(chunk_tokens)
+        for i, mv in enumerate(layers):
+            if mv.nbytes != want:
+                raise _BadChunk(f"layer {i} holds {mv.nbytes} bytes, expected {want}")
+        n = len(chunk.block_ids)
+        t0 = chunk.first_block * self.block_size
+        t1 = t0 + n * self.block_size
+        if n == 0 or t1 > chunk_tokens:
+            raise _BadChunk(f"blocks {chunk.first_block}+{n} outside a {chunk_tokens}-token chunk")
+        h, hd = self.num_kv_heads, self.head_dim
+        idx = torch.tensor(chunk.block_ids, dtype=torch.long, device=self.device)
+        half = chunk_tokens * h * hd
+        # [tokens, H, D] of n blocks -> [n, ratio, H, Nk, D], vLLM's logical order
+        shape = (n, self.ratio, -1, h, hd)
+        for layer, mv in zip(self.layers, layers, strict=True):
+            # Staging memory is read-only to us; frombuffer's "not writable"
+            # warning was consumed at registration (see _quiet_frombuffer).
+            src = torch.frombuffer(mv, dtype=torch.uint8).view(self.dtype)
+            k = src[:half].view(chunk_tokens, h, hd)[t0:t1].to(self.device)
+            v = src[half:].view(chunk_tokens, h, hd)[t0:t1].to(self.device)
+            # Index-assigning into the K and V halves of the view writes the
+            # cache itself, with no intermediate K|V tensor.
+            layer[..., :hd][idx] = k.view(shape).permute(0, 1, 3, 2, 4)
+            layer[..., hd:][idx] = v.view(shape).permute(0, 1, 3, 2, 4)
+
+
+def _quiet_frombuffer() -> None:
+    """PyTorch warns once per process that a tensor over a read-only buffer could
+    be written through. Loads only read staging memory; take that one warning
+    here, on the main thread, where catching it is safe (catch_warnings is not
+    thread-safe, and loads run on a background thread)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.frombuffer(memoryview(b"\0").toreadonly(), dtype=torch.uint8)
+
+
+def build_paged_cache(
+    kv_caches: dict[str, torch.Tensor], spec: common.KVSpec, num_blocks: int
+) -> PagedCache:
+    """Validate vLLM's per-layer views and regroup them by manager block."""
+    names = [n for n in spec.layer_names if n in kv_caches]
+    missing = [n for n in spec.layer_names if n not in kv_caches]
+    if missing or not names:
+        raise KVOffloadConfigError(
+            f"register_kv_caches lacks layers of the KV-cache group: {missing or 'all'}"
+        )
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    layers: list[torch.Tensor] = []
+    kept: list[str] = []
+    for name in ordered_layer_names(names):
+        t = kv_caches[name]
+        ident = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if ident in seen:
+            continue  # a layer reusing another layer's cache (KV sharing) is stored once
+        seen.add(ident)
+        c = 2 * spec.head_dim
+        if t.dim() != 4 or t.shape[1] != spec.num_kv_heads or t.shape[3] != c:
+            raise KVOffloadConfigError(
+                f"layer {name}: KV cache of shape {tuple(t.shape)} is not vLLM 0.33's "
+                f"[blocks, {spec.num_kv_heads} kv heads, tokens, {c} (K|V)] view; "
+                "kvoffload supports full attention with K and V of equal head size"
+            )
+        if t.shape[0] % num_blocks or t.shape[2] * (t.shape[0] // num_blocks) != spec.block_size:
+            raise KVOffloadConfigError(
+                f"layer {name}: {t.shape[0]} blocks of {t.shape[2]} tokens do not split "
+                f"{num_blocks} blocks of {spec.block_size} tokens"
+            )
+        if t.dtype != spec.dtype:
+            raise KVOffloadConfigError(f"layer {name}: dtype {t.dtype}, KV spec says {spec.dtype}")
+        layers.append(t.view(num_blocks, t.shape[0] // num_blocks, *t.shape[1:]))
+        kept.append(name)
+    if len({(t.shape, t.device) for t in layers}) != 1:
+        raise KVOffloadConfigError("the layers' KV caches differ in shape or device")
+    _quiet_frombuffer()
+    return PagedCache(
+        layer_names=tuple(kept),
+        layers=tuple(layers),
+        block_size=spec.block_size,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        dtype=spec.dtype,
+        device=layers[0].device,
+    )
+
+
+class _Stream:
+    """Where background copies run: a side CUDA stream on a GPU, inline on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._stream = (
+            torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            if device.type == "cuda"
+            else None
+        )
+
+    def mark(self) -> Any:
+        """An event after everything queued so far on the current stream (the forward)."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+        return event
+
+    @contextmanager
+    def active(self, after: Any = None) -> Iterator[None]:
+        if self._stream is None:
+            yield
+            return
+        with torch.cuda.stream(self._stream):
+            if after is not None:
+                self._stream.wait_event(after)
+            yield
+        # Reported done means the bytes are in place.
+        self._stream.synchronize()
+
+
+def local_ranks(vllm_config: Any) -> tuple[int, int]:
+    """(tp_rank, pp_rank) of this worker process."""
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size == 1 and pc.pipeline_parallel_size == 1:
+        return 0, 0
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    return int(get_tp_group().rank_in_group), int(get_pp_group().rank_in_group)
+
+
+class KVOffloadWorker:
+    def __init__(
+        self,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        settings: KVOffloadSettings,
+        contracts: EngineContracts,
+    ) -> None:
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self._settings = settings
+        self._contracts = contracts
+        tp_rank, pp_rank = local_ranks(vllm_config)
+        self._shard = contracts.shard_index(tp_rank, pp_rank)
+        self._num_layers = contracts.layers_per_stage[pp_rank]
+        self._ct = contracts.chunk_tokens
+        self._async_save = settings.save_mode == "async"
+        rank = f"tp{tp_rank}pp{pp_rank}"
+        self._load_client = common.make_client(
+            settings, name=f"kvoffload-vllm-{rank}-load", staging_bytes=settings.staging_bytes
+        )
+        self._save_client = common.make_client(
+            settings, name=f"kvoffload-vllm-{rank}-save", staging_bytes=settings.staging_bytes
+        )
+        self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-load")
+        self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-save")
+        self._cache: PagedCache | None = None
+        self._load_stream: _Stream | None = None
+        self._save_stream: _Stream | None = None
+        self._loads: dict[str, Future[set[int]]] = {}
+        self._load_errors: set[int] = set()
+        self._saves: dict[int, tuple[str, Future[None]]] = {}
+        self._req_saves: dict[str, set[int]] = {}
+        self._held: set[str] = set()
+        self._completed_saves: list[int] = []
+
+    # -- registration ----------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        spec = self._contracts.spec
+        cache = build_paged_cache(kv_caches, spec, int(self._kv_cache_config.num_blocks))
+        if len(cache.layers) != self._num_layers:
+            raise KVOffloadConfigError(
+                f"this worker holds {len(cache.layers)} KV caches, the contract says "
+                f"{self._num_layers} layers for its pipeline stage"
+            )
+        expected = self._contracts.base.attention_backend
+        actual = registered_attention_backend(self._vllm_config, cache.layer_names)
+        if actual is not None and actual != expected:
+            raise KVOffloadConfigError(
+                f"the workers run attention backend {actual}, the scheduler derived {expected}; "
+                "pin it with --attention-backend (or kv_connector_extra_config.attention_backend)"
+            )
+        packed = region_size([cache.layer_nbytes(self._ct)] * len(cache.layers))
+        if packed > self._settings.staging_bytes:
+            raise KVOffloadConfigError(
+                f"kv_connector_extra_config.staging_bytes ({self._settings.staging_bytes}) is "
+                f"smaller than one chunk ({packed} bytes): raise it or lower chunk_tokens"
+            )
+        self._cache = cache
+        self._load_stream = _Stream(cache.device)
+        self._save_stream = _Stream(cache.device)
+        log.info(
+            "kvoffload: %d layers, %d kv heads × %d, %s, %d-token blocks in %d-token chunks "
+            "(%d bytes each), shard %d of %d",
+            len(cache.layers),
+            cache.num_kv_heads,
+            cache.head_dim,
+            cache.dtype,
+            cache.block_size,
+            self._ct,
+            packed,
+            self._shard,
+            self._contracts.num_shards,
+        )
+
+    def _require_cache(self) -> PagedCache:
+        if self._cache is None:
+            raise RuntimeError("kvoffload: KV transfer requested before register_kv_caches")
+        return self._cache
+
+    # -- loads -------------------------------------------------------------------
+
+    def start_load_kv(self, meta: KVOffloadMetadata) -> None:
+        # Async loads write on a side stream: order them after what this step
+        # queued on the main one (vLLM zeroes newly allocated blocks there).
+        background = any(job.is_async for job in meta.loads)
+        after = self._load_stream.mark() if background and self._load_stream else None
+        for job in meta.loads:
+            if job.is_async:
+                self._loads[job.req_id] = self._load_pool.submit(self._run_load, job, True, after)
+            else:
+                # The step's forward reads these blocks right after this returns.
+                self._load_errors |= self._run_load(job, False, None)
+
+    def _run_load(self, job: LoadJob, background: bool, after: Any) -> set[int]:
+        """Load a request's chunks; the block ids that did not get verified data."""
+        cache = self._require_cache()
+        chunks = job.chunks
+        done = 0  # chunks [0, done) are in their blocks
+        stop = False
+
+        def into(i: int, key: bytes, layers: Sequence[memoryview]) -> None:
+            nonlocal done, stop
+            if stop or i != done:
+                return  # nothing after a failure counts as loaded
+            try:
+                cache.scatter(chunks[i], self._ct, layers)
+            except _BadChunk as exc:
+                log.warning("kvoffload: chunk %d of %s unusable: %s", i, job.req_id, exc)
+                stop = True
+                return
+            done = i + 1
+
+        try:
+            with self._background(self._load_stream if background else None, after):
+                results = self._load_client.load([c.keys[self._shard] for c in chunks], into)
+            verified = next((i for i, r in enumerate(results) if not r.ok), len(results))
+            done = min(done, verified)
+        except Exception:
+            log.exception("kvoffload: load for %s failed", job.req_id)
+        return {b for c in chunks[done:] for b in c.block_ids}
+
+    @staticmethod
+    def _background(stream: _Stream | None, after: Any) -> AbstractContextManager[None]:
+        return stream.active(after) if stream is not None else nullcontext()
+
+    # -- saves -------------------------------------------------------------------
+
+    def wait_for_save(self, meta: KVOffloadMetadata) -> None:
+        if meta.saves:
+            cache = self._require_cache()
+            after = self._save_stream.mark() if self._save_stream is not None else None
+            for job in meta.saves:
+                if self._async_save:
+                    fut = self._save_pool.submit(self._run_save, cache, job, after)
+                    self._saves[job.job_id] = (job.req_id, fut)
+                    self._req_saves.setdefault(job.req_id, set()).add(job.job_id)
+                else:
+                    self._run_save(cache, job, None)
+                    self._completed_saves.append(job.job_id)
+        # Registered only now, after this step's saves: get_finished may run
+        # before wait_for_save (deferred finalize), and must not report a held
+        # request whose last save has not even been submitted.
+        self._held |= meta.held_req_ids
+
+    def _run_save(self, cache: PagedCache, job: SaveJob, after: Any) -> None:
+        try:
+            with self._background(self._save_stream, after):
+                self._save(cache, job)
+        except Exception:
+            # A lost save is a later miss; the blocks must be released regardless.
+            log.exception("kvoffload: save job %d of %s failed", job.job_id, job.req_id)
+
+    def _save(self, cache: PagedCache, job: SaveJob) -> None:
+        namespace = job.namespaces[self._shard]
+        bpc = self._ct // cache.block_size
+        per_chunk = region_size([cache.layer_nbytes(self._ct)] * len(cache.layers))
+        # Gather at most a staging buffer's worth at a time: the client sends
+        # in batches of that size anyway, and a long prompt would otherwise
+        # materialize all its chunks in host memory at once.
+        group = max(1, self._settings.staging_bytes // per_chunk)
+        stored = 0
+        if any(len(c.block_ids) != bpc for c in job.chunks):
+            raise ValueError(f"save job {job.job_id}: a chunk without {bpc} blocks")
+        for g in range(0, len(job.chunks), group):
+            chunks = job.chunks[g : g + group]
+            layers = cache.gather([b for c in chunks for b in c.block_ids], len(chunks))
+            items = [
+                (c.keys[self._shard], [layer[i] for layer in layers]) for i, c in enumerate(chunks)
+            ]
+            try:
+                ok = self._save_client.save(namespace, items, ttl_s=self._settings.ttl_s)
+            except ChunkTooLarge:
+                log.exception("kvoffload: chunk larger than the staging buffer")
+                return
+            stored += sum(ok)
+        log.debug("kvoffload: job %d stored %d/%d chunks", job.job_id, stored, len(job.chunks))
+
+    def handle_preemptions(self, meta: KVOffloadMetadata) -> None:
+        """Finish the saves still reading preempted requests' blocks: vLLM has
+        already handed those blocks to others, and this step's forward writes them."""
+        waited = False
+        for req_id in meta.preempted_req_ids:
+            for job_id in list(self._req_saves.get(req_id, ())):
+                self._saves[job_id][1].result()
+                waited = True
+        if waited:
+            self._poll_saves()
+
+    # -- reports -----------------------------------------------------------------
+
+    def _poll_saves(self) -> None:
+        for job_id, (req_id, fut) in list(self._saves.items()):
+            if not fut.done():
+                continue
+            del self._saves[job_id]
+            self._completed_saves.append(job_id)
+            jobs = self._req_saves.get(req_id)
+            if jobs is not None:
+                jobs.discard(job_id)
+                if not jobs:
+                    del self._req_saves[req_id]
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(held requests whose saves are all done, requests whose async load is done).
+
+        ``finished_req_ids`` is not needed: the scheduler names the requests
+        whose blocks it holds in the metadata (``held_req_ids``), and those are
+        the only ones that may appear in finished_sending.
+        """
+        self._poll_saves()
+        sending = {r for r in self._held if r not in self._req_saves}
+        self._held -= sending
+        recving: set[str] = set()
+        for req_id, fut in list(self._loads.items()):
+            if fut.done():
+                del self._loads[req_id]
+                recving.add(req_id)
+                # Reported with the same step as finished_recving, as vLLM requires.
+                self._load_errors |= fut.result()
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_connector_worker_meta(self) -> KVOffloadWorkerMetadata | None:
+        if not self._completed_saves:
+            return None
+        done, self._completed_saves = self._completed_saves, []
+        return KVOffloadWorkerMetadata({job: 1 for job in done})
+
+    def shutdown(self) -> None:
+        # Let running saves finish (they hold nothing vLLM needs back now).
+        self._save_pool.shutdown(wait=True)
+        self._load_pool.shutdown(wait=True)
+        self._load_client.close()
+        self._save_client.close()
