@@ -1,0 +1,1228 @@
+"""Benchmark a real sidecar process, driven by SidecarClient, against the machine's ceilings.
+
+For each chosen durability the benchmark starts ``python -m kvoffload.cli
+--config <toml> serve`` (cwd: a temp dir under ``--dir``; durability through
+``KVOFFLOAD_STORE_DURABILITY``; a policy that grants this uid every tenant and
+makes tenant ``plain`` plaintext, every other tenant AES-256-GCM) and measures,
+from this client process:
+
+kvoffload
+    ``SidecarClient.save`` (batches of ``--batch`` chunks per call) and
+    ``SidecarClient.load`` (same batches, an ``into`` callback copying every
+    layer into a pre-touched destination buffer), sealed (tenant ``bench``) and
+    plain (tenant ``plain``), cold and warm, for a Llama-3-8B-shaped chunk and a
+    small one; and the latency of ``lookup`` of 64 (and of 1) present keys.
+ceilings (same run, same directory)
+    memcpy, AES-256-GCM ``encrypt_into`` / ``decrypt_into`` per layer and
+    XXH3-128 (one thread; from ``bench_store.py``); a raw write of the very
+    object bytes at the row's durability (fsync + directory fsync at ``object``,
+    none at ``none``), with O_DIRECT when the file system takes it and buffered;
+    a raw cold read of them, O_DIRECT and buffered; a warm (buffered) read; and
+    for ``lookup`` the round trip of a message of the same size between two
+    Python processes over a Unix socket pair. A row's ratio is to the faster of
+    the O_DIRECT and buffered ceilings, measured in the same interleaved loop.
+
+Every kvoffload row runs interleaved op by op with its ceiling(s); the ratio of
+each row to its ceiling is printed with the targets (not assertions): sealed
+save >= 0.8x raw write, sealed cold load >= 0.8x raw cold read, lookup p99 < 0.5 ms.
+
+Usage::
+
+    .venv/bin/python scripts/bench_sidecar.py                  # ~2 min on 2 cores
+    .venv/bin/python scripts/bench_sidecar.py --quick          # seconds
+    .venv/bin/python scripts/bench_sidecar.py --dir /mnt/nvme --json out.json
+    .venv/bin/python scripts/bench_sidecar.py --quick --profile /tmp/prof   # cProfile both sides
+
+Nothing is left behind: sidecars are stopped and the temp dir removed on exit,
+Ctrl-C and SIGTERM (and a sidecar dies with the benchmark even on SIGKILL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import ctypes
+import ctypes.util
+import hashlib
+import importlib
+import io
+import json
+import logging
+import mmap
+import os
+import pstats
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from kvoffload.client import SidecarClient, fetch_stats
+from kvoffload.layouts import v1
+from kvoffload.protocol import (
+    Lookup,
+    LookupReply,
+    ProtocolError,
+    encode_frame,
+    reply_message,
+    request_message,
+)
+from kvoffload.transport import TransportError
+
+if TYPE_CHECKING:
+    import bench_store as bs
+else:
+    _HERE = str(Path(__file__).resolve().parent)
+    if _HERE not in sys.path:
+        sys.path.insert(0, _HERE)
+    bs = importlib.import_module("bench_store")
+
+MiB = bs.MiB
+SEALED_TENANT = bs.TENANT  # default tenant policy: AES-256-GCM
+PLAIN_TENANT = "plain"  # [tenants.plain] encryption = "none"
+TENANTS = {"sealed": SEALED_TENANT, "plain": PLAIN_TENANT}
+FORMATS = bs.FORMATS
+DURABILITIES = bs.DURABILITIES
+DEFAULT_DURABILITIES = ("object", "none")
+LOOKUP_KEYS = 64
+TARGETS = {  # row name -> minimum x ceiling; printed next to the ratio, never asserted
+    "save sealed": 0.8,
+    "load sealed cold": 0.8,
+}
+LOOKUP_TARGET_P99_US = 500.0
+
+METHOD = (
+    "GB/s = payload bytes of the timed calls / sum of their wall times (1 GB = 1e9 B), after "
+    "1 untimed warm-up call; one op = one save()/load() call of --batch chunks (and, for raw "
+    "rows, the same chunks' object files); p50 = median latency of one op. Raw I/O rows are "
+    "quoted in payload-equivalent GB/s, so x ceil is the ratio of times for the same objects; "
+    "'file GB/s' counts object-file bytes. Each kvoffload row runs interleaved op by op with "
+    "its ceilings (rotating which goes first). Client buffers are page-aligned mmaps."
+)
+SERIAL_BOUND = (
+    "serial bound: 1 / sum(1/GB/s) of the raw I/O ceiling and the CPU stages the row must run "
+    "one after the other (client and sidecar take turns): save sealed = client memcpy into "
+    "staging + AES-GCM seal + write; save plain = memcpy + memcpy + XXH3 + write; load sealed = "
+    "read + AES-GCM open + client memcpy out; load plain = read + memcpy + XXH3 + memcpy."
+)
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class Row(bs.Result):
+    """A throughput row (kvoffload or ceiling); ``payload_bytes`` is per op (a batch)."""
+
+    chunks_per_op: int = 1
+    method: str = ""
+    target: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d = super().to_json()
+        d["meets_target"] = None if self.target is None else (self.ratio or 0) >= self.target
+        return d
+
+
+@dataclass
+class Latency:
+    kind: str  # "ceiling" | "kvoffload"
+    name: str
+    durability: str
+    ops: int
+    p50_us: float
+    p99_us: float
+    mean_us: float
+    max_us: float
+    ceiling: str | None = None
+    ceiling_p50_us: float | None = None
+    ceiling_p99_us: float | None = None
+    target_p99_us: float | None = None
+
+    @property
+    def id(self) -> str:
+        return f"{self.durability}/{self.name}"
+
+    @classmethod
+    def of(cls, kind: str, name: str, dur: str, lat: Sequence[float]) -> Latency:
+        a = np.asarray(lat, dtype=np.float64) * 1e6
+        return cls(
+            kind,
+            name,
+            dur,
+            len(lat),
+            float(np.percentile(a, 50)),
+            float(np.percentile(a, 99)),
+            float(a.mean()),
+            float(a.max()),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["id"] = self.id
+        if self.target_p99_us is not None:
+            d["meets_target"] = self.p99_us < self.target_p99_us
+        return d
+
+
+# --------------------------------------------------------------------------- per-shape data
+
+
+@dataclass
+class ShapeData:
+    shape: bs.Shape
+    batch: int
+    payload: npt.NDArray[np.uint8]
+    layers: list[memoryview]
+    images: dict[str, memoryview]  # the object file bytes per format, exact length
+    padded: dict[str, memoryview]  # the same, zero-padded to 4 KiB (O_DIRECT writes)
+    cpu: dict[str, bs.Result]
+
+    @property
+    def ops(self) -> int:
+        """Timed ops per row (upper bound): the shape's chunks in batches, at least 3."""
+        return max(3, self.shape.chunks // self.batch)
+
+    def file_bytes(self, fmt: str) -> int:
+        return len(self.images[fmt])
+
+
+def prepare(shape: bs.Shape, batch: int, budget_s: float) -> ShapeData:
+    cpu = bs.cpu_ceilings(shape, min(budget_s, 0.3))
+    payload = bs.random_payload(shape.payload, 2)
+    layers = bs.split_layers(payload, shape)
+    images: dict[str, memoryview] = {}
+    padded: dict[str, memoryview] = {}
+    for fmt in FORMATS:
+        img = bs.object_image(shape, layers, fmt)
+        pad = bs._mv(bs.touched(v1.align_up(len(img), v1.ALIGN)))
+        pad[: len(img)] = img
+        images[fmt] = img
+        padded[fmt] = pad
+    return ShapeData(shape, batch, payload, layers, images, padded, cpu)
+
+
+def chunk_key(shape: bs.Shape, fmt: str, i: int) -> bytes:
+    return bs.chunk_key(shape, fmt, i)
+
+
+# --------------------------------------------------------------------------- raw I/O
+
+
+def supports_o_direct(d: Path) -> bool:
+    """Whether the file system under ``d`` takes an aligned O_DIRECT write."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    probe = d / ".o_direct-probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flag | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return False
+    try:
+        buf = mmap.mmap(-1, v1.ALIGN)
+        try:
+            os.write(fd, buf)
+        except OSError:
+            return False
+        finally:
+            buf.close()
+        return True
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
+
+
+def direct_writer(
+    d: Path, image: memoryview, padded: memoryview, durability: str
+) -> Callable[[int], None]:
+    """Op ``i`` writes the object as file i with O_DIRECT: open(O_EXCL|O_DIRECT) + write of
+    the 4 KiB-padded bytes + ftruncate to the exact size (+ fsync) + close + rename
+    (+ fsync(dir)); the fsyncs only at durability ``object``.
+    """
+    size = len(image)
+    sync = durability == "object"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT
+
+    def op(i: int) -> None:
+        tmp = d / f".tmp-{i}"
+        fd = os.open(tmp, flags, 0o640)
+        try:
+            bs._write_all(fd, padded)
+            os.ftruncate(fd, size)
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, bs.raw_path(d, i))
+        if sync:
+            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    return op
+
+
+def direct_reader(paths: Sequence[Path], buf: memoryview) -> Callable[[int], None]:
+    """Op ``i``: open(O_DIRECT) + fstat + preadv of the size rounded up to 4 KiB into a
+    page-aligned, pre-touched buffer + close."""
+
+    def op(i: int) -> None:
+        fd = os.open(paths[i], os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+        try:
+            size = os.fstat(fd).st_size
+            want = v1.align_up(size, v1.ALIGN)
+            done = 0
+            while done < size:
+                got = os.preadv(fd, [buf[done:want]], done)
+                if got == 0:
+                    raise OSError(f"{paths[i]}: short read")
+                done += got
+        finally:
+            os.close(fd)
+
+    return op
+
+
+def batched_slots(ops: Sequence[Callable[[int], object]]) -> Callable[[int], None]:
+    """Op ``i`` runs ``ops[j](i * len(ops) + j)`` for each j: one op per slot of a batch."""
+
+    def run(i: int) -> None:
+        for j, op in enumerate(ops):
+            op(i * len(ops) + j)
+
+    return run
+
+
+def batched(op: Callable[[int], object], batch: int) -> Callable[[int], None]:
+    """Op ``i`` runs ``op(i * batch + j)`` for each j of the batch."""
+
+    def run(i: int) -> None:
+        for j in range(batch):
+            op(i * batch + j)
+
+    return run
+
+
+# --------------------------------------------------------------------------- the sidecar
+
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the benchmark dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+# Runs the CLI with one cProfile profiler per thread (pool threads included) and
+# dumps their merged stats on exit. argv: <out.prof> <kvoffload cli args...>.
+_PROFILE_BOOTSTRAP = """
+import cProfile, pstats, sys, threading
+out = sys.argv[1]
+profs = []
+def _start(*_a):
+    p = cProfile.Profile()
+    profs.append(p)
+    p.enable()
+threading.setprofile(_start)
+sys.argv = ["kvoffload", *sys.argv[2:]]
+from kvoffload.cli import main
+main_prof = cProfile.Profile()
+main_prof.enable()
+try:
+    main()
+except SystemExit:
+    pass
+finally:
+    main_prof.disable()
+    threading.setprofile(None)
+    st = pstats.Stats(main_prof)
+    for p in profs:
+        try:
+            st.add(p)
+        except TypeError:
+            pass
+    st.dump_stats(out)
+"""
+
+
+def _write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        bs._write_all(fd, memoryview(data))
+    finally:
+        os.close(fd)
+
+
+def _short_socket_dir(work: Path, stack: contextlib.ExitStack) -> Path:
+    """``work``, or a short temp dir when a socket path under ``work`` would be too long."""
+    if len(os.fsencode(work / "kvoffload.sock")) < 100:
+        return work
+    d = Path(tempfile.mkdtemp(prefix="kvb-"))
+    stack.callback(shutil.rmtree, d, True)
+    return d
+
+
+@dataclass
+class Sidecar:
+    work: Path
+    socket: Path
+    store_root: Path
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    command: list[str]
+    stats: dict[str, Any] = field(default_factory=dict)  # fetch_stats() once it is up
+
+    def describe(self) -> str:
+        """What the sidecar says it runs: durability and I/O backend (if it reports one)."""
+        parts = [f"durability={self.stats.get('durability', '?')}"]
+        io = self.stats.get("io")
+        if isinstance(io, dict):
+            parts.append(
+                "io=" + ", ".join(f"{k}={v}" for k, v in io.items() if not isinstance(v, dict))
+            )
+        elif io is not None:
+            parts.append(f"io={io}")
+        return "; ".join(parts)
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def object_path(self, tenant: str, key: bytes) -> Path:
+        return self.store_root / v1.object_relpath(tenant, key)
+
+    def object_files(self) -> list[Path]:
+        objects = self.store_root / "objects"
+        return [p for p in objects.rglob("*") if p.is_file()] if objects.is_dir() else []
+
+
+def _config_files(work: Path, sock: Path) -> Path:
+    """KEK, policy and config of a store under ``work``; returns the config path."""
+    _write_private(work / "kek", os.urandom(32))
+    policy = work / "policy.toml"
+    policy.write_text(
+        "version = 1\n\n"
+        "[defaults]\n"
+        'encryption = "aes-256-gcm"\n'
+        'ttl = "none"\n'
+        'quota = "none"\n\n'
+        f"[tenants.{PLAIN_TENANT}]\n"
+        'encryption = "none"\n\n'
+        "[[grants]]\n"
+        f"uid = {os.getuid()}\n"
+        'tenants = ["*"]\n'
+        "admin = true\n",
+        encoding="utf-8",
+    )
+    os.chmod(policy, 0o600)
+    config = work / "config.toml"
+    config.write_text(
+        "[store]\n"
+        f"root = {json.dumps(str(work / 'store'))}\n"
+        f"index_dir = {json.dumps(str(work / 'index'))}\n"
+        'capacity = "none"\n\n'
+        "[server]\n"
+        f"socket = {json.dumps(str(sock))}\n\n"
+        "[security]\n"
+        f"kek_file = {json.dumps(str(work / 'kek'))}\n"
+        f"policy = {json.dumps(str(policy))}\n",
+        encoding="utf-8",
+    )
+    return config
+
+
+@contextlib.contextmanager
+def run_sidecar(
+    work: Path,
+    durability: str,
+    profile: Path | None,
+    io_mode: str | None = None,
+    ready_timeout_s: float = 60.0,
+) -> Iterator[Sidecar]:
+    """Start a sidecar serving a fresh store under ``work``; stop it (SIGTERM) on exit."""
+    with contextlib.ExitStack() as stack:
+        work.mkdir(parents=True)
+        sock = _short_socket_dir(work, stack) / "kvoffload.sock"
+        config = _config_files(work, sock)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
+        env["KVOFFLOAD_STORE_DURABILITY"] = durability
+        if io_mode is not None:
+            env["KVOFFLOAD_IO"] = io_mode
+        cli = ["--config", str(config), "serve"]
+        if profile is None:
+            cmd = [sys.executable, "-m", "kvoffload.cli", *cli]
+        else:
+            out = profile / f"sidecar-{durability}.prof"
+            cmd = [sys.executable, "-c", _PROFILE_BOOTSTRAP, str(out), *cli]
+        log_path = work / "sidecar.log"
+        log_file = stack.enter_context(open(log_path, "wb"))
+        proc = subprocess.Popen(
+            cmd,
+            cwd=work,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+        )
+        sc = Sidecar(work, sock, work / "store", proc, log_path, cmd)
+        stack.callback(_stop, proc)
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the sidecar exited with {proc.returncode}:\n{sc.log_tail()}")
+            if sock.exists():
+                try:
+                    sc.stats = fetch_stats(sock, timeout_s=2.0)
+                    break
+                except (TransportError, ProtocolError, OSError):
+                    pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the sidecar did not come up:\n{sc.log_tail()}")
+            time.sleep(0.05)
+        yield sc
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# --------------------------------------------------------------------------- socket echo
+
+
+_ECHO = """
+import socket, sys
+s = socket.socket(fileno=int(sys.argv[1]))
+n, reply = int(sys.argv[2]), b"r" * int(sys.argv[3])
+while True:
+    got = 0
+    while got < n:
+        d = s.recv(n - got)
+        if not d:
+            sys.exit(0)
+        got += len(d)
+    s.sendall(reply)
+"""
+
+
+@contextlib.contextmanager
+def socket_echo(request_bytes: int, reply_bytes: int) -> Iterator[Callable[[int], None]]:
+    """A child Python process that answers each ``request_bytes`` with ``reply_bytes``."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ECHO, str(b.fileno()), str(request_bytes), str(reply_bytes)],
+        pass_fds=[b.fileno()],
+        stdin=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,
+    )
+    b.close()
+    req = os.urandom(request_bytes)
+    buf = bytearray(reply_bytes)
+    view = memoryview(buf)
+
+    def op(_i: int) -> None:
+        a.sendall(req)
+        got = 0
+        while got < reply_bytes:
+            n = a.recv_into(view[got:])
+            if n == 0:
+                raise OSError("echo process closed the socket")
+            got += n
+
+    try:
+        yield op
+    finally:
+        a.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# --------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Bench:
+    base: Path
+    budget_s: float
+    staging_bytes: int
+    o_direct: bool
+    lookups: int
+    results: list[bs.Result] = field(default_factory=list)
+    latencies: list[Latency] = field(default_factory=list)
+    mincore: bs._Mincore = field(default_factory=bs._Mincore)
+    progress: Callable[[str], None] = lambda _m: None
+
+    def add(self, r: bs.Result) -> bs.Result:
+        self.results.append(r)
+        self.progress(f"  {r.id:<46} {r.gbps:8.3f} GB/s  ({r.ops} ops)")
+        return r
+
+    def add_cpu(self, data: ShapeData) -> None:
+        for r in data.cpu.values():
+            self.add(r)
+
+    def write_methods(self, dur: str) -> tuple[str, str]:
+        """(O_DIRECT method, buffered method) of a raw write at this durability."""
+        if dur == "object":
+            return "O_DIRECT+fsync", "buffered+fsync"
+        return "O_DIRECT, no fsync", "buffered, no fsync"
+
+    def run_durability(self, sc: Sidecar, dur: str, shapes: Sequence[ShapeData]) -> None:
+        with contextlib.ExitStack() as stack:
+            clients = {
+                fmt: stack.enter_context(
+                    SidecarClient(
+                        sc.socket,
+                        tenant,
+                        staging_bytes=self.staging_bytes,
+                        timeout_s=120.0,
+                        name=f"bench_sidecar {fmt}",
+                    )
+                )
+                for fmt, tenant in TENANTS.items()
+            }
+            for fmt, c in clients.items():
+                if c.salt is None or c.staging_bytes < self.staging_bytes:
+                    raise RuntimeError(
+                        f"client {fmt}: no session or a smaller staging buffer "
+                        f"({c.staging_bytes} B):\n{sc.log_tail()}"
+                    )
+            for data in shapes:
+                self.progress(f"{dur} / {data.shape.key}: {data.shape.describe()}")
+                for fmt in FORMATS:
+                    self._run(sc, dur, data, fmt, clients[fmt])
+            self._lookup(sc, dur, shapes[-1], clients["sealed"])
+
+    def _row(
+        self,
+        kind: str,
+        name: str,
+        data: ShapeData,
+        dur: str,
+        fmt: str,
+        timing: bs.Timing,
+        method: str,
+        cached: float | None = None,
+    ) -> Row:
+        ops, wall, p50 = timing
+        return Row(
+            kind,
+            name,
+            data.shape.key,
+            dur,
+            ops,
+            data.batch * data.shape.payload,
+            data.batch * data.file_bytes(fmt),
+            wall,
+            p50 * 1e3,
+            cached,
+            chunks_per_op=data.batch,
+            method=method,
+        )
+
+    def _run(self, sc: Sidecar, dur: str, data: ShapeData, fmt: str, client: SidecarClient) -> None:
+        shape, batch, budget = data.shape, data.batch, self.budget_s
+        tenant = TENANTS[fmt]
+        bdir = sc.work / f"raw-{fmt}-buffered"
+        ddir = sc.work / f"raw-{fmt}-direct"
+        try:
+            # -- save: raw write(s) and SidecarClient.save, interleaved op by op
+            def save(i: int) -> None:
+                chunks = [(chunk_key(shape, fmt, i * batch + j), data.layers) for j in range(batch)]
+                ok = client.save(bs.NAMESPACE, chunks)
+                if not all(ok):
+                    raise RuntimeError(
+                        f"save {fmt}: {ok.count(False)} of {batch} chunks not stored\n"
+                        + sc.log_tail()
+                    )
+
+            # (name, method, op); the row's ratio uses the fastest of them
+            direct_m, buffered_m = self.write_methods(dur)
+            buffered_w = batched(bs.raw_writer(bdir, data.images[fmt], dur), batch)
+            writers: list[tuple[str, str, Callable[[int], None]]] = []
+            bdir.mkdir()
+            if self.o_direct:
+                ddir.mkdir()
+                direct_w = direct_writer(ddir, data.images[fmt], data.padded[fmt], dur)
+                writers.append((f"raw write {fmt}-obj", direct_m, batched(direct_w, batch)))
+                writers.append((f"raw write buffered {fmt}-obj", buffered_m, buffered_w))
+            else:
+                writers.append((f"raw write {fmt}-obj", buffered_m, buffered_w))
+            timings = bs.interleaved(
+                [w[2] for w in writers] + [save], n=data.ops, budget_s=budget, min_ops=3
+            )
+            os.sync()  # untimed: reads and the next rows start with no dirty pages
+            ceils = [
+                self.add(self._row("ceiling", name, data, dur, fmt, t, method))
+                for (name, method, _op), t in zip(writers, timings, strict=False)
+            ]
+            row = self._row("kvoffload", f"save {fmt}", data, dur, fmt, timings[-1], "")
+            self._finish(row, max(ceils, key=lambda c: c.gbps), data, fmt, "save")
+
+            # -- load: cold, then warm; raw read(s) and SidecarClient.load, interleaved
+            written = timings[-1][0] + 1  # the warm-up op wrote one more batch
+            nfiles = written * batch
+            bpaths = [bs.raw_path(bdir, k) for k in range(nfiles)]
+            dpaths = [bs.raw_path(ddir, k) for k in range(nfiles)] if self.o_direct else []
+            keys = [chunk_key(shape, fmt, k) for k in range(nfiles)]
+            obj_paths = [sc.object_path(tenant, k) for k in keys]
+            stride = v1.align_up(data.file_bytes(fmt), v1.ALIGN)
+            rbuf = bs._mv(bs.touched(batch * stride))
+            slots = [rbuf[j * stride : (j + 1) * stride] for j in range(batch)]
+            buffered_r = batched_slots([bs.raw_reader(bpaths, sl) for sl in slots])
+            direct_r = batched_slots([direct_reader(dpaths, sl) for sl in slots])
+
+            payload = shape.payload
+            dst_arr = bs.touched(batch * payload)
+            dst = bs._mv(dst_arr)
+
+            def into(idx: int, _key: bytes, layers: Sequence[memoryview]) -> None:
+                at = idx * payload
+                for v in layers:
+                    n = v.nbytes
+                    dst[at : at + n] = v
+                    at += n
+
+            def load(i: int) -> None:
+                res = client.load(keys[i * batch : (i + 1) * batch], into=into)
+                if not all(r.ok for r in res):
+                    missed = sum(not r.ok for r in res)
+                    raise RuntimeError(
+                        f"load {fmt}: {missed} of {batch} chunks missed\n{sc.log_tail()}"
+                    )
+
+            n = written - 1
+            for cache in ("cold", "warm"):
+                readers: list[tuple[str, str, Callable[[int], None], list[Path]]] = []
+                if cache == "cold":
+                    bs.drop_cache(bpaths + dpaths + sc.object_files())
+                    if self.o_direct:
+                        readers.append(
+                            (f"raw read cold {fmt}-obj", "O_DIRECT read", direct_r, dpaths)
+                        )
+                        readers.append(
+                            (
+                                f"raw read cold buffered {fmt}-obj",
+                                "buffered read",
+                                buffered_r,
+                                bpaths,
+                            )
+                        )
+                    else:
+                        readers.append(
+                            (f"raw read cold {fmt}-obj", "buffered read", buffered_r, bpaths)
+                        )
+                else:
+                    readers.append(
+                        (f"raw read warm {fmt}-obj", "buffered read", buffered_r, bpaths)
+                    )
+                cached = [self.mincore.resident(r[3][batch : (n + 1) * batch]) for r in readers]
+                obj_cached = self.mincore.resident(obj_paths[batch : (n + 1) * batch])
+                timings = bs.interleaved(
+                    [r[2] for r in readers] + [load], n=n, budget_s=budget, min_ops=min(3, n)
+                )
+                n = min(n, *(t[0] for t in timings))  # warm rows read only what cold rows read
+                ceils = [
+                    self.add(self._row("ceiling", name, data, dur, fmt, t, method, c))
+                    for (name, method, _op, _p), t, c in zip(readers, timings, cached, strict=False)
+                ]
+                row = self._row(
+                    "kvoffload", f"load {fmt} {cache}", data, dur, fmt, timings[-1], "", obj_cached
+                )
+                self._finish(row, max(ceils, key=lambda c: c.gbps), data, fmt, "load")
+            expect = np.tile(data.payload, batch)
+            if not np.array_equal(dst_arr[: batch * payload], expect):
+                raise AssertionError(f"load {fmt}: the bytes loaded differ from the bytes saved")
+        finally:
+            for d in (bdir, ddir):
+                shutil.rmtree(d, ignore_errors=True)
+
+    def _finish(self, row: Row, ceil: bs.Result, data: ShapeData, fmt: str, op: str) -> None:
+        cpu = data.cpu
+        if op == "save":
+            stages = [cpu["memcpy"]] + (
+                [cpu["aes-gcm encrypt_into"]]
+                if fmt == "sealed"
+                else [cpu["memcpy"], cpu["xxh3-128"]]
+            )
+        else:
+            stages = (
+                [cpu["aes-gcm decrypt_into"]]
+                if fmt == "sealed"
+                else [cpu["memcpy"], cpu["xxh3-128"]]
+            ) + [cpu["memcpy"]]
+        bs.Bench._compare(row, ceil, stages)
+        row.target = next((t for p, t in TARGETS.items() if row.name == p), None)
+        self.add(row)
+
+    def _lookup(self, sc: Sidecar, dur: str, data: ShapeData, client: SidecarClient) -> None:
+        """Lookups of 64 (and of 1) present keys, interleaved with a socket round trip of
+        the 64-key request's size."""
+        keys = [
+            hashlib.blake2b(f"lookup/{i}".encode(), digest_size=32).digest()
+            for i in range(LOOKUP_KEYS)
+        ]
+        ok = client.save(bs.NAMESPACE, [(k, data.layers) for k in keys])
+        if not all(ok):
+            raise RuntimeError(f"lookup keys not stored ({data.shape.key})\n{sc.log_tail()}")
+        req = len(encode_frame(request_message(1 << 20, Lookup(SEALED_TENANT, tuple(keys)))))
+        rep = len(encode_frame(reply_message(1 << 20, LookupReply(LOOKUP_KEYS))))
+        lat: dict[str, list[float]] = {"echo": [], "64": [], "1": []}
+
+        def lookup(which: str, ks: list[bytes]) -> Callable[[int], None]:
+            out = lat[which]
+
+            def op(_i: int) -> None:
+                s = time.perf_counter()
+                found = client.lookup(ks)
+                out.append(time.perf_counter() - s)
+                if found != len(ks):
+                    raise RuntimeError(f"lookup found {found} of {len(ks)}\n{sc.log_tail()}")
+
+            return op
+
+        with socket_echo(req, rep) as echo_op:
+
+            def echo(_i: int) -> None:
+                s = time.perf_counter()
+                echo_op(0)
+                lat["echo"].append(time.perf_counter() - s)
+
+            bs.interleaved(
+                [echo, lookup("64", keys), lookup("1", keys[:1])],
+                n=self.lookups,
+                budget_s=1e9,
+                min_ops=self.lookups,
+            )
+        # interleaved() ran one untimed warm-up op of each: drop it.
+        ceil = Latency.of("ceiling", f"unix socket round trip {req}+{rep} B", dur, lat["echo"][1:])
+        rows = [
+            Latency.of("kvoffload", f"lookup {LOOKUP_KEYS} keys", dur, lat["64"][1:]),
+            Latency.of("kvoffload", "lookup 1 key", dur, lat["1"][1:]),
+        ]
+        rows[0].target_p99_us = LOOKUP_TARGET_P99_US
+        for r in rows:
+            r.ceiling = ceil.name
+            r.ceiling_p50_us, r.ceiling_p99_us = ceil.p50_us, ceil.p99_us
+        for r in (ceil, *rows):
+            self.latencies.append(r)
+            self.progress(f"  {r.id:<46} p50 {r.p50_us:7.1f} us  p99 {r.p99_us:7.1f} us")
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _f(x: float | None, fmt: str = "{:.3f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _target(r: Row) -> str:
+    if r.target is None:
+        return ""
+    ok = (r.ratio or 0) >= r.target
+    return f"[{'green' if ok else 'red'}]>= {r.target:.1f}x {'ok' if ok else 'MISS'}[/]"
+
+
+def render(
+    console: Console,
+    facts: dict[str, str],
+    shapes: Sequence[bs.Shape],
+    results: Sequence[bs.Result],
+    latencies: Sequence[Latency],
+) -> None:
+    t = Table(title="machine", show_header=False)
+    t.add_column("fact", style="bold")
+    t.add_column("value")
+    for k, v in facts.items():
+        t.add_row(escape(k), escape(v))
+    for s in shapes:
+        t.add_row(f"shape {s.key}", escape(f"{s.describe()} - {s.note}"))
+    console.print(t)
+
+    t = Table(title="ceilings (same run, same directory)")
+    cols = ("shape", "dur", "ceiling", "method", "ops", "MiB", "GB/s", "file GB/s", "p50 ms")
+    for col in (*cols, "cached"):
+        t.add_column(col, justify="left" if col in cols[:4] else "right")
+    for r in results:
+        if r.kind == "ceiling":
+            method = r.method if isinstance(r, Row) else "1 thread, per layer"
+            if r.name == "memcpy":
+                method = "numpy copyto, whole chunk"
+            t.add_row(
+                r.shape,
+                r.durability or "",
+                r.name,
+                method,
+                str(r.ops),
+                f"{r.ops * r.payload_bytes / MiB:.1f}",
+                f"{r.gbps:.3f}",
+                _f(r.file_gbps),
+                f"{r.p50_ms:.3f}",
+                _f(r.cached, "{:.0%}"),
+            )
+    console.print(t)
+
+    t = Table(title="kvoffload sidecar: SidecarClient in this process -> sidecar process")
+    cols = ("shape", "dur", "row", "ops", "MiB", "GB/s", "p50 ms", "cached", "ceiling")
+    for col in (*cols, "ceil GB/s", "x ceil", "target", "serial bound", "x bound"):
+        t.add_column(col, justify="left" if col in ("shape", "dur", "row", "ceiling") else "right")
+    for r in results:
+        if r.kind == "kvoffload" and isinstance(r, Row):
+            t.add_row(
+                r.shape,
+                r.durability or "",
+                r.name,
+                str(r.ops),
+                f"{r.ops * r.payload_bytes / MiB:.1f}",
+                f"{r.gbps:.3f}",
+                f"{r.p50_ms:.3f}",
+                _f(r.cached, "{:.0%}"),
+                r.ceiling or "",
+                _f(r.ceiling_gbps),
+                _f(r.ratio, "{:.2f}"),
+                _target(r),
+                _f(r.bound_gbps),
+                _f(r.ratio_to_bound, "{:.2f}"),
+            )
+    console.print(t)
+
+    t = Table(title="latency (64 present keys per lookup; us)")
+    cols = ("dur", "row", "ops", "p50", "p99", "mean", "max", "ceil p50", "ceil p99")
+    for col in (*cols, "target p99"):
+        t.add_column(col, justify="left" if col in ("dur", "row") else "right")
+    for lt in latencies:
+        target = ""
+        if lt.target_p99_us is not None:
+            ok = lt.p99_us < lt.target_p99_us
+            target = (
+                f"[{'green' if ok else 'red'}]< {lt.target_p99_us:.0f} {'ok' if ok else 'MISS'}[/]"
+            )
+        t.add_row(
+            lt.durability,
+            escape(lt.name),
+            str(lt.ops),
+            f"{lt.p50_us:.1f}",
+            f"{lt.p99_us:.1f}",
+            f"{lt.mean_us:.1f}",
+            f"{lt.max_us:.1f}",
+            _f(lt.ceiling_p50_us, "{:.1f}"),
+            _f(lt.ceiling_p99_us, "{:.1f}"),
+            target,
+        )
+    console.print(t)
+    console.print(f"[bold]method[/bold]: {METHOD}")
+    console.print(f"[bold]{SERIAL_BOUND.split(':')[0]}[/bold]:{SERIAL_BOUND.split(':', 1)[1]}")
+    console.print(f"[bold]cold reads[/bold]: {bs.COLD_METHOD}")
+    console.print(
+        "[bold]raw I/O[/bold]: 'raw write' and 'raw read cold' use O_DIRECT when the file "
+        "system takes it (writes: open O_EXCL, the 4 KiB-padded image, ftruncate to the exact "
+        "size, close, rename; + fsync and fsync(dir) at durability object), else buffered; the "
+        "'buffered' rows beside them run the same through the page cache. Each kvoffload row's "
+        "x ceil is to the faster of the two (its 'ceiling' column names it). 'raw read warm' is "
+        "a buffered read of files the cold row just read. At durability none nothing is "
+        "fsync'd; os.sync() runs untimed after every write row."
+    )
+    console.print(
+        "[bold]lookup[/bold]: SidecarClient.lookup of 64 present keys, one call per op, "
+        "interleaved with a round trip of a message of the same size (request and reply "
+        "frames) between this process and a Python echo process over a Unix socket pair."
+    )
+    uncached = [
+        r
+        for r in results
+        if r.kind == "kvoffload" and "warm" in r.name and r.cached is not None and r.cached < 0.5
+    ]
+    if uncached:
+        console.print(
+            f"[bold]warm loads[/bold]: {len(uncached)} warm rows found the sidecar's object "
+            "files mostly not in the page cache after the cold row read them: the sidecar reads "
+            "around the page cache (O_DIRECT; see 'sidecar (...) reports' above), so its warm "
+            "loads are cold loads and their ratio to the page-cache ceiling shows what that costs."
+        )
+    bad = [r for r in results if "cold" in r.name and r.cached is not None and r.cached > 0.05]
+    if bad:
+        console.print(
+            f"[bold red]warning[/bold red]: {len(bad)} cold rows had >5% of their pages cached "
+            "after DONTNEED (tmpfs or a file system that ignores fadvise?): they are not cold."
+        )
+
+
+def print_profile(console: Console, path: Path, top: int) -> None:
+    if not path.exists():
+        console.print(f"[bold]profile[/bold] {path}: not written")
+        return
+    s = io.StringIO()
+    pstats.Stats(str(path), stream=s).sort_stats("tottime").print_stats(top)
+    lines = [ln for ln in s.getvalue().splitlines() if ln.strip()]
+    start = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls")), 0)
+    console.print(f"[bold]profile {escape(str(path))}[/bold] (top {top} by own time)")
+    console.print(escape("\n".join(lines[max(0, start - 1) :])), highlight=False)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--dir", type=Path, default=None, help="file system to test (default: cwd)")
+    p.add_argument(
+        "--durability",
+        action="append",
+        default=None,
+        help="object, batch, none; repeat or comma-separate (default: object,none)",
+    )
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of seconds")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument(
+        "--shapes", default="large,small", help="comma-separated: large, small (default both)"
+    )
+    p.add_argument(
+        "--io",
+        default=None,
+        help="KVOFFLOAD_IO for the sidecar (default: unset, the sidecar's own default)",
+    )
+    p.add_argument("--batch", type=int, default=4, help="chunks per save()/load() call")
+    p.add_argument("--staging-mib", type=int, default=256, help="client staging buffer, MiB")
+    p.add_argument(
+        "--large-mib-per-row", type=int, default=1024, help="payload MiB per large-chunk row"
+    )
+    p.add_argument("--small-ops", type=int, default=1024, help="chunks per small-chunk row")
+    p.add_argument("--lookups", type=int, default=None, help="timed lookups (default 2000)")
+    p.add_argument(
+        "--row-budget-s",
+        type=float,
+        default=None,
+        help="stop a row after this many seconds of its ops (>= 3 ops); default 1.5 (quick: 0.2)",
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="cProfile the sidecar (every thread) and this client into this dir; slows all rows",
+    )
+    a = p.parse_args(argv)
+    durs: list[str] = []
+    for item in a.durability or [",".join(DEFAULT_DURABILITIES)]:
+        for d in item.split(","):
+            d = d.strip()
+            if d not in DURABILITIES:
+                p.error(f"--durability: {d!r} is not one of {', '.join(DURABILITIES)}")
+            if d not in durs:
+                durs.append(d)
+    a.durability = durs
+    a.shapes = [x.strip() for x in a.shapes.split(",") if x.strip()]
+    if not a.shapes or any(x not in ("large", "small") for x in a.shapes):
+        p.error("--shapes: a comma-separated list of large, small")
+    if a.batch < 1:
+        p.error("--batch must be at least 1")
+    if a.row_budget_s is None:
+        a.row_budget_s = 0.2 if a.quick else 1.5
+    if a.lookups is None:
+        a.lookups = 200 if a.quick else 2000
+    return a
+
+
+@contextlib.contextmanager
+def _scratch_dir(parent: Path) -> Iterator[Path]:
+    """A temp dir removed on exit, Ctrl-C, SIGTERM and SIGHUP."""
+    old = {s: signal.signal(s, bs._raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        d = Path(tempfile.mkdtemp(prefix=".bench_sidecar-", dir=parent))
+        try:
+            yield d
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _fit_to_disk(shapes: list[bs.Shape], d: Path, batch: int) -> list[bs.Shape]:
+    """Shrink the large rows if the file system cannot hold one format's files."""
+    free = shutil.disk_usage(d).free
+    fitted: list[bs.Shape] = []
+    for s in shapes:
+        per_chunk = v1.object_size([s.layer_bytes] * s.layers, True)
+        # store + buffered raw + O_DIRECT raw, for the timed ops and the warm-up op
+        need = 3 * (max(3 * batch, s.chunks) + batch) * per_chunk + LOOKUP_KEYS * per_chunk
+        if need > free // 2:
+            chunks = max(3 * batch, (free // 2) // (3 * per_chunk) - 2 * batch)
+            s = bs.Shape(s.key, s.layers, s.layer_bytes, s.note + " (shrunk to fit disk)", chunks)
+        fitted.append(s)
+    return fitted
+
+
+def _git_state() -> str:
+    """The commit of the checkout and the files that differ from it (the sidecar runs them)."""
+    root = Path(__file__).resolve().parent.parent
+    head = bs._cmd(["git", "-C", str(root), "rev-parse", "--short", "HEAD"])
+    dirty = bs._cmd(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"])
+    # "XY path" lines; _cmd strips the output, so the first line may have lost its X column
+    files = [
+        ln.split(maxsplit=1)[-1]
+        for ln in dirty.splitlines()
+        if ln.strip() and not ln.startswith("unknown")
+    ]
+    return f"git {head}" + (f" + uncommitted changes in {', '.join(files)}" if files else "")
+
+
+def _loadavg() -> str:
+    try:
+        return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.getLogger("kvoffload").setLevel(logging.ERROR)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)
+    err = Console(stderr=True)
+    parent = (args.dir or Path.cwd()).resolve()
+    if not parent.is_dir():
+        err.print(f"--dir {parent}: not a directory")
+        return 2
+    if args.profile is not None:
+        args.profile = args.profile.resolve()
+        args.profile.mkdir(parents=True, exist_ok=True)
+    shapes = [
+        s
+        for s in bs.make_shapes(args.quick, args.large_mib_per_row, args.small_ops)
+        if s.key in args.shapes
+    ]
+    staging = args.staging_mib * MiB
+    too_big = [s for s in shapes if args.batch * s.payload > staging]
+    if too_big:
+        err.print(
+            f"--staging-mib {args.staging_mib} cannot hold a batch of {args.batch} "
+            f"{too_big[0].key} chunks ({args.batch * too_big[0].payload // MiB} MiB)"
+        )
+        return 2
+    pids: list[int] = []
+    client_prof = None
+    try:
+        with _scratch_dir(parent) as base:
+            shapes = _fit_to_disk(shapes, base, args.batch)
+            facts = bs.machine_facts(base)
+            facts["kvoffload source"] = _git_state()
+            facts["load average 1/5/15 min (start)"] = _loadavg()
+            o_direct = supports_o_direct(base)
+            bench = Bench(base, args.row_budget_s, staging, o_direct, args.lookups)
+            bench.progress = lambda m: err.print(m, highlight=False)
+            t0 = time.perf_counter()
+            bench.progress("CPU ceilings and object images")
+            datas = [prepare(s, args.batch, args.row_budget_s) for s in shapes]
+            for data in datas:
+                bench.add_cpu(data)
+            workers = max(2, os.cpu_count() or 2)
+            command = ""
+            for dur in args.durability:
+                with run_sidecar(base / dur, dur, args.profile, args.io) as sc:
+                    pids.append(sc.proc.pid)
+                    facts[f"sidecar ({dur}) reports"] = sc.describe()
+                    if sc.stats.get("durability", dur) != dur:
+                        raise RuntimeError(f"asked for durability {dur}: {sc.describe()}")
+                    command = " ".join(
+                        "<profile bootstrap>" if "\n" in c else c for c in sc.command[1:]
+                    )
+                    bench.progress(f"sidecar pid {sc.proc.pid}, durability {dur}: {sc.socket}")
+                    if args.profile is not None:
+                        client_prof = client_prof or cProfile.Profile()
+                        client_prof.enable()
+                    try:
+                        bench.run_durability(sc, dur, datas)
+                    finally:
+                        if client_prof is not None:
+                            client_prof.disable()
+                shutil.rmtree(base / dur, ignore_errors=True)
+            elapsed = time.perf_counter() - t0
+            facts["load average 1/5/15 min (end)"] = _loadavg()
+    except KeyboardInterrupt:
+        err.print("interrupted: sidecars stopped, temp files removed")
+        return 130
+    facts["sidecar"] = (
+        f"{command} (KVOFFLOAD_STORE_DURABILITY=<dur>; cwd = a temp dir under dir; "
+        f"{workers} worker threads, the default: one per core, at least 2)"
+    )
+    facts["client"] = (
+        f"SidecarClient, staging {args.staging_mib} MiB (memfd), batch {args.batch} chunks "
+        "per save()/load() call, load into= a pre-touched buffer"
+    )
+    facts["tenants"] = (
+        f"sealed: {SEALED_TENANT!r} (policy default, aes-256-gcm); "
+        f"plain: {PLAIN_TENANT!r} (encryption = none)"
+    )
+    facts["raw I/O ceilings"] = (
+        "O_DIRECT and buffered (writes: + fsync at durability object); ratios use the faster"
+        if o_direct
+        else "buffered (the file system refuses O_DIRECT); + fsync at durability object"
+    )
+    facts["run time"] = f"{elapsed:.1f} s"
+    if args.profile is not None:
+        facts["WARNING"] = "--profile: every row ran under cProfile; the numbers are not valid"
+    render(console, facts, shapes, bench.results, bench.latencies)
+    if args.profile is not None:
+        if client_prof is not None:
+            client_prof.dump_stats(str(args.profile / "client.prof"))
+        for f in [args.profile / "client.prof"] + [
+            args.profile / f"sidecar-{d}.prof" for d in args.durability
+        ]:
+            print_profile(console, f, 25)
+    if args.json is not None:
+        doc = {
+            "machine": facts,
+            "config": {
+                "quick": args.quick,
+                "durability": args.durability,
+                "batch": args.batch,
+                "staging_bytes": staging,
+                "row_budget_s": args.row_budget_s,
+                "lookups": args.lookups,
+                "o_direct": o_direct,
+                "sidecar_pids": pids,
+                "shapes": [asdict(s) | {"payload": s.payload} for s in shapes],
+            },
+            "method": METHOD,
+            "serial_bound": SERIAL_BOUND,
+            "cold_method": bs.COLD_METHOD,
+            "ceilings": [r.to_json() for r in bench.results if r.kind == "ceiling"],
+            "rows": [r.to_json() for r in bench.results if r.kind == "kvoffload"],
+            "latency": [lt.to_json() for lt in bench.latencies],
+        }
+        args.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
