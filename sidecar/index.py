@@ -509,8 +509,12 @@ class Index:
 
         return self._read(read)
 
-    def lookup(self, tenant: str, keys: Sequence[bytes]) -> int:
-        """Number of leading ``keys`` present for ``tenant``: the usable prefix."""
+    def lookup(self, tenant: str, keys: Sequence[bytes], now_ns: int | None = None) -> int:
+        """Number of leading ``keys`` present for ``tenant``: the usable prefix.
+
+        With ``now_ns``, a record whose expiry has passed ends the prefix too
+        (checked in the same read transaction: one txn per lookup, not per key).
+        """
         if not keys:
             return 0
         prefix = _tenant_bytes(tenant) + b"\x00"
@@ -522,6 +526,10 @@ class Index:
             for n, k in enumerate(keys):
                 if not cur.set_key(prefix + k):
                     return n
+                if now_ns is not None:
+                    expires = _RECORD.unpack_from(cur.value())[-1]
+                    if 0 < expires <= now_ns:
+                        return n
             return len(keys)
 
         return self._read(read)

@@ -665,19 +665,19 @@ class Store:
 
     def lookup(self, tenant: str, keys: Sequence[bytes]) -> int:
         """How many leading keys are present (per the index, plus files on a miss)."""
-        n = self.index.lookup(tenant, keys)
         now = time.time_ns()
-        # Cheap second pass: expiry and, on a miss, another node's object.
-        for i in range(len(keys)):
-            rec = self.index.get(tenant, keys[i]) if i < n else None
-            if rec is not None:
-                if rec.expires_ns and rec.expires_ns <= now:
-                    self._drop(tenant, keys[i], reason="expired")
-                    return i
-                continue
-            if not (self.config.probe_files_on_miss and self._adopt(tenant, keys[i])):
-                return i
-        return len(keys)
+        n = self.index.lookup(tenant, keys, now_ns=now)
+        # The prefix ends at an absent or expired key; an absent one may be another
+        # node's object (shared FS): adopt it and go on, which costs a stat per miss.
+        while n < len(keys):
+            rec = self.index.get(tenant, keys[n])
+            if rec is not None:  # present but expired
+                self._drop(tenant, keys[n], reason="expired")
+                return n
+            if not (self.config.probe_files_on_miss and self._adopt(tenant, keys[n])):
+                return n
+            n += self.index.lookup(tenant, keys[n:], now_ns=now)
+        return n
 
     def contains(self, tenant: str, key: bytes) -> bool:
         return self.lookup(tenant, [key]) == 1
