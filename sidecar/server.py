@@ -136,6 +136,21 @@ class StoreAPI(Protocol):
 
     def reserve(self, tenant: str, nbytes: int) -> ReservationAPI: ...
 
+    def put_many(
+        self,
+        tenant: str,
+        namespace: bytes,
+        chunks: Sequence[tuple[bytes, Sequence[memoryview]]],
+        *,
+        encrypt: bool = ...,
+        ttl_s: float | None = ...,
+        reservations: Sequence[Any] | None = ...,
+    ) -> list[bool]: ...
+
+    def get_many_into(
+        self, tenant: str, keys: Sequence[bytes], outs: Sequence[memoryview]
+    ) -> list[list[int] | None]: ...
+
     def get_into(self, tenant: str, chunk_key: bytes, out: memoryview) -> list[int] | None: ...
 
     def payload_info(self, tenant: str, chunk_key: bytes) -> Any: ...
@@ -729,30 +744,39 @@ class _Connection:
         staging, _ = self._registered()
         store = self.server.store
         stored = [s.status is StoreStatus.EXISTS for s in h.slots]
+        views: list[list[memoryview]] = []
         for hw in h.held:
             offs, _ = packed_layout(hw.layers)
-            layers = [
-                staging.view[hw.offset + lo : hw.offset + lo + n]
-                for lo, n in zip(offs, hw.layers, strict=True)
-            ]
-            try:
-                store.put(
-                    h.tenant,
-                    h.namespace,
-                    hw.key,
-                    layers,
-                    encrypt=h.encrypt,
-                    ttl_s=h.ttl_s,
-                    reservation=hw.reservation,
-                )
+            views.append(
+                [
+                    staging.view[hw.offset + lo : hw.offset + lo + n]
+                    for lo, n in zip(offs, hw.layers, strict=True)
+                ]
+            )
+        try:
+            # One batch: the store seals chunk n+1 while chunk n is written.
+            store.put_many(
+                h.tenant,
+                h.namespace,
+                [(hw.key, v) for hw, v in zip(h.held, views, strict=True)],
+                encrypt=h.encrypt,
+                ttl_s=h.ttl_s,
+                reservations=[hw.reservation for hw in h.held],
+            )
+            for hw in h.held:
                 stored[hw.index] = True  # False from put means "already present": success
-            except StoreFull as exc:
-                log.info("%r: chunk not stored: %s", self, exc)
-            except Exception:
-                log.exception("%r: storing chunk %s failed", self, hw.key.hex()[:16])
-            finally:
-                for v in layers:
-                    v.release()
+        except Exception as exc:
+            if isinstance(exc, StoreFull):
+                log.info("%r: chunks not stored: %s", self, exc)
+            else:
+                log.exception("%r: storing chunks failed", self)
+            # The chunks before the failing one are stored; ask the index which.
+            for hw in h.held:
+                stored[hw.index] = store.payload_info(h.tenant, hw.key) is not None
+        finally:
+            for hw, v in zip(h.held, views, strict=True):
+                for m in v:
+                    m.release()
                 hw.reservation.release()
                 self._free(hw.offset)
         return CompleteStoreReply(tuple(stored))
@@ -768,7 +792,10 @@ class _Connection:
         align = self.server.config.alignment
         loaded: list[LoadSlot] = []
         stop = ErrorCode.OK
+        planned: list[tuple[bytes, int, int]] = []  # key, staging offset, payload bytes
         try:
+            # Plan: regions for the leading chunks the index has, pinned before any
+            # read so eviction cannot remove a file under it.
             for key in req.keys:
                 payload = _payload_of(store.payload_info(req.tenant, key))
                 if not payload:
@@ -783,28 +810,35 @@ class _Connection:
                 if off is None:
                     stop = ErrorCode.BUSY
                     break
-                # Pinned before reading, so eviction cannot remove the file under the read.
                 store.pin(req.tenant, [key])
-                lengths: list[int] | None = None
-                try:
-                    out = staging.view[off : off + payload]
-                    try:
-                        lengths = store.get_into(req.tenant, key, out)
-                    finally:
-                        out.release()
-                except Exception:
-                    log.exception("%r: reading chunk %s failed", self, key.hex()[:16])
-                    stop = ErrorCode.INTERNAL
-                if lengths is None or not lengths or sum(lengths) != payload:
+                planned.append((key, off, payload))
+            # Read: one batch, so chunk n+1 is read while chunk n is verified.
+            outs = [staging.view[off : off + n] for _, off, n in planned]
+            try:
+                results = store.get_many_into(req.tenant, [k for k, _, _ in planned], outs)
+            except Exception:
+                log.exception("%r: reading chunks failed", self)
+                results = [None] * len(planned)
+                stop = ErrorCode.INTERNAL
+            finally:
+                for o in outs:
+                    o.release()
+            for (_key, off, payload), lengths in zip(planned, results, strict=True):
+                if not lengths or sum(lengths) != payload:
+                    break  # a miss ends the prefix: this chunk and all after it
+                loaded.append(LoadSlot(True, off, tuple(lengths)))
+            if len(loaded) < len(planned):
+                if stop is ErrorCode.OK:
+                    stop = ErrorCode.NOT_FOUND
+                for key, off, _ in planned[len(loaded) :]:
                     store.unpin(req.tenant, [key])
                     self._free(off)
-                    if stop is ErrorCode.OK:
-                        stop = ErrorCode.NOT_FOUND
-                    break
-                loaded.append(LoadSlot(True, off, tuple(lengths)))
         except BaseException:
             keys = list(req.keys[: len(loaded)])
             self._release(_LoadHandle(req.tenant, keys, [s.offset for s in loaded], 0))
+            for key, off, _ in planned[len(loaded) :]:
+                store.unpin(req.tenant, [key])
+                self._free(off)
             raise
         if not loaded:
             return PrepareLoadReply(0, stop, tuple(misses))

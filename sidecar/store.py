@@ -470,17 +470,26 @@ class Store:
         *,
         encrypt: bool = True,
         ttl_s: float | None = None,
+        reservations: Sequence[Reservation | None] | None = None,
     ) -> list[bool]:
         """Store several chunks ``(chunk_key, layers)``, sealing chunk n+1 while chunk n
         is written. Per chunk: True if written, False if already present.
 
+        ``reservations[i]``, if given, is capacity already held for chunk i (the
+        server reserves at prepare time); it is consumed or released.
         On an error (StoreFull, StoreIOError…) the chunks before the failing one
         are stored, nothing after it is, and the error is raised.
         """
         results = [False] * len(chunks)
+        held = list(reservations) if reservations is not None else [None] * len(chunks)
+        if len(held) != len(chunks):
+            raise ValueError("one reservation (or None) per chunk")
         if len(chunks) < 2:
             for i, (key, layers) in enumerate(chunks):
-                results[i] = self.put(tenant, namespace, key, layers, encrypt=encrypt, ttl_s=ttl_s)
+                results[i] = self.put(
+                    tenant, namespace, key, layers, encrypt=encrypt, ttl_s=ttl_s,
+                    reservation=held[i],
+                )  # fmt: skip
             return results
         pool = self._pipeline()
         scratch = (self._scratch, self._scratch_alt)
@@ -488,7 +497,7 @@ class Store:
         inflight: tuple[int, Future[bool]] | None = None
         try:
             for i, (key, layers) in enumerate(chunks):
-                job = self._begin_put(tenant, namespace, key, layers, encrypt, ttl_s, None)
+                job = self._begin_put(tenant, namespace, key, layers, encrypt, ttl_s, held[i])
                 if job is None:
                     continue
                 try:

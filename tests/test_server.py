@@ -167,6 +167,34 @@ class FakeStore:
     def stats(self) -> dict[str, Any]:
         return {"store_id": "fake-store", "chunks": len(self.data), "tenants": 7}
 
+    def put_many(
+        self,
+        tenant: str,
+        namespace: bytes,
+        chunks: Sequence[tuple[bytes, Sequence[memoryview]]],
+        *,
+        encrypt: bool = True,
+        ttl_s: float | None = None,
+        reservations: Sequence[Any] | None = None,
+    ) -> list[bool]:
+        res = list(reservations) if reservations is not None else [None] * len(chunks)
+        return [
+            self.put(tenant, namespace, k, layers, encrypt=encrypt, ttl_s=ttl_s, reservation=r)
+            for (k, layers), r in zip(chunks, res, strict=True)
+        ]
+
+    def get_many_into(
+        self, tenant: str, keys: Sequence[bytes], outs: Sequence[memoryview]
+    ) -> list[list[int] | None]:
+        results: list[list[int] | None] = []
+        for k, out in zip(keys, outs, strict=True):
+            got = self.get_into(tenant, k, out)
+            results.append(got)
+            if got is None:
+                results += [None] * (len(keys) - len(results))
+                break
+        return results
+
     def maintain(self) -> dict[str, int]:
         return {"expired": 0, "tmp_removed": 0}
 
