@@ -35,7 +35,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -227,6 +227,36 @@ def load_or_create_secret(path: str | os.PathLike[str]) -> bytes:
     return secret
 
 
+class ByteBudget:
+    """Payload bytes the pool may be sealing, writing, reading or opening at once.
+
+    Data verbs wait here (in a pool thread) until their bytes fit, so a burst
+    of large requests queues as small control messages, never as payload
+    copies: the payload itself stays in the clients' staging buffers. A
+    request larger than the whole budget waits until it runs alone.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit <= 0:
+            raise ValueError("the in-flight byte budget must be positive")
+        self.limit = limit
+        self.in_use = 0
+        self._cv = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int) -> Iterator[None]:
+        n = min(nbytes, self.limit)
+        with self._cv:
+            self._cv.wait_for(lambda: self.in_use + n <= self.limit)
+            self.in_use += n
+        try:
+            yield
+        finally:
+            with self._cv:
+                self.in_use -= n
+                self._cv.notify_all()
+
+
 @dataclass
 class ServerConfig:
     socket_path: Path | None = None
@@ -249,6 +279,7 @@ class ServerConfig:
     handle_ttl_s: float = 60.0
     drain_timeout_s: float = 10.0
     maintenance_interval_s: float = 30.0
+    max_inflight_bytes: int = 1 << 30
 
     @property
     def worker_threads(self) -> int:
@@ -755,14 +786,15 @@ class _Connection:
             )
         try:
             # One batch: the store seals chunk n+1 while chunk n is written.
-            store.put_many(
-                h.tenant,
-                h.namespace,
-                [(hw.key, v) for hw, v in zip(h.held, views, strict=True)],
-                encrypt=h.encrypt,
-                ttl_s=h.ttl_s,
-                reservations=[hw.reservation for hw in h.held],
-            )
+            with self.server.budget.hold(sum(sum(hw.layers) for hw in h.held)):
+                store.put_many(
+                    h.tenant,
+                    h.namespace,
+                    [(hw.key, v) for hw, v in zip(h.held, views, strict=True)],
+                    encrypt=h.encrypt,
+                    ttl_s=h.ttl_s,
+                    reservations=[hw.reservation for hw in h.held],
+                )
             for hw in h.held:
                 stored[hw.index] = True  # False from put means "already present": success
         except Exception as exc:
@@ -815,7 +847,8 @@ class _Connection:
             # Read: one batch, so chunk n+1 is read while chunk n is verified.
             outs = [staging.view[off : off + n] for _, off, n in planned]
             try:
-                results = store.get_many_into(req.tenant, [k for k, _, _ in planned], outs)
+                with self.server.budget.hold(sum(n for _, _, n in planned)):
+                    results = store.get_many_into(req.tenant, [k for k, _, _ in planned], outs)
             except Exception:
                 log.exception("%r: reading chunks failed", self)
                 results = [None] * len(planned)
@@ -935,6 +968,7 @@ class Server:
         self.config = config or ServerConfig()
         self.store_id = self.config.store_id or str(store.stats().get("store_id", "unknown"))
         self.pool = ThreadPoolExecutor(self.config.worker_threads, "kvoffload-io")
+        self.budget = ByteBudget(self.config.max_inflight_bytes)
         self.connections: set[_Connection] = set()
         self.draining = False
         self._listener: socket.socket | None = None

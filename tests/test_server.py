@@ -652,3 +652,28 @@ def test_real_store_end_to_end_and_corruption_is_a_miss(sock_dir: Path, store: A
             assert [g.ok for g in got] == [True, False, False]
     finally:
         st.stop()
+
+
+def test_byte_budget_bounds_concurrent_payload() -> None:
+    from kvoffload.sidecar.server import ByteBudget
+
+    budget = ByteBudget(100)
+    peak = 0
+    lock = threading.Lock()
+
+    def work(n: int) -> None:
+        nonlocal peak
+        with budget.hold(n):
+            with lock:
+                peak = max(peak, budget.in_use)
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in (60, 60, 30, 250, 10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert peak <= 100  # never more than the limit, even with a request larger than it
+    assert budget.in_use == 0
+    with pytest.raises(ValueError):
+        ByteBudget(0)
