@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned to the local CPU build: an unpinned torch pulls a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,demo]' 'transformers==5.20.2'
 	touch $(STAMP)
 
 # vLLM's normal install replaces torch with a 4 GB CUDA build; its Python code

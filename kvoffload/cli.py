@@ -602,6 +602,9 @@ def demo(
     chunk_tokens: Annotated[int, typer.Option("--chunk-tokens", help="Tokens per chunk.")] = 256,
     seed: Annotated[int, typer.Option("--seed", help="Weight seed (= model revision).")] = 0,
     threads: Annotated[int, typer.Option("--threads", help="torch threads per worker.")] = 2,
+    repeats: Annotated[
+        int, typer.Option("--repeats", help="B's rounds of reuse + recompute (medians shown).")
+    ] = 3,
     as_json: JsonOpt = False,
 ) -> None:
     """Cross-process KV reuse on CPU: worker A saves a prompt's KV, worker B reuses it.
@@ -613,7 +616,8 @@ def demo(
     prefills a shared prefix plus its question and saves every full chunk; B,
     with the same contract, looks up and loads the prefix and computes only
     its own question, then recomputes everything to compare logits and time
-    to first token; C, another revision (seed + 1), must miss and recompute.
+    to first token (--repeats rounds, medians shown); C, another revision
+    (seed + 1), must miss and recompute.
     Needs transformers (pip install 'kvoffload[demo]').
     """
     from . import demo as kd
@@ -633,6 +637,7 @@ def demo(
             seed=seed,
             other_seed=seed + 1,
             threads=threads,
+            repeats=repeats,
         )
     except ValueError as exc:
         err.print(f"[red]usage:[/red] {exc}")
@@ -680,10 +685,14 @@ def demo(
         f"{b['chunks_reused']} chunks = {b['tokens_reused']} tokens, "
         f"{_human_bytes(b['bytes_loaded'])} loaded; computed {b['tokens_computed']} tokens",
     )
-    table.add_row("TTFT without reuse", f"{_ms(b['ttft_recompute_s'])} (full prefill)")
+    table.add_row(
+        "TTFT without reuse",
+        f"{_ms(b['ttft_recompute_s'])} (full prefill; median of {b['repeats']})",
+    )
     table.add_row(
         "TTFT with reuse",
-        f"{_ms(b['ttft_reuse_s'])} = keys {_ms(b['keys_s'])} + lookup {_ms(b['lookup_s'])} "
+        f"{_ms(b['ttft_reuse_s'])} (median of {b['repeats']}) = keys {_ms(b['keys_s'])} "
+        f"+ lookup {_ms(b['lookup_s'])} "
         f"+ load {_ms(b['load_s'])} + cache {_ms(b['cache_s'])} "
         f"+ suffix prefill {_ms(b['suffix_prefill_s'])}",
     )

@@ -260,3 +260,55 @@ def test_bench_sidecar_quick_writes_every_row_and_stops_its_sidecars(tmp_path: P
     for pid in pids:  # each sidecar was stopped (and reaped), not left running
         assert not Path(f"/proc/{pid}").exists(), f"sidecar {pid} still running"
     assert list(work.iterdir()) == [], "the benchmark left files behind"
+
+
+# --------------------------------------------------------------------------- bench_ttft.py
+
+TTFT_SCRIPT = SCRIPT.parent / "bench_ttft.py"
+TTFT_ROWS = ("recompute", "reuse, cold load", "reuse, warm load")
+TTFT_CEILINGS = ("raw read cold", "raw read warm", "memcpy", "suffix prefill alone")
+
+
+def _has_transformers() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformers") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not _has_transformers(), reason="transformers is not installed (pip install -e '.[demo]')"
+)
+def test_bench_ttft_quick_reports_every_row_and_stops_its_sidecar(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    out = tmp_path / "ttft.json"
+    proc = subprocess.run(
+        [sys.executable, str(TTFT_SCRIPT), "--quick", "--json", str(out), "--dir", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "time to first token" in proc.stdout
+
+    doc = json.loads(out.read_text(encoding="utf-8"))
+    rows = {r["name"]: r for r in doc["rows"]}
+    for name in (*TTFT_ROWS, *TTFT_CEILINGS):
+        assert name in rows, name
+        assert rows[name]["runs"] and all(s > 0 for s in rows[name]["runs"]), name
+    for name in ("reuse, cold load", "reuse, warm load", "raw read cold", "raw read warm"):
+        assert all(c is not None for c in rows[name]["cached"]), name
+    summary = doc["summary"]
+    assert summary["target_ratio"] == 0.2
+    assert summary["ratio_cold"] > 0 and summary["ratio_warm"] > 0
+    assert isinstance(summary["meets_target_cold"], bool)
+    exact = doc["exactness"]
+    assert exact["within_tolerance"] is True and exact["greedy_match"] is True
+    assert exact["logits_max_abs_diff"] <= exact["logits_tolerance"]
+    assert doc["config"]["torch_threads"] == 2
+    assert doc["machine"]["load average 1/5/15 min (start)"]
+    assert not Path(f"/proc/{doc['config']['sidecar_pid']}").exists(), "sidecar still running"
+    assert list(work.iterdir()) == [], "the benchmark left files behind"

@@ -1,0 +1,636 @@
+"""Time to first token on CPU: prefix KV reused through a real sidecar vs recomputed.
+
+A transformers Llama with random weights (12 layers, hidden 768, 12 heads, 4 KV
+heads, vocab 32000, fp32: big enough that a 4096-token prefill takes seconds)
+serves a prompt of a 4096-token prefix and a 32-token suffix two ways:
+
+recompute
+    a full prefill of the prompt (logits of the last position only, as an
+    engine computes for its first token);
+reuse
+    chunk keys + ``lookup`` + ``load`` of the prefix's 16 chunks from a
+    ``kvoffload --dev serve`` sidecar process (AES-256-GCM, the dev policy's
+    default) into a prefix buffer + a ``DynamicCache`` from it + a prefill of
+    the suffix only; with the store's object files dropped from the page
+    cache first (cold) or left there (warm).
+
+The prefix was computed and saved once, untimed, by this process. Each round
+runs, in this order: recompute, reuse cold, reuse warm, and the ceilings of the
+same run: a raw cold and a warm read of the very object files a load reads
+(``bench_store.raw_reader``), a memcpy of the KV bytes, and the suffix prefill
+with the prefix already in memory (the compute a reuse cannot avoid). Every
+operation runs once untimed before the rounds (the first call of a GEMM shape
+pays one-off costs). Times are medians over the rounds.
+
+The logits of reuse and recompute are compared: max |difference| against
+``kvoffload.demo.logits_tolerance`` (1e-4 of the largest logit: what BLAS kernels
+chosen by GEMM shape may change in fp32; a wrong KV moves logits by ~0.1-1).
+
+Usage::
+
+    .venv/bin/python scripts/bench_ttft.py               # a few minutes on 2 cores
+    .venv/bin/python scripts/bench_ttft.py --quick       # a smoke run, tiny model
+    .venv/bin/python scripts/bench_ttft.py --rounds 5 --json out.json --dir /mnt/nvme
+
+The sidecar is stopped and the temp dir removed on exit, Ctrl-C and SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import logging
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from kvoffload import demo as kd
+from kvoffload.client import SidecarClient
+from kvoffload.keys import chunk_keys
+from kvoffload.layouts import v1
+
+if TYPE_CHECKING:
+    import bench_store as bs
+else:
+    _HERE = str(Path(__file__).resolve().parent)
+    if _HERE not in sys.path:
+        sys.path.insert(0, _HERE)
+    bs = importlib.import_module("bench_store")
+
+MiB = bs.MiB
+TENANT = "bench"
+TARGET_RATIO = 0.2  # TTFT with reuse / TTFT recompute, cold load
+SEED = 0
+TOKEN_SEED = 4321
+
+FULL_SHAPE = kd.ModelShape(
+    num_layers=12, hidden_size=768, num_heads=12, num_kv_heads=4, vocab_size=32000
+)
+QUICK_SHAPE = kd.ModelShape(
+    num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, vocab_size=1024
+)
+
+METHOD = (
+    "TTFT = wall time (time.perf_counter) from having the prompt's token ids to having the "
+    "logits of its last position. recompute: one forward over the whole prompt. reuse: "
+    "chunk_keys + SidecarClient.lookup + load(into=) the leading chunks into a prefix buffer "
+    "+ DynamicCache from it + forward over the suffix; the client was connected (hello, salt, "
+    "staging registration) before, as a worker is at start-up. Medians over the rounds, after "
+    "one untimed run of each operation; one round = recompute, reuse cold, reuse warm, raw "
+    "cold read, raw warm read, memcpy, suffix prefill alone, in that order."
+)
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class Row:
+    kind: str  # "ttft" | "stage" | "ceiling"
+    name: str
+    runs: list[float] = field(default_factory=list)  # seconds
+    cached: list[float | None] = field(default_factory=list)
+    nbytes: int = 0  # bytes moved per run (ceilings)
+    note: str = ""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.runs) if self.runs else 0.0
+
+    @property
+    def gbps(self) -> float | None:
+        return self.nbytes / self.median / 1e9 if self.nbytes and self.median > 0 else None
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["median_s"] = self.median
+        d["min_s"] = min(self.runs) if self.runs else None
+        d["max_s"] = max(self.runs) if self.runs else None
+        d["gbps"] = self.gbps
+        return d
+
+
+@dataclass
+class Exactness:
+    logits_max_abs_diff: float = 0.0  # reuse vs recompute, over every round
+    logits_tolerance: float = 0.0
+    greedy_match: bool = True
+    prefix_kv_max_abs_diff: float = 0.0  # loaded prefix vs recomputed prefix KV
+    recompute_run_to_run: float = 0.0  # max |diff| between recomputes of different rounds
+    logits_abs_max: float = 0.0
+    logits_std: float = 0.0
+
+    @property
+    def within(self) -> bool:
+        return self.logits_max_abs_diff <= self.logits_tolerance
+
+
+# --------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Bench:
+    model: Any
+    contract: Any
+    client: SidecarClient
+    prompt: list[int]
+    prefix_len: int
+    obj_paths: list[Path]
+    prefix_kv: kd.Prefill
+    mincore: Any = field(default_factory=bs._Mincore)
+    rows: dict[str, Row] = field(default_factory=dict)
+    exact: Exactness = field(default_factory=Exactness)
+    progress: Callable[[str], None] = lambda _m: None
+    _ref_logits: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.reused_chunks = self.prefix_len // self.contract.chunk_tokens
+        self.kv_bytes = self.reused_chunks * self.contract.layer_layout.num_layers
+        self.kv_bytes *= kd.chunk_layer_bytes(
+            self.contract.layer_layout, self.contract.chunk_tokens, torch.float32
+        )
+        self.file_bytes = sum(p.stat().st_size for p in self.obj_paths)
+        self.read_buf = bs._mv(bs.touched(max(p.stat().st_size for p in self.obj_paths)))
+        self.reader = bs.raw_reader(self.obj_paths, self.read_buf)
+        self.src = bs.random_payload(self.kv_bytes, 1)
+        self.dst = bs.touched(self.kv_bytes)
+
+    def row(self, kind: str, name: str, nbytes: int = 0, note: str = "") -> Row:
+        if name not in self.rows:
+            self.rows[name] = Row(kind, name, nbytes=nbytes, note=note)
+        return self.rows[name]
+
+    # -- operations (each returns seconds)
+
+    def recompute(self, timed: bool) -> float:
+        t0 = time.perf_counter()
+        full = kd.prefill(self.model, self.prompt)
+        dt = time.perf_counter() - t0
+        if timed:
+            self._check_recompute(full)
+        return dt
+
+    def reuse(self, cache_state: str, timed: bool) -> float:
+        cached = None
+        if cache_state == "cold":
+            bs.drop_cache(self.obj_paths)
+        if timed:
+            cached = self.mincore.resident(self.obj_paths)
+        r = kd.reuse_prefill(self.model, self.client, self.contract, self.prompt)
+        if r.reused_chunks != self.reused_chunks:
+            raise AssertionError(
+                f"reuse {cache_state}: {r.reused_chunks} chunks reused, expected "
+                f"{self.reused_chunks} (lookup found {r.lookup_chunks})"
+            )
+        if timed:
+            name = f"reuse, {cache_state} load"
+            self.row("ttft", name).runs.append(r.total_s)
+            self.row("ttft", name).cached.append(cached)
+            for stage, s in (
+                ("chunk keys", r.keys_s),
+                ("lookup", r.lookup_s),
+                ("load", r.load_s),
+                ("DynamicCache from prefix", r.cache_s),
+                ("suffix prefill", r.compute_s),
+            ):
+                self.row("stage", f"{cache_state}/{stage}").runs.append(s)
+            self._check_reuse(r)
+        return r.total_s
+
+    def raw_read(self, cache_state: str, timed: bool) -> float:
+        if cache_state == "cold":
+            bs.drop_cache(self.obj_paths)
+        cached = self.mincore.resident(self.obj_paths) if timed else None
+        t0 = time.perf_counter()
+        for i in range(len(self.obj_paths)):
+            self.reader(i)
+        dt = time.perf_counter() - t0
+        if timed:
+            r = self.row(
+                "ceiling",
+                f"raw read {cache_state}",
+                self.file_bytes,
+                f"open+readv+close of the {len(self.obj_paths)} object files a load reads",
+            )
+            r.runs.append(dt)
+            r.cached.append(cached)
+        return dt
+
+    def memcpy(self, timed: bool) -> float:
+        t0 = time.perf_counter()
+        np.copyto(self.dst, self.src)
+        dt = time.perf_counter() - t0
+        if timed:
+            self.row(
+                "ceiling", "memcpy", self.kv_bytes, "the prefix's KV bytes, numpy"
+            ).runs.append(dt)
+        return dt
+
+    def suffix_only(self, timed: bool) -> float:
+        n = self.prefix_len
+        t0 = time.perf_counter()
+        cache = kd.cache_from_kv(
+            self.model.config,
+            [k[:, :n] for k in self.prefix_kv.keys],
+            [v[:, :n] for v in self.prefix_kv.values],
+        )
+        kd.prefill_suffix(self.model, self.prompt, cache, n)
+        dt = time.perf_counter() - t0
+        if timed:
+            self.row(
+                "ceiling",
+                "suffix prefill alone",
+                0,
+                "DynamicCache from the prefix KV in memory + forward over the suffix",
+            ).runs.append(dt)
+        return dt
+
+    # -- checks
+
+    def _check_recompute(self, full: kd.Prefill) -> None:
+        if self._ref_logits is None:
+            self._ref_logits = full.logits
+            self.exact.logits_tolerance = kd.logits_tolerance(full.logits)
+            self.exact.logits_abs_max = float(full.logits.abs().max())
+            self.exact.logits_std = float(full.logits.std())
+            n = self.prefix_len
+            self.exact.prefix_kv_max_abs_diff = max(
+                max(kd.max_abs_diff(a[:, :n], b[:, :n]), kd.max_abs_diff(c[:, :n], d[:, :n]))
+                for a, b, c, d in zip(
+                    full.keys,
+                    self.prefix_kv.keys,
+                    full.values,
+                    self.prefix_kv.values,
+                    strict=True,
+                )
+            )
+        else:
+            self.exact.recompute_run_to_run = max(
+                self.exact.recompute_run_to_run, kd.max_abs_diff(full.logits, self._ref_logits)
+            )
+
+    def _check_reuse(self, r: kd.ReuseResult) -> None:
+        if self._ref_logits is None:
+            raise AssertionError("no recompute to compare with")
+        diff = kd.max_abs_diff(r.logits, self._ref_logits)
+        self.exact.logits_max_abs_diff = max(self.exact.logits_max_abs_diff, diff)
+        same = int(r.logits.argmax()) == int(self._ref_logits.argmax())
+        self.exact.greedy_match = self.exact.greedy_match and same
+
+    # -- the rounds
+
+    def run(self, rounds: int) -> None:
+        ops: list[tuple[str, Callable[[bool], float]]] = [
+            ("recompute", lambda t: self._ttft("recompute", self.recompute(t), t)),
+            ("reuse cold", lambda t: self.reuse("cold", t)),
+            ("reuse warm", lambda t: self.reuse("warm", t)),
+            ("raw read cold", lambda t: self.raw_read("cold", t)),
+            ("raw read warm", lambda t: self.raw_read("warm", t)),
+            ("memcpy", self.memcpy),
+            ("suffix prefill alone", self.suffix_only),
+        ]
+        self.progress("warm-up: every operation once, untimed")
+        for name, op in ops:
+            dt = op(False)
+            self.progress(f"  {name:<22} {dt * 1e3:10.1f} ms (untimed)")
+        for i in range(rounds):
+            self.progress(f"round {i + 1}/{rounds}")
+            for name, op in ops:
+                dt = op(True)
+                self.progress(f"  {name:<22} {dt * 1e3:10.1f} ms")
+
+    def _ttft(self, name: str, dt: float, timed: bool) -> float:
+        if timed:
+            r = self.row("ttft", name)
+            r.runs.append(dt)
+            r.cached.append(None)
+        return dt
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:,.1f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def _cached(r: Row) -> str:
+    vals = [c for c in r.cached if c is not None]
+    return "-" if not vals else f"{statistics.median(vals):.0%}"
+
+
+def summary(bench: Bench) -> dict[str, Any]:
+    rows = bench.rows
+    recompute = rows["recompute"].median
+    out: dict[str, Any] = {"recompute_s": recompute}
+    for state in ("cold", "warm"):
+        reuse = rows[f"reuse, {state} load"].median
+        out[f"reuse_{state}_s"] = reuse
+        out[f"ratio_{state}"] = reuse / recompute if recompute > 0 else None
+        out[f"speedup_{state}"] = recompute / reuse if reuse > 0 else None
+    out["target_ratio"] = TARGET_RATIO
+    out["meets_target_cold"] = out["ratio_cold"] is not None and out["ratio_cold"] <= TARGET_RATIO
+    out["meets_target_warm"] = out["ratio_warm"] is not None and out["ratio_warm"] <= TARGET_RATIO
+    suffix = rows["suffix prefill alone"].median
+    raw_cold = rows["raw read cold"].median
+    out["bound_cold_s"] = raw_cold + suffix
+    out["bound_ratio_cold"] = (raw_cold + suffix) / recompute if recompute > 0 else None
+    out["load_cold_x_raw_read_cold"] = rows["cold/load"].median / raw_cold if raw_cold > 0 else None
+    return out
+
+
+def render(console: Console, facts: dict[str, str], bench: Bench, summ: dict[str, Any]) -> None:
+    t = Table(title="machine and set-up", show_header=False)
+    t.add_column("fact", style="bold")
+    t.add_column("value")
+    for k, v in facts.items():
+        t.add_row(escape(k), escape(v))
+    console.print(t)
+
+    rows = bench.rows
+    rounds = len(rows["recompute"].runs)
+    t = Table(title=f"time to first token (median of {rounds} rounds, ms)")
+    for col in ("path", "median", "min", "max", "x recompute", "target", "cached"):
+        t.add_column(col, justify="left" if col == "path" else "right")
+    rec = rows["recompute"]
+    t.add_row(
+        f"recompute: full prefill of {len(bench.prompt)} tokens",
+        _ms(rec.median),
+        _ms(min(rec.runs)),
+        _ms(max(rec.runs)),
+        "1.000",
+        "",
+        "",
+    )
+    for state in ("cold", "warm"):
+        r = rows[f"reuse, {state} load"]
+        ratio = summ[f"ratio_{state}"]
+        ok = summ[f"meets_target_{state}"]
+        t.add_row(
+            f"reuse, {state} load: {bench.reused_chunks} chunks + "
+            f"{len(bench.prompt) - bench.prefix_len} tokens computed",
+            _ms(r.median),
+            _ms(min(r.runs)),
+            _ms(max(r.runs)),
+            f"{ratio:.3f}" if ratio is not None else "-",
+            f"<= {TARGET_RATIO} " + ("[green]met[/green]" if ok else "[red]missed[/red]"),
+            _cached(r),
+        )
+    console.print(t)
+
+    t = Table(title="reuse, stage by stage (median ms)")
+    for col in ("stage", "cold", "warm"):
+        t.add_column(col, justify="left" if col == "stage" else "right")
+    for stage in ("chunk keys", "lookup", "load", "DynamicCache from prefix", "suffix prefill"):
+        t.add_row(stage, _ms(rows[f"cold/{stage}"].median), _ms(rows[f"warm/{stage}"].median))
+    console.print(t)
+
+    t = Table(title="ceilings of the same run (median ms)")
+    for col in ("ceiling", "median", "MiB", "GB/s", "cached", "what"):
+        t.add_column(col, justify="left" if col in ("ceiling", "what") else "right")
+    for name in ("raw read cold", "raw read warm", "memcpy", "suffix prefill alone"):
+        r = rows[name]
+        t.add_row(
+            name,
+            _ms(r.median),
+            f"{r.nbytes / MiB:.1f}" if r.nbytes else "-",
+            f"{r.gbps:.3f}" if r.gbps else "-",
+            _cached(r),
+            r.note,
+        )
+    bound = summ["bound_ratio_cold"]
+    t.add_row(
+        "bound: raw read cold + suffix prefill alone",
+        _ms(summ["bound_cold_s"]),
+        "",
+        "",
+        "",
+        f"the best a cold reuse could do here: {bound:.3f} x recompute" if bound else "",
+    )
+    console.print(t)
+    load_x = summ["load_cold_x_raw_read_cold"]
+    if load_x is not None:
+        console.print(
+            f"load (cold) took {load_x:.2f} x the raw cold read of the same object files "
+            f"({bench.file_bytes / MiB:.1f} MiB of files for {bench.kv_bytes / MiB:.1f} MiB of KV)"
+        )
+
+    e = bench.exact
+    t = Table(title="exactness: reuse vs recompute", show_header=False)
+    t.add_column("what", style="bold")
+    t.add_column("value")
+    t.add_row(
+        "logits max |reuse - recompute|",
+        f"{e.logits_max_abs_diff:.3g} over every reuse run "
+        + ("([green]within[/green]" if e.within else "([red]OVER[/red]")
+        + f" the tolerance {e.logits_tolerance:.3g})",
+    )
+    t.add_row(
+        "tolerance",
+        f"{kd.LOGITS_RTOL:g} x max(1, max |logit|) = {kd.LOGITS_RTOL:g} x "
+        f"{max(1.0, e.logits_abs_max):.3g}: fp32 GEMMs of different row counts (a "
+        f"{len(bench.prompt) - bench.prefix_len}-row suffix vs a {len(bench.prompt)}-row prompt) "
+        "may use kernels that round differently, ~1e-6 relative over these layers; a wrong KV "
+        f"moves logits by their spread (std here {e.logits_std:.3g})",
+    )
+    t.add_row("greedy next token", "equal" if e.greedy_match else "[red]DIFFERENT[/red]")
+    t.add_row("prefix KV max |loaded - recomputed|", f"{e.prefix_kv_max_abs_diff:.3g}")
+    t.add_row("recompute run-to-run max |diff|", f"{e.recompute_run_to_run:.3g}")
+    console.print(t)
+    console.print(f"[bold]method[/bold]: {METHOD}")
+    console.print(f"[bold]cold[/bold]: {bs.COLD_METHOD}")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--dir", type=Path, default=None, help="where the store lives (default: cwd)")
+    p.add_argument("--quick", action="store_true", help="tiny model and prompt: a smoke run")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 3; quick 1)")
+    p.add_argument("--prefix-tokens", type=int, default=None, help="default 4096 (quick 512)")
+    p.add_argument("--suffix-tokens", type=int, default=None, help="default 32 (quick 16)")
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    a = p.parse_args(argv)
+    a.rounds = a.rounds or (1 if a.quick else 3)
+    a.prefix_tokens = a.prefix_tokens or (512 if a.quick else 4096)
+    a.suffix_tokens = a.suffix_tokens or (16 if a.quick else 32)
+    if a.rounds < 1 or a.threads < 1 or a.suffix_tokens < 1:
+        p.error("--rounds, --threads and --suffix-tokens must be at least 1")
+    if a.prefix_tokens < a.chunk_tokens or a.prefix_tokens % a.chunk_tokens:
+        p.error("--prefix-tokens must be a positive multiple of --chunk-tokens")
+    return a
+
+
+@contextlib.contextmanager
+def _scratch_dir(parent: Path) -> Iterator[Path]:
+    """A temp dir removed on exit, Ctrl-C, SIGTERM and SIGHUP."""
+    old = {s: signal.signal(s, bs._raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    d = Path(tempfile.mkdtemp(prefix=".bench_ttft-", dir=parent))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _loadavg() -> str:
+    try:
+        return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.getLogger("kvoffload").setLevel(logging.ERROR)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=180)
+    err = Console(stderr=True)
+    if not kd.transformers_available():
+        err.print(kd.TRANSFORMERS_MISSING)
+        return 1
+    parent = (args.dir or Path.cwd()).resolve()
+    if not parent.is_dir():
+        err.print(f"--dir {parent}: not a directory")
+        return 2
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    shape = QUICK_SHAPE if args.quick else FULL_SHAPE
+    prefix = kd.random_tokens(args.prefix_tokens, shape.vocab_size, TOKEN_SEED)
+    prompt = prefix + kd.random_tokens(args.suffix_tokens, shape.vocab_size, TOKEN_SEED + 1)
+    if len(prompt) > shape.max_position_embeddings:
+        err.print(f"the prompt exceeds {shape.max_position_embeddings} positions")
+        return 2
+    progress: Callable[[str], None] = lambda m: err.print(m, highlight=False)  # noqa: E731
+    sidecar_pid: int | None = None
+    try:
+        with _scratch_dir(parent) as base:
+            facts = bs.machine_facts(base)
+            facts["load average 1/5/15 min (start)"] = _loadavg()
+            t_start = time.perf_counter()
+            progress(f"model: {shape.describe()}, fp32, seed {SEED}")
+            config = kd.llama_config(shape)
+            model = kd.build_model(config, SEED)
+            contract = kd.demo_contract(config, SEED, tenant=TENANT, chunk_tokens=args.chunk_tokens)
+            n_chunks = args.prefix_tokens // args.chunk_tokens
+            staging = kd.staging_bytes_for(contract.layer_layout, args.chunk_tokens, n_chunks)
+            with (
+                kd.dev_sidecar(base) as sc,
+                SidecarClient(
+                    sc.socket_path, TENANT, staging_bytes=staging, name="bench_ttft"
+                ) as client,
+            ):
+                sidecar_pid = sc.pid
+                progress(f"sidecar pid {sc.pid} on {sc.socket_path}")
+                salt = client.salt
+                if salt is None:
+                    raise RuntimeError("the sidecar does not answer")
+                progress(f"prefix: prefill {len(prefix)} tokens and save {n_chunks} chunks")
+                t0 = time.perf_counter()
+                pre = kd.prefill(model, prefix)
+                prefix_prefill_s = time.perf_counter() - t0
+                keys = chunk_keys(contract, salt, prefix)
+                t0 = time.perf_counter()
+                saved = client.save(
+                    contract.fingerprint(),
+                    list(zip(keys, kd.pack_chunks(pre.keys, pre.values, args.chunk_tokens),
+                             strict=True)),
+                )  # fmt: skip
+                save_s = time.perf_counter() - t0
+                if not all(saved):
+                    raise RuntimeError(f"the sidecar saved {sum(saved)} of {len(saved)} chunks")
+                os.sync()
+                obj_paths = [sc.store_root / v1.object_relpath(TENANT, k) for k in keys]
+                missing = [p for p in obj_paths if not p.exists()]
+                if missing:
+                    raise RuntimeError(f"saved objects not found: {missing[:2]}")
+                bench = Bench(model, contract, client, prompt, len(prefix), obj_paths, pre)
+                bench.progress = progress
+                bench.run(args.rounds)
+                sidecar_stats = dict(sc.stats)
+            elapsed = time.perf_counter() - t_start
+            facts["load average 1/5/15 min (end)"] = _loadavg()
+    except KeyboardInterrupt:
+        err.print("interrupted: sidecar stopped, temp files removed")
+        return 130
+    facts["run time"] = f"{elapsed:.1f} s"
+    facts["torch"] = (
+        f"{torch.__version__}, torch.set_num_threads({args.threads}) -> "
+        f"get_num_threads() = {torch.get_num_threads()}, interop threads "
+        f"{torch.get_num_interop_threads()}"
+    )
+    facts["transformers"] = f"{transformers.__version__}, attention {config._attn_implementation}"
+    facts["model"] = f"{shape.describe()}, fp32, random weights (seed {SEED})"
+    facts["prompt"] = (
+        f"{args.prefix_tokens} prefix + {args.suffix_tokens} suffix tokens; chunks of "
+        f"{args.chunk_tokens} tokens: {n_chunks} chunks x {shape.num_layers} layers"
+    )
+    facts["KV of the prefix"] = (
+        f"{bench.kv_bytes / MiB:.1f} MiB ({shape.kv_bytes_per_token()} B/token), "
+        f"{bench.file_bytes / MiB:.1f} MiB of object files"
+    )
+    facts["sidecar"] = (
+        f"python -m kvoffload.cli --dev serve (pid {sidecar_pid}); tenant {TENANT!r} "
+        f"(dev policy: aes-256-gcm); durability {sidecar_stats.get('durability', '?')}"
+    )
+    facts["client"] = f"SidecarClient, staging {staging / MiB:.1f} MiB, load(into=prefix buffer)"
+    facts["prefix set-up (untimed)"] = (
+        f"prefill {prefix_prefill_s:.2f} s, save {save_s * 1e3:.0f} ms"
+    )
+    summ = summary(bench)
+    render(console, facts, bench, summ)
+    if args.json is not None:
+        doc = {
+            "machine": facts,
+            "config": {
+                "quick": args.quick,
+                "rounds": args.rounds,
+                "prefix_tokens": args.prefix_tokens,
+                "suffix_tokens": args.suffix_tokens,
+                "chunk_tokens": args.chunk_tokens,
+                "threads": args.threads,
+                "torch_threads": torch.get_num_threads(),
+                "model": asdict(shape),
+                "kv_bytes": bench.kv_bytes,
+                "file_bytes": bench.file_bytes,
+                "sidecar_pid": sidecar_pid,
+            },
+            "method": METHOD,
+            "cold_method": bs.COLD_METHOD,
+            "summary": summ,
+            "rows": [r.to_json() for r in bench.rows.values()],
+            "exactness": asdict(bench.exact) | {"within_tolerance": bench.exact.within},
+        }
+        args.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
