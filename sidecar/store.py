@@ -688,6 +688,16 @@ class Store:
             n += self.index.lookup(tenant, keys[n:], now_ns=now)
         return n
 
+    def lookup_cached(self, tenant: str, keys: Sequence[bytes]) -> int | None:
+        """:meth:`lookup` from the index alone, or None where that needs the disk
+        (a miss that may be another node's file, or an expired entry to drop)."""
+        n = self.index.lookup(tenant, keys, now_ns=time.time_ns())
+        if n == len(keys):
+            return n
+        if self.config.probe_files_on_miss or self.index.get(tenant, keys[n]) is not None:
+            return None
+        return n
+
     def contains(self, tenant: str, key: bytes) -> bool:
         return self.lookup(tenant, [key]) == 1
 

@@ -135,6 +135,9 @@ class FakeStore:
             n += 1
         return n
 
+    def lookup_cached(self, tenant: str, keys: Sequence[bytes]) -> int | None:
+        return None  # always the pool path: these tests control lookups' timing
+
     def pin(self, tenant: str, keys: Sequence[bytes]) -> None:
         with self.mu:
             self.pins.update((tenant, k) for k in keys)

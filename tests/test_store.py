@@ -421,3 +421,12 @@ def test_object_of_a_future_version_is_a_miss_not_a_crash(store: Store) -> None:
     p.write_bytes(raw)
     assert store.get("acme", key(1)) is None
     assert p.exists()  # a newer writer's object is left alone
+
+
+def test_lookup_cached_answers_from_the_index_or_defers(store: Store) -> None:
+    for i in range(3):
+        store.put("acme", NS, key(i), layers(i))
+    assert store.lookup_cached("acme", [key(0), key(1), key(2)]) == 3
+    # A miss may be another node's file: only the full lookup (which probes) may say.
+    assert store.lookup_cached("acme", [key(0), key(9)]) is None
+    assert store.lookup("acme", [key(0), key(9)]) == 1
