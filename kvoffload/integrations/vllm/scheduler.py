@@ -67,6 +67,11 @@ class _RequestState:
     load_blocks: dict[int, int] = field(default_factory=dict)
     load_async: bool = False
     load_emitted: bool = False
+    # The first chunk a load of this request failed at: never offered again.
+    # vLLM asks again when a failed async load rewinds the request to token 0;
+    # offering chunks the store still lists but the worker could not use
+    # would repeat the failing load forever.
+    load_failed_at: int | None = None
 
 
 @dataclass
@@ -206,6 +211,8 @@ class KVOffloadScheduler:
         # least one token to sample the next.
         n_max = (request.num_tokens - 1) // self._ct
         st = self._state(request)
+        if st.load_failed_at is not None:
+            n_max = min(n_max, st.load_failed_at)
         st.query_start, st.query_hit = num_computed_tokens, 0
         if n_max * self._ct <= num_computed_tokens:
             return 0, False  # vLLM's own prefix cache covers all we could add
@@ -367,8 +374,10 @@ class KVOffloadScheduler:
             failed = [c for b, c in st.load_blocks.items() if b in invalid]
             if failed:
                 # Those chunks are not (readably) in the store after all:
-                # save them once vLLM has recomputed them.
+                # save them once vLLM has recomputed them, never load them again.
                 st.next_save_chunk = min(st.next_save_chunk, min(failed))
+                if st.load_failed_at is None or min(failed) < st.load_failed_at:
+                    st.load_failed_at = min(failed)
             if not st.load_async or req_id in recving:
                 st.load_blocks = {}
         for req_id in connector_output.finished_sending or ():
