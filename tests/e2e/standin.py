@@ -1208,6 +1208,84 @@ class _RunnerRequestState:
     num_computed_tokens: int
 
 
+def build_vllm_scheduler(
+    spec: TinyLlamaSpec,
+    model_dir: Path,
+    *,
+    dtype: torch.dtype,
+    block_size: int,
+    layout: KVLayout,
+    num_blocks: int,
+    max_num_batched_tokens: int,
+    transfer: Any,
+    tp: int = 1,
+) -> tuple[Any, Any, Any]:
+    """vLLM 0.33's real config, KV-cache config and ``Scheduler`` for the tiny model.
+
+    ``transfer`` is a ``KVTransferConfig`` or None; with ``tp`` > 1 each rank holds
+    ``num_kv_heads // tp`` heads. Returns ``(vllm_config, kv_cache_config, scheduler)``.
+    """
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    max_len = spec.max_position_embeddings
+    model_config = ModelConfig(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype=dtype,
+        seed=0,
+        max_model_len=max_len,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=16,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    # vLLM's engine core resolves the layout from the workers' backends;
+    # the stand-in's "backend" takes either standardized layout.
+    cache_config.kv_cache_layout = layout.value
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        kv_transfer_config=transfer,
+        device_config=DeviceConfig("cpu"),
+    )
+    kv_spec = FullAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=spec.num_kv_heads // tp,
+        head_size=spec.head_dim,
+        dtype=dtype,
+    )
+    cache_config.num_gpu_blocks_override = num_blocks
+    kv_cache_config = get_kv_cache_config_from_groups(
+        vllm_config, [KVCacheGroupSpec(spec.layer_names(), kv_spec)], 1 << 40
+    )
+    cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    scheduler = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        log_stats=True,
+    )
+    return vllm_config, kv_cache_config, scheduler
+
+
 class VllmSchedulerDriver:
     """vLLM 0.33's real v1 ``Scheduler`` driving the stand-in runner, step by step.
 
@@ -1242,43 +1320,13 @@ class VllmSchedulerDriver:
     ) -> None:
         """``kv_load_failure_policy`` is vLLM's: "recompute" (what kvoffload's
         design asks for: a failed load is a miss) or "fail" (vLLM 0.33's default)."""
-        from vllm.config import (
-            CacheConfig,
-            DeviceConfig,
-            KVTransferConfig,
-            ModelConfig,
-            SchedulerConfig,
-            VllmConfig,
-        )
+        from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
-        from vllm.v1.structured_output import StructuredOutputManager
         from vllm.v1.worker.utils import allocate_kv_cache
 
         if layout not in (KVLayout.LBNHC, KVLayout.LBHNC):
             raise ValueError("vLLM 0.33 allocates standardized layouts only")
-        max_len = spec.max_position_embeddings
-        model_config = ModelConfig(
-            model=str(model_dir),
-            skip_tokenizer_init=True,
-            dtype=dtype,
-            seed=0,
-            max_model_len=max_len,
-        )
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=16,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_len,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-        )
-        cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
-        # vLLM's engine core resolves the layout from the workers' backends;
-        # the stand-in's "backend" takes either standardized layout.
-        cache_config.kv_cache_layout = layout.value
         transfer = (
             None
             if kv_connector is None
@@ -1290,31 +1338,17 @@ class VllmSchedulerDriver:
                 kv_load_failure_policy=kv_load_failure_policy,  # type: ignore[arg-type]
             )
         )
-        self.vllm_config = VllmConfig(
-            model_config=model_config,
-            scheduler_config=scheduler_config,
-            cache_config=cache_config,
-            kv_transfer_config=transfer,
-            device_config=DeviceConfig("cpu"),
-        )
-        kv_spec = FullAttentionSpec(
-            block_size=block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_size=spec.head_dim,
+        self.vllm_config, self.kv_cache_config, self.scheduler = build_vllm_scheduler(
+            spec,
+            model_dir,
             dtype=dtype,
-        )
-        cache_config.num_gpu_blocks_override = num_blocks
-        self.kv_cache_config = get_kv_cache_config_from_groups(
-            self.vllm_config, [KVCacheGroupSpec(spec.layer_names(), kv_spec)], 1 << 40
-        )
-        cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
-        self.scheduler = Scheduler(
-            vllm_config=self.vllm_config,
-            kv_cache_config=self.kv_cache_config,
-            structured_output_manager=StructuredOutputManager(self.vllm_config),
             block_size=block_size,
-            log_stats=True,
+            layout=layout,
+            num_blocks=num_blocks,
+            max_num_batched_tokens=max_num_batched_tokens,
+            transfer=transfer,
         )
+        cache_config = self.vllm_config.cache_config
         self.worker_connector: Any = (
             None
             if transfer is None

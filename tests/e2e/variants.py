@@ -77,6 +77,7 @@ from .standin import (
     VllmRequestResult,
     VllmSchedulerDriver,
     allocate_kv_layer,
+    build_vllm_scheduler,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -448,41 +449,12 @@ class StandInEngine(VllmSchedulerDriver):
         lost_save_ranks: Sequence[int] = (),
         max_num_batched_tokens: int = 2048,
     ) -> None:
-        from vllm.config import (
-            CacheConfig,
-            DeviceConfig,
-            KVTransferConfig,
-            ModelConfig,
-            ParallelConfig,
-            SchedulerConfig,
-            VllmConfig,
-        )
+        from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
-        from vllm.v1.structured_output import StructuredOutputManager
 
         if spec.num_kv_heads % tp:
             raise ValueError(f"{spec.num_kv_heads} KV heads do not split over {tp} ranks")
-        max_len = spec.max_position_embeddings
-        model_config = ModelConfig(
-            model=str(model_dir),
-            skip_tokenizer_init=True,
-            dtype=dtype,
-            seed=0,
-            max_model_len=max_len,
-        )
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=16,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_len,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-        )
-        cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
-        cache_config.kv_cache_layout = layout.value
         transfer = (
             None
             if extra_config is None
@@ -494,30 +466,18 @@ class StandInEngine(VllmSchedulerDriver):
                 kv_load_failure_policy="recompute",
             )
         )
-        self.vllm_config = VllmConfig(
-            model_config=model_config,
-            scheduler_config=scheduler_config,
-            cache_config=cache_config,
-            parallel_config=ParallelConfig(tensor_parallel_size=tp),
-            kv_transfer_config=transfer,
-            device_config=DeviceConfig("cpu"),
+        self.vllm_config, self.kv_cache_config, self.scheduler = build_vllm_scheduler(
+            spec,
+            model_dir,
+            dtype=dtype,
+            block_size=block_size,
+            layout=layout,
+            num_blocks=num_blocks,
+            max_num_batched_tokens=max_num_batched_tokens,
+            transfer=transfer,
+            tp=tp,
         )
         heads = spec.num_kv_heads // tp
-        kv_spec = FullAttentionSpec(
-            block_size=block_size, num_kv_heads=heads, head_size=spec.head_dim, dtype=dtype
-        )
-        cache_config.num_gpu_blocks_override = num_blocks
-        self.kv_cache_config = get_kv_cache_config_from_groups(
-            self.vllm_config, [KVCacheGroupSpec(spec.layer_names(), kv_spec)], 1 << 40
-        )
-        cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
-        self.scheduler = Scheduler(
-            vllm_config=self.vllm_config,
-            kv_cache_config=self.kv_cache_config,
-            structured_output_manager=StructuredOutputManager(self.vllm_config),
-            block_size=block_size,
-            log_stats=True,
-        )
         workers = []
         if transfer is not None:
             for rank in range(tp):
