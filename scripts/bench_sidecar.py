@@ -1030,15 +1030,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="cProfile the sidecar (every thread) and this client into this dir; slows all rows",
     )
     a = p.parse_args(argv)
-    durs: list[str] = []
-    for item in a.durability or [",".join(DEFAULT_DURABILITIES)]:
-        for d in item.split(","):
-            d = d.strip()
-            if d not in DURABILITIES:
-                p.error(f"--durability: {d!r} is not one of {', '.join(DURABILITIES)}")
-            if d not in durs:
-                durs.append(d)
-    a.durability = durs
+    a.durability = bs.parse_durabilities(p, a.durability, DEFAULT_DURABILITIES)
     a.shapes = [x.strip() for x in a.shapes.split(",") if x.strip()]
     if not a.shapes or any(x not in ("large", "small") for x in a.shapes):
         p.error("--shapes: a comma-separated list of large, small")

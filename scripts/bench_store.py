@@ -119,6 +119,21 @@ class Shape:
         return f"{self.layers} layers x {_size(self.layer_bytes)} = {_size(self.payload)}/chunk"
 
 
+def parse_durabilities(
+    p: argparse.ArgumentParser, values: list[str] | None, default: Sequence[str] | None = None
+) -> list[str]:
+    """``--durability`` values (repeatable, comma-separated) in order, without repeats."""
+    durs: list[str] = []
+    for item in values or [",".join(default or DEFAULT_DURABILITIES)]:
+        for d in item.split(","):
+            d = d.strip()
+            if d not in DURABILITIES:
+                p.error(f"--durability: {d!r} is not one of {', '.join(DURABILITIES)}")
+            if d not in durs:
+                durs.append(d)
+    return durs
+
+
 def make_shapes(quick: bool, large_mib_per_row: int, small_ops: int) -> list[Shape]:
     if quick:
         return [
@@ -750,15 +765,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="stop a row after this many seconds of its ops (>= 3 ops); default 4 (quick: 0.3)",
     )
     a = p.parse_args(argv)
-    durs: list[str] = []
-    for item in a.durability or [",".join(DEFAULT_DURABILITIES)]:
-        for d in item.split(","):
-            d = d.strip()
-            if d not in DURABILITIES:
-                p.error(f"--durability: {d!r} is not one of {', '.join(DURABILITIES)}")
-            if d not in durs:
-                durs.append(d)
-    a.durability = durs
+    a.durability = parse_durabilities(p, a.durability)
     if a.row_budget_s is None:
         a.row_budget_s = 0.3 if a.quick else 4.0
     return a
