@@ -12,11 +12,20 @@ staging buffer, use after ``close()``, or an exception from the caller's own
 
 Calls are serialized by a lock: each call starts with the whole staging
 buffer free, which is what lets ``save`` and ``load`` size their batches.
+
+With ``direct=True``, a tenant the sidecar offers the direct path for
+(``hello``'s ``direct``: policy ``encryption = "none"``, ``direct = true``)
+is saved and loaded without the staging buffer: the worker writes and reads
+sidecar-leased layout-v1 files itself (:mod:`kvoffload.direct`, GDS from and
+to GPU memory where the node has it). Results and failure handling are the
+same as on the staging path; any other tenant, or a sidecar that does not
+offer it, quietly uses staging.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import random
@@ -26,7 +35,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from . import direct as direct_io
 from .contract import validate_tenant
+from .layouts import v1
 from .protocol import (
     ALIGNMENT,
     KEY_SIZE,
@@ -44,6 +55,10 @@ from .protocol import (
     ErrorReply,
     Hello,
     HelloReply,
+    LeaseLoad,
+    LeaseLoadReply,
+    LeaseStore,
+    LeaseStoreReply,
     Lookup,
     LookupReply,
     PrepareLoad,
@@ -79,11 +94,18 @@ DEFAULT_STAGING_BYTES = 128 << 20
 _CHUNK_ENTRY_BYTES = 64
 _LAYER_ENTRY_BYTES = 9
 _FRAME_SLACK = 4096
+#: Chunks per lease_store / lease_load request: bounds the leased files, pins
+#: and reply size a single call holds.
+DIRECT_BATCH = 32
 
 #: A layer argument: anything with the buffer protocol (bytes, bytearray,
 #: memoryview, numpy array), or a contiguous CPU torch tensor.
 BufferLike = Any
 LoadCallback = Callable[[int, bytes, Sequence[memoryview]], None]
+#: ``dest_for(index, key, layer_sizes)``: where ``load_to`` puts a chunk's
+#: layers: writable host buffers or GPU tensors, one per layer, each at least
+#: its layer's size.
+DestCallback = Callable[[int, bytes, Sequence[int]], Sequence[Any]]
 
 
 class ChunkTooLarge(ValueError):
@@ -192,6 +214,7 @@ class SidecarClient:
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
         log_interval_s: float = 60.0,
+        direct: bool = False,
     ) -> None:
         self._tenant = validate_tenant(tenant)
         if staging_bytes < ALIGNMENT:
@@ -213,6 +236,7 @@ class SidecarClient:
         self._staging: StagingBuffer | None = None
         self._closed = False
         self._salt: bytes | None = None
+        self._direct = direct
 
     # -- public API ----------------------------------------------------------
 
@@ -272,6 +296,15 @@ class SidecarClient:
                 self._lose(s, exc)
             return total
 
+    def uses_direct(self) -> bool:
+        """Whether saves and loads take the direct path now (connects if needed)."""
+        with self._lock:
+            s = self._ensure_session()
+            return s is not None and self._direct_on(s)
+
+    def _direct_on(self, s: _Session) -> bool:
+        return self._direct and bool(s.hello.direct.get(self._tenant, False))
+
     def save(
         self,
         namespace: bytes,
@@ -281,28 +314,33 @@ class SidecarClient:
     ) -> list[bool]:
         """Store chunks; True for each stored (or already present), False otherwise.
 
+        Layers are host buffers (or CPU tensors); with ``direct=True`` they may
+        also be GPU tensors, which the staging path copies to the host first.
         Raises :class:`ChunkTooLarge` for a chunk that packs to more than
-        :attr:`staging_bytes`, before anything is sent.
+        :attr:`staging_bytes`, before anything is sent (not with ``direct``,
+        which needs no staging; such a chunk is not saved if the direct path
+        turns out to be unavailable).
         """
         if not isinstance(namespace, bytes) or len(namespace) != KEY_SIZE:
             raise ValueError(f"namespace must be a {KEY_SIZE}-byte fingerprint")
         keys = _check_keys([k for k, _ in chunks])
         if len(set(keys)) != len(keys):
             raise ValueError("duplicate key in one save")
-        views: list[list[memoryview]] = []
+        srcs: list[list[Any]] = []
         for i, (_, layers) in enumerate(chunks):
             if not 1 <= len(layers) <= MAX_LAYERS:
                 raise ValueError(f"chunk {i}: 1..{MAX_LAYERS} layers expected, got {len(layers)}")
-            lv = [as_byte_view(b) for b in layers]
-            if any(v.nbytes == 0 for v in lv):
+            lv = [b if direct_io.is_device(b) else as_byte_view(b) for b in layers]
+            sizes = [direct_io.nbytes(v) for v in lv]
+            if any(n == 0 for n in sizes):
                 raise ValueError(f"chunk {i}: empty layer")
-            packed = region_size([v.nbytes for v in lv])
-            if packed > self._staging_bytes:
+            packed = region_size(sizes)
+            if packed > self._staging_bytes and not self._direct:
                 raise ChunkTooLarge(
                     f"chunk {i} needs {packed} bytes of staging, the buffer holds "
                     f"{self._staging_bytes}: raise staging_bytes"
                 )
-            views.append(lv)
+            srcs.append(lv)
         results = [False] * len(keys)
         if not keys:
             return results
@@ -311,8 +349,26 @@ class SidecarClient:
             if s is None:
                 return results
             try:
+                if self._direct_on(s):
+                    self._save_direct(s, namespace, keys, srcs, ttl_s, results)
+                    return results
+                views = [
+                    [direct_io.to_host(v) if direct_io.is_device(v) else v for v in lv]
+                    for lv in srcs
+                ]
+                fits = [region_size([v.nbytes for v in lv]) <= self._staging_bytes for lv in views]
+                if not all(fits):
+                    self._warn(
+                        logging.WARNING,
+                        "direct-unavailable",
+                        "kvoffload: the direct path is not offered for tenant "
+                        f"{self._tenant!r}; {fits.count(False)} chunk(s) exceed the staging "
+                        "buffer and are not saved",
+                    )
                 for batch in self._store_batches(s, keys, views):
-                    self._save_batch(s, namespace, keys, views, batch, ttl_s, results)
+                    batch = [i for i in batch if fits[i]]
+                    if batch:
+                        self._save_batch(s, namespace, keys, views, batch, ttl_s, results)
                     if self._session is not s:
                         break
             except _CONNECTION_ERRORS as exc:
@@ -337,6 +393,12 @@ class SidecarClient:
             s = self._ensure_session()
             if s is None:
                 return results
+            if self._direct_on(s):
+                try:
+                    self._load_direct(s, keys, results, into, None)
+                except _CONNECTION_ERRORS as exc:
+                    self._lose(s, exc)
+                return results
             pos = 0
             try:
                 while pos < len(keys):
@@ -347,6 +409,37 @@ class SidecarClient:
             except _CONNECTION_ERRORS as exc:
                 self._lose(s, exc)
             return results
+
+    def load_to(self, keys: Sequence[bytes], dest_for: DestCallback) -> list[bool]:
+        """Load chunks straight into destinations the caller names; True per loaded key.
+
+        ``dest_for(index, key, layer_sizes)`` returns one writable buffer (or
+        GPU tensor) per layer. On the direct path the layers are read into
+        them (GDS for GPU tensors where the node has it); on the staging path
+        they are copied from staging. The True entries form a prefix of
+        ``keys``; a destination of a key that is not loaded may hold garbage.
+        """
+        keys = _check_keys(keys)
+        results = [LoadedChunk(k, False) for k in keys]
+        if not keys:
+            return []
+        with self._lock:
+            s = self._ensure_session()
+            if s is None:
+                return [False] * len(keys)
+            if self._direct_on(s):
+                try:
+                    self._load_direct(s, keys, results, None, dest_for)
+                except _CONNECTION_ERRORS as exc:
+                    self._lose(s, exc)
+                return [r.ok for r in results]
+
+        def copy(idx: int, key: bytes, views: Sequence[memoryview]) -> None:
+            dests = dest_for(idx, key, [v.nbytes for v in views])
+            for v, d in zip(views, _check_dests(dests, [v.nbytes for v in views]), strict=True):
+                direct_io.copy_into(v, d)
+
+        return [r.ok for r in self.load(keys, into=copy)]
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark chunks recently used. Best effort: failures are only logged."""
@@ -629,6 +722,155 @@ class SidecarClient:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"bad staging region {off}+{n}")
             end = off + n
 
+    # -- the direct path (protocol.md 5.14, 5.15) --------------------------------
+
+    def _save_direct(
+        self,
+        s: _Session,
+        namespace: bytes,
+        keys: list[bytes],
+        srcs: list[list[Any]],
+        ttl_s: float | None,
+        results: list[bool],
+    ) -> None:
+        io = direct_io.select()
+        step = min(DIRECT_BATCH, s.hello.max_batch)
+        for start in range(0, len(keys), step):
+            batch = list(range(start, min(start + step, len(keys))))
+            specs = tuple(
+                ChunkSpec(keys[i], tuple(direct_io.nbytes(v) for v in srcs[i])) for i in batch
+            )
+            reply = self._call(s, LeaseStore(self._tenant, namespace, specs, ttl_s))
+            if isinstance(reply, ErrorReply):
+                self._on_error_reply(s, reply)
+                return
+            prep = self._expect(reply, LeaseStoreReply)
+            if len(prep.chunks) != len(batch):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "lease_store reply has wrong length")
+            try:
+                for slot, sp, i in zip(prep.chunks, specs, batch, strict=True):
+                    if slot.status is StoreStatus.WRITE:
+                        self._write_leased(io, slot.path, slot, namespace, sp, srcs[i])
+            except BaseException:
+                with contextlib.suppress(*_CONNECTION_ERRORS):
+                    self._call(s, Abort(prep.handle))
+                raise
+            rejected = [sl for sl in prep.chunks if sl.status is StoreStatus.REJECTED]
+            if rejected:
+                self._warn(
+                    logging.WARNING,
+                    "store-rejected",
+                    f"kvoffload sidecar rejected {len(rejected)} chunk(s): "
+                    + ", ".join(sorted({sl.code.name for sl in rejected})),
+                )
+            if prep.handle == 0:
+                for slot, i in zip(prep.chunks, batch, strict=True):
+                    results[i] = slot.status is StoreStatus.EXISTS
+                continue
+            reply = self._call(s, CompleteStore(prep.handle))
+            if isinstance(reply, ErrorReply):
+                self._on_error_reply(s, reply)
+                return
+            done = self._expect(reply, CompleteStoreReply)
+            if len(done.stored) != len(batch):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "complete_store reply has wrong length")
+            for ok, i in zip(done.stored, batch, strict=True):
+                results[i] = ok
+
+    def _write_leased(
+        self,
+        io: direct_io.DirectIO,
+        path: str,
+        slot: Any,
+        namespace: bytes,
+        spec: ChunkSpec,
+        layers: list[Any],
+    ) -> None:
+        """Write one leased object; a failure only costs this chunk (the sidecar's
+        check then refuses the file)."""
+        data_offset, offsets = v1.plan_offsets(len(spec.layers), spec.layers, False)
+        if (
+            slot.data_offset != data_offset
+            or list(slot.offsets) != offsets
+            or slot.size != v1.object_size(spec.layers, False)
+        ):
+            # Not the object layout v1 describes: a sidecar speaking another layout.
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "lease does not match layout v1")
+        header = v1.plain_header_block(
+            tenant=self._tenant,
+            namespace=namespace,
+            chunk_key=spec.key,
+            lengths=spec.layers,
+            checks=direct_io.checks_of(layers),
+            created_ns=time.time_ns(),
+        )
+        try:
+            io.write_object(path, header, layers, offsets)
+        except OSError as exc:
+            self._warn(logging.WARNING, "direct-write", f"kvoffload direct write failed: {exc}")
+
+    def _load_direct(
+        self,
+        s: _Session,
+        keys: list[bytes],
+        results: list[LoadedChunk],
+        into: LoadCallback | None,
+        dest_for: DestCallback | None,
+    ) -> None:
+        io = direct_io.select()
+        pos = 0
+        step = min(DIRECT_BATCH, s.hello.max_batch)
+        while pos < len(keys):
+            batch = keys[pos : pos + step]
+            reply = self._call(s, LeaseLoad(self._tenant, tuple(batch)))
+            if isinstance(reply, ErrorReply):
+                self._on_error_reply(s, reply)
+                return
+            prep = self._expect(reply, LeaseLoadReply)
+            if len(prep.chunks) != len(batch):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "lease_load reply has wrong length")
+            n = prep.found
+            bad: list[int] = []
+            try:
+                for j, slot in enumerate(prep.chunks[:n]):
+                    idx = pos + j
+                    sizes = [x.length for x in slot.layers]
+                    extents = [direct_io.Extent(x.offset, x.length, x.check) for x in slot.layers]
+                    if dest_for is not None:
+                        dests = _check_dests(dest_for(idx, keys[idx], sizes), sizes)
+                    else:
+                        buf = memoryview(bytearray(sum(sizes)))
+                        bounds = [0, *itertools.accumulate(sizes)]
+                        dests = [buf[a:b] for a, b in itertools.pairwise(bounds)]
+                    try:
+                        ok = io.read_layers(slot.path, extents, dests)
+                    except OSError as exc:
+                        self._warn(
+                            logging.WARNING, "direct-read", f"kvoffload direct read failed: {exc}"
+                        )
+                        ok = False
+                    if not ok:
+                        bad.append(j)
+                        break  # the loaded chunks stay a prefix
+                    if dest_for is not None:
+                        results[idx] = LoadedChunk(keys[idx], True)
+                    elif into is None:
+                        results[idx] = LoadedChunk(keys[idx], True, list(dests))
+                    else:
+                        into(idx, keys[idx], [d.toreadonly() for d in dests])
+                        results[idx] = LoadedChunk(keys[idx], True)
+            finally:
+                if prep.handle:
+                    try:
+                        done = self._call(s, CompleteLoad(prep.handle, tuple(bad)))
+                        if isinstance(done, ErrorReply):
+                            self._on_error_reply(s, done)
+                    except _CONNECTION_ERRORS as exc:
+                        self._lose(s, exc)
+            if bad or not (prep.stop is ErrorCode.BUSY and n > 0) or self._session is not s:
+                return
+            pos += n
+
     # -- load ----------------------------------------------------------------
 
     def _load_batch(
@@ -705,11 +947,22 @@ class SidecarClient:
         return n, prep.stop is ErrorCode.BUSY and n > 0
 
 
+def _check_dests(dests: Sequence[Any], sizes: Sequence[int]) -> list[Any]:
+    out = list(dests)
+    if len(out) != len(sizes):
+        raise ValueError(f"dest_for returned {len(out)} destinations for {len(sizes)} layers")
+    for i, (d, n) in enumerate(zip(out, sizes, strict=True)):
+        if direct_io.nbytes(d) < n:
+            raise ValueError(f"destination of layer {i} holds fewer than {n} bytes")
+    return out
+
+
 __all__ = [
     "DEFAULT_SOCKET_PATH",
     "DEFAULT_STAGING_BYTES",
     "BufferLike",
     "ChunkTooLarge",
+    "DestCallback",
     "LoadCallback",
     "LoadedChunk",
     "SidecarClient",

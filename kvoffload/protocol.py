@@ -54,6 +54,8 @@ SALT_SIZE = 32
 MAX_MESSAGE = 4096
 #: Most descriptors one frame may declare, and most received but unclaimed.
 MAX_FDS = 4
+#: Longest object path a lease may name.
+MAX_PATH = 4096
 
 _LENGTH = struct.Struct("<I")
 LENGTH_SIZE = _LENGTH.size
@@ -99,6 +101,8 @@ class Op(StrEnum):
     PURGE = "purge"
     FSCK = "fsck"
     BYE = "bye"
+    LEASE_STORE = "lease_store"
+    LEASE_LOAD = "lease_load"
     #: Server-initiated fatal error frame (id 0).
     ERROR = "error"
 
@@ -450,13 +454,30 @@ class CompleteStore:
 class CompleteLoad:
     OP: ClassVar[Op] = Op.COMPLETE_LOAD
     handle: int
+    #: Of a ``lease_load`` handle: indices of the chunks whose bytes failed the
+    #: reader's checksums (5.15). Optional; absent = none.
+    corrupt: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
-        return {"handle": self.handle}
+        d: dict[str, Any] = {"handle": self.handle}
+        if self.corrupt:
+            d["corrupt"] = list(self.corrupt)
+        return d
 
     @classmethod
     def from_wire(cls, m: Mapping[str, Any]) -> Self:
-        return cls(_uint(_field(m, "handle", cls.OP.value), f"{cls.OP.value}.handle", 1))
+        w = cls.OP.value
+        handle = _uint(_field(m, "handle", w), f"{w}.handle", 1)
+        raw = m.get("corrupt")
+        if raw is None:
+            return cls(handle)
+        items = _list(raw, f"{w}.corrupt", 0, MAX_BATCH)
+        corrupt = tuple(
+            _uint(x, f"{w}.corrupt[{i}]", 0, MAX_BATCH - 1) for i, x in enumerate(items)
+        )
+        if len(set(corrupt)) != len(corrupt):
+            raise _bad(f"{w}.corrupt: duplicate index")
+        return cls(handle, corrupt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -527,6 +548,20 @@ class Fsck:
         return cls(_bool(_field(m, "repair", "fsck"), "fsck.repair"))
 
 
+@dataclass(frozen=True, slots=True)
+class LeaseStore(PrepareStore):
+    """``prepare_store``'s fields; the direct path (5.14). Match it before PrepareStore."""
+
+    OP: ClassVar[Op] = Op.LEASE_STORE
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseLoad(PrepareLoad):
+    """``prepare_load``'s fields; the direct path (5.15). Match it before PrepareLoad."""
+
+    OP: ClassVar[Op] = Op.LEASE_LOAD
+
+
 Request = (
     Hello
     | RegisterStaging
@@ -541,6 +576,8 @@ Request = (
     | Purge
     | Fsck
     | Bye
+    | LeaseStore
+    | LeaseLoad
 )
 
 REQUEST_TYPES: dict[Op, type[Request]] = {
@@ -559,6 +596,8 @@ REQUEST_TYPES: dict[Op, type[Request]] = {
         Purge,
         Fsck,
         Bye,
+        LeaseStore,
+        LeaseLoad,
     )
 }
 
@@ -579,9 +618,13 @@ class HelloReply:
     max_inflight: int = 64
     max_staging: int = 1 << 40
     handle_ttl_s: float = 60.0
+    #: Optional (5.1): tenants of this hello that this connection may use the
+    #: direct path for. Absent or false: staging only.
+    direct: Mapping[str, bool] = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
         return {
+            "direct": dict(self.direct),
             "version": self.version,
             "server_id": self.server_id,
             "store_id": self.store_id,
@@ -615,6 +658,10 @@ class HelloReply:
             max_inflight=_uint(_field(m, "max_inflight", w), f"{w}.max_inflight", 1),
             max_staging=_uint(_field(m, "max_staging", w), f"{w}.max_staging", ALIGNMENT),
             handle_ttl_s=_float(_field(m, "handle_ttl_s", w), f"{w}.handle_ttl_s"),
+            direct={
+                _tenant(t, f"{w}.direct key"): _bool(v, f"{w}.direct[{t}]")
+                for t, v in _map(m.get("direct", {}), f"{w}.direct").items()
+            },
         )
 
 
@@ -765,6 +812,187 @@ class PrepareLoadReply:
 
 
 @dataclass(frozen=True, slots=True)
+class LeaseSlot:
+    """One chunk of a ``lease_store`` reply: where and how the worker writes it."""
+
+    status: StoreStatus
+    path: str = ""
+    size: int = 0
+    data_offset: int = 0
+    offsets: tuple[int, ...] = ()
+    code: ErrorCode = ErrorCode.OK
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"status": self.status.value}
+        if self.status is StoreStatus.WRITE:
+            d.update(
+                path=self.path,
+                size=self.size,
+                data_offset=self.data_offset,
+                offsets=list(self.offsets),
+            )
+        elif self.status is StoreStatus.REJECTED:
+            d["code"] = int(self.code)
+        return d
+
+
+def _path_str(v: Any, where: str) -> str:
+    path = _str(v, where, MAX_PATH)
+    if not path.startswith("/") or "\0" in path:
+        raise _bad(f"{where}: not an absolute path")
+    return path
+
+
+def _aligned(v: Any, where: str) -> int:
+    n = _uint(v, where)
+    if n % ALIGNMENT:
+        raise _bad(f"{where}: {n} is not a multiple of {ALIGNMENT}")
+    return n
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseStoreReply:
+    OP: ClassVar[Op] = Op.LEASE_STORE
+    handle: int
+    alignment: int
+    chunks: tuple[LeaseSlot, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "handle": self.handle,
+            "alignment": self.alignment,
+            "chunks": [c.to_wire() for c in self.chunks],
+        }
+
+    @classmethod
+    def from_wire(cls, m: Mapping[str, Any]) -> Self:
+        w = "lease_store reply"
+        slots: list[LeaseSlot] = []
+        for i, c in enumerate(_list(_field(m, "chunks", w), f"{w}.chunks", 1, MAX_BATCH)):
+            cw = f"{w}.chunks[{i}]"
+            c = _map(c, cw)
+            raw = _str(_field(c, "status", cw), f"{cw}.status", 16)
+            try:
+                status = StoreStatus(raw)
+            except ValueError:
+                raise _bad(f"{cw}.status: unknown status {raw!r}") from None
+            if status is StoreStatus.WRITE:
+                offsets = tuple(
+                    _aligned(o, f"{cw}.offsets[{j}]")
+                    for j, o in enumerate(
+                        _list(_field(c, "offsets", cw), f"{cw}.offsets", 1, MAX_LAYERS)
+                    )
+                )
+                slots.append(
+                    LeaseSlot(
+                        status,
+                        path=_path_str(_field(c, "path", cw), f"{cw}.path"),
+                        size=_aligned(_field(c, "size", cw), f"{cw}.size"),
+                        data_offset=_aligned(_field(c, "data_offset", cw), f"{cw}.data_offset"),
+                        offsets=offsets,
+                    )
+                )
+            elif status is StoreStatus.REJECTED:
+                slots.append(LeaseSlot(status, code=_code(_field(c, "code", cw), f"{cw}.code")))
+            else:
+                slots.append(LeaseSlot(status))
+        handle = _uint(_field(m, "handle", w), f"{w}.handle")
+        if (handle == 0) == any(s.status is StoreStatus.WRITE for s in slots):
+            raise _bad(f"{w}: handle {handle} does not match the chunks to write")
+        alignment = _uint(_field(m, "alignment", w), f"{w}.alignment", ALIGNMENT, 1 << 30)
+        return cls(handle, alignment, tuple(slots))
+
+
+@dataclass(frozen=True, slots=True)
+class LayerExtent:
+    """Where one layer of a stored object lies, and its XXH3-128 checksum."""
+
+    offset: int
+    length: int
+    check: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ReadSlot:
+    """One key of a ``lease_load`` reply."""
+
+    found: bool
+    path: str = ""
+    size: int = 0
+    layers: tuple[LayerExtent, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        if not self.found:
+            return {"found": False}
+        return {
+            "found": True,
+            "path": self.path,
+            "size": self.size,
+            "layers": [[x.offset, x.length, x.check] for x in self.layers],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseLoadReply:
+    OP: ClassVar[Op] = Op.LEASE_LOAD
+    handle: int
+    stop: ErrorCode
+    chunks: tuple[ReadSlot, ...]
+
+    @property
+    def found(self) -> int:
+        return sum(1 for c in self.chunks if c.found)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "handle": self.handle,
+            "stop": int(self.stop),
+            "chunks": [c.to_wire() for c in self.chunks],
+        }
+
+    @classmethod
+    def from_wire(cls, m: Mapping[str, Any]) -> Self:
+        w = "lease_load reply"
+        slots: list[ReadSlot] = []
+        seen_miss = False
+        for i, c in enumerate(_list(_field(m, "chunks", w), f"{w}.chunks", 1, MAX_BATCH)):
+            cw = f"{w}.chunks[{i}]"
+            c = _map(c, cw)
+            if not _bool(_field(c, "found", cw), f"{cw}.found"):
+                seen_miss = True
+                slots.append(ReadSlot(False))
+                continue
+            if seen_miss:
+                raise _bad(f"{cw}: found chunk after a miss")
+            layers = []
+            for j, x in enumerate(_list(_field(c, "layers", cw), f"{cw}.layers", 1, MAX_LAYERS)):
+                lw = f"{cw}.layers[{j}]"
+                x = _list(x, lw, 3, 3)
+                layers.append(
+                    LayerExtent(
+                        _aligned(x[0], f"{lw}[0]"),
+                        _uint(x[1], f"{lw}[1]"),
+                        _bin(x[2], f"{lw}[2]", 16),
+                    )
+                )
+            slots.append(
+                ReadSlot(
+                    True,
+                    _path_str(_field(c, "path", cw), f"{cw}.path"),
+                    _aligned(_field(c, "size", cw), f"{cw}.size"),
+                    tuple(layers),
+                )
+            )
+        stop = _code(_field(m, "stop", w), f"{w}.stop")
+        if (stop is ErrorCode.OK) != (not seen_miss):
+            raise _bad(f"{w}: stop {stop.name} does not match the chunks")
+        handle = _uint(_field(m, "handle", w), f"{w}.handle")
+        if (handle == 0) == any(s.found for s in slots):
+            raise _bad(f"{w}: handle {handle} does not match the found chunks")
+        return cls(handle, stop, tuple(slots))
+
+
+@dataclass(frozen=True, slots=True)
 class StatsReply:
     OP: ClassVar[Op] = Op.STATS
     stats: Mapping[str, Any]
@@ -832,6 +1060,8 @@ Reply = (
     | StatsReply
     | PurgeReply
     | FsckReply
+    | LeaseStoreReply
+    | LeaseLoadReply
     | ErrorReply
 )
 
@@ -844,7 +1074,9 @@ _REPLY_TYPES: dict[
     | type[PrepareLoadReply]
     | type[StatsReply]
     | type[PurgeReply]
-    | type[FsckReply],
+    | type[FsckReply]
+    | type[LeaseStoreReply]
+    | type[LeaseLoadReply],
 ] = {
     Op.HELLO: HelloReply,
     Op.LOOKUP: LookupReply,
@@ -854,6 +1086,8 @@ _REPLY_TYPES: dict[
     Op.STATS: StatsReply,
     Op.PURGE: PurgeReply,
     Op.FSCK: FsckReply,
+    Op.LEASE_STORE: LeaseStoreReply,
+    Op.LEASE_LOAD: LeaseLoadReply,
 }
 ACK_OPS = frozenset({Op.REGISTER_STAGING, Op.ABORT, Op.COMPLETE_LOAD, Op.TOUCH, Op.BYE})
 
@@ -1153,6 +1387,12 @@ __all__ = [
     "FsckReply",
     "Hello",
     "HelloReply",
+    "LayerExtent",
+    "LeaseLoad",
+    "LeaseLoadReply",
+    "LeaseSlot",
+    "LeaseStore",
+    "LeaseStoreReply",
     "LoadSlot",
     "Lookup",
     "LookupReply",
@@ -1164,6 +1404,7 @@ __all__ = [
     "ProtocolError",
     "Purge",
     "PurgeReply",
+    "ReadSlot",
     "RegisterStaging",
     "Reply",
     "Request",

@@ -1,6 +1,6 @@
 """Layout v1: the byte format of one object, its path, and sealing/opening.
 
-``layouts/v1/SPEC.md`` is normative; this module implements it. An object is
+``layouts/v1.md`` is normative; this module implements it. An object is
 one chunk (N tokens × all layers of one shard). All integers little-endian::
 
     0    8  magic "KVOFFOBJ"
@@ -364,9 +364,86 @@ def seal_into(
     return size
 
 
+def plain_header_block(
+    *,
+    tenant: str,
+    namespace: bytes,
+    chunk_key: bytes,
+    lengths: Sequence[int],
+    checks: Sequence[bytes],
+    created_ns: int = 0,
+) -> bytes:
+    """The first ``data_offset`` bytes of a plaintext object: header, then zeros.
+
+    For writers that place the layers themselves (the direct path, section 4.1
+    of the spec): they write this block at offset 0, each layer ``i`` at
+    ``plan_offsets(...)[1][i]``, and leave every other byte zero. ``checks``
+    are the layers' XXH3-128 digests (:func:`layer_check`).
+    """
+    if len(chunk_key) != KEY_SIZE or len(namespace) != KEY_SIZE:
+        raise ValueError("chunk key and namespace fingerprint must be 32 bytes")
+    if not 1 <= len(lengths) <= MAX_LAYERS or len(checks) != len(lengths):
+        raise ValueError(f"an object holds 1..{MAX_LAYERS} layers, one check each")
+    if any(n < 0 for n in lengths) or any(len(c) != _CHECK_SIZE for c in checks):
+        raise ValueError("layer lengths must be >= 0 and checks 16 bytes")
+    data_offset, offsets = plan_offsets(len(lengths), lengths, False)
+    entries = tuple(
+        LayerEntry(o, n, bytes(NONCE_SIZE), bytes(c))
+        for o, n, c in zip(offsets, lengths, checks, strict=True)
+    )
+    header = encode_header(
+        ObjectHeader(VERSION, 0, 0, created_ns, chunk_key, namespace, tenant, data_offset, entries)
+    )
+    return header + bytes(data_offset - len(header))
+
+
+def layer_check(data: memoryview | bytes | bytearray) -> bytes:
+    """The ``check`` of a plaintext layer: XXH3-128 of its bytes."""
+    return xxhash.xxh3_128_digest(data)
+
+
 def _is_zero(mv: memoryview) -> bool:
     # bytes == bytes is a memcmp; memoryview == bytes compares item by item (50x slower).
     return bytes(mv) == bytes(len(mv))
+
+
+def verify_plain(
+    buf: memoryview, *, tenant: str, namespace: bytes, chunk_key: bytes
+) -> ObjectHeader:
+    """Check a whole plaintext object in ``buf`` without copying its layers out.
+
+    What the sidecar runs on an object a direct-path writer produced before it
+    gives the object its name: every check :func:`open_into` makes, and the
+    object must be plaintext (a writer outside the sidecar has no data key).
+    """
+    h = decode_header(buf)
+    if h.sealed:
+        raise CorruptObject("a direct-path object must be plaintext (SEALED flag set)")
+    _check_whole(h, buf, tenant, namespace, chunk_key)
+    return h
+
+
+def _check_whole(
+    h: ObjectHeader, buf: memoryview, tenant: str, namespace: bytes, chunk_key: bytes
+) -> None:
+    """Identity, size and (for plaintext) every pad and checksum of ``buf``."""
+    if h.chunk_key != chunk_key or h.tenant != tenant or h.namespace != namespace:
+        raise ObjectMismatch("object belongs to another chunk key, tenant or namespace")
+    size = h.total_size
+    if len(buf) != size:
+        raise CorruptObject(f"object is {len(buf)} bytes, header says {size}")
+    if h.sealed:
+        return
+    hl = header_length(len(h.layers))
+    if not _is_zero(buf[hl : h.data_offset]):
+        raise CorruptObject("non-zero padding after header")
+    for i, le in enumerate(h.layers):
+        end = le.offset + le.length
+        nxt = h.layers[i + 1].offset if i + 1 < len(h.layers) else size
+        if not _is_zero(buf[end:nxt]):
+            raise CorruptObject(f"non-zero padding after layer {i}")
+        if xxhash.xxh3_128_digest(buf[le.offset : end]) != le.check:
+            raise CorruptObject(f"layer {i}: checksum mismatch")
 
 
 def open_into(

@@ -4,6 +4,7 @@
     ├── StoreFull                   the write cannot fit under the byte limit, even after eviction
     ├── StoreLocked                 another process holds this store's index
     ├── StoreIOError                the file system failed (ENOSPC, EACCES, EIO…); errno kept
+    ├── LeaseInvalid                a direct-path object failed the check before publication
     └── UnknownTenant               no keys for this tenant (never created, or purged)
 
 Lower-layer errors (``OSError``, ``lmdb.Error``, ``InvalidTag``,
@@ -38,6 +39,10 @@ class StoreIOError(StoreError):
     def __init__(self, message: str, errno: int | None = None) -> None:
         self.errno = errno
         super().__init__(message)
+
+
+class LeaseInvalid(StoreError):
+    """A worker's direct-path object failed verification; it was deleted, not stored."""
 
 
 class UnknownTenant(StoreError):

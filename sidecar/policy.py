@@ -19,6 +19,14 @@ were empty. The file is TOML (``/etc/kvoffload/policy.toml``)::
     ttl = "1h"
     quota = "10GiB"
     trust_group = "prod"            # optional, per tenant only
+    direct = true                   # optional, per tenant, needs encryption = "none":
+                                    # workers may write and read this tenant's objects
+                                    # themselves (GPUDirect Storage); layouts/v1.md §4.1
+    direct_group = "vllm-acme"      # optional: the group (name or gid) whose members'
+                                    # workers get the direct path; the sidecar shares the
+                                    # tenant's object tree with it. Without it, only
+                                    # workers running as the sidecar's own uid (or root)
+                                    # can open the leased files, so only they get it.
 
     [[grants]]                      # who may use which tenants
     uid = 1001                      # exactly one of uid, gid, user, group
@@ -93,7 +101,8 @@ _SIZE_UNITS: Final[Mapping[str, int]] = {
 
 _TOP_KEYS: Final = ("version", "defaults", "tenants", "grants")
 _DEFAULTS_KEYS: Final = ("encryption", "ttl", "quota")
-_TENANT_KEYS: Final = ("encryption", "ttl", "quota", "trust_group")
+_TENANT_KEYS: Final = ("encryption", "ttl", "quota", "trust_group", "direct", "direct_group")
+_PER_TENANT_ONLY: Final = ("trust_group", "direct", "direct_group")
 _GRANT_KEYS: Final = ("uid", "gid", "user", "group", "tenants", "admin")
 _PRINCIPAL_KEYS: Final = ("uid", "gid", "user", "group")
 
@@ -158,6 +167,10 @@ class TenantPolicy:
     ttl_s: float | None = None
     quota_bytes: int | None = None
     trust_group: str | None = None
+    #: The direct path (layouts/v1.md §4.1) is allowed; implies ``encryption`` off.
+    direct: bool = False
+    #: The group that shares the tenant's object tree with the sidecar.
+    direct_gid: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -507,11 +520,13 @@ class _Parser:
         base: TenantPolicy,
         allowed: Sequence[str],
     ) -> TenantPolicy:
-        if path == ("defaults",) and "trust_group" in table:
-            raise self.fail(
-                (*path, "trust_group"),
-                "trust_group is set per tenant, in [tenants.<id>], not in [defaults]",
-            )
+        if path == ("defaults",):
+            for key in _PER_TENANT_ONLY:
+                if key in table:
+                    raise self.fail(
+                        (*path, key),
+                        f"{key} is set per tenant, in [tenants.<id>], not in [defaults]",
+                    )
         self._check_keys(table, path, allowed)
         encryption, ttl_s, quota = base.encryption, base.ttl_s, base.quota_bytes
         trust_group = base.trust_group
@@ -537,7 +552,37 @@ class _Parser:
                     f"not {_describe(value)}",
                 )
             trust_group = value
-        return TenantPolicy(encryption, ttl_s, quota, trust_group)
+        direct = table.get("direct", False)
+        if not isinstance(direct, bool):
+            raise self.fail(
+                (*path, "direct"), f"direct must be true or false, not {_describe(direct)}"
+            )
+        if direct and encryption:
+            raise self.fail(
+                (*path, "direct"),
+                'direct = true needs encryption = "none": a worker writing its own files has '
+                "no data key, and a sealed tenant's bytes never leave the sidecar in plaintext",
+            )
+        direct_gid: int | None = None
+        if "direct_group" in table:
+            if not direct:
+                raise self.fail(
+                    (*path, "direct_group"), "direct_group is only meaningful with direct = true"
+                )
+            direct_gid = self._group_id(table["direct_group"], (*path, "direct_group"))
+        return TenantPolicy(encryption, ttl_s, quota, trust_group, direct, direct_gid)
+
+    def _group_id(self, value: object, path: _Path) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not 0 <= value < _UID_LIMIT:
+                raise self.fail(path, f"gid {value} is out of range")
+            return value
+        if not isinstance(value, str) or not value:
+            raise self.fail(path, f"a group name or gid, not {_describe(value)}")
+        try:
+            return grp.getgrnam(value).gr_gid
+        except KeyError:
+            raise self.fail(path, f"unknown group {value!r} (not in the group database)") from None
 
     def _duration(self, value: object, path: _Path) -> float | None:
         if value == "none":

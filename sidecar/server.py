@@ -25,6 +25,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -64,6 +65,12 @@ from kvoffload.protocol import (
     FsckReply,
     Hello,
     HelloReply,
+    LayerExtent,
+    LeaseLoad,
+    LeaseLoadReply,
+    LeaseSlot,
+    LeaseStore,
+    LeaseStoreReply,
     LoadSlot,
     Lookup,
     LookupReply,
@@ -75,6 +82,7 @@ from kvoffload.protocol import (
     ProtocolError,
     Purge,
     PurgeReply,
+    ReadSlot,
     RegisterStaging,
     Reply,
     Request,
@@ -97,7 +105,7 @@ from kvoffload.protocol import (
 from kvoffload.staging import RegionAllocator, StagingBuffer, StagingError
 
 from ..layouts import v1
-from .errors import StoreFull
+from .errors import LeaseInvalid, StoreError, StoreFull, StoreIOError
 from .metrics import Metrics
 
 log = logging.getLogger("kvoffload.server")
@@ -175,6 +183,26 @@ class StoreAPI(Protocol):
 
     def maintain(self) -> dict[str, int]: ...
 
+    # The direct path (protocol.md 5.14, 5.15; sidecar/store.py).
+    def lease_store(
+        self,
+        tenant: str,
+        namespace: bytes,
+        chunk_key: bytes,
+        lengths: Sequence[int],
+        *,
+        ttl_s: float | None = ...,
+        gid: int | None = ...,
+    ) -> Any: ...
+
+    def publish_lease(self, lease: Any) -> bool: ...
+
+    def cancel_lease(self, lease: Any) -> None: ...
+
+    def lease_load(self, tenant: str, key: bytes) -> Any: ...
+
+    def check_reported(self, tenant: str, key: bytes) -> bool: ...
+
 
 class TenantSettings(Protocol):
     @property
@@ -182,6 +210,12 @@ class TenantSettings(Protocol):
 
     @property
     def ttl_s(self) -> float | None: ...
+
+    @property
+    def direct(self) -> bool: ...
+
+    @property
+    def direct_gid(self) -> int | None: ...
 
 
 class PolicyAPI(Protocol):
@@ -363,8 +397,21 @@ class _LoadHandle:
     created: float
 
 
-_Handle = _StoreHandle | _LoadHandle
-_H = TypeVar("_H", _StoreHandle, _LoadHandle)
+@dataclass
+class _LeaseHandle:
+    """A ``lease_store``: the leased temp files, until completed, aborted or expired."""
+
+    tenant: str
+    slots: tuple[LeaseSlot, ...]
+    leases: list[tuple[int, Any]]  # (chunk index, store lease)
+    created: float
+
+
+_Handle = _StoreHandle | _LoadHandle | _LeaseHandle
+_H = TypeVar("_H", _StoreHandle, _LoadHandle, _LeaseHandle)
+#: Reply bytes besides a lease's path and layers (msgpack keys, sizes, slack).
+_LEASE_ENTRY_BYTES = 96
+_EXTENT_BYTES = 40
 
 
 class _Connection:
@@ -606,6 +653,7 @@ class _Connection:
                 max_inflight=cfg.max_inflight,
                 max_staging=cfg.max_staging,
                 handle_ttl_s=cfg.handle_ttl_s,
+                direct={t: self._direct_ok(t) for t in req.tenants},
             ),
         )
 
@@ -642,6 +690,25 @@ class _Connection:
 
     def _may_use(self, tenant: str) -> bool:
         return self.server.policy.may_use(self.peer.uid, self.peer.gids, tenant)
+
+    def _direct_ok(self, tenant: str) -> bool:
+        """May this connection use the direct path for ``tenant``?
+
+        The policy must allow it (``direct = true``, which implies no
+        encryption), and the peer must be able to open the leased files: a
+        member of the tenant's ``direct_group``, or the sidecar's own uid, or
+        root. Handing out paths a worker cannot open would only turn every
+        save into a failure.
+        """
+        if not self._may_use(tenant):
+            return False
+        settings = self.server.policy.tenant(tenant)
+        if not settings.direct:
+            return False
+        uid = self.peer.uid
+        if uid in (0, os.geteuid()):
+            return True
+        return settings.direct_gid is not None and settings.direct_gid in self.peer.gids
 
     def _is_admin(self) -> bool:
         return self.server.policy.is_admin(self.peer.uid, self.peer.gids)
@@ -702,14 +769,27 @@ class _Connection:
                     if self._may_use(req.tenant):
                         self.server.store.touch(req.tenant, req.keys)
                     return Ack(Op.TOUCH)
+                # The lease verbs subclass the prepare verbs: match them first.
+                case LeaseStore():
+                    return self._lease_store(req)
+                case LeaseLoad():
+                    return self._lease_load(req)
                 case PrepareStore():
                     return self._prepare_store(req)
                 case CompleteStore():
+                    with self.mu:
+                        lease = isinstance(self.handles.get(req.handle), _LeaseHandle)
+                    if lease:
+                        return self._complete_lease(req)
                     return self._complete_store(req)
                 case PrepareLoad():
                     return self._prepare_load(req)
                 case CompleteLoad():
-                    self._release(self._take_handle(req.handle, _LoadHandle))
+                    h = self._take_handle(req.handle, _LoadHandle)
+                    try:
+                        self._reported_corrupt(h, req.corrupt)
+                    finally:
+                        self._release(h)
                     return Ack(Op.COMPLETE_LOAD)
                 case Abort():
                     self._release(self._take_any_handle(req.handle))
@@ -903,7 +983,156 @@ class _Connection:
         slots = tuple(loaded) + tuple(misses[len(loaded) :])
         return PrepareLoadReply(self._add_handle(handle), stop, slots)
 
+    # -- the direct path (protocol.md 5.14, 5.15) --------------------------------
+
+    def _lease_store(self, req: LeaseStore) -> Reply:
+        self._open_handle_slot()
+        self._listed(req.tenant)
+        if not self._direct_ok(req.tenant):
+            raise _Reject(
+                ErrorCode.FORBIDDEN,
+                f"this connection may not use the direct path for tenant {req.tenant!r}",
+            )
+        store = self.server.store
+        settings = self.server.policy.tenant(req.tenant)
+        ttl_s = req.ttl_s if req.ttl_s is not None else settings.ttl_s
+        budget = MAX_FRAME - 4096
+        used = 64
+        slots: list[LeaseSlot] = []
+        leases: list[tuple[int, Any]] = []
+        try:
+            for i, c in enumerate(req.chunks):
+                if store.lookup(req.tenant, [c.key]) == 1:
+                    slots.append(LeaseSlot(StoreStatus.EXISTS))
+                    continue
+                need = _LEASE_ENTRY_BYTES + 9 * len(c.layers) + 256
+                if used + need > budget:  # the reply must fit one frame
+                    slots.append(LeaseSlot(StoreStatus.REJECTED, code=ErrorCode.BUSY))
+                    continue
+                try:
+                    lease = store.lease_store(
+                        req.tenant,
+                        req.namespace,
+                        c.key,
+                        c.layers,
+                        ttl_s=ttl_s,
+                        gid=settings.direct_gid,
+                    )
+                except StoreFull:
+                    slots.append(LeaseSlot(StoreStatus.REJECTED, code=ErrorCode.NO_SPACE))
+                    continue
+                except StoreIOError as exc:
+                    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                    log.log(logging.INFO if full else logging.ERROR, "%r: lease: %s", self, exc)
+                    code = ErrorCode.NO_SPACE if full else ErrorCode.INTERNAL
+                    slots.append(LeaseSlot(StoreStatus.REJECTED, code=code))
+                    continue
+                if lease is None:
+                    slots.append(LeaseSlot(StoreStatus.EXISTS))
+                    continue
+                data_offset, offsets = lease.offsets
+                path = str(lease.tmp)
+                used += need + len(path.encode())
+                slots.append(
+                    LeaseSlot(StoreStatus.WRITE, path, lease.size, data_offset, tuple(offsets))
+                )
+                leases.append((i, lease))
+        except BaseException:
+            for _, lease in leases:
+                store.cancel_lease(lease)
+            raise
+        if not leases:
+            return LeaseStoreReply(0, v1.ALIGN, tuple(slots))
+        handle = _LeaseHandle(req.tenant, tuple(slots), leases, time.monotonic())
+        return LeaseStoreReply(self._add_handle(handle), v1.ALIGN, tuple(slots))
+
+    def _complete_lease(self, req: CompleteStore) -> Reply:
+        h = self._take_handle(req.handle, _LeaseHandle)
+        store = self.server.store
+        stored = [s.status is StoreStatus.EXISTS for s in h.slots]
+        try:
+            for i, lease in h.leases:
+                with self.server.budget.hold(lease.size):
+                    try:
+                        stored[i] = store.publish_lease(lease)
+                    except LeaseInvalid as exc:
+                        log.warning("%r: direct-path object refused: %s", self, exc)
+                    except StoreError as exc:
+                        log.error("%r: direct-path object not stored: %s", self, exc)
+        finally:
+            for _, lease in h.leases:
+                store.cancel_lease(lease)  # a no-op for those published
+        return CompleteStoreReply(tuple(stored))
+
+    def _lease_load(self, req: LeaseLoad) -> Reply:
+        self._open_handle_slot()
+        self._listed(req.tenant)
+        misses = [ReadSlot(False)] * len(req.keys)
+        if not self._may_use(req.tenant):
+            return LeaseLoadReply(0, ErrorCode.NOT_FOUND, tuple(misses))
+        if not self._direct_ok(req.tenant):
+            raise _Reject(
+                ErrorCode.FORBIDDEN,
+                f"this connection may not use the direct path for tenant {req.tenant!r}",
+            )
+        store = self.server.store
+        budget = MAX_FRAME - 4096
+        used = 64
+        found: list[ReadSlot] = []
+        stop = ErrorCode.OK
+        try:
+            for key in req.keys:
+                # Pinned before the header is read, so eviction cannot remove
+                # the file between this reply and the worker's read.
+                store.pin(req.tenant, [key])
+                try:
+                    lease = store.lease_load(req.tenant, key)
+                except Exception:
+                    store.unpin(req.tenant, [key])
+                    log.exception("%r: lease_load failed", self)
+                    stop = ErrorCode.INTERNAL
+                    break
+                if lease is None:
+                    store.unpin(req.tenant, [key])
+                    stop = ErrorCode.NOT_FOUND
+                    break
+                path = str(lease.path)
+                need = (
+                    _LEASE_ENTRY_BYTES
+                    + len(path.encode())
+                    + _EXTENT_BYTES * len(lease.header.layers)
+                )
+                if used + need > budget:
+                    store.unpin(req.tenant, [key])
+                    stop = ErrorCode.BUSY
+                    break
+                used += need
+                extents = tuple(
+                    LayerExtent(le.offset, le.length, le.check) for le in lease.header.layers
+                )
+                found.append(ReadSlot(True, path, lease.size, extents))
+        except BaseException:
+            store.unpin(req.tenant, list(req.keys[: len(found)]))
+            raise
+        if not found:
+            return LeaseLoadReply(0, stop, tuple(misses))
+        handle = _LoadHandle(req.tenant, list(req.keys[: len(found)]), [], time.monotonic())
+        slots = tuple(found) + tuple(misses[len(found) :])
+        return LeaseLoadReply(self._add_handle(handle), stop, slots)
+
+    def _reported_corrupt(self, h: _LoadHandle, corrupt: Sequence[int]) -> None:
+        """complete_load's ``corrupt``: the worker's checksums failed; check here."""
+        if h.offsets:
+            return  # a staging load: the sidecar verified those bytes itself
+        for i in corrupt:
+            if i < len(h.keys) and self.server.store.check_reported(h.tenant, h.keys[i]):
+                log.warning("%r: chunk %s reported and found corrupt", self, h.keys[i].hex()[:16])
+
     def _release(self, h: _Handle) -> None:
+        if isinstance(h, _LeaseHandle):
+            for _, lease in h.leases:
+                self.server.store.cancel_lease(lease)
+            return
         if isinstance(h, _StoreHandle):
             for hw in h.held:
                 hw.reservation.release()

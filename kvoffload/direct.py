@@ -1,0 +1,367 @@
+"""The worker's half of the direct path: write and read leased layout-v1 objects itself.
+
+For tenants whose policy says ``encryption = "none"`` and ``direct = true``
+(``protocol.md`` 5.14, 5.15; ``layouts/v1.md`` §4.1) the KV bytes need not
+pass through the sidecar's staging buffer: the sidecar leases a path, the
+worker writes the object there (through GPUDirect Storage straight from GPU
+memory where the node has it), and the sidecar verifies it before naming
+it. Loads are the mirror: the sidecar checks the header and pins the
+object, the worker reads the layers into their destinations and verifies
+each layer's XXH3-128 against the header's.
+
+Backends, chosen by ``KVOFFLOAD_DIRECT_IO`` (``auto`` by default):
+
+``posix``
+    ``pwritev``/``preadv`` on host memory. Writes go through O_DIRECT where
+    the file system takes it (layers are copied into a page-aligned bounce
+    buffer unless already aligned, which also writes their zero padding);
+    reads through the page cache. A GPU tensor is copied to or from host
+    memory first (``torch``).
+``kvikio``
+    ``kvikio.CuFile``: GDS between GPU memory and the file where the node
+    has it, kvikio's POSIX compat mode otherwise; host buffers work too.
+``auto``
+    kvikio when the sidecar's safe GPU probe (:mod:`kvoffload.sidecar.gpu_probe`:
+    driver first, anything that could hang in a child with a timeout) says
+    it can do I/O here, posix otherwise.
+
+Checksums are XXH3-128 on the CPU. For a GPU layer that costs a copy to the
+host (on save, before the write; on load, after the read): the direct path
+removes the staging copy and the sidecar's hop, not the integrity check.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import xxhash
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "KVOFFLOAD_DIRECT_IO"
+MODES = ("auto", "posix", "kvikio")
+ALIGN = 4096
+O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+
+
+class DirectIOError(OSError):
+    """A direct-path read or write failed; the chunk is a miss or not saved."""
+
+
+def is_device(obj: Any) -> bool:
+    """A GPU buffer: a CUDA torch tensor or anything with ``__cuda_array_interface__``."""
+    if hasattr(obj, "__cuda_array_interface__"):
+        return True
+    dev = getattr(obj, "device", None)
+    return getattr(dev, "type", None) == "cuda"
+
+
+def _device_bytes(obj: Any) -> Any:
+    """A flat uint8 view of a GPU tensor (torch) without copying."""
+    import torch
+
+    if not obj.is_contiguous():
+        raise ValueError("a GPU layer must be contiguous")
+    return obj.reshape(-1).view(torch.uint8)
+
+
+def _device_nbytes(obj: Any) -> int:
+    if hasattr(obj, "nbytes"):
+        return int(obj.nbytes)
+    cai = obj.__cuda_array_interface__
+    n = 1
+    for d in cai["shape"]:
+        n *= int(d)
+    return n * int(cai["typestr"][-1])
+
+
+def to_host(obj: Any) -> memoryview:
+    """The bytes of a GPU tensor, copied to host memory."""
+    return memoryview(_device_bytes(obj).cpu().numpy()).cast("B")
+
+
+def copy_into(src: memoryview, dst: Any) -> None:
+    """Copy host bytes into a destination layer: a host buffer or a GPU tensor."""
+    if is_device(dst):
+        _copy_to_device(src, dst)
+    else:
+        _host_view(dst, writable=True)[: src.nbytes] = src
+
+
+def _host_view(obj: Any, writable: bool = False) -> memoryview:
+    from .client import as_byte_view
+
+    if writable:
+        mv = memoryview(obj)
+        if mv.readonly:
+            raise ValueError("a load destination must be writable")
+        return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+    return as_byte_view(obj)
+
+
+def nbytes(obj: Any) -> int:
+    return _device_nbytes(obj) if is_device(obj) else _host_view(obj).nbytes
+
+
+def checks_of(layers: Sequence[Any]) -> list[bytes]:
+    """XXH3-128 of each layer (GPU layers are copied to the host for it)."""
+    out = []
+    for x in layers:
+        out.append(xxhash.xxh3_128_digest(to_host(x) if is_device(x) else _host_view(x)))
+    return out
+
+
+@dataclass(frozen=True)
+class Extent:
+    offset: int
+    length: int
+    check: bytes
+
+
+class DirectIO(Protocol):
+    name: str
+
+    def write_object(
+        self, path: str, header_block: bytes, layers: Sequence[Any], offsets: Sequence[int]
+    ) -> None:
+        """Write the header block at 0 and layer i at offsets[i]; nothing else."""
+
+    def read_layers(self, path: str, extents: Sequence[Extent], dests: Sequence[Any]) -> bool:
+        """Read each layer into its destination; False if any fails its checksum."""
+
+
+class _Bounce:
+    """A per-thread page-aligned host buffer (an anonymous mapping) that only grows."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, size: int) -> memoryview:
+        buf: mmap.mmap | None = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < size:
+            if buf is not None:
+                buf.close()
+            buf = mmap.mmap(-1, max(_align(size), 1 << 20))
+            self._local.buf = buf
+        return memoryview(buf)[:size]
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _aligned_addr(mv: memoryview) -> bool:
+    import ctypes
+
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(mv)) % ALIGN == 0
+    except (TypeError, ValueError, BufferError):
+        return False
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        n = os.pwritev(fd, [data[done:]], offset + done)
+        if n <= 0:
+            raise DirectIOError(errno.EIO, "short write")
+        done += n
+
+
+def _pread_all(fd: int, out: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(out):
+        n = os.preadv(fd, [out[done:]], offset + done)
+        if n == 0:
+            raise DirectIOError(errno.EIO, f"object ends at {offset + done}, short of a layer")
+        done += n
+
+
+class PosixDirectIO:
+    """pwritev/preadv in the worker; O_DIRECT writes where the file system takes them."""
+
+    name = "posix"
+
+    def __init__(self, *, o_direct: bool = True) -> None:
+        self.o_direct = o_direct and bool(O_DIRECT)
+        self._bounce = _Bounce()
+
+    def _open_write(self, path: str) -> tuple[int, bool]:
+        flags = os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+        if self.o_direct:
+            try:
+                return os.open(path, flags | O_DIRECT), True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+        return os.open(path, flags), False
+
+    def write_object(
+        self, path: str, header_block: bytes, layers: Sequence[Any], offsets: Sequence[int]
+    ) -> None:
+        fd, direct = self._open_write(path)
+        try:
+            try:
+                self._write(fd, direct, header_block, layers, offsets)
+            except OSError as exc:
+                if not (direct and exc.errno == errno.EINVAL):
+                    raise
+                # O_DIRECT refused at the first write (some FUSE, tmpfs): buffered.
+                os.close(fd)
+                fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                self._write(fd, False, header_block, layers, offsets)
+        finally:
+            os.close(fd)
+
+    def _write(
+        self,
+        fd: int,
+        direct: bool,
+        header_block: bytes,
+        layers: Sequence[Any],
+        offsets: Sequence[int],
+    ) -> None:
+        pieces: list[tuple[Any, int]] = [(header_block, 0)]
+        pieces += list(zip(layers, offsets, strict=True))
+        for src, off in pieces:
+            view = to_host(src) if is_device(src) else _host_view(src)
+            if not direct:
+                _pwrite_all(fd, view, off)
+                continue
+            if view.nbytes % ALIGN == 0 and _aligned_addr(view):
+                _pwrite_all(fd, view, off)
+                continue
+            # Copy into an aligned buffer padded with zeros to the next 4 KiB:
+            # exactly the layer plus the padding layout v1 puts after it.
+            n = view.nbytes
+            buf = self._bounce.get(_align(n))
+            buf[:n] = view
+            buf[n:] = bytes(len(buf) - n)
+            _pwrite_all(fd, buf, off)
+
+    def read_layers(self, path: str, extents: Sequence[Extent], dests: Sequence[Any]) -> bool:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        ok = True
+        try:
+            for ext, dst in zip(extents, dests, strict=True):
+                if is_device(dst):
+                    host = self._bounce.get(ext.length)
+                    _pread_all(fd, host, ext.offset)
+                    ok &= xxhash.xxh3_128_digest(host) == ext.check
+                    _copy_to_device(host, dst)
+                else:
+                    out = _host_view(dst, writable=True)[: ext.length]
+                    _pread_all(fd, out, ext.offset)
+                    ok &= xxhash.xxh3_128_digest(out) == ext.check
+        finally:
+            os.close(fd)
+        return ok
+
+
+def _copy_to_device(host: memoryview, dst: Any) -> None:
+    import torch
+
+    src = torch.frombuffer(host, dtype=torch.uint8)
+    _device_bytes(dst)[: host.nbytes].copy_(src)
+
+
+class KvikioDirectIO:
+    """kvikio.CuFile: GDS between GPU memory and the file, compat mode otherwise."""
+
+    name = "kvikio"
+
+    def __init__(self) -> None:
+        import kvikio
+
+        self._kvikio: Any = kvikio
+
+    @staticmethod
+    def _arr(obj: Any) -> Any:
+        if is_device(obj):
+            return _device_bytes(obj) if hasattr(obj, "is_contiguous") else obj
+        import numpy as np
+
+        return np.frombuffer(_host_view(obj), dtype=np.uint8)
+
+    def write_object(
+        self, path: str, header_block: bytes, layers: Sequence[Any], offsets: Sequence[int]
+    ) -> None:
+        import numpy as np
+
+        head = np.frombuffer(header_block, dtype=np.uint8)
+        try:
+            with self._kvikio.CuFile(path, "r+") as f:
+                futs = [(f.pwrite(head, len(header_block), 0), len(header_block))]
+                for src, off in zip(layers, offsets, strict=True):
+                    n = nbytes(src)
+                    futs.append((f.pwrite(self._arr(src), n, off), n))
+                for fut, n in futs:
+                    if int(fut.get()) != n:
+                        raise DirectIOError(errno.EIO, "kvikio wrote short")
+        except RuntimeError as exc:
+            raise DirectIOError(errno.EIO, f"kvikio write: {exc}") from exc
+
+    def read_layers(self, path: str, extents: Sequence[Extent], dests: Sequence[Any]) -> bool:
+        try:
+            with self._kvikio.CuFile(path, "r") as f:
+                futs = [
+                    (f.pread(self._arr(d), e.length, e.offset), e.length)
+                    for e, d in zip(extents, dests, strict=True)
+                ]
+                for fut, n in futs:
+                    if int(fut.get()) != n:
+                        raise DirectIOError(errno.EIO, "kvikio read short")
+        except RuntimeError as exc:
+            raise DirectIOError(errno.EIO, f"kvikio read: {exc}") from exc
+        ok = True
+        for e, d in zip(extents, dests, strict=True):
+            data = to_host(d)[: e.length] if is_device(d) else _host_view(d)[: e.length]
+            ok &= xxhash.xxh3_128_digest(data) == e.check
+        return ok
+
+
+_selected: DirectIO | None = None
+_select_lock = threading.Lock()
+
+
+def select(mode: str | None = None) -> DirectIO:
+    """The worker's direct-path backend (``KVOFFLOAD_DIRECT_IO``), decided once per process."""
+    global _selected
+    want = (mode or os.environ.get(ENV_VAR) or "auto").strip().lower()
+    if want not in MODES:
+        raise ValueError(f"bad {ENV_VAR} {want!r}: expected {'|'.join(MODES)}")
+    with _select_lock:
+        if mode is None and _selected is not None:
+            return _selected
+        chosen: DirectIO
+        if want == "posix":
+            chosen = PosixDirectIO()
+            why = f"{ENV_VAR}=posix"
+        else:
+            from .sidecar.gpu_probe import probe
+
+            rep = probe(requested="kvikio" if want == "kvikio" else "auto")
+            if rep.kvikio_usable:
+                chosen, why = KvikioDirectIO(), rep.kvikio_reason
+            elif want == "kvikio":
+                raise DirectIOError(errno.ENODEV, f"{ENV_VAR}=kvikio: {rep.kvikio_reason}")
+            else:
+                chosen, why = PosixDirectIO(), f"posix, because {rep.reason}"
+        log.info("direct-path I/O: %s (%s)", chosen.name, why)
+        if mode is None:
+            _selected = chosen
+        return chosen
+
+
+def reset_selection() -> None:
+    """Forget the process's choice (tests)."""
+    global _selected
+    with _select_lock:
+        _selected = None
