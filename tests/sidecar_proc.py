@@ -369,10 +369,10 @@ def _capture() -> Iterator[_Captured]:
         root.removeHandler(h)
 
 
-def _client(socket_path: str, tenant: str, staging: int = 1 << 20) -> Any:
+def _client(socket_path: str, tenant: str, staging: int = 1 << 20, direct: bool = False) -> Any:
     from kvoffload.client import SidecarClient
 
-    return SidecarClient(socket_path, tenant, staging_bytes=staging, timeout_s=30)
+    return SidecarClient(socket_path, tenant, staging_bytes=staging, timeout_s=30, direct=direct)
 
 
 def _classify(
@@ -411,8 +411,10 @@ def cmd_steps(a: dict[str, Any]) -> None:
                 size = st.get("size", "small")
                 idx = st.get("indices", [])
                 keys = [chunk_key(seed, i) for i in idx]
-                with _client(sock, tenant) as c:
-                    if op == "salt":
+                with _client(sock, tenant, direct=st.get("direct", False)) as c:
+                    if op == "uses_direct":
+                        value = c.uses_direct()
+                    elif op == "salt":
                         salt = c.salt
                         value = None if salt is None else salt.hex()
                     elif op == "save":
@@ -429,6 +431,23 @@ def cmd_steps(a: dict[str, Any]) -> None:
                         raise ValueError(op)
         results.append({"op": op, "value": value, "warnings": cap.messages})
     _emit({"results": results})
+
+
+def cmd_try_open(a: dict[str, Any]) -> None:
+    """Try to open each path for reading and for writing; print the errno names (or "ok")."""
+    import errno
+
+    out = {}
+    for path in a["paths"]:
+        res = []
+        for flags in (os.O_RDONLY, os.O_WRONLY):
+            try:
+                os.close(os.open(path, flags))
+                res.append("ok")
+            except OSError as exc:
+                res.append(errno.errorcode.get(exc.errno or 0, str(exc.errno)))
+        out[path] = res
+    _emit(out)
 
 
 def cmd_stream(a: dict[str, Any]) -> None:
@@ -491,6 +510,97 @@ def cmd_raw(a: dict[str, Any]) -> None:
             else:
                 assert isinstance(reply, p.CompleteStoreReply), reply
                 _emit({"code": 0, "stored": list(reply.stored)})
+        elif order == "exit":
+            break
+
+
+def cmd_lease(a: dict[str, Any]) -> None:
+    """lease_store by hand, write what ``fill`` says, then wait for orders on stdin.
+
+    ``fill``: "good" (the real object), "zeros" (nothing written), "flip" (the
+    real object with one layer byte flipped), "wrongkey" (a valid object of
+    another key), "truncate" / "extend" (the real object, then the file
+    resized). Orders: "complete" (prints ``stored``), "abort", "exit".
+    """
+    from kvoffload import direct
+    from kvoffload import protocol as p
+    from kvoffload.layouts import v1
+    from kvoffload.transport import UnixTransport
+
+    tenant, seed, idx, fill = a["tenant"], a["seed"], a["indices"], a.get("fill", "good")
+    t = UnixTransport.connect(a["socket"], timeout_s=30)
+    next_id = 1
+
+    def call(req: p.Request) -> p.Reply:
+        nonlocal next_id
+        rid, next_id = next_id, next_id + 1
+        t.send(p.request_message(rid, req))
+        got, reply = p.parse_reply(t.recv().msg)
+        assert got == rid, (got, rid)
+        return reply
+
+    hello = call(p.Hello(1, 1, "lease-client", (tenant,)))
+    assert isinstance(hello, p.HelloReply), hello
+    if a.get("mode") == "load":
+        got = call(p.LeaseLoad(tenant, tuple(chunk_key(seed, i) for i in idx)))
+        if isinstance(got, p.ErrorReply):
+            _emit({"code": int(got.code), "message": got.message})
+            return
+        assert isinstance(got, p.LeaseLoadReply), got
+        _emit({"handle": got.handle, "found": got.found, "stop": got.stop.name})
+        for line in sys.stdin:
+            if line.strip() == "complete":
+                done = call(p.CompleteLoad(got.handle))
+                _emit({"code": int(getattr(done, "code", 0))})
+            elif line.strip() == "exit":
+                break
+        return
+    data = [chunk_layers(tenant, seed, i) for i in idx]
+    specs = tuple(
+        p.ChunkSpec(chunk_key(seed, i), tuple(len(x) for x in layers))
+        for i, layers in zip(idx, data, strict=True)
+    )
+    prep = call(p.LeaseStore(tenant, NS, specs))
+    if isinstance(prep, p.ErrorReply):
+        _emit({"code": int(prep.code), "message": prep.message})
+        return
+    assert isinstance(prep, p.LeaseStoreReply), prep
+    io = direct.PosixDirectIO()
+    for slot, spec, layers in zip(prep.chunks, specs, data, strict=True):
+        if slot.status is not p.StoreStatus.WRITE or fill == "zeros":
+            continue
+        key = spec.key if fill != "wrongkey" else bytes(32)
+        header = v1.plain_header_block(
+            tenant=tenant,
+            namespace=NS,
+            chunk_key=key,
+            lengths=spec.layers,
+            checks=direct.checks_of(layers),
+        )
+        if fill == "flip":
+            layers = [bytes([layers[0][0] ^ 1]) + layers[0][1:], *layers[1:]]
+        io.write_object(slot.path, header, layers, slot.offsets)
+        if fill in ("truncate", "extend"):
+            with open(slot.path, "r+b") as f:
+                f.truncate(slot.size - 4096 if fill == "truncate" else slot.size + 4096)
+    _emit(
+        {
+            "handle": prep.handle,
+            "statuses": [s.status.value for s in prep.chunks],
+            "paths": [s.path for s in prep.chunks],
+        }
+    )
+    for line in sys.stdin:
+        order = line.strip()
+        if order == "complete":
+            reply = call(p.CompleteStore(prep.handle))
+            if isinstance(reply, p.ErrorReply):
+                _emit({"code": int(reply.code)})
+            else:
+                assert isinstance(reply, p.CompleteStoreReply), reply
+                _emit({"code": 0, "stored": list(reply.stored)})
+        elif order == "abort":
+            _emit({"code": int(getattr(call(p.Abort(prep.handle)), "code", 0))})
         elif order == "exit":
             break
 
@@ -568,7 +678,14 @@ def cmd_mixed(a: dict[str, Any]) -> None:
     )
 
 
-COMMANDS = {"steps": cmd_steps, "stream": cmd_stream, "raw": cmd_raw, "mixed": cmd_mixed}
+COMMANDS = {
+    "steps": cmd_steps,
+    "stream": cmd_stream,
+    "raw": cmd_raw,
+    "lease": cmd_lease,
+    "try_open": cmd_try_open,
+    "mixed": cmd_mixed,
+}
 
 
 def main() -> None:
@@ -576,7 +693,8 @@ def main() -> None:
     args = json.loads(sys.argv[2])
     if "as_user" in args:
         import kvoffload.client
-        import kvoffload.layouts.v1  # noqa: F401 - everything is imported before the drop
+        import kvoffload.layouts.v1
+        import kvoffload.sidecar.gpu_probe  # noqa: F401 - everything is imported before the drop
 
         uid, gid = args["as_user"]
         os.setgroups([])
