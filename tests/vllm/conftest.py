@@ -40,18 +40,38 @@ class Sidecar:
         return self.store_root / "objects" / tenant / h[:2] / h[2:4] / f"{h}.kvo"
 
 
+#: The sidecar's one tenant with ``encryption = "none"`` and ``direct = true``.
+DIRECT_TENANT = "vllm-direct"
+
+
 @pytest.fixture(scope="session")
 def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
     """``kvoffload --dev serve`` in a temp folder: embedded store under ./.kvoffload."""
     pytest.importorskip("kvoffload.sidecar.server")
     cwd = tmp_path_factory.mktemp("sidecar")
     log = (cwd / "sidecar.log").open("wb")
+    # The dev policy (this uid: every tenant, admin), plus one plaintext
+    # tenant with the direct path for the tests of it.
+    policy = cwd / "policy.toml"
+    policy.write_text(
+        "version = 1\n"
+        f"[tenants.{DIRECT_TENANT}]\n"
+        'encryption = "none"\n'
+        "direct = true\n"
+        "[[grants]]\n"
+        f"uid = {os.getuid()}\n"
+        'tenants = ["*"]\n'
+        "admin = true\n"
+    )
+    policy.chmod(0o644)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
+    env["KVOFFLOAD_POLICY"] = str(policy)
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvoffload.cli", "--dev", "serve"],
         cwd=cwd,
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")},
+        env=env,
     )
     sock = cwd / ".kvoffload" / "kvoffload.sock"
     deadline = time.monotonic() + 60

@@ -30,8 +30,9 @@ from vllm.v1.request import RequestStatus
 from kvoffload.client import SidecarClient
 from kvoffload.integrations.vllm.common import KVOffloadMetadata
 from kvoffload.keys import chunk_keys
+from kvoffload.layouts import v1
 
-from .conftest import Sidecar
+from .conftest import DIRECT_TENANT, Sidecar
 from .engine import Engine, make_request, make_vllm_config
 
 pytestmark = pytest.mark.vllm
@@ -164,6 +165,40 @@ def test_second_engine_gets_prefix_from_sidecar(
     # B never computed positions < 160, yet its blocks hold A's KV for them.
     assert_kv(b, "b", prompt, 5 * CT)
     assert not b.invalid_block_ids
+    b.run_to_completion([rb])
+    assert list(rb.output_token_ids) == list(ra.output_token_ids)
+
+
+@pytest.mark.parametrize("load_mode", ["sync", "async"])
+def test_direct_path_tenant_reuses_prefix_without_staging(
+    engines: Any, sidecar: Sidecar, load_mode: str
+) -> None:
+    """A tenant whose policy allows the direct path: the workers write and read
+    the layout-v1 files themselves, and B still gets exactly A's KV."""
+    tenant = DIRECT_TENANT
+    extra = settings(sidecar, tenant, load_mode=load_mode, direct=True)
+    seed = 101 if load_mode == "sync" else 202  # one tenant for the session: own prompts
+    prompt = prompt_of(4 * CT + 5, seed=seed)
+    a = engines(extra)
+    ra = a.add(make_request("a", prompt))
+    a.run_to_completion([ra])
+    assert stored_chunks(a, sidecar, tenant, prompt) == 4
+    with SidecarClient(sidecar.socket_path, tenant, staging_bytes=4096, direct=True) as c:
+        assert c.uses_direct()
+        salt = c.salt
+        assert salt is not None
+        keys = chunk_keys(a.connector.contracts.contract(None, 0), salt, prompt)[:4]
+    for k in keys:
+        # Published by the direct path: read-only, plaintext, verified by the sidecar.
+        path = sidecar.object_path(tenant, k)
+        assert path.stat().st_mode & 0o777 == 0o440
+        assert not v1.decode_header(path.read_bytes()).sealed
+
+    b = engines(extra)
+    rb = b.add(make_request("b", prompt))
+    b.run_until(lambda: any("b" in o.num_scheduled_tokens for o in b.outputs))
+    assert first_scheduled(b, "b") == 5
+    assert_kv(b, "b", prompt, 4 * CT)
     b.run_to_completion([rb])
     assert list(rb.output_token_ids) == list(ra.output_token_ids)
 

@@ -87,6 +87,7 @@ class KVOffloadSettings:
     ttl_s: float | None = None
     model_revision: str | None = None
     attention_backend: str | None = None
+    direct: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KVOffloadSettings:
@@ -150,6 +151,12 @@ def _check_opt_pos_float(name: str, v: object) -> float | None:
     return None if v is None else _check_pos_float(name, v)
 
 
+def _check_bool(name: str, v: object) -> bool:
+    if not isinstance(v, bool):
+        raise _bad(name, "true or false", v)
+    return v
+
+
 def _check_mode(name: str, v: object) -> Mode:
     if v == "sync" or v == "async":
         return v
@@ -169,6 +176,7 @@ _CHECKS: dict[str, Callable[[str, object], Any]] = {
     "ttl_s": _check_opt_pos_float,
     "model_revision": _check_opt_str,
     "attention_backend": _check_opt_str,
+    "direct": _check_bool,
 }
 
 
@@ -570,6 +578,7 @@ def make_client(settings: KVOffloadSettings, *, name: str, staging_bytes: int) -
         staging_bytes=staging_bytes,
         timeout_s=settings.timeout_s,
         name=name,
+        direct=settings.direct,
     )
 
 
