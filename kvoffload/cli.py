@@ -502,6 +502,7 @@ def doctor(as_json: JsonOpt = False) -> None:
     """
     import platform
 
+    from .direct import decide as decide_direct
     from .sidecar.gpu_probe import ProbeEnv, probe
     from .sidecar.iobackend import IOMode, mount_of, plan, probe_direct
 
@@ -535,6 +536,8 @@ def doctor(as_json: JsonOpt = False) -> None:
             "reason": auto.reason,
         },
     }
+    direct_backend, direct_why = decide_direct(gpu)
+    data["direct_path"] = {"backend": direct_backend, "reason": direct_why}
     if cfg.io is not IOMode.AUTO:
         conf = plan(cfg.io, objects_dir, gpu_report=gpu)
         data["configured"] = {
@@ -580,6 +583,7 @@ def doctor(as_json: JsonOpt = False) -> None:
     if "configured" in data:
         c = data["configured"]
         table.add_row(f"configured ({cfg.io})", c["summary"] or f"UNAVAILABLE: {c['error']}")
+    table.add_row("direct path (workers)", f"{direct_backend}: {direct_why}")
     out.print(table)
 
 

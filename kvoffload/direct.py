@@ -327,6 +327,17 @@ class KvikioDirectIO:
         return ok
 
 
+def decide(rep: Any, want: str = "auto") -> tuple[str, str]:
+    """(backend, why) for a worker's direct path, from a GPU probe report
+    (:class:`kvoffload.sidecar.gpu_probe.GpuReport`); ``kvoffload doctor`` shows it."""
+    if rep.kvikio_usable:
+        how = "GPUDirect Storage" if rep.gds_available else "kvikio's compat mode (no GDS)"
+        return "kvikio", f"{rep.kvikio_reason}: GPU tensors move through {how}"
+    if want == "kvikio":
+        return "none", rep.kvikio_reason
+    return "posix", f"posix (GPU tensors bounce through host memory), because {rep.reason}"
+
+
 _selected: DirectIO | None = None
 _select_lock = threading.Lock()
 
@@ -340,20 +351,15 @@ def select(mode: str | None = None) -> DirectIO:
     with _select_lock:
         if mode is None and _selected is not None:
             return _selected
-        chosen: DirectIO
         if want == "posix":
-            chosen = PosixDirectIO()
-            why = f"{ENV_VAR}=posix"
+            name, why = "posix", f"{ENV_VAR}=posix"
         else:
             from .sidecar.gpu_probe import probe
 
-            rep = probe(requested="kvikio" if want == "kvikio" else "auto")
-            if rep.kvikio_usable:
-                chosen, why = KvikioDirectIO(), rep.kvikio_reason
-            elif want == "kvikio":
-                raise DirectIOError(errno.ENODEV, f"{ENV_VAR}=kvikio: {rep.kvikio_reason}")
-            else:
-                chosen, why = PosixDirectIO(), f"posix, because {rep.reason}"
+            name, why = decide(probe(requested="kvikio" if want == "kvikio" else "auto"), want)
+            if name != "kvikio" and want == "kvikio":
+                raise DirectIOError(errno.ENODEV, f"{ENV_VAR}=kvikio: {why}")
+        chosen: DirectIO = KvikioDirectIO() if name == "kvikio" else PosixDirectIO()
         log.info("direct-path I/O: %s (%s)", chosen.name, why)
         if mode is None:
             _selected = chosen

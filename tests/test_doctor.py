@@ -55,6 +55,10 @@ def test_doctor_json_names_the_backend_auto_chose(tmp_path: Path, kek_file: Path
         assert "libcuda.so.1 not found" in data["auto"]["reason"]
         assert data["gpu"]["child"] is None  # no subprocess on a node without the driver
         assert data["gpu"]["libcuda"] is None
+        assert data["direct_path"]["backend"] == "posix"
+        assert "host memory" in data["direct_path"]["reason"]
+    else:
+        assert data["direct_path"]["backend"] == ("kvikio" if here.kvikio_usable else "posix")
     objects = data["paths"]["objects"]
     assert objects["path"] == str(tmp_path / "store" / "objects")
     assert objects["exists"] is True and objects["fs_type"]
