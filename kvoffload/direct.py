@@ -99,6 +99,12 @@ def _host_view(obj: Any, writable: bool = False) -> memoryview:
     from .client import as_byte_view
 
     if writable:
+        if type(obj).__module__.partition(".")[0] == "torch":  # a CPU tensor: no buffer protocol
+            import torch
+
+            if not obj.is_contiguous():
+                raise ValueError("a load destination tensor must be contiguous")
+            obj = obj.reshape(-1).view(torch.uint8).numpy()
         mv = memoryview(obj)
         if mv.readonly:
             raise ValueError("a load destination must be writable")
@@ -283,12 +289,12 @@ class KvikioDirectIO:
         self._kvikio: Any = kvikio
 
     @staticmethod
-    def _arr(obj: Any) -> Any:
+    def _arr(obj: Any, writable: bool = False) -> Any:
         if is_device(obj):
             return _device_bytes(obj) if hasattr(obj, "is_contiguous") else obj
         import numpy as np
 
-        return np.frombuffer(_host_view(obj), dtype=np.uint8)
+        return np.frombuffer(_host_view(obj, writable=writable), dtype=np.uint8)
 
     def write_object(
         self, path: str, header_block: bytes, layers: Sequence[Any], offsets: Sequence[int]
@@ -312,7 +318,7 @@ class KvikioDirectIO:
         try:
             with self._kvikio.CuFile(path, "r") as f:
                 futs = [
-                    (f.pread(self._arr(d), e.length, e.offset), e.length)
+                    (f.pread(self._arr(d, writable=True), e.length, e.offset), e.length)
                     for e, d in zip(extents, dests, strict=True)
                 ]
                 for fut, n in futs:
