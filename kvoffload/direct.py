@@ -152,8 +152,8 @@ class _Bounce:
     def get(self, size: int) -> memoryview:
         buf: mmap.mmap | None = getattr(self._local, "buf", None)
         if buf is None or len(buf) < size:
-            if buf is not None:
-                buf.close()
+            # The old mapping is dropped, not closed: a view of it may still be
+            # in use (the header block's), and it unmaps when the last one goes.
             buf = mmap.mmap(-1, max(_align(size), 1 << 20))
             self._local.buf = buf
         return memoryview(buf)[:size]
