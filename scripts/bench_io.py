@@ -21,6 +21,23 @@ kvoffload
     ``Store.put_many`` and loads ``Store.get_many_into`` on batches of chunks
     (the pipelined paths: chunk n+1 seals or reads while chunk n is written or
     decrypted), so a row's ops are batches; throughput counts chunks.
+direct (posix backends only)
+    the direct path of ``encryption = "none"``, ``direct = true`` tenants
+    (layouts/v1.md §4.1), both halves in this process, minus the socket. Save
+    of a batch: ``Store.lease_store`` per chunk (reserve, create + fallocate
+    the temp file), then per chunk the worker's ``checks_of`` (XXH3-128 per
+    layer) + ``plain_header_block`` + ``PosixDirectIO().write_object``
+    (pwritev, O_DIRECT where the file system takes it), then per chunk
+    ``Store.publish_lease`` (re-read and verify the whole object, fsync per
+    durability, rename, index). Load of a batch: ``Store.pin`` +
+    ``Store.lease_load`` (header check) per chunk, then the worker's
+    ``PosixDirectIO().read_layers`` (preadv through the page cache + XXH3 per
+    layer) into preallocated destination buffers, then ``Store.unpin``. The
+    worker's I/O does not depend on ``KVOFFLOAD_IO`` (the sidecar's backend):
+    the direct rows of ``posix-buffered`` and ``posix-direct`` run the same
+    code against different raw ceilings. kvikio/cufile rows stay
+    "unavailable" where they cannot run; where they can, they have no direct
+    rows (the worker's kvikio path is not benchmarked here).
 targets
     the best sealed path's ratio to the best raw ceiling, for save (at each
     durability) and cold load: target >= 0.8x.
@@ -32,10 +49,10 @@ LMCache
     Its index is in memory only and it has no encryption.
 
 Each kvoffload save row runs interleaved batch by batch with its raw write
-ceiling (and its plaintext twin), alternating which goes first; likewise each
-load row with its raw read. The shared method (page-aligned buffers, cold =
-sync + POSIX_FADV_DONTNEED + mincore check, untimed warm-up op) is
-scripts/bench_store.py's, imported from there.
+ceiling (and its sealed, plaintext and direct twins), alternating which goes
+first; likewise each load row with its raw read. The shared method
+(page-aligned buffers, cold = sync + POSIX_FADV_DONTNEED + mincore check,
+untimed warm-up op) is scripts/bench_store.py's, imported from there.
 
 Usage::
 
@@ -50,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import logging
@@ -72,11 +90,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvoffload import direct as direct_io
 from kvoffload.layouts import v1
 from kvoffload.sidecar.fileio import O_DIRECT, Durability
 from kvoffload.sidecar.iobackend import IOMode, IOPlan, plan
 from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.sidecar.store import Store, StoreConfig, StoreLease
 
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
@@ -109,7 +128,8 @@ LMCACHE_HOWTO = (
 )
 BACKENDS = ("posix-buffered", "posix-direct", "posix", "auto", "kvikio", "cufile")
 DEFAULT_BACKENDS = ("posix-buffered", "posix-direct", "kvikio", "cufile")
-FORMATS = ("sealed", "plain")
+FORMATS = ("sealed", "plain", "direct")
+STAGED = FORMATS[:2]  # the formats that go through Store.put_many / get_many_into
 TARGET_CEIL = 0.8  # best sealed / raw ceiling, save and cold load
 TARGET_PEER = 1.0  # kvoffload sealed / LMCache unencrypted
 
@@ -117,12 +137,15 @@ METHOD = (
     "GB/s = payload bytes of the timed chunks / sum of the timed batches' wall times (1 GB = "
     "1e9 B), after 1 untimed warm-up batch; p50 = median wall time of one batch. Raw rows are "
     "quoted in payload-equivalent GB/s (payload bytes / time for the object's bytes). Each "
-    "kvoffload row runs interleaved batch by batch with its raw ceiling and its sealed or "
-    "plain twin (rotating which goes first). All buffers are page-aligned anonymous mmaps."
+    "kvoffload row runs interleaved batch by batch with its raw ceiling and its sealed, "
+    "plain and direct twins (rotating which goes first). All buffers are page-aligned "
+    "anonymous mmaps."
 )
 BOUNDS = (
     "serial bound = 1 / sum(1/GB/s) of the raw I/O ceiling and the CPU stages the row must "
-    "run (sealed: AES-GCM one thread; plain: memcpy + XXH3-128), one after the other; "
+    "run (sealed: AES-GCM one thread; plain: memcpy + XXH3-128; direct save: XXH3-128 in the "
+    "worker + memcpy + XXH3-128 for the sidecar's re-read and check, direct load: XXH3-128), "
+    "one after the other; "
     "overlap bound = the slowest of them (the I/O ceiling, or the CPU stages together), "
     "what a perfect two-stage pipeline could reach."
 )
@@ -282,6 +305,7 @@ class Bench:
     cpu_results: list[bs.Result] = field(default_factory=list)
     open_stores: list[Store] = field(default_factory=list)
     mincore: bs._Mincore = field(default_factory=bs._Mincore)
+    dio: direct_io.PosixDirectIO = field(default_factory=direct_io.PosixDirectIO)  # the worker's
     progress: Callable[[str], None] = lambda _m: None
 
     def add(self, r: Row) -> Row:
@@ -297,7 +321,7 @@ class Bench:
             self.progress(f"  {r.id:<52} {r.gbps:8.3f} GB/s")
         payload = bs.random_payload(shape.payload, 2)
         layers = bs.split_layers(payload, shape)
-        images = {fmt: bs.object_image(shape, layers, fmt) for fmt in FORMATS}
+        images = {fmt: bs.object_image(shape, layers, fmt) for fmt in STAGED}
         return Shaped(shape, batch, payload, layers, images, cpu)
 
     def row(
@@ -367,6 +391,8 @@ class Bench:
     ) -> None:
         s, b, budget = sh.shape, sh.batch, self.budget_s
         image = sh.images["sealed"]  # the raw ceilings move the sealed object's bytes
+        # The worker's direct path is posix here: its rows run with the posix backends only.
+        fmts = FORMATS if spec.plan.get("backend") == "posix" else STAGED
         written: list[tuple[str, int]] = []  # (durability, batch) of every batch written
         for dur in durabilities:
             store = Store(
@@ -383,14 +409,18 @@ class Bench:
             self.open_stores.append(store)
 
             def save(i: int, fmt: str, dur: str = dur, store: Store = store) -> None:
-                chunks = [(k, sh.layers) for k in self._keys(sh, fmt, dur, i)]
+                keys = self._keys(sh, fmt, dur, i)
+                if fmt == "direct":
+                    self._save_direct(store, keys, sh.layers)
+                    return
+                chunks = [(k, sh.layers) for k in keys]
                 done = store.put_many(bs.TENANT, bs.NAMESPACE, chunks, encrypt=fmt == "sealed")
                 if not all(done):
                     raise AssertionError("put_many found a chunk already present")
 
             raw = raw_writer(rdir, image, dur, direct=spec.direct_write, batch=b, tag=dur)
-            raw_t, sealed_t, plain_t = bs.interleaved(
-                [raw, lambda i: save(i, "sealed"), lambda i: save(i, "plain")],
+            raw_t, *fmt_t = bs.interleaved(
+                [raw, *(functools.partial(save, fmt=fmt) for fmt in fmts)],
                 n=sh.batches,
                 budget_s=budget,
                 min_ops=3,
@@ -401,74 +431,132 @@ class Bench:
                 self.row("ceiling", f"raw write{sync} {spec.write_io}", sh, dur, spec.name,
                          "sealed", raw_t)
             )  # fmt: skip
-            for fmt, t in (("sealed", sealed_t), ("plain", plain_t)):
+            for fmt, t in zip(fmts, fmt_t, strict=True):
                 row = self.add(self.row("kvoffload", f"save {fmt}", sh, dur, spec.name, fmt, t))
-                enc = sh.cpu["aes-gcm encrypt_into"]
-                self.compare(row, ceil, [enc] if fmt == "sealed" else self._plain_stages(sh))
+                self.compare(row, ceil, self._stages(sh, fmt, "save"))
             written += [(dur, i) for i in range(raw_t[0] + 1)]
 
         # -- loads: every batch written above (the files do not depend on durability)
         raw_files = [[raw_file(rdir, dur, i, j) for j in range(b)] for dur, i in written]
-        keys = {fmt: [self._keys(sh, fmt, dur, i) for dur, i in written] for fmt in FORMATS}
+        keys = {fmt: [self._keys(sh, fmt, dur, i) for dur, i in written] for fmt in fmts}
         obj_files = {
             fmt: [
                 [stores[dur].root / v1.object_relpath(bs.TENANT, k) for k in ks]
                 for (dur, _i), ks in zip(written, keys[fmt], strict=True)
             ]
-            for fmt in FORMATS
+            for fmt in fmts
         }
         store_of = [stores[dur] for dur, _i in written]
         rbuf = bs._mv(bs.touched(v1.align_up(len(image))))
         outs = [bs._mv(bs.touched(s.payload)) for _ in range(b)]
+        lb = s.layer_bytes
+        dests = [[o[k * lb : (k + 1) * lb] for k in range(s.layers)] for o in outs]
 
         def load(i: int, fmt: str) -> None:
-            got = store_of[i].get_many_into(bs.TENANT, keys[fmt][i], outs)
-            if any(g is None for g in got):
-                raise AssertionError(f"get_many_into ({fmt}) missed a chunk it just stored")
+            if fmt == "direct":
+                self._load_direct(store_of[i], keys[fmt][i], dests)
+            else:
+                got = store_of[i].get_many_into(bs.TENANT, keys[fmt][i], outs)
+                if any(g is None for g in got):
+                    raise AssertionError(f"get_many_into ({fmt}) missed a chunk it just stored")
             if i == 0:  # the untimed warm-up batch: check the bytes
                 want = bytes(bs._mv(sh.payload))
                 if any(bytes(o) != want for o in outs):
                     raise AssertionError(f"load {fmt}: the bytes read differ from those saved")
+                for o in outs:  # so that the next format's check sees its own bytes
+                    o[:] = bytes(len(o))
 
         n = len(written) - 1
         flat = [p for batch in raw_files for p in batch]
         for cache in ("cold", "warm") if not spec.direct_read else ("cold",):
             if cache == "cold":
-                bs.drop_cache(
-                    flat + [p for fmt in FORMATS for batch in obj_files[fmt] for p in batch]
-                )
+                bs.drop_cache(flat + [p for fmt in fmts for batch in obj_files[fmt] for p in batch])
             timed = [p for batch in raw_files[1 : n + 1] for p in batch]
             raw_cached = self.mincore.resident(timed)
             cached = {
                 fmt: self.mincore.resident([p for bt in obj_files[fmt][1 : n + 1] for p in bt])
-                for fmt in FORMATS
+                for fmt in fmts
             }
-            raw_t, sealed_t, plain_t = bs.interleaved(
+            raw_t, *fmt_t = bs.interleaved(
                 [
                     raw_reader(raw_files, rbuf, direct=spec.direct_read),
-                    lambda i: load(i, "sealed"),
-                    lambda i: load(i, "plain"),
+                    *(functools.partial(load, fmt=fmt) for fmt in fmts),
                 ],
                 n=n,
                 budget_s=budget,
                 min_ops=3,
             )
-            n = min(n, raw_t[0], sealed_t[0], plain_t[0])
+            n = min(n, raw_t[0], *(t[0] for t in fmt_t))
             ceil = self.add(
                 self.row("ceiling", f"raw read {cache} {spec.read_io}", sh, None, spec.name,
                          "sealed", raw_t, raw_cached)
             )  # fmt: skip
-            for fmt, t in (("sealed", sealed_t), ("plain", plain_t)):
+            for fmt, t in zip(fmts, fmt_t, strict=True):
                 row = self.add(
                     self.row("kvoffload", f"load {fmt} {cache}", sh, None, spec.name, fmt, t,
                              cached[fmt])
                 )  # fmt: skip
-                dec = sh.cpu["aes-gcm decrypt_into"]
-                self.compare(row, ceil, [dec] if fmt == "sealed" else self._plain_stages(sh))
+                self.compare(row, ceil, self._stages(sh, fmt, "load"))
+
+    def _save_direct(
+        self, store: Store, keys: Sequence[bytes], layers: Sequence[memoryview]
+    ) -> None:
+        """One batch the way lease_store / the worker / complete_store do it, minus the socket:
+        lease every chunk, write every leased object, then verify and name each."""
+        lengths = [len(x) for x in layers]
+        leases: list[StoreLease] = []
+        try:
+            for k in keys:
+                lease = store.lease_store(bs.TENANT, bs.NAMESPACE, k, lengths)
+                if lease is None:
+                    raise AssertionError("lease_store found a chunk already present")
+                leases.append(lease)
+            for lease in leases:  # the worker
+                _data_offset, offsets = lease.offsets
+                header = v1.plain_header_block(
+                    tenant=bs.TENANT,
+                    namespace=bs.NAMESPACE,
+                    chunk_key=lease.chunk_key,
+                    lengths=lengths,
+                    checks=direct_io.checks_of(layers),
+                    created_ns=time.time_ns(),
+                )
+                self.dio.write_object(str(lease.tmp), header, layers, offsets)
+            for lease in leases:
+                if not store.publish_lease(lease):
+                    raise AssertionError("publish_lease did not store a chunk")
+        finally:
+            for lease in leases:
+                store.cancel_lease(lease)  # a no-op for those published
+
+    def _load_direct(
+        self, store: Store, keys: Sequence[bytes], dests: Sequence[Sequence[memoryview]]
+    ) -> None:
+        """One batch the way lease_load / the worker / complete_load do it, minus the socket:
+        pin and header-check every chunk, read every chunk's layers into its destinations
+        (verifying each XXH3-128), unpin."""
+        store.pin(bs.TENANT, keys)
+        try:
+            leases = [store.lease_load(bs.TENANT, k) for k in keys]
+            for rl, d in zip(leases, dests, strict=True):  # the worker
+                if rl is None:
+                    raise AssertionError("lease_load missed a chunk it just stored")
+                ext = [direct_io.Extent(x.offset, x.length, x.check) for x in rl.header.layers]
+                if not self.dio.read_layers(str(rl.path), ext, d):
+                    raise AssertionError("read_layers: a layer failed its checksum")
+        finally:
+            store.unpin(bs.TENANT, keys)
 
     @staticmethod
-    def _plain_stages(sh: Shaped) -> list[bs.Result]:
-        return [sh.cpu["memcpy"], sh.cpu["xxh3-128"]]
+    def _stages(sh: Shaped, fmt: str, op: str) -> list[bs.Result]:
+        """The CPU stages a row must run besides its I/O (see BOUNDS)."""
+        cpu = sh.cpu
+        if fmt == "sealed":
+            return [cpu["aes-gcm encrypt_into" if op == "save" else "aes-gcm decrypt_into"]]
+        if fmt == "direct":
+            xxh = cpu["xxh3-128"]
+            return [xxh, cpu["memcpy"], xxh] if op == "save" else [xxh]
+        return [cpu["memcpy"], cpu["xxh3-128"]]
 
 
 # --------------------------------------------------------------------------- targets
@@ -694,7 +782,10 @@ def render(
             )  # fmt: skip
     console.print(t)
 
-    t = Table(title="kvoffload Store (put_many / get_many_into, pipelined)")
+    t = Table(
+        title="kvoffload Store (sealed, plain: put_many / get_many_into, pipelined; direct: "
+        "lease_store + worker write + publish_lease / pin + lease_load + worker read)"
+    )
     left = ("shape", "dur", "backend", "row")
     nums = ("chunks", "GB/s", "p50 ms", "cached", "ceil GB/s", "x ceil", "serial bd", "x serial")
     for col in (*left, *nums, "overlap bd", "x overlap"):
@@ -772,8 +863,18 @@ def render(
     )
     console.print(
         "[bold]plain[/bold]: the sidecar's path for 'encryption = none' namespaces (XXH3-128 "
-        "checksum, no cipher). The worker-side direct path (kvikio/GDS on sidecar-leased paths) "
-        "needs kvikio: see its backend row."
+        "checksum, no cipher), through Store.put_many / get_many_into."
+    )
+    console.print(
+        "[bold]direct[/bold]: the worker-side direct path of 'encryption = none', 'direct = true' "
+        "tenants, both halves in this process minus the socket: save = lease_store per chunk, "
+        "then the worker's checks_of + plain_header_block + PosixDirectIO().write_object "
+        "(pwritev, O_DIRECT where the file system takes it), then publish_lease (re-read, "
+        "verify, fsync per durability, rename, index); load = pin + lease_load, then "
+        "PosixDirectIO().read_layers (buffered preadv + XXH3-128) into preallocated buffers, "
+        "then unpin. The worker's I/O does not follow KVOFFLOAD_IO: the direct rows of the posix "
+        "backends run the same code against each backend's ceilings. No direct rows for "
+        "kvikio/cufile (the worker's kvikio path is not benchmarked here)."
     )
     bad = [
         r for r in bench.results if "cold" in r.name and r.cached is not None and r.cached > 0.05
@@ -867,15 +968,15 @@ def _scratch_dir(parent: Path) -> Iterator[Path]:
 
 
 def _fit(shapes: list[bs.Shape], d: Path, n_backends: int, n_durs: int) -> list[bs.Shape]:
-    """Shrink the rows if the file system cannot hold one backend's files (x3: raw, sealed,
-    plain; all durabilities' files stay until the loads)."""
+    """Shrink the rows if the file system cannot hold one backend's files (x4: raw, sealed,
+    plain, direct; all durabilities' files stay until the loads)."""
     free = shutil.disk_usage(d).free
     out: list[bs.Shape] = []
     for s in shapes:
         per_chunk = v1.object_size([s.layer_bytes] * s.layers, True)
-        need = 3 * n_durs * (s.chunks + 8) * per_chunk
+        need = 4 * n_durs * (s.chunks + 8) * per_chunk
         if need > free // 2:
-            chunks = max(3, (free // 2) // (3 * n_durs * per_chunk) - 8)
+            chunks = max(3, (free // 2) // (4 * n_durs * per_chunk) - 8)
             s = bs.Shape(s.key, s.layers, s.layer_bytes, s.note + " (shrunk to fit disk)", chunks)
         out.append(s)
     return out
@@ -904,6 +1005,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             specs = probe_backends(args.backend, base)
             auto = probe_backends(["auto"], base)[0]
             facts["KVOFFLOAD_IO=auto picks"] = f"{auto.summary}: {auto.reason}"
+            facts["direct path (worker side)"] = (
+                "PosixDirectIO: pwritev "
+                + ("with O_DIRECT (else buffered, on EINVAL)" if direct_io.O_DIRECT else "buffered")
+                + ", preadv buffered, XXH3-128 per layer; rows with the posix backends only"
+            )
             kek_path = base / "kek"
             fd = os.open(kek_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:

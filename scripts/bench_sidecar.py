@@ -2,9 +2,9 @@
 
 For each chosen durability the benchmark starts ``python -m kvoffload.cli
 --config <toml> serve`` (cwd: a temp dir under ``--dir``; durability through
-``KVOFFLOAD_STORE_DURABILITY``; a policy that grants this uid every tenant and
-makes tenant ``plain`` plaintext, every other tenant AES-256-GCM) and measures,
-from this client process:
+``KVOFFLOAD_STORE_DURABILITY``; a policy that grants this uid every tenant,
+makes tenant ``plain`` plaintext, tenant ``direct`` plaintext with ``direct =
+true``, every other tenant AES-256-GCM) and measures, from this client process:
 
 kvoffload
     ``SidecarClient.save`` (batches of ``--batch`` chunks per call) and
@@ -12,6 +12,15 @@ kvoffload
     layer into a pre-touched destination buffer), sealed (tenant ``bench``) and
     plain (tenant ``plain``), cold and warm, for a Llama-3-8B-shaped chunk and a
     small one; and the latency of ``lookup`` of 64 (and of 1) present keys.
+direct
+    the same saves, and cold loads, of tenant ``direct`` through
+    ``SidecarClient(..., direct=True)`` (the script fails unless the client
+    does take the direct path): the client leases the files, writes them
+    itself (``kvoffload.direct``, ``KVOFFLOAD_DIRECT_IO``: posix pwritev with
+    O_DIRECT where the file system takes it, kvikio where the node has it), the
+    sidecar verifies and names them; loads are ``SidecarClient.load_to``
+    straight into the pre-touched destination buffer (the worker reads and
+    verifies each layer), no staging buffer either way.
 ceilings (same run, same directory)
     memcpy, AES-256-GCM ``encrypt_into`` / ``decrypt_into`` per layer and
     XXH3-128 (one thread; from ``bench_store.py``); a raw write of the very
@@ -22,9 +31,11 @@ ceilings (same run, same directory)
     Python processes over a Unix socket pair. A row's ratio is to the faster of
     the O_DIRECT and buffered ceilings, measured in the same interleaved loop.
 
-Every kvoffload row runs interleaved op by op with its ceiling(s); the ratio of
-each row to its ceiling is printed with the targets (not assertions): sealed
-save >= 0.8x raw write, sealed cold load >= 0.8x raw cold read, lookup p99 < 0.5 ms.
+Every kvoffload row runs interleaved op by op with its ceiling(s) (the direct
+rows with ceilings of their own: the same plaintext object bytes as plain's);
+the ratio of each row to its ceiling is printed with the targets (not
+assertions): sealed save >= 0.8x raw write, sealed cold load >= 0.8x raw cold
+read, lookup p99 < 0.5 ms.
 
 Usage::
 
@@ -70,6 +81,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvoffload import direct as direct_io
 from kvoffload.client import SidecarClient, fetch_stats
 from kvoffload.layouts import v1
 from kvoffload.protocol import (
@@ -93,8 +105,9 @@ else:
 MiB = bs.MiB
 SEALED_TENANT = bs.TENANT  # default tenant policy: AES-256-GCM
 PLAIN_TENANT = "plain"  # [tenants.plain] encryption = "none"
-TENANTS = {"sealed": SEALED_TENANT, "plain": PLAIN_TENANT}
-FORMATS = bs.FORMATS
+DIRECT_TENANT = "direct"  # [tenants.direct] encryption = "none", direct = true
+TENANTS = {"sealed": SEALED_TENANT, "plain": PLAIN_TENANT, "direct": DIRECT_TENANT}
+FORMATS = (*bs.FORMATS, "direct")  # a direct object is a plaintext layout-v1 object
 DURABILITIES = bs.DURABILITIES
 DEFAULT_DURABILITIES = ("object", "none")
 LOOKUP_KEYS = 64
@@ -116,7 +129,9 @@ SERIAL_BOUND = (
     "serial bound: 1 / sum(1/GB/s) of the raw I/O ceiling and the CPU stages the row must run "
     "one after the other (client and sidecar take turns): save sealed = client memcpy into "
     "staging + AES-GCM seal + write; save plain = memcpy + memcpy + XXH3 + write; load sealed = "
-    "read + AES-GCM open + client memcpy out; load plain = read + memcpy + XXH3 + memcpy."
+    "read + AES-GCM open + client memcpy out; load plain = read + memcpy + XXH3 + memcpy; "
+    "save direct = XXH3 (client) + write + memcpy + XXH3 (the sidecar's re-read and check); "
+    "load direct = read + XXH3 (client)."
 )
 
 
@@ -428,6 +443,9 @@ def _config_files(work: Path, sock: Path) -> Path:
         'quota = "none"\n\n'
         f"[tenants.{PLAIN_TENANT}]\n"
         'encryption = "none"\n\n'
+        f"[tenants.{DIRECT_TENANT}]\n"
+        'encryption = "none"\n'
+        "direct = true\n\n"
         "[[grants]]\n"
         f"uid = {os.getuid()}\n"
         'tenants = ["*"]\n'
@@ -606,6 +624,7 @@ class Bench:
                         staging_bytes=self.staging_bytes,
                         timeout_s=120.0,
                         name=f"bench_sidecar {fmt}",
+                        direct=fmt == "direct",
                     )
                 )
                 for fmt, tenant in TENANTS.items()
@@ -615,6 +634,13 @@ class Bench:
                     raise RuntimeError(
                         f"client {fmt}: no session or a smaller staging buffer "
                         f"({c.staging_bytes} B):\n{sc.log_tail()}"
+                    )
+                # A correctness check, not a timing one: rows named direct must be direct.
+                if c.uses_direct() != (fmt == "direct"):
+                    raise RuntimeError(
+                        f"client {fmt} (tenant {TENANTS[fmt]!r}): uses_direct() is "
+                        f"{c.uses_direct()}, expected {fmt == 'direct'}: the sidecar does not "
+                        f"offer the direct path as the policy says\n{sc.log_tail()}"
                     )
             for data in shapes:
                 self.progress(f"{dur} / {data.shape.key}: {data.shape.describe()}")
@@ -712,16 +738,33 @@ class Bench:
                     dst[at : at + n] = v
                     at += n
 
+            lb = shape.layer_bytes
+            dest_layers = [
+                [
+                    dst[j * payload + k * lb : j * payload + (k + 1) * lb]
+                    for k in range(shape.layers)
+                ]
+                for j in range(batch)
+            ]
+
+            def dest_for(idx: int, _key: bytes, sizes: Sequence[int]) -> Sequence[memoryview]:
+                if list(sizes) != [lb] * shape.layers:
+                    raise RuntimeError(f"load {fmt}: layer sizes {list(sizes)} of a stored chunk")
+                return dest_layers[idx]
+
             def load(i: int) -> None:
-                res = client.load(keys[i * batch : (i + 1) * batch], into=into)
-                if not all(r.ok for r in res):
-                    missed = sum(not r.ok for r in res)
+                ks = keys[i * batch : (i + 1) * batch]
+                if fmt == "direct":  # the worker reads straight into the destinations
+                    ok = client.load_to(ks, dest_for)
+                else:
+                    ok = [r.ok for r in client.load(ks, into=into)]
+                if not all(ok):
                     raise RuntimeError(
-                        f"load {fmt}: {missed} of {batch} chunks missed\n{sc.log_tail()}"
+                        f"load {fmt}: {ok.count(False)} of {batch} chunks missed\n{sc.log_tail()}"
                     )
 
             n = written - 1
-            for cache in ("cold", "warm"):
+            for cache in ("cold", "warm") if fmt != "direct" else ("cold",):
                 readers: list[tuple[str, str, Callable[[int], None], list[Path]]] = []
                 if cache == "cold":
                     bs.drop_cache(bpaths + dpaths + sc.object_files())
@@ -768,7 +811,10 @@ class Bench:
 
     def _finish(self, row: Row, ceil: bs.Result, data: ShapeData, fmt: str, op: str) -> None:
         cpu = data.cpu
-        if op == "save":
+        if fmt == "direct":  # no staging copy in the client; the sidecar re-reads on save
+            xxh = cpu["xxh3-128"]
+            stages = [xxh, cpu["memcpy"], xxh] if op == "save" else [xxh]
+        elif op == "save":
             stages = [cpu["memcpy"]] + (
                 [cpu["aes-gcm encrypt_into"]]
                 if fmt == "sealed"
@@ -952,6 +998,14 @@ def render(
         "fsync'd; os.sync() runs untimed after every write row."
     )
     console.print(
+        f"[bold]direct[/bold]: tenant {DIRECT_TENANT!r} (encryption = none, direct = true) "
+        "through SidecarClient(direct=True): lease_store, the client writes the leased files "
+        "itself (kvoffload.direct), complete_store (the sidecar re-reads, verifies, fsyncs per "
+        "durability and names them); loads are lease_load + load_to straight into the "
+        "destination buffer (the client reads and checks each layer) + complete_load. No "
+        "staging buffer; its raw ceilings move the same plaintext object bytes as plain's."
+    )
+    console.print(
         "[bold]lookup[/bold]: SidecarClient.lookup of 64 present keys, one call per op, "
         "interleaved with a round trip of a message of the same size (request and reply "
         "frames) between this process and a Python echo process over a Unix socket pair."
@@ -1059,15 +1113,17 @@ def _scratch_dir(parent: Path) -> Iterator[Path]:
 
 
 def _fit_to_disk(shapes: list[bs.Shape], d: Path, batch: int) -> list[bs.Shape]:
-    """Shrink the large rows if the file system cannot hold one format's files."""
+    """Shrink the large rows if the file system cannot hold one durability's files."""
     free = shutil.disk_usage(d).free
     fitted: list[bs.Shape] = []
+    # every format's store objects stay until the sidecar stops; one format's raw files
+    # (buffered + O_DIRECT) at a time: for the timed ops and the warm-up op
+    files = len(FORMATS) + 2
     for s in shapes:
         per_chunk = v1.object_size([s.layer_bytes] * s.layers, True)
-        # store + buffered raw + O_DIRECT raw, for the timed ops and the warm-up op
-        need = 3 * (max(3 * batch, s.chunks) + batch) * per_chunk + LOOKUP_KEYS * per_chunk
+        need = files * (max(3 * batch, s.chunks) + batch) * per_chunk + LOOKUP_KEYS * per_chunk
         if need > free // 2:
-            chunks = max(3 * batch, (free // 2) // (3 * per_chunk) - 2 * batch)
+            chunks = max(3 * batch, (free // 2) // (files * per_chunk) - 2 * batch)
             s = bs.Shape(s.key, s.layers, s.layer_bytes, s.note + " (shrunk to fit disk)", chunks)
         fitted.append(s)
     return fitted
@@ -1173,7 +1229,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     facts["tenants"] = (
         f"sealed: {SEALED_TENANT!r} (policy default, aes-256-gcm); "
-        f"plain: {PLAIN_TENANT!r} (encryption = none)"
+        f"plain: {PLAIN_TENANT!r} (encryption = none); "
+        f"direct: {DIRECT_TENANT!r} (encryption = none, direct = true; "
+        "SidecarClient(direct=True), load_to into the destination buffer)"
+    )
+    facts["direct path I/O (client)"] = (
+        f"{direct_io.select().name} (KVOFFLOAD_DIRECT_IO="
+        f"{os.environ.get(direct_io.ENV_VAR, 'auto (unset)')})"
     )
     facts["raw I/O ceilings"] = (
         "O_DIRECT and buffered (writes: + fsync at durability object); ratios use the faster"

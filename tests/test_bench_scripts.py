@@ -108,8 +108,8 @@ IO_SCRIPT = SCRIPT.parent / "bench_io.py"
 PEER_SCRIPT = SCRIPT.parent / "lmcache_peer.py"
 LMCACHE_PYTHON = SCRIPT.parent.parent / ".venv-lmcache" / "bin" / "python"
 IO_BACKENDS = ("posix-buffered",)  # always runs; posix-direct only where O_DIRECT works
-IO_ROWS = ("save sealed", "save plain")
-IO_LOADS = ("load sealed cold", "load plain cold", "load sealed warm", "load plain warm")
+IO_ROWS = ("save sealed", "save plain", "save direct")
+IO_LOADS = tuple(f"load {f} {c}" for c in ("cold", "warm") for f in ("sealed", "plain", "direct"))
 
 
 @pytest.mark.slow
@@ -142,14 +142,18 @@ def test_bench_io_quick_writes_every_row(tmp_path: Path) -> None:
             assert {(b["name"], s) for s in SHAPES} <= unavailable, b["name"]
     for s in SHAPES:
         for backend in ran:
-            direct_read = next(b for b in doc["backends"] if b["name"] == backend)["direct_read"]
+            spec = next(b for b in doc["backends"] if b["name"] == backend)
+            # the worker's direct path is benchmarked with the posix backends only
+            posix = spec["plan"]["backend"] == "posix"
             for d in DURABILITIES:
                 for r in IO_ROWS:
-                    assert f"{s}/{d}/{backend}/{r}" in rows
+                    want = posix or "direct" not in r
+                    assert (f"{s}/{d}/{backend}/{r}" in rows) == want, (s, d, backend, r)
             for r in IO_LOADS:
-                if direct_read and "warm" in r:
+                if spec["direct_read"] and "warm" in r:
                     continue
-                assert f"{s}/{backend}/{r}" in rows
+                want = posix or "direct" not in r
+                assert (f"{s}/{backend}/{r}" in rows) == want, (s, backend, r)
     for r in [*rows.values(), *doc["ceilings"]]:
         assert r["ops"] >= 1 and r["seconds"] > 0 and r["gbps"] > 0, r["id"]
     for r in rows.values():
@@ -203,10 +207,12 @@ SIDECAR_SCRIPT = SCRIPT.parent / "bench_sidecar.py"
 SIDECAR_ROWS = (
     "save sealed",
     "save plain",
+    "save direct",
     "load sealed cold",
     "load sealed warm",
     "load plain cold",
     "load plain warm",
+    "load direct cold",
 )
 
 
@@ -237,6 +243,8 @@ def test_bench_sidecar_quick_writes_every_row_and_stops_its_sidecars(tmp_path: P
             for f in FORMATS:
                 for c in IO_CEILINGS:
                     assert f"{s}/{d}/{c.format(f)}" in ceilings
+            for c in IO_CEILINGS[:2]:  # the direct rows: save and cold load
+                assert f"{s}/{d}/{c.format('direct')}" in ceilings
     for r in [*rows.values(), *ceilings.values()]:
         assert r["ops"] >= 1 and r["seconds"] > 0 and r["gbps"] > 0, r["id"]
     for r in rows.values():
@@ -253,7 +261,12 @@ def test_bench_sidecar_quick_writes_every_row_and_stops_its_sidecars(tmp_path: P
         assert lk["ops"] == doc["config"]["lookups"]
         assert 0 < lk["p50_us"] <= lk["p99_us"] and lk["ceiling_p99_us"] > 0
         assert lk["target_p99_us"] == 500.0 and isinstance(lk["meets_target"], bool)
-    for fact in (*FACTS, "load average 1/5/15 min (start)", "sidecar (object) reports"):
+    facts = (
+        "load average 1/5/15 min (start)",
+        "sidecar (object) reports",
+        "direct path I/O (client)",
+    )
+    for fact in (*FACTS, *facts):
         assert doc["machine"][fact], fact
     pids = doc["config"]["sidecar_pids"]
     assert len(pids) == len(DURABILITIES)
