@@ -750,7 +750,14 @@ class SidecarClient:
             try:
                 for slot, sp, i in zip(prep.chunks, specs, batch, strict=True):
                     if slot.status is StoreStatus.WRITE:
-                        self._write_leased(io, slot.path, slot, namespace, sp, srcs[i])
+                        self._write_leased(
+                            io,
+                            slot,
+                            namespace,
+                            sp,
+                            srcs[i],
+                            o_direct=prep.durability in ("object", ""),
+                        )
             except BaseException:
                 with contextlib.suppress(*_CONNECTION_ERRORS):
                     self._call(s, Abort(prep.handle))
@@ -780,11 +787,12 @@ class SidecarClient:
     def _write_leased(
         self,
         io: direct_io.DirectIO,
-        path: str,
         slot: Any,
         namespace: bytes,
         spec: ChunkSpec,
         layers: list[Any],
+        *,
+        o_direct: bool,
     ) -> None:
         """Write one leased object; a failure only costs this chunk (the sidecar's
         check then refuses the file)."""
@@ -805,7 +813,7 @@ class SidecarClient:
             created_ns=time.time_ns(),
         )
         try:
-            io.write_object(path, header, layers, offsets)
+            io.write_object(slot.path, header, layers, offsets, o_direct=o_direct)
         except OSError as exc:
             self._warn(logging.WARNING, "direct-write", f"kvoffload direct write failed: {exc}")
 

@@ -135,9 +135,22 @@ class DirectIO(Protocol):
     name: str
 
     def write_object(
-        self, path: str, header_block: bytes, layers: Sequence[Any], offsets: Sequence[int]
+        self,
+        path: str,
+        header_block: bytes,
+        layers: Sequence[Any],
+        offsets: Sequence[int],
+        *,
+        o_direct: bool | None = None,
     ) -> None:
-        """Write the header block at 0 and layer i at offsets[i]; nothing else."""
+        """Write the header block at 0 and layer i at offsets[i]; nothing else.
+
+        ``o_direct``: bypass the page cache (None: the backend's default).
+        The sidecar passes a hint with the lease (its durability setting):
+        an object it will fsync anyway is best written with O_DIRECT; one it
+        will not is best left in the page cache, where its verifying re-read
+        then finds it.
+        """
 
     def read_layers(self, path: str, extents: Sequence[Extent], dests: Sequence[Any]) -> bool:
         """Read each layer into its destination; False if any fails its checksum."""
@@ -157,6 +170,10 @@ class _Bounce:
             buf = mmap.mmap(-1, max(_align(size), 1 << 20))
             self._local.buf = buf
         return memoryview(buf)[:size]
+
+
+#: Zeros for the padding between pieces (always shorter than a page).
+_ZEROS = bytes(ALIGN)
 
 
 def _align(n: int) -> int:
@@ -199,9 +216,10 @@ class PosixDirectIO:
         self.o_direct = o_direct and bool(O_DIRECT)
         self._bounce = _Bounce()
 
-    def _open_write(self, path: str) -> tuple[int, bool]:
+    @staticmethod
+    def _open_write(path: str, o_direct: bool) -> tuple[int, bool]:
         flags = os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW
-        if self.o_direct:
+        if o_direct:
             try:
                 return os.open(path, flags | O_DIRECT), True
             except OSError as exc:
@@ -210,9 +228,16 @@ class PosixDirectIO:
         return os.open(path, flags), False
 
     def write_object(
-        self, path: str, header_block: bytes, layers: Sequence[Any], offsets: Sequence[int]
+        self,
+        path: str,
+        header_block: bytes,
+        layers: Sequence[Any],
+        offsets: Sequence[int],
+        *,
+        o_direct: bool | None = None,
     ) -> None:
-        fd, direct = self._open_write(path)
+        want = self.o_direct if o_direct is None else (o_direct and bool(O_DIRECT))
+        fd, direct = self._open_write(path, want)
         try:
             try:
                 self._write(fd, direct, header_block, layers, offsets)
@@ -234,23 +259,28 @@ class PosixDirectIO:
         layers: Sequence[Any],
         offsets: Sequence[int],
     ) -> None:
-        pieces: list[tuple[Any, int]] = [(header_block, 0)]
-        pieces += list(zip(layers, offsets, strict=True))
-        for src, off in pieces:
-            view = to_host(src) if is_device(src) else _host_view(src)
-            if not direct:
+        views = [memoryview(header_block)]
+        views += [to_host(x) if is_device(x) else _host_view(x) for x in layers]
+        offs = [0, *offsets]
+        if not direct:
+            # The page cache: one pwritev per piece costs a memcpy each, and the
+            # padding is already zero (the sidecar allocated the file).
+            for view, off in zip(views, offs, strict=True):
                 _pwrite_all(fd, view, off)
-                continue
-            if view.nbytes % ALIGN == 0 and _aligned_addr(view):
-                _pwrite_all(fd, view, off)
-                continue
-            # Copy into an aligned buffer padded with zeros to the next 4 KiB:
-            # exactly the layer plus the padding layout v1 puts after it.
-            n = view.nbytes
-            buf = self._bounce.get(_align(n))
-            buf[:n] = view
-            buf[n:] = bytes(len(buf) - n)
-            _pwrite_all(fd, buf, off)
+            return
+        # O_DIRECT: the whole object image in one aligned buffer and one write.
+        # A write per layer would cost a device round trip each (small chunks
+        # pay that many times over); the copy runs at memcpy speed.
+        size = _align(offs[-1] + views[-1].nbytes)
+        buf = self._bounce.get(size)
+        for i, (view, off) in enumerate(zip(views, offs, strict=True)):
+            end = off + view.nbytes
+            nxt = offs[i + 1] if i + 1 < len(offs) else size
+            if end > nxt:
+                raise ValueError(f"piece {i} overlaps the next one")
+            buf[off:end] = view
+            buf[end:nxt] = _ZEROS[: nxt - end]
+        _pwrite_all(fd, buf, 0)
 
     def read_layers(self, path: str, extents: Sequence[Extent], dests: Sequence[Any]) -> bool:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -297,8 +327,15 @@ class KvikioDirectIO:
         return np.frombuffer(_host_view(obj, writable=writable), dtype=np.uint8)
 
     def write_object(
-        self, path: str, header_block: bytes, layers: Sequence[Any], offsets: Sequence[int]
+        self,
+        path: str,
+        header_block: bytes,
+        layers: Sequence[Any],
+        offsets: Sequence[int],
+        *,
+        o_direct: bool | None = None,
     ) -> None:
+        # kvikio picks GDS or its compat-mode O_DIRECT/buffered split itself.
         import numpy as np
 
         head = np.frombuffer(header_block, dtype=np.uint8)

@@ -856,13 +856,19 @@ class LeaseStoreReply:
     handle: int
     alignment: int
     chunks: tuple[LeaseSlot, ...]
+    #: Optional: the server's durability setting ("object", "batch", "none"; ""
+    #: if not sent), a hint for how the client writes (5.14).
+    durability: str = ""
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "handle": self.handle,
             "alignment": self.alignment,
             "chunks": [c.to_wire() for c in self.chunks],
         }
+        if self.durability:
+            d["durability"] = self.durability
+        return d
 
     @classmethod
     def from_wire(cls, m: Mapping[str, Any]) -> Self:
@@ -900,7 +906,9 @@ class LeaseStoreReply:
         if (handle == 0) == any(s.status is StoreStatus.WRITE for s in slots):
             raise _bad(f"{w}: handle {handle} does not match the chunks to write")
         alignment = _uint(_field(m, "alignment", w), f"{w}.alignment", ALIGNMENT, 1 << 30)
-        return cls(handle, alignment, tuple(slots))
+        raw_d = m.get("durability")
+        durability = "" if raw_d is None else _str(raw_d, f"{w}.durability", 16)
+        return cls(handle, alignment, tuple(slots), durability)
 
 
 @dataclass(frozen=True, slots=True)

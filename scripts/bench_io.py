@@ -26,8 +26,9 @@ direct (posix backends only)
     (layouts/v1.md §4.1), both halves in this process, minus the socket. Save
     of a batch: ``Store.lease_store`` per chunk (reserve, create + fallocate
     the temp file), then per chunk the worker's ``checks_of`` (XXH3-128 per
-    layer) + ``plain_header_block`` + ``PosixDirectIO().write_object``
-    (pwritev, O_DIRECT where the file system takes it), then per chunk
+    layer) + ``plain_header_block`` + ``PosixDirectIO().write_object`` (one
+    O_DIRECT write of the object image at durability ``object``, the page
+    cache otherwise: the lease's durability hint), then per chunk
     ``Store.publish_lease`` (re-read and verify the whole object, fsync per
     durability, rename, index). Load of a batch: ``Store.pin`` +
     ``Store.lease_load`` (header check) per chunk, then the worker's
@@ -521,7 +522,14 @@ class Bench:
                     checks=direct_io.checks_of(layers),
                     created_ns=time.time_ns(),
                 )
-                self.dio.write_object(str(lease.tmp), header, layers, offsets)
+                # The client's rule: O_DIRECT only for objects the sidecar fsyncs.
+                self.dio.write_object(
+                    str(lease.tmp),
+                    header,
+                    layers,
+                    offsets,
+                    o_direct=store.durability in ("object", ""),
+                )
             for lease in leases:
                 if not store.publish_lease(lease):
                     raise AssertionError("publish_lease did not store a chunk")
@@ -869,7 +877,8 @@ def render(
         "[bold]direct[/bold]: the worker-side direct path of 'encryption = none', 'direct = true' "
         "tenants, both halves in this process minus the socket: save = lease_store per chunk, "
         "then the worker's checks_of + plain_header_block + PosixDirectIO().write_object "
-        "(pwritev, O_DIRECT where the file system takes it), then publish_lease (re-read, "
+        "(one O_DIRECT write at durability object, the page cache otherwise), then "
+        "publish_lease (re-read, "
         "verify, fsync per durability, rename, index); load = pin + lease_load, then "
         "PosixDirectIO().read_layers (buffered preadv + XXH3-128) into preallocated buffers, "
         "then unpin. The worker's I/O does not follow KVOFFLOAD_IO: the direct rows of the posix "

@@ -1041,10 +1041,11 @@ class _Connection:
             for _, lease in leases:
                 store.cancel_lease(lease)
             raise
+        durability = str(getattr(store, "durability", ""))
         if not leases:
-            return LeaseStoreReply(0, v1.ALIGN, tuple(slots))
+            return LeaseStoreReply(0, v1.ALIGN, tuple(slots), durability)
         handle = _LeaseHandle(req.tenant, tuple(slots), leases, time.monotonic())
-        return LeaseStoreReply(self._add_handle(handle), v1.ALIGN, tuple(slots))
+        return LeaseStoreReply(self._add_handle(handle), v1.ALIGN, tuple(slots), durability)
 
     def _complete_lease(self, req: CompleteStore) -> Reply:
         h = self._take_handle(req.handle, _LeaseHandle)

@@ -661,6 +661,11 @@ class Store:
 
     # ------------------------------------------------------- direct path
 
+    @property
+    def durability(self) -> str:
+        """The fsync setting, as the lease tells a direct-path writer (a write hint)."""
+        return str(self.config.durability)
+
     def lease_store(
         self,
         tenant: str,
@@ -749,11 +754,15 @@ class Store:
                 expires_ns=now + int(lease.ttl_s * 1e9) if lease.ttl_s else 0,
             )
             with self._mu:
-                if self.index.put(rec):
+                inserted = self.index.put(rec)
+                if inserted:
                     self._used += lease.size
                     lease.reservation._commit_locked()
-            self.counters.puts += 1
-            self.counters.bytes_in += rec.payload
+            if inserted:
+                self.counters.puts += 1
+                self.counters.bytes_in += rec.payload
+            else:
+                self.counters.put_exists += 1  # another writer indexed it meanwhile
         finally:
             self.cancel_lease(lease)  # a no-op for the file once it has its name
         self._after_write()
