@@ -2,6 +2,7 @@
 
     StoreError                      base: anything the store refuses or fails at
     ├── StoreFull                   the write cannot fit under the byte limit, even after eviction
+    │   └── QuotaExceeded           ... under the tenant's quota, even after evicting its own chunks
     ├── StoreLocked                 another process holds this store's index
     ├── StoreIOError                the file system failed (ENOSPC, EACCES, EIO…); errno kept
     ├── LeaseInvalid                a direct-path object failed the check before publication
@@ -28,6 +29,21 @@ class StoreFull(StoreError):
         super().__init__(
             f"store full: {need} bytes needed, {used} of {capacity} in use and the rest "
             "is pinned or reserved"
+        )
+
+
+class QuotaExceeded(StoreFull):
+    """The tenant's quota has no room, even after evicting its own unpinned chunks."""
+
+    def __init__(self, tenant: str, need: int, quota: int, used: int) -> None:
+        self.tenant = tenant
+        self.need = need
+        self.capacity = quota
+        self.used = used
+        StoreError.__init__(
+            self,
+            f"tenant {tenant!r} quota full: {need} bytes needed, {used} of {quota} in use "
+            "and the rest pinned or reserved",
         )
 
 

@@ -12,7 +12,8 @@ were empty. The file is TOML (``/etc/kvoffload/policy.toml``)::
     encryption = "aes-256-gcm"      # or "none": stored in plaintext, still checksummed
     ttl = "7d"                      # 30s, 15m, 12h, 7d (also 1.5h), or "none"
     quota = "200GiB"                # B, KiB, MiB, GiB, TiB, PiB; KB, MB, GB, TB, PB
-                                    # (powers of ten); or "none"
+                                    # (powers of ten); or "none". The tenant's stored +
+                                    # in-flight bytes; its own LRU chunks make room
 
     [tenants.acme]                  # a table per tenant with settings of its own;
     encryption = "none"             # a key left out is taken from [defaults]

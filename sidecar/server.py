@@ -142,7 +142,7 @@ class StoreAPI(Protocol):
         reservation: Any = ...,
     ) -> bool: ...
 
-    def reserve(self, tenant: str, nbytes: int) -> ReservationAPI: ...
+    def reserve(self, tenant: str, nbytes: int, *, quota: int | None = ...) -> ReservationAPI: ...
 
     def put_many(
         self,
@@ -193,6 +193,7 @@ class StoreAPI(Protocol):
         *,
         ttl_s: float | None = ...,
         gid: int | None = ...,
+        quota: int | None = ...,
     ) -> Any: ...
 
     def publish_lease(self, lease: Any) -> bool: ...
@@ -216,6 +217,9 @@ class TenantSettings(Protocol):
 
     @property
     def direct_gid(self) -> int | None: ...
+
+    @property
+    def quota_bytes(self) -> int | None: ...
 
 
 class PolicyAPI(Protocol):
@@ -845,7 +849,9 @@ class _Connection:
                     slots.append(StoreSlot(StoreStatus.REJECTED, code=ErrorCode.BUSY))
                     continue
                 try:
-                    res = store.reserve(req.tenant, v1.object_size(c.layers, encrypt))
+                    res = store.reserve(
+                        req.tenant, v1.object_size(c.layers, encrypt), quota=settings.quota_bytes
+                    )
                 except StoreFull:
                     self._free(off)
                     slots.append(StoreSlot(StoreStatus.REJECTED, code=ErrorCode.NO_SPACE))
@@ -1017,6 +1023,7 @@ class _Connection:
                         c.layers,
                         ttl_s=ttl_s,
                         gid=settings.direct_gid,
+                        quota=settings.quota_bytes,
                     )
                 except StoreFull:
                     slots.append(LeaseSlot(StoreStatus.REJECTED, code=ErrorCode.NO_SPACE))

@@ -43,7 +43,14 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..layouts import CorruptObject, LayoutError, UnknownLayoutVersion, create_root, read_layout, v1
 from . import fileio
-from .errors import LeaseInvalid, StoreError, StoreFull, StoreIOError, StoreLocked
+from .errors import (
+    LeaseInvalid,
+    QuotaExceeded,
+    StoreError,
+    StoreFull,
+    StoreIOError,
+    StoreLocked,
+)
 from .fileio import Durability, ScratchBuffers, read_prefix, syncfs
 from .index import ChunkRecord, Index
 from .iobackend import IOBackend, IOMode, IOPlan, select_backend
@@ -107,13 +114,13 @@ class Reservation:
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._store._unreserve(self.nbytes)
+            self._store._unreserve(self.tenant, self.nbytes)
 
     def _commit_locked(self) -> None:
         # Caller holds the store's lock and has just added the bytes to `used`.
         if not self._released:
             self._released = True
-            self._store._reserved -= self.nbytes
+            self._store._unreserve_locked(self.tenant, self.nbytes)
 
     def __enter__(self) -> Reservation:
         return self
@@ -267,6 +274,7 @@ class Store:
         self._mu = threading.Lock()
         self._used = self.index.usage().bytes
         self._reserved = 0
+        self._tenant_reserved: dict[str, int] = {}
         self._pins: dict[tuple[str, bytes], int] = {}
         self._touch_pending: dict[tuple[str, bytes], int] = {}
         self._touch_flushed = time.time_ns()
@@ -370,12 +378,96 @@ class Store:
         with self._mu:
             return self._used + self._reserved
 
-    def _unreserve(self, n: int) -> None:
+    def _unreserve(self, tenant: str, n: int) -> None:
         with self._mu:
-            self._reserved -= n
+            self._unreserve_locked(tenant, n)
 
-    def reserve(self, tenant: str, nbytes: int) -> Reservation:
-        """Hold ``nbytes`` of capacity, evicting LRU chunks if needed; else StoreFull."""
+    def _unreserve_locked(self, tenant: str, n: int) -> None:
+        self._reserved -= n
+        self._drop_tenant_share_locked(tenant, n)
+
+    def _drop_tenant_share_locked(self, tenant: str, n: int) -> None:
+        left = self._tenant_reserved.get(tenant, 0) - n
+        if left > 0:
+            self._tenant_reserved[tenant] = left
+        else:
+            self._tenant_reserved.pop(tenant, None)
+
+    def reserve(self, tenant: str, nbytes: int, *, quota: int | None = None) -> Reservation:
+        """Hold ``nbytes`` of capacity, evicting LRU chunks if needed; else StoreFull.
+
+        ``quota``: the tenant's byte limit (its policy's ``quota``). The tenant's
+        stored plus reserved bytes stay at or below it: its own least recently
+        used unpinned chunks are evicted to make room (down to the low
+        watermark of the quota, so that eviction runs in batches), never
+        another tenant's; if that cannot make room, :class:`QuotaExceeded`.
+        """
+        if quota is not None:
+            self._hold_quota(tenant, nbytes, quota)
+        else:
+            with self._mu:
+                self._tenant_reserved[tenant] = self._tenant_reserved.get(tenant, 0) + nbytes
+        try:
+            self._hold_capacity(nbytes)
+        except BaseException:
+            with self._mu:
+                self._drop_tenant_share_locked(tenant, nbytes)
+            raise
+        return Reservation(self, tenant, nbytes)
+
+    def tenant_accounted(self, tenant: str) -> int:
+        """The tenant's stored + reserved bytes (what its quota bounds)."""
+        with self._mu:
+            return self.index.usage(tenant).bytes + self._tenant_reserved.get(tenant, 0)
+
+    def _hold_quota(self, tenant: str, nbytes: int, quota: int) -> None:
+        if nbytes > quota:
+            raise QuotaExceeded(tenant, nbytes, quota, self.index.usage(tenant).bytes)
+        evicted_nothing = False
+        for _attempt in range(1000):
+            with self._mu:
+                # The index's usage is read under the lock that every insert
+                # takes, so two writers cannot both fit into the same room.
+                used = self.index.usage(tenant).bytes
+                over = used + self._tenant_reserved.get(tenant, 0) + nbytes - quota
+                if over <= 0:
+                    self._tenant_reserved[tenant] = self._tenant_reserved.get(tenant, 0) + nbytes
+                    return
+            if evicted_nothing:
+                # Checked again after finding nothing to evict: the rest of the
+                # quota is pinned or reserved by the tenant's writes in flight.
+                raise QuotaExceeded(tenant, nbytes, quota, used)
+            slack = int(quota * (1 - self.config.low_watermark))
+            # Freed nothing: another writer is evicting the same chunks (try
+            # again), or nothing of the tenant's own is evictable (one more look
+            # at the room, which that writer may have made, then give up).
+            if self._evict_tenant(tenant, over + slack) == 0:
+                evicted_nothing = not self._tenant_evictable(tenant)
+        raise QuotaExceeded(tenant, nbytes, quota, self.index.usage(tenant).bytes)
+
+    def _tenant_evictable(self, tenant: str) -> bool:
+        for rec in self.index.records(tenant):
+            with self._mu:
+                if not self._pins.get((rec.tenant, rec.chunk_key)):
+                    return True
+        return False
+
+    def _evict_tenant(self, tenant: str, nbytes: int) -> int:
+        """Evict the tenant's own unpinned chunks, oldest access first."""
+        self._flush_touches()
+        freed = 0
+        for rec in sorted(self.index.records(tenant), key=lambda r: r.last_access_ns):
+            if freed >= nbytes:
+                break
+            with self._mu:
+                if self._pins.get((rec.tenant, rec.chunk_key)):
+                    continue
+            if self._drop(rec.tenant, rec.chunk_key, reason="quota"):
+                freed += rec.size
+                self.counters.evictions += 1
+        return freed
+
+    def _hold_capacity(self, nbytes: int) -> None:
         cap = self.config.capacity_bytes
         if cap is not None:
             if nbytes > cap:
@@ -395,7 +487,6 @@ class Store:
         else:
             with self._mu:
                 self._reserved += nbytes
-        return Reservation(self, tenant, nbytes)
 
     def _has_evictable(self) -> bool:
         for rec in self.index.lru():
@@ -675,6 +766,7 @@ class Store:
         *,
         ttl_s: float | None = None,
         gid: int | None = None,
+        quota: int | None = None,
     ) -> StoreLease | None:
         """Reserve space and create the temp file a worker will fill (v1.md §4.1).
 
@@ -690,7 +782,7 @@ class Store:
             self.counters.put_exists += 1
             return None
         size = v1.object_size(lengths, False)
-        res = self.reserve(tenant, size)
+        res = self.reserve(tenant, size, quota=quota)
         final = self._path(tenant, chunk_key)
         try:
             tmp = fileio.create_lease_file(

@@ -82,7 +82,7 @@ class FakeStore:
         self._saw(tenant)
         return self.salts.setdefault(tenant, os.urandom(32))
 
-    def reserve(self, tenant: str, nbytes: int) -> FakeReservation:
+    def reserve(self, tenant: str, nbytes: int, *, quota: int | None = None) -> FakeReservation:
         self._saw(tenant)
         with self.mu:
             used = sum(len(b) for v in self.data.values() for b in v)
