@@ -57,6 +57,7 @@ from .protocol import (
     HelloReply,
     LeaseLoad,
     LeaseLoadReply,
+    LeaseSlot,
     LeaseStore,
     LeaseStoreReply,
     Lookup,
@@ -71,6 +72,7 @@ from .protocol import (
     Request,
     Stats,
     StatsReply,
+    StoreSlot,
     StoreStatus,
     Touch,
     close_fds,
@@ -682,7 +684,19 @@ class SidecarClient:
             with contextlib.suppress(*_CONNECTION_ERRORS):
                 self._call(s, Abort(prep.handle))
             raise
-        rejected = [sl for sl in prep.chunks if sl.status is StoreStatus.REJECTED]
+        self._complete_batch(s, prep.chunks, prep.handle, batch, results)
+
+    def _complete_batch(
+        self,
+        s: _Session,
+        slots: Sequence[StoreSlot | LeaseSlot],
+        handle: int,
+        batch: list[int],
+        results: list[bool],
+    ) -> bool:
+        """After the data is in place: report rejections, complete the handle and
+        record each chunk's outcome. False if the session failed on the way."""
+        rejected = [sl for sl in slots if sl.status is StoreStatus.REJECTED]
         if rejected:
             self._warn(
                 logging.WARNING,
@@ -690,19 +704,20 @@ class SidecarClient:
                 f"kvoffload sidecar rejected {len(rejected)} chunk(s): "
                 + ", ".join(sorted({sl.code.name for sl in rejected})),
             )
-        if prep.handle == 0:
-            for slot, i in zip(prep.chunks, batch, strict=True):
+        if handle == 0:
+            for slot, i in zip(slots, batch, strict=True):
                 results[i] = slot.status is StoreStatus.EXISTS
-            return
-        reply = self._call(s, CompleteStore(prep.handle))
+            return True
+        reply = self._call(s, CompleteStore(handle))
         if isinstance(reply, ErrorReply):
             self._on_error_reply(s, reply)
-            return
+            return False
         done = self._expect(reply, CompleteStoreReply)
         if len(done.stored) != len(batch):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "complete_store reply has wrong length")
         for ok, i in zip(done.stored, batch, strict=True):
             results[i] = ok
+        return True
 
     @staticmethod
     def _copy_in(staging: StagingBuffer, offset: int, layers: list[memoryview]) -> None:
@@ -762,27 +777,8 @@ class SidecarClient:
                 with contextlib.suppress(*_CONNECTION_ERRORS):
                     self._call(s, Abort(prep.handle))
                 raise
-            rejected = [sl for sl in prep.chunks if sl.status is StoreStatus.REJECTED]
-            if rejected:
-                self._warn(
-                    logging.WARNING,
-                    "store-rejected",
-                    f"kvoffload sidecar rejected {len(rejected)} chunk(s): "
-                    + ", ".join(sorted({sl.code.name for sl in rejected})),
-                )
-            if prep.handle == 0:
-                for slot, i in zip(prep.chunks, batch, strict=True):
-                    results[i] = slot.status is StoreStatus.EXISTS
-                continue
-            reply = self._call(s, CompleteStore(prep.handle))
-            if isinstance(reply, ErrorReply):
-                self._on_error_reply(s, reply)
+            if not self._complete_batch(s, prep.chunks, prep.handle, batch, results):
                 return
-            done = self._expect(reply, CompleteStoreReply)
-            if len(done.stored) != len(batch):
-                raise ProtocolError(ErrorCode.BAD_REQUEST, "complete_store reply has wrong length")
-            for ok, i in zip(done.stored, batch, strict=True):
-                results[i] = ok
 
     def _write_leased(
         self,

@@ -883,21 +883,10 @@ class Store:
                 raise CorruptObject("object belongs to another chunk key, tenant or namespace")
             if h.sealed or size != h.total_size:
                 raise CorruptObject(f"object is {size} bytes or sealed, header says otherwise")
-        except UnknownLayoutVersion as exc:
-            log.warning("chunk %s: %s", key.hex()[:16], exc)
-            self._miss(tenant, key, "unknown-version", remove_file=False)
+        except (LayoutError, KeyringError, OSError) as exc:
+            self._read_failed(tenant, key, exc)
             return None
-        except CorruptObject as exc:
-            log.warning("chunk %s of %s failed verification: %s", key.hex()[:16], tenant, exc)
-            self.counters.corrupt += 1
-            self._miss(tenant, key, "corrupt", remove_file=True)
-            return None
-        except OSError as exc:
-            self._unreadable(tenant, key, exc)
-            return None
-        self._touch_later(tenant, key)
-        self.counters.hits += 1
-        self.counters.bytes_out += h.payload_size
+        self._hit(tenant, key, h.payload_size)
         return ReadLease(path, size, h)
 
     def check_reported(self, tenant: str, key: bytes) -> bool:
@@ -912,13 +901,8 @@ class Store:
         try:
             buf = self.io.read_object(self._path(tenant, key), self._scratch.get, MAX_OBJECT_BYTES)
             v1.verify_plain(buf, tenant=tenant, namespace=rec.namespace, chunk_key=key)
-        except OSError as exc:
-            self._unreadable(tenant, key, exc)
-            return True
-        except LayoutError as exc:
-            log.warning("chunk %s of %s failed verification: %s", key.hex()[:16], tenant, exc)
-            self.counters.corrupt += 1
-            self._miss(tenant, key, "corrupt", remove_file=True)
+        except (LayoutError, OSError) as exc:
+            self._read_failed(tenant, key, exc)
             return True
         return False
 
@@ -1088,6 +1072,25 @@ class Store:
                         f.result()
         return results
 
+    def _read_failed(self, tenant: str, key: bytes, exc: Exception) -> None:
+        """A chunk that cannot be read or verified: a miss; its entry is dropped,
+        and its file too where the file is corrupt (not for an unknown version,
+        which a newer kvoffload may read)."""
+        if isinstance(exc, UnknownLayoutVersion):
+            log.warning("chunk %s: %s", key.hex()[:16], exc)
+            self._miss(tenant, key, "unknown-version", remove_file=False)
+        elif isinstance(exc, OSError):
+            self._unreadable(tenant, key, exc)
+        else:
+            log.warning("chunk %s of %s failed verification: %s", key.hex()[:16], tenant, exc)
+            self.counters.corrupt += 1
+            self._miss(tenant, key, "corrupt", remove_file=True)
+
+    def _hit(self, tenant: str, key: bytes, payload: int) -> None:
+        self._touch_later(tenant, key)
+        self.counters.hits += 1
+        self.counters.bytes_out += payload
+
     def _unreadable(self, tenant: str, key: bytes, exc: OSError) -> None:
         # ENOENT (evicted/deleted elsewhere), ESTALE (NFS), EIO: all misses.
         log.info("chunk %s unreadable: %s", key.hex()[:16], exc)
@@ -1107,21 +1110,10 @@ class Store:
                 chunk_key=key,
                 aead_for_epoch=_aead_lookup(tk),
             )
-        except UnknownLayoutVersion as exc:
-            log.warning("chunk %s: %s", key.hex()[:16], exc)
-            self._miss(tenant, key, "unknown-version", remove_file=False)
+        except (LayoutError, KeyringError, OSError) as exc:
+            self._read_failed(tenant, key, exc)
             return None
-        except (CorruptObject, KeyringError) as exc:
-            log.warning("chunk %s of %s failed verification: %s", key.hex()[:16], tenant, exc)
-            self.counters.corrupt += 1
-            self._miss(tenant, key, "corrupt", remove_file=True)
-            return None
-        except OSError as exc:
-            self._unreadable(tenant, key, exc)
-            return None
-        self._touch_later(tenant, key)
-        self.counters.hits += 1
-        self.counters.bytes_out += h.payload_size
+        self._hit(tenant, key, h.payload_size)
         return [le.length for le in h.layers]
 
     def get(self, tenant: str, key: bytes) -> list[bytes] | None:

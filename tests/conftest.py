@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvoffload.contract import CompatContract, LayerLayout, Shard
+
+from .sidecar_proc import Procs
 
 
 def make_contract(**overrides: object) -> CompatContract:
@@ -55,3 +59,31 @@ def store(tmp_path: Path, kek_file: Path) -> Iterator[object]:
     )
     yield s
     s.close()
+
+
+# -- real daemon and client processes (tests/sidecar_proc.py) -----------------------
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    """A fresh directory under /tmp: AF_UNIX paths are limited to 107 bytes and
+    pytest's tmp_path can be longer."""
+    d = Path(tempfile.mkdtemp(prefix="kvo-p-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def procs(workdir: Path) -> Iterator[Procs]:
+    """Every process a test starts; killed (before ``workdir`` goes) at the end."""
+    registry = Procs()
+    try:
+        yield registry
+    finally:
+        registry.close()
+        # Shown by pytest only when the test failed.
+        for s in registry.sidecars:
+            print(f"----- {s.log_path} -----\n{s.log_text()}")
+        for c in registry.children:
+            if c.stderr:
+                print(f"----- child {c.pid} stderr -----\n{c.stderr}")

@@ -467,14 +467,12 @@ def cmd_stream(a: dict[str, Any]) -> None:
             i += batch
 
 
-def cmd_raw(a: dict[str, Any]) -> None:
-    """prepare_store by hand, fill the regions, then wait for orders on stdin."""
+def _raw_caller(socket_path: str) -> Callable[..., Any]:
+    """``call(request, fds=())``: one request, its reply, on a bare protocol connection."""
     from kvoffload import protocol as p
-    from kvoffload.staging import StagingBuffer
     from kvoffload.transport import UnixTransport
 
-    tenant, seed, idx = a["tenant"], a["seed"], a["indices"]
-    t = UnixTransport.connect(a["socket"], timeout_s=30)
+    t = UnixTransport.connect(socket_path, timeout_s=30)
     next_id = 1
 
     def call(req: p.Request, fds: Sequence[int] = ()) -> p.Reply:
@@ -484,6 +482,17 @@ def cmd_raw(a: dict[str, Any]) -> None:
         got, reply = p.parse_reply(t.recv().msg)
         assert got == rid, (got, rid)
         return reply
+
+    return call
+
+
+def cmd_raw(a: dict[str, Any]) -> None:
+    """prepare_store by hand, fill the regions, then wait for orders on stdin."""
+    from kvoffload import protocol as p
+    from kvoffload.staging import StagingBuffer
+
+    tenant, seed, idx = a["tenant"], a["seed"], a["indices"]
+    call = _raw_caller(a["socket"])
 
     hello = call(p.Hello(1, 1, "raw-client", (tenant,)))
     assert isinstance(hello, p.HelloReply), hello
@@ -525,19 +534,9 @@ def cmd_lease(a: dict[str, Any]) -> None:
     from kvoffload import direct
     from kvoffload import protocol as p
     from kvoffload.layouts import v1
-    from kvoffload.transport import UnixTransport
 
     tenant, seed, idx, fill = a["tenant"], a["seed"], a["indices"], a.get("fill", "good")
-    t = UnixTransport.connect(a["socket"], timeout_s=30)
-    next_id = 1
-
-    def call(req: p.Request) -> p.Reply:
-        nonlocal next_id
-        rid, next_id = next_id, next_id + 1
-        t.send(p.request_message(rid, req))
-        got, reply = p.parse_reply(t.recv().msg)
-        assert got == rid, (got, rid)
-        return reply
+    call = _raw_caller(a["socket"])
 
     hello = call(p.Hello(1, 1, "lease-client", (tenant,)))
     assert isinstance(hello, p.HelloReply), hello

@@ -12,12 +12,9 @@ files through ``direct_group`` and nothing else. No assertion is about time.
 from __future__ import annotations
 
 import grp
-import shutil
 import signal
 import stat
 import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,27 +55,6 @@ POLICY = """\
     tenants = ["alpha", "plain", "stage"]
     admin = true
     """
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="kvo-d-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def procs(workdir: Path) -> Iterator[Procs]:
-    registry = Procs()
-    try:
-        yield registry
-    finally:
-        registry.close()
-        for s in registry.sidecars:
-            print(f"----- {s.log_path} -----\n{s.log_text()}")
-        for c in registry.children:
-            if c.stderr:
-                print(f"----- child {c.pid} stderr -----\n{c.stderr}")
 
 
 def configure(workdir: Path, policy: str = POLICY, store_extra: str = "", **kw: Any) -> Path:

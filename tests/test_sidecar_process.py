@@ -12,16 +12,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import signal
 import socket
 import stat
 import struct
 import subprocess
 import sys
-import tempfile
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,30 +60,6 @@ def _socket_group() -> str | None:
 
 
 SOCKET_GROUP = _socket_group()
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    # AF_UNIX paths are limited to 107 bytes; pytest's tmp_path can be longer.
-    d = Path(tempfile.mkdtemp(prefix="kvo-p-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def procs(workdir: Path) -> Iterator[Procs]:
-    # Depends on workdir so that processes are killed before their files go.
-    registry = Procs()
-    try:
-        yield registry
-    finally:
-        registry.close()
-        # Shown by pytest only when the test failed.
-        for s in registry.sidecars:
-            print(f"----- {s.log_path} -----\n{s.log_text()}")
-        for c in registry.children:
-            if c.stderr:
-                print(f"----- child {c.pid} stderr -----\n{c.stderr}")
 
 
 # ---------------------------------------------------------------------------
