@@ -84,6 +84,10 @@ def test_bench_store_cleans_up_when_interrupted(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
         cwd=tmp_path,
+        # A shell without job control starts background jobs with SIGINT
+        # ignored, and the child would inherit that (Python then installs no
+        # KeyboardInterrupt handler): give it the disposition of a terminal's.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 120
