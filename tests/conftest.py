@@ -7,12 +7,14 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from kvoffload.contract import CompatContract, LayerLayout, Shard
 
-from .sidecar_proc import Procs
+if TYPE_CHECKING:
+    from .sidecar_proc import Procs
 
 
 def make_contract(**overrides: object) -> CompatContract:
@@ -76,6 +78,9 @@ def workdir() -> Iterator[Path]:
 @pytest.fixture
 def procs(workdir: Path) -> Iterator[Procs]:
     """Every process a test starts; killed (before ``workdir`` goes) at the end."""
+    # Imported here: some tests load this file as a top-level module (no package).
+    from .sidecar_proc import Procs
+
     registry = Procs()
     try:
         yield registry
