@@ -24,10 +24,10 @@ import hmac
 import math
 import os
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, TypeVar
 
 import msgpack
 
@@ -785,30 +785,47 @@ class PrepareLoadReply:
 
     @classmethod
     def from_wire(cls, m: Mapping[str, Any]) -> Self:
-        w = "prepare_load reply"
-        slots: list[LoadSlot] = []
-        seen_miss = False
-        for i, c in enumerate(_list(_field(m, "chunks", w), f"{w}.chunks", 1, MAX_BATCH)):
-            cw = f"{w}.chunks[{i}]"
-            c = _map(c, cw)
-            ok = _bool(_field(c, "verified", cw), f"{cw}.verified")
-            if not ok:
-                seen_miss = True
-                slots.append(LoadSlot(False))
-                continue
-            if seen_miss:
-                raise _bad(f"{cw}: verified chunk after a miss")
+        def hit(c: Mapping[str, Any], cw: str) -> LoadSlot:
             off = _uint(_field(c, "offset", cw), f"{cw}.offset")
             if off % ALIGNMENT:
                 raise _bad(f"{cw}.offset: {off} is not aligned")
-            slots.append(LoadSlot(True, off, _layer_sizes(_field(c, "layers", cw), cw, 1)))
-        stop = _code(_field(m, "stop", w), f"{w}.stop")
-        if (stop is ErrorCode.OK) != (not seen_miss):
-            raise _bad(f"{w}: stop {stop.name} does not match the chunks")
-        handle = _uint(_field(m, "handle", w), f"{w}.handle")
-        if (handle == 0) == any(s.verified for s in slots):
-            raise _bad(f"{w}: handle {handle} does not match the verified chunks")
-        return cls(handle, stop, tuple(slots))
+            return LoadSlot(True, off, _layer_sizes(_field(c, "layers", cw), cw, 1))
+
+        return cls(*_prefix_reply(m, "prepare_load reply", "verified", hit, LoadSlot(False)))
+
+
+_S = TypeVar("_S")
+
+
+def _prefix_reply(
+    m: Mapping[str, Any],
+    w: str,
+    flag: str,
+    hit: Callable[[Mapping[str, Any], str], _S],
+    miss: _S,
+) -> tuple[int, ErrorCode, tuple[_S, ...]]:
+    """(handle, stop, slots) of a load-type reply: the chunks whose ``flag`` is
+    true form a prefix, ``stop`` is OK exactly when there is no miss, and the
+    handle is 0 exactly when nothing was found."""
+    slots: list[_S] = []
+    seen_miss = False
+    for i, c in enumerate(_list(_field(m, "chunks", w), f"{w}.chunks", 1, MAX_BATCH)):
+        cw = f"{w}.chunks[{i}]"
+        c = _map(c, cw)
+        if not _bool(_field(c, flag, cw), f"{cw}.{flag}"):
+            seen_miss = True
+            slots.append(miss)
+            continue
+        if seen_miss:
+            raise _bad(f"{cw}: {flag} chunk after a miss")
+        slots.append(hit(c, cw))
+    stop = _code(_field(m, "stop", w), f"{w}.stop")
+    if (stop is ErrorCode.OK) != (not seen_miss):
+        raise _bad(f"{w}: stop {stop.name} does not match the chunks")
+    handle = _uint(_field(m, "handle", w), f"{w}.handle")
+    if (handle == 0) == (slots[0] is not miss):  # the found chunks are a prefix
+        raise _bad(f"{w}: handle {handle} does not match the {flag} chunks")
+    return handle, stop, tuple(slots)
 
 
 @dataclass(frozen=True, slots=True)
@@ -960,18 +977,7 @@ class LeaseLoadReply:
 
     @classmethod
     def from_wire(cls, m: Mapping[str, Any]) -> Self:
-        w = "lease_load reply"
-        slots: list[ReadSlot] = []
-        seen_miss = False
-        for i, c in enumerate(_list(_field(m, "chunks", w), f"{w}.chunks", 1, MAX_BATCH)):
-            cw = f"{w}.chunks[{i}]"
-            c = _map(c, cw)
-            if not _bool(_field(c, "found", cw), f"{cw}.found"):
-                seen_miss = True
-                slots.append(ReadSlot(False))
-                continue
-            if seen_miss:
-                raise _bad(f"{cw}: found chunk after a miss")
+        def hit(c: Mapping[str, Any], cw: str) -> ReadSlot:
             layers = []
             for j, x in enumerate(_list(_field(c, "layers", cw), f"{cw}.layers", 1, MAX_LAYERS)):
                 lw = f"{cw}.layers[{j}]"
@@ -983,21 +989,14 @@ class LeaseLoadReply:
                         _bin(x[2], f"{lw}[2]", 16),
                     )
                 )
-            slots.append(
-                ReadSlot(
-                    True,
-                    _path_str(_field(c, "path", cw), f"{cw}.path"),
-                    _aligned(_field(c, "size", cw), f"{cw}.size"),
-                    tuple(layers),
-                )
+            return ReadSlot(
+                True,
+                _path_str(_field(c, "path", cw), f"{cw}.path"),
+                _aligned(_field(c, "size", cw), f"{cw}.size"),
+                tuple(layers),
             )
-        stop = _code(_field(m, "stop", w), f"{w}.stop")
-        if (stop is ErrorCode.OK) != (not seen_miss):
-            raise _bad(f"{w}: stop {stop.name} does not match the chunks")
-        handle = _uint(_field(m, "handle", w), f"{w}.handle")
-        if (handle == 0) == any(s.found for s in slots):
-            raise _bad(f"{w}: handle {handle} does not match the found chunks")
-        return cls(handle, stop, tuple(slots))
+
+        return cls(*_prefix_reply(m, "lease_load reply", "found", hit, ReadSlot(False)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,15 +6,12 @@ and the backend selection. Real files, real LMDB, real xxhash, real AES-GCM."""
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import mmap
 import os
 import random
 import shutil
 import stat
-import subprocess
-import sys
 import types
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +34,8 @@ from kvoffload.sidecar.iobackend import probe_direct
 from kvoffload.sidecar.keyring import Kek
 from kvoffload.sidecar.policy import Policy, PolicyError, load_policy
 from kvoffload.sidecar.store import Store, StoreConfig, StoreLease
+
+from .ramfs import run_on_ramfs
 
 REPO = Path(__file__).resolve().parent.parent
 NS = bytes(range(32))
@@ -535,23 +534,7 @@ print(json.dumps({
 def test_posix_o_direct_write_on_a_file_system_that_refuses_it(tmp_path: Path) -> None:
     """ramfs refuses O_DIRECT (EINVAL): the write goes buffered and still succeeds.
     Mounted in a private user+mount namespace, so nothing outside this test sees it."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        pytest.skip("no unshare(1): cannot mount a file system that refuses O_DIRECT")
-    mnt = tmp_path / "ramfs"
-    mnt.mkdir()
-    script = f'mount -t ramfs none "{mnt}" || exit 77; exec "{sys.executable}" -c "$0" "{mnt}"'
-    proc = subprocess.run(
-        [unshare, "-rm", "sh", "-c", script, _RAMFS_CHILD],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
-    if proc.returncode == 77 or "unshare failed" in proc.stderr:
-        pytest.skip(f"cannot mount ramfs in a user namespace here: {proc.stderr.strip()}")
-    assert proc.returncode == 0, proc.stderr
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r = run_on_ramfs(tmp_path, _RAMFS_CHILD)
     assert r["fs"] == "ramfs"
     assert r["refused"] == 22  # EINVAL: the kernel really refuses O_DIRECT there
     assert r["o_direct"] is True  # the backend asked for it all the same

@@ -37,6 +37,8 @@ from kvoffload.sidecar.iobackend import (
 from kvoffload.sidecar.keyring import Kek
 from kvoffload.sidecar.store import Store, StoreConfig
 
+from .ramfs import run_on_ramfs
+
 NS = bytes(range(32))
 REPO = Path(__file__).resolve().parent.parent
 
@@ -297,23 +299,7 @@ print(json.dumps({
 def test_o_direct_probe_falls_back_on_a_file_system_that_refuses_it(tmp_path: Path) -> None:
     """ramfs refuses O_DIRECT with EINVAL (as tmpfs did before Linux 6.6). Mounted in a
     private user+mount namespace, so nothing outside this test sees it."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        pytest.skip("no unshare(1): cannot mount a file system that refuses O_DIRECT")
-    mnt = tmp_path / "ramfs"
-    mnt.mkdir()
-    script = f'mount -t ramfs none "{mnt}" || exit 77; exec "{sys.executable}" -c "$0" "{mnt}"'
-    proc = subprocess.run(
-        [unshare, "-rm", "sh", "-c", script, _RAMFS_CHILD],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-    )
-    if proc.returncode == 77 or "unshare failed" in proc.stderr:
-        pytest.skip(f"cannot mount ramfs in a user namespace here: {proc.stderr.strip()}")
-    assert proc.returncode == 0, proc.stderr
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r = run_on_ramfs(tmp_path, _RAMFS_CHILD)
     assert r["fs"] == "ramfs"
     assert r["supported"] is False and "EINVAL" in r["detail"]
     assert r["plan_direct_write"] is False and "no O_DIRECT" in r["plan_reason"]
