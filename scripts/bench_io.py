@@ -74,15 +74,13 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import FrameType, ModuleType
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -959,23 +957,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return a
 
 
-def _raise_interrupt(signum: int, _frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-@contextlib.contextmanager
-def _scratch_dir(parent: Path) -> Iterator[Path]:
-    """A temp dir removed on exit, Ctrl-C, SIGTERM and SIGHUP."""
-    old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    d = Path(tempfile.mkdtemp(prefix=".bench_io-", dir=parent))
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
 def _fit(shapes: list[bs.Shape], d: Path, n_backends: int, n_durs: int) -> list[bs.Shape]:
     """Shrink the rows if the file system cannot hold one backend's files (x4: raw, sealed,
     plain, direct; all durabilities' files stay until the loads)."""
@@ -1007,7 +988,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     load0 = os.getloadavg()
     peer: dict[str, Any] | None = None
     try:
-        with _scratch_dir(parent) as base:
+        with bs.scratch_dir(parent, ".bench_io-") as base:
             shapes = _fit(shapes, base, 1, len(args.durability))
             facts = bs.machine_facts(base)
             facts["load average at start (1/5/15 min)"] = " ".join(f"{x:.2f}" for x in load0)

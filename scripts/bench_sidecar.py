@@ -1097,21 +1097,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return a
 
 
-@contextlib.contextmanager
-def _scratch_dir(parent: Path) -> Iterator[Path]:
-    """A temp dir removed on exit, Ctrl-C, SIGTERM and SIGHUP."""
-    old = {s: signal.signal(s, bs._raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        d = Path(tempfile.mkdtemp(prefix=".bench_sidecar-", dir=parent))
-        try:
-            yield d
-        finally:
-            shutil.rmtree(d, ignore_errors=True)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
 def _fit_to_disk(shapes: list[bs.Shape], d: Path, batch: int) -> list[bs.Shape]:
     """Shrink the large rows if the file system cannot hold one durability's files."""
     free = shutil.disk_usage(d).free
@@ -1180,7 +1165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pids: list[int] = []
     client_prof = None
     try:
-        with _scratch_dir(parent) as base:
+        with bs.scratch_dir(parent, ".bench_sidecar-") as base:
             shapes = _fit_to_disk(shapes, base, args.batch)
             facts = bs.machine_facts(base)
             facts["kvoffload source"] = _git_state()

@@ -776,14 +776,16 @@ def _raise_interrupt(signum: int, _frame: FrameType | None) -> None:
 
 
 @contextlib.contextmanager
-def _scratch_dir(parent: Path) -> Iterator[Path]:
-    """A temp dir removed on exit, Ctrl-C, SIGTERM and SIGHUP."""
+def scratch_dir(parent: Path, prefix: str = ".bench_store-") -> Iterator[Path]:
+    """A temp dir removed on exit, Ctrl-C, SIGTERM and SIGHUP (every benchmark's)."""
     old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    d = Path(tempfile.mkdtemp(prefix=".bench_store-", dir=parent))
     try:
-        yield d
+        d = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+        try:
+            yield d
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
     finally:
-        shutil.rmtree(d, ignore_errors=True)
         for s, h in old.items():
             signal.signal(s, h)
 
@@ -816,7 +818,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     shapes = make_shapes(args.quick, args.large_mib_per_row, args.small_ops)
     try:
-        with _scratch_dir(parent) as base:
+        with scratch_dir(parent) as base:
             shapes = _fit_to_disk(shapes, base)
             facts = machine_facts(base)
             kek_path = base / "kek"

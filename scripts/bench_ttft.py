@@ -38,18 +38,14 @@ The sidecar is stopped and the temp dir removed on exit, Ctrl-C and SIGTERM.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 import logging
 import os
-import shutil
-import signal
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -485,19 +481,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return a
 
 
-@contextlib.contextmanager
-def _scratch_dir(parent: Path) -> Iterator[Path]:
-    """A temp dir removed on exit, Ctrl-C, SIGTERM and SIGHUP."""
-    old = {s: signal.signal(s, bs._raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    d = Path(tempfile.mkdtemp(prefix=".bench_ttft-", dir=parent))
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
 def _loadavg() -> str:
     try:
         return " / ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -531,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress: Callable[[str], None] = lambda m: err.print(m, highlight=False)  # noqa: E731
     sidecar_pid: int | None = None
     try:
-        with _scratch_dir(parent) as base:
+        with bs.scratch_dir(parent, ".bench_ttft-") as base:
             facts = bs.machine_facts(base)
             facts["load average 1/5/15 min (start)"] = _loadavg()
             t_start = time.perf_counter()
