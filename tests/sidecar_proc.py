@@ -14,19 +14,22 @@ key in two tenants holds different data, which catches a tenant mix-up.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import queue
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -312,6 +315,97 @@ class Child:
             t.join(10)
         while self.next(5) is not None:
             pass
+
+
+@dataclasses.dataclass(frozen=True)
+class DevSidecar:
+    """A ``kvoffload --dev serve`` process in ``workdir`` (embedded store under
+    ``workdir/.kvoffload``); see :func:`dev_sidecar`."""
+
+    proc: Sidecar
+
+    @property
+    def workdir(self) -> Path:
+        return self.proc.workdir
+
+    @property
+    def socket_path(self) -> Path:
+        return self.proc.socket_path
+
+    @property
+    def store_root(self) -> Path:
+        return self.workdir / ".kvoffload" / "store"
+
+    def objects(self, tenant: str) -> list[Path]:
+        """The tenant's chunk objects on disk (layouts/v1.md §2)."""
+        from kvoffload.layouts import v1
+
+        return sorted((self.store_root / "objects" / tenant).rglob(f"*{v1.OBJECT_SUFFIX}"))
+
+    def object_path(self, tenant: str, key: bytes) -> Path:
+        return self.store_root / object_relpath(tenant, key)
+
+    def tmp_files(self) -> list[Path]:
+        """Writers' temporary files anywhere under objects/."""
+        from kvoffload.layouts import v1
+
+        return sorted((self.store_root / "objects").rglob(f"{v1.TMP_PREFIX}*"))
+
+    def stats(self) -> dict[str, Any]:
+        return self.proc.stats()
+
+    def salt(self, tenant: str) -> bytes:
+        from kvoffload.client import SidecarClient
+
+        with SidecarClient(self.socket_path, tenant, staging_bytes=1 << 20) as c:
+            salt = c.salt
+        assert salt is not None, "sidecar unreachable"
+        return salt
+
+    def keys(self, contract: Mapping[str, Any], tokens: Sequence[int]) -> list[bytes]:
+        """Chunk keys of ``tokens`` under a recorded contract, derived independently
+        of the connector (the library's ``chunk_keys``, no extra keys)."""
+        from kvoffload.contract import CompatContract
+        from kvoffload.keys import chunk_keys
+
+        c = CompatContract.from_dict(contract)
+        return chunk_keys(c, self.salt(c.tenant_namespace), tokens)
+
+    def lookup(self, tenant: str, keys: Sequence[bytes]) -> int:
+        from kvoffload.client import SidecarClient
+
+        with SidecarClient(self.socket_path, tenant, staging_bytes=1 << 20) as c:
+            return c.lookup(keys)
+
+    def load_ok(self, tenant: str, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each chunk loads (the sidecar verifies every byte before it says so)."""
+        from kvoffload.client import SidecarClient
+
+        with SidecarClient(self.socket_path, tenant, staging_bytes=4 << 20) as c:
+            return [r.ok for r in c.load(keys)]
+
+
+@contextlib.contextmanager
+def dev_sidecar(env: Mapping[str, str] | None = None) -> Iterator[DevSidecar]:
+    """Start a dev sidecar in a short /tmp folder (AF_UNIX paths are limited to
+    107 bytes); stop it (SIGTERM, then SIGKILL) and remove the folder after."""
+    workdir = Path(tempfile.mkdtemp(prefix="kvo-e2e-", dir="/tmp"))
+    proc = Sidecar(
+        workdir,
+        workdir / ".kvoffload" / "kvoffload.sock",
+        Sidecar.serve_argv("--dev", "serve"),
+        env=dict(env or {}),
+    )
+    try:
+        proc.start().wait_ready()
+        yield DevSidecar(proc)
+    finally:
+        if proc.alive():
+            proc.signal(signal.SIGTERM)
+            with contextlib.suppress(AssertionError):
+                proc.wait(30)
+        proc.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 class Procs:

@@ -57,16 +57,10 @@ from typing import Any
 import pytest
 import torch
 
+from ..sidecar_proc import DevSidecar, dev_sidecar
 from .standin import TinyLlamaSpec, iter_layers, requires_transformers, requires_vllm
 from .standin import write_model_dir as _write_model_dir
-from .variants import (
-    DevSidecar,
-    contract_diff,
-    dev_sidecar,
-    request,
-    run_engine,
-    variant,
-)
+from .variants import contract_diff, request, run_engine, variant
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, requires_transformers, requires_vllm]
 

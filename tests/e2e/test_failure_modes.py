@@ -49,10 +49,10 @@ import torch
 
 from kvoffload.layouts import v1
 
-from ..sidecar_proc import wait_until
+from ..sidecar_proc import DevSidecar, dev_sidecar, wait_until
 from .standin import TinyLlamaSpec, iter_layers, requires_transformers, requires_vllm
 from .standin import write_model_dir as _write_model_dir
-from .variants import DevSidecar, dev_sidecar, request, start_engine, variant
+from .variants import request, start_engine, variant
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, requires_transformers, requires_vllm]
 

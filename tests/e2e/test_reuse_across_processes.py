@@ -28,10 +28,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -40,6 +38,7 @@ from typing import Any
 import pytest
 import torch
 
+from ..sidecar_proc import DevSidecar, dev_sidecar
 from .standin import (
     KVLayout,
     TinyLlamaSpec,
@@ -77,48 +76,12 @@ PROMPT_B_TOKENS = PROMPT_A_TOKENS[:SHARED] + tokens(1, SUFFIX_B)
 PROMPT_C_TOKENS = PROMPT_A_TOKENS[:SHARED] + tokens(2, SUFFIX_B)
 
 
-@dataclasses.dataclass(frozen=True)
-class Sidecar:
-    socket_path: Path
-    store_root: Path
-
-    def objects(self, tenant: str) -> list[Path]:
-        """The tenant's chunk objects on disk (layouts/v1.md §2: objects/<tenant>/…/*.kvo)."""
-        return sorted((self.store_root / "objects" / tenant).rglob("*.kvo"))
-
-
 @pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
+def sidecar() -> Iterator[DevSidecar]:
     """``kvoffload --dev serve`` as its own process, on a fresh embedded store."""
     pytest.importorskip("kvoffload.integrations.vllm", reason="the vLLM connector is absent")
-    cwd = tmp_path_factory.mktemp("sidecar")
-    log_path = cwd / "sidecar.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvoffload.cli", "--dev", "serve"],
-            cwd=cwd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    sock = cwd / ".kvoffload" / "kvoffload.sock"
-    deadline = time.monotonic() + 60
-    while not sock.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            pytest.fail(f"sidecar did not start:\n{log_path.read_text()}")
-        time.sleep(0.05)
-    try:
-        yield Sidecar(sock, cwd / ".kvoffload" / "store")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with dev_sidecar() as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +91,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def connector(
-    sidecar: Sidecar, tenant: str, revision: str, *, load: str = "async", save: str = "async"
+    sidecar: DevSidecar, tenant: str, revision: str, *, load: str = "async", save: str = "async"
 ) -> dict[str, Any]:
     return {
         "name": "KVOffloadConnector",
@@ -238,7 +201,7 @@ def tenants() -> Tenants:
 
 @pytest.fixture(scope="module")
 def engines_a(
-    sidecar: Sidecar,
+    sidecar: DevSidecar,
     model_dir: Path,
     tenants: Tenants,
     tmp_path_factory: pytest.TempPathFactory,
@@ -260,7 +223,7 @@ def engines_a(
 
 @pytest.fixture(scope="module")
 def engines_b(
-    sidecar: Sidecar,
+    sidecar: DevSidecar,
     model_dir: Path,
     tenants: Tenants,
     engines_a: dict[str, dict[str, Any]],
@@ -298,7 +261,7 @@ def run_and_recompute(results: dict[str, dict[str, Any]], name: str) -> tuple[An
 
 @pytest.mark.parametrize(("name", "tenant"), [("a", "async_modes"), ("a_sync", "sync_modes")])
 def test_a_computes_everything_and_saves_its_full_chunks(
-    sidecar: Sidecar,
+    sidecar: DevSidecar,
     tenants: Tenants,
     engines_a: dict[str, dict[str, Any]],
     name: str,

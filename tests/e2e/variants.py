@@ -47,16 +47,13 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -65,11 +62,7 @@ import pytest
 import torch
 
 from kvoffload.client import SidecarClient
-from kvoffload.contract import CompatContract
-from kvoffload.keys import chunk_keys
-from kvoffload.layouts import v1
 
-from ..sidecar_proc import Sidecar as SidecarProc
 from .standin import (
     KVLayout,
     StandInModelRunner,
@@ -227,84 +220,6 @@ def request(
 def contract_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> set[str]:
     """Top-level contract fields whose values differ."""
     return {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
-
-
-@dataclasses.dataclass(frozen=True)
-class DevSidecar:
-    """A ``kvoffload --dev serve`` process in ``workdir`` (embedded store under
-    ``workdir/.kvoffload``), driven through ``tests/sidecar_proc.py``."""
-
-    proc: SidecarProc
-
-    @property
-    def workdir(self) -> Path:
-        return self.proc.workdir
-
-    @property
-    def socket_path(self) -> Path:
-        return self.proc.socket_path
-
-    @property
-    def store_root(self) -> Path:
-        return self.workdir / ".kvoffload" / "store"
-
-    def objects(self, tenant: str) -> list[Path]:
-        """The tenant's chunk objects on disk (layouts/v1.md §2)."""
-        return sorted((self.store_root / "objects" / tenant).rglob(f"*{v1.OBJECT_SUFFIX}"))
-
-    def object_path(self, tenant: str, key: bytes) -> Path:
-        return self.store_root / v1.object_relpath(tenant, key)
-
-    def tmp_files(self) -> list[Path]:
-        """Writers' temporary files anywhere under objects/."""
-        return sorted((self.store_root / "objects").rglob(f"{v1.TMP_PREFIX}*"))
-
-    def stats(self) -> dict[str, Any]:
-        return self.proc.stats()
-
-    def salt(self, tenant: str) -> bytes:
-        with SidecarClient(self.socket_path, tenant, staging_bytes=1 << 20) as c:
-            salt = c.salt
-        assert salt is not None, "sidecar unreachable"
-        return salt
-
-    def keys(self, contract: Mapping[str, Any], tokens: Sequence[int]) -> list[bytes]:
-        """Chunk keys of ``tokens`` under a recorded contract, derived independently
-        of the connector (the library's ``chunk_keys``, no extra keys)."""
-        c = CompatContract.from_dict(contract)
-        return chunk_keys(c, self.salt(c.tenant_namespace), tokens)
-
-    def lookup(self, tenant: str, keys: Sequence[bytes]) -> int:
-        with SidecarClient(self.socket_path, tenant, staging_bytes=1 << 20) as c:
-            return c.lookup(keys)
-
-    def load_ok(self, tenant: str, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each chunk loads (the sidecar verifies every byte before it says so)."""
-        with SidecarClient(self.socket_path, tenant, staging_bytes=4 << 20) as c:
-            return [r.ok for r in c.load(keys)]
-
-
-@contextlib.contextmanager
-def dev_sidecar(env: Mapping[str, str] | None = None) -> Iterator[DevSidecar]:
-    """Start a dev sidecar in a short /tmp folder (AF_UNIX paths are limited to
-    107 bytes); stop it (SIGTERM, then SIGKILL) and remove the folder after."""
-    workdir = Path(tempfile.mkdtemp(prefix="kvo-e2e-", dir="/tmp"))
-    proc = SidecarProc(
-        workdir,
-        workdir / ".kvoffload" / "kvoffload.sock",
-        SidecarProc.serve_argv("--dev", "serve"),
-        env=dict(env or {}),
-    )
-    proc.start().wait_ready()
-    try:
-        yield DevSidecar(proc)
-    finally:
-        if proc.alive():
-            proc.signal(signal.SIGTERM)
-            with contextlib.suppress(AssertionError):
-                proc.wait(30)
-        proc.kill()
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------
@@ -606,7 +521,7 @@ def _pause_in_copy(nth: int, marker: Path, socket_path: str) -> None:
     own, at the one moment a reservation is sure to be held (a handle TTL may
     release it any time later), and writes them to ``marker``.
     """
-    from kvoffload.client import SidecarClient, fetch_stats
+    from kvoffload.client import fetch_stats
 
     real = SidecarClient._copy_in
     calls = 0

@@ -32,7 +32,8 @@ from kvoffload.integrations.vllm.common import KVOffloadMetadata
 from kvoffload.keys import chunk_keys
 from kvoffload.layouts import v1
 
-from .conftest import DIRECT_TENANT, Sidecar
+from ..sidecar_proc import DevSidecar
+from .conftest import DIRECT_TENANT
 from .engine import Engine, make_request, make_vllm_config
 
 pytestmark = pytest.mark.vllm
@@ -40,7 +41,7 @@ pytestmark = pytest.mark.vllm
 CT = 32  # chunk_tokens: two 16-token blocks
 
 
-def settings(sidecar: Sidecar, tenant: str, **over: Any) -> dict[str, Any]:
+def settings(sidecar: DevSidecar, tenant: str, **over: Any) -> dict[str, Any]:
     base: dict[str, Any] = {
         "tenant": tenant,
         "socket_path": str(sidecar.socket_path),
@@ -75,7 +76,7 @@ def prompt_of(n: int, seed: int = 0) -> list[int]:
 
 
 def stored_chunks(
-    engine: Engine, sidecar: Sidecar, tenant: str, tokens: list[int], shard: int = 0
+    engine: Engine, sidecar: DevSidecar, tenant: str, tokens: list[int], shard: int = 0
 ) -> int:
     """Leading chunks of ``tokens`` the sidecar holds for a shard, keys derived
     independently of the connector (library ``chunk_keys`` over the engine's contract)."""
@@ -134,7 +135,7 @@ SCHEDULING = pytest.mark.parametrize(
 @SCHEDULING
 @pytest.mark.parametrize("load_mode", ["sync", "async"])
 def test_second_engine_gets_prefix_from_sidecar(
-    engines: Any, sidecar: Sidecar, tenant: str, load_mode: str, async_scheduling: bool
+    engines: Any, sidecar: DevSidecar, tenant: str, load_mode: str, async_scheduling: bool
 ) -> None:
     extra = settings(sidecar, tenant, load_mode=load_mode)
     prompt = prompt_of(5 * CT + 7)
@@ -171,7 +172,7 @@ def test_second_engine_gets_prefix_from_sidecar(
 
 @pytest.mark.parametrize("load_mode", ["sync", "async"])
 def test_direct_path_tenant_reuses_prefix_without_staging(
-    engines: Any, sidecar: Sidecar, load_mode: str
+    engines: Any, sidecar: DevSidecar, load_mode: str
 ) -> None:
     """A tenant whose policy allows the direct path: the workers write and read
     the layout-v1 files themselves, and B still gets exactly A's KV."""
@@ -203,7 +204,7 @@ def test_direct_path_tenant_reuses_prefix_without_staging(
     assert list(rb.output_token_ids) == list(ra.output_token_ids)
 
 
-def test_never_the_last_prompt_token(engines: Any, sidecar: Sidecar, tenant: str) -> None:
+def test_never_the_last_prompt_token(engines: Any, sidecar: DevSidecar, tenant: str) -> None:
     """A prompt of exactly 4 chunks loads 3: vLLM must compute one token to sample."""
     extra = settings(sidecar, tenant)
     prompt = prompt_of(4 * CT, seed=1)
@@ -220,7 +221,7 @@ def test_never_the_last_prompt_token(engines: Any, sidecar: Sidecar, tenant: str
 
 @pytest.mark.parametrize("load_mode", ["sync", "async"])
 def test_lookup_miss_costs_nothing(
-    engines: Any, sidecar: Sidecar, tenant: str, load_mode: str
+    engines: Any, sidecar: DevSidecar, tenant: str, load_mode: str
 ) -> None:
     extra = settings(sidecar, tenant, load_mode=load_mode)
     a = engines(extra)
@@ -243,7 +244,7 @@ def test_lookup_miss_costs_nothing(
 @SCHEDULING
 def test_async_save_holds_blocks_until_saved(
     engines: Any,
-    sidecar: Sidecar,
+    sidecar: DevSidecar,
     tenant: str,
     monkeypatch: pytest.MonkeyPatch,
     async_scheduling: bool,
@@ -280,7 +281,7 @@ def test_async_save_holds_blocks_until_saved(
     assert stored_chunks(a, sidecar, tenant, prompt) == 3
 
 
-def test_sync_save_frees_at_once(engines: Any, sidecar: Sidecar, tenant: str) -> None:
+def test_sync_save_frees_at_once(engines: Any, sidecar: DevSidecar, tenant: str) -> None:
     """In sync save mode the last chunk is saved one step after the finish, then freed."""
     a = engines(settings(sidecar, tenant, save_mode="sync"))
     prompt = prompt_of(2 * CT + 3, seed=5)
@@ -292,7 +293,7 @@ def test_sync_save_frees_at_once(engines: Any, sidecar: Sidecar, tenant: str) ->
 @SCHEDULING
 @pytest.mark.parametrize("load_mode", ["sync", "async"])
 def test_failed_chunk_and_later_ones_are_recomputed(
-    engines: Any, sidecar: Sidecar, tenant: str, load_mode: str, async_scheduling: bool
+    engines: Any, sidecar: DevSidecar, tenant: str, load_mode: str, async_scheduling: bool
 ) -> None:
     extra = settings(sidecar, tenant, load_mode=load_mode)
     shared = prompt_of(4 * CT, seed=6)
@@ -337,7 +338,7 @@ def test_failed_chunk_and_later_ones_are_recomputed(
 
 
 def test_partial_local_hit_loads_only_missing_blocks(
-    engines: Any, sidecar: Sidecar, tenant: str
+    engines: Any, sidecar: DevSidecar, tenant: str
 ) -> None:
     """vLLM's own prefix cache covers 3 blocks; kvoffload fills only the blocks after."""
     extra = settings(sidecar, tenant)
@@ -366,7 +367,9 @@ def test_partial_local_hit_loads_only_missing_blocks(
     b.run_to_completion([rb])
 
 
-def test_cache_salt_and_lora_separate_caches(engines: Any, sidecar: Sidecar, tenant: str) -> None:
+def test_cache_salt_and_lora_separate_caches(
+    engines: Any, sidecar: DevSidecar, tenant: str
+) -> None:
     extra = settings(sidecar, tenant)
     prompt = prompt_of(3 * CT + 2, seed=8)
     lora = LoRARequest(lora_name="adapter-a", lora_int_id=1, lora_path="/nonexistent")
@@ -393,7 +396,7 @@ def test_cache_salt_and_lora_separate_caches(engines: Any, sidecar: Sidecar, ten
 
 
 def test_decode_chunks_are_saved_for_the_next_turn(
-    engines: Any, sidecar: Sidecar, tenant: str
+    engines: Any, sidecar: DevSidecar, tenant: str
 ) -> None:
     extra = settings(sidecar, tenant)
     a = engines(extra)
@@ -427,7 +430,7 @@ def test_sidecar_down_is_a_plain_engine(engines: Any, tmp_path: Path, tenant: st
 
 
 def test_preemption_waits_for_saves_and_resumes_from_sidecar(
-    engines: Any, sidecar: Sidecar, tenant: str, monkeypatch: pytest.MonkeyPatch
+    engines: Any, sidecar: DevSidecar, tenant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A preempted request's blocks go back to the pool at once; saves still reading
     them finish before the step's forward can overwrite them, and the request
@@ -485,7 +488,7 @@ def test_preemption_waits_for_saves_and_resumes_from_sidecar(
 
 @pytest.mark.parametrize("load_mode", ["sync", "async"])
 def test_tensor_parallel_shards(
-    engines: Any, sidecar: Sidecar, tenant: str, load_mode: str
+    engines: Any, sidecar: DevSidecar, tenant: str, load_mode: str
 ) -> None:
     """TP=2: each worker saves and loads its own heads under its shard's keys; a
     chunk missing on one shard rewinds the request on every rank."""
