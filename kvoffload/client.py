@@ -800,6 +800,7 @@ class SidecarClient:
         ):
             # Not the object layout v1 describes: a sidecar speaking another layout.
             raise ProtocolError(ErrorCode.BAD_REQUEST, "lease does not match layout v1")
+        layers = io.sources(layers)
         header = v1.plain_header_block(
             tenant=self._tenant,
             namespace=namespace,

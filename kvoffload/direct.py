@@ -134,6 +134,14 @@ class Extent:
 class DirectIO(Protocol):
     name: str
 
+    def sources(self, layers: Sequence[Any]) -> list[Any]:
+        """The layers in the memory this backend writes them from.
+
+        Call it once per object and pass the result to both :func:`checks_of`
+        and :meth:`write_object`: a backend that moves GPU tensors through host
+        memory then copies each one to the host once, not once per use.
+        """
+
     def write_object(
         self,
         path: str,
@@ -215,6 +223,9 @@ class PosixDirectIO:
     def __init__(self, *, o_direct: bool = True) -> None:
         self.o_direct = o_direct and bool(O_DIRECT)
         self._bounce = _Bounce()
+
+    def sources(self, layers: Sequence[Any]) -> list[Any]:
+        return [to_host(x) if is_device(x) else x for x in layers]
 
     @staticmethod
     def _open_write(path: str, o_direct: bool) -> tuple[int, bool]:
@@ -317,6 +328,9 @@ class KvikioDirectIO:
         import kvikio
 
         self._kvikio: Any = kvikio
+
+    def sources(self, layers: Sequence[Any]) -> list[Any]:
+        return list(layers)  # GPU tensors are written from GPU memory
 
     @staticmethod
     def _arr(obj: Any, writable: bool = False) -> Any:

@@ -1359,3 +1359,11 @@ def test_posix_reads_into_cpu_torch_tensors(tmp_path: Path) -> None:
 
     copy_into(memoryview(raw[0]), halves[0])
     assert halves[0].view(torch.uint8).numpy().tobytes() == raw[0]
+
+
+def test_posix_sources_leave_host_layers_uncopied() -> None:
+    """sources() is where GPU layers go to the host (once); host layers pass as they are."""
+    raw = rand_layers(32, [5000, 4096])
+    layers: list[Any] = [raw[0], bytearray(raw[1])]
+    got = PosixDirectIO().sources(layers)
+    assert len(got) == 2 and all(a is b for a, b in zip(got, layers, strict=True))
