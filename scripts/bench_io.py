@@ -303,7 +303,7 @@ class Bench:
     results: list[Row] = field(default_factory=list)
     cpu_results: list[bs.Result] = field(default_factory=list)
     open_stores: list[Store] = field(default_factory=list)
-    mincore: bs._Mincore = field(default_factory=bs._Mincore)
+    mincore: bs.Mincore = field(default_factory=bs.Mincore)
     dio: direct_io.PosixDirectIO = field(default_factory=direct_io.PosixDirectIO)  # the worker's
     progress: Callable[[str], None] = lambda _m: None
 

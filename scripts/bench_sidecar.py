@@ -596,7 +596,7 @@ class Bench:
     lookups: int
     results: list[bs.Result] = field(default_factory=list)
     latencies: list[Latency] = field(default_factory=list)
-    mincore: bs._Mincore = field(default_factory=bs._Mincore)
+    mincore: bs.Mincore = field(default_factory=bs.Mincore)
     progress: Callable[[str], None] = lambda _m: None
 
     def add(self, r: bs.Result) -> bs.Result:
@@ -1117,8 +1117,8 @@ def _fit_to_disk(shapes: list[bs.Shape], d: Path, batch: int) -> list[bs.Shape]:
 def _git_state() -> str:
     """The commit of the checkout and the files that differ from it (the sidecar runs them)."""
     root = Path(__file__).resolve().parent.parent
-    head = bs._cmd(["git", "-C", str(root), "rev-parse", "--short", "HEAD"])
-    dirty = bs._cmd(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"])
+    head = bs.cmd(["git", "-C", str(root), "rev-parse", "--short", "HEAD"])
+    dirty = bs.cmd(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"])
     # "XY path" lines; _cmd strips the output, so the first line may have lost its X column
     files = [
         ln.split(maxsplit=1)[-1]

@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import ctypes.util
 import hashlib
 import json
 import logging
@@ -50,16 +48,11 @@ import mmap
 import os
 import platform
 import shutil
-import signal
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -69,6 +62,19 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+# The shared method (scripts/bench_method.py) sits next to this file, which other
+# benchmarks load by path.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_method import (  # the other benchmarks use these through this module
+    Mincore,
+    Timing,
+    cmd,
+    drop_cache,
+    interleaved,
+    scratch_dir,
+)
 
 from kvoffload.layouts import v1
 from kvoffload.sidecar.fileio import Durability
@@ -202,101 +208,12 @@ class Result:
         return d
 
 
-Timing = tuple[int, float, float]  # (timed ops, seconds summed over them, median s/op)
-
-
 def timed(op: Callable[[int], object], *, n: int, budget_s: float, min_ops: int) -> Timing:
     """Run ``op(0)`` untimed, then ``op(1..n)`` until ``budget_s`` is spent (>= min_ops)."""
     return interleaved([op], n=n, budget_s=budget_s, min_ops=min_ops)[0]
 
 
-def interleaved(
-    ops: Sequence[Callable[[int], object]], *, n: int, budget_s: float, min_ops: int
-) -> list[Timing]:
-    """Warm up with ``op(0)`` for each op, then run ``op(i)`` for i in 1..n, each op in turn.
-
-    The order rotates every i, so no op always runs right after another. Stops
-    once ``budget_s`` per op is spent and every op has run ``min_ops`` times.
-    """
-    for op in ops:
-        op(0)
-    lat: list[list[float]] = [[] for _ in ops]
-    spent = 0.0
-    for i in range(1, n + 1):
-        for j in range(len(ops)):
-            k = (i + j) % len(ops)
-            s = time.perf_counter()
-            ops[k](i)
-            dt = time.perf_counter() - s
-            lat[k].append(dt)
-            spent += dt
-        if spent >= budget_s * len(ops) and i >= min_ops:
-            break
-    return [(len(x), sum(x), statistics.median(x)) for x in lat]
-
-
 # --------------------------------------------------------------------------- page cache
-
-
-class _Mincore:
-    """Page-cache residency of whole files via mmap(2) + mincore(2) (ctypes)."""
-
-    def __init__(self) -> None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        self._mmap = libc.mmap
-        self._mmap.restype = ctypes.c_void_p
-        self._mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        self._munmap = libc.munmap
-        self._munmap.restype = ctypes.c_int
-        self._munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        self._mincore = libc.mincore
-        self._mincore.restype = ctypes.c_int
-        self._mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        self._page = os.sysconf("SC_PAGE_SIZE")
-        self._failed = ctypes.c_void_p(-1).value
-
-    def resident(self, paths: Sequence[Path]) -> float | None:
-        """Fraction of the files' pages in the page cache, or None if it cannot be told."""
-        total = cached = 0
-        for p in paths:
-            fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                size = os.fstat(fd).st_size
-                if size == 0:
-                    continue
-                pages = (size + self._page - 1) // self._page
-                addr = self._mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-                if addr is None or addr == self._failed:
-                    return None
-                try:
-                    vec = (ctypes.c_ubyte * pages)()
-                    if self._mincore(addr, size, vec) != 0:
-                        return None
-                    cached += int(np.count_nonzero(np.frombuffer(bytes(vec), dtype=np.uint8) & 1))
-                    total += pages
-                finally:
-                    self._munmap(addr, size)
-            finally:
-                os.close(fd)
-        return cached / total if total else None
-
-
-def drop_cache(paths: Sequence[Path]) -> None:
-    """Make ``paths`` cold: sync (DONTNEED only drops clean pages), then fadvise each."""
-    os.sync()
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 # --------------------------------------------------------------------------- buffers
@@ -459,7 +376,7 @@ class Bench:
     budget_s: float
     results: list[Result] = field(default_factory=list)
     open_stores: list[Store] = field(default_factory=list)
-    mincore: _Mincore = field(default_factory=_Mincore)
+    mincore: Mincore = field(default_factory=Mincore)
     progress: Callable[[str], None] = lambda _m: None
 
     def add(self, r: Result) -> Result:
@@ -608,14 +525,6 @@ class Bench:
 # --------------------------------------------------------------------------- facts
 
 
-def _cmd(args: Sequence[str]) -> str:
-    try:
-        res = subprocess.run(list(args), capture_output=True, text=True, timeout=10, check=False)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"unknown ({exc.__class__.__name__})"
-    return res.stdout.strip() or f"unknown ({res.stderr.strip()[:60]})"
-
-
 def _proc_field(path: str, name: str) -> str | None:
     try:
         with open(path, encoding="utf-8") as f:
@@ -646,8 +555,8 @@ def machine_facts(d: Path) -> dict[str, str]:
         "memory": f"{int(mem.split()[0]) / (1 << 20):.1f} GiB" if mem else "?",
         "kernel": platform.release(),
         "dir": str(d),
-        "filesystem (stat -f -c %T)": _cmd(["stat", "-f", "-c", "%T", str(d)]),
-        "mount (findmnt)": _cmd(["findmnt", "-no", "SOURCE,FSTYPE,OPTIONS", "--target", str(d)]),
+        "filesystem (stat -f -c %T)": cmd(["stat", "-f", "-c", "%T", str(d)]),
+        "mount (findmnt)": cmd(["findmnt", "-no", "SOURCE,FSTYPE,OPTIONS", "--target", str(d)]),
         "python": sys.version.split()[0],
         "cryptography": cryptography.__version__,
         "openssl": backend.openssl_version_text(),
@@ -771,25 +680,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return a
 
 
-def _raise_interrupt(signum: int, _frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-@contextlib.contextmanager
-def scratch_dir(parent: Path, prefix: str = ".bench_store-") -> Iterator[Path]:
-    """A temp dir removed on exit, Ctrl-C, SIGTERM and SIGHUP (every benchmark's)."""
-    old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        d = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-        try:
-            yield d
-        finally:
-            shutil.rmtree(d, ignore_errors=True)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
 def _fit_to_disk(shapes: list[Shape], d: Path) -> list[Shape]:
     """Shrink the large rows if the file system cannot hold one durability's files."""
     free = shutil.disk_usage(d).free
@@ -818,7 +708,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     shapes = make_shapes(args.quick, args.large_mib_per_row, args.small_ops)
     try:
-        with scratch_dir(parent) as base:
+        with scratch_dir(parent, ".bench_store-") as base:
             shapes = _fit_to_disk(shapes, base)
             facts = machine_facts(base)
             kek_path = base / "kek"

@@ -149,7 +149,7 @@ class Bench:
     prefix_len: int
     obj_paths: list[Path]
     prefix_kv: kd.Prefill
-    mincore: Any = field(default_factory=bs._Mincore)
+    mincore: Any = field(default_factory=bs.Mincore)
     rows: dict[str, Row] = field(default_factory=dict)
     exact: Exactness = field(default_factory=Exactness)
     progress: Callable[[str], None] = lambda _m: None

@@ -57,26 +57,21 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
 import argparse
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import json
 import mmap
 import platform
 import shutil
-import signal
-import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
+
+from bench_method import Mincore, Timing, cmd, drop_cache, interleaved, scratch_dir
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -181,91 +176,7 @@ class Row:
         return d
 
 
-Timing = tuple[int, float, float]  # (timed ops, seconds summed, median s/op)
-
-
-def interleaved(
-    ops: Sequence[Callable[[int], object]], *, n: int, budget_s: float, min_ops: int
-) -> list[Timing]:
-    """bench_store.py's method: ``op(0)`` untimed for each op, then ``op(i)`` for i in
-    1..n, the order rotating every i, until ``budget_s`` per op is spent (>= min_ops)."""
-    for op in ops:
-        op(0)
-    lat: list[list[float]] = [[] for _ in ops]
-    spent = 0.0
-    for i in range(1, n + 1):
-        for j in range(len(ops)):
-            k = (i + j) % len(ops)
-            s = time.perf_counter()
-            ops[k](i)
-            dt = time.perf_counter() - s
-            lat[k].append(dt)
-            spent += dt
-        if spent >= budget_s * len(ops) and i >= min_ops:
-            break
-    return [(len(x), sum(x), statistics.median(x)) for x in lat]
-
-
 # --------------------------------------------------------------------------- page cache
-
-
-class Mincore:
-    """Page-cache residency of whole files via mmap(2) + mincore(2)."""
-
-    def __init__(self) -> None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        self._mmap = libc.mmap
-        self._mmap.restype = ctypes.c_void_p
-        self._mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        self._munmap = libc.munmap
-        self._munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        self._mincore = libc.mincore
-        self._mincore.restype = ctypes.c_int
-        self._mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        self._page = os.sysconf("SC_PAGE_SIZE")
-        self._failed = ctypes.c_void_p(-1).value
-
-    def resident(self, paths: Sequence[str]) -> float | None:
-        total = cached = 0
-        for p in paths:
-            fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                size = os.fstat(fd).st_size
-                if size == 0:
-                    continue
-                pages = (size + self._page - 1) // self._page
-                addr = self._mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-                if addr is None or addr == self._failed:
-                    return None
-                try:
-                    vec = (ctypes.c_ubyte * pages)()
-                    if self._mincore(addr, size, vec) != 0:
-                        return None
-                    cached += sum(b & 1 for b in bytes(vec))
-                    total += pages
-                finally:
-                    self._munmap(addr, size)
-            finally:
-                os.close(fd)
-        return cached / total if total else None
-
-
-def drop_cache(paths: Sequence[str]) -> None:
-    """sync (DONTNEED only drops clean pages), then POSIX_FADV_DONTNEED each file."""
-    os.sync()
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def fsync_path(path: str, directory: bool = False) -> None:
@@ -560,14 +471,6 @@ class Bench:
 # --------------------------------------------------------------------------- facts
 
 
-def _cmd(args: Sequence[str]) -> str:
-    try:
-        res = subprocess.run(list(args), capture_output=True, text=True, timeout=10, check=False)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"unknown ({exc.__class__.__name__})"
-    return res.stdout.strip() or "unknown"
-
-
 def machine_facts(d: Path) -> dict[str, str]:
     from importlib.metadata import version
 
@@ -582,7 +485,7 @@ def machine_facts(d: Path) -> dict[str, str]:
         "cores": f"{os.cpu_count()} (usable: {len(os.sched_getaffinity(0))})",
         "kernel": platform.release(),
         "dir": str(d),
-        "filesystem (stat -f -c %T)": _cmd(["stat", "-f", "-c", "%T", str(d)]),
+        "filesystem (stat -f -c %T)": cmd(["stat", "-f", "-c", "%T", str(d)]),
         "lmcache allocator": "MixedMemoryAllocator (LMCache's default CPU allocator)",
         "lmcache index": "in memory only (lost on restart)",
         "lmcache encryption": "none",
@@ -627,23 +530,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return a
 
 
-def _raise_interrupt(signum: int, _frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-@contextlib.contextmanager
-def _scratch_dir(parent: Path) -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix=".lmcache_peer-", dir=parent))
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
-
 def run(argv: Sequence[str] | None) -> int:
     args = _parse(argv)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _raise_interrupt)
     parent = (args.dir or Path.cwd()).resolve()
     if not parent.is_dir():
         print(f"--dir {parent}: not a directory", file=sys.stderr)
@@ -652,7 +540,7 @@ def run(argv: Sequence[str] | None) -> int:
         args.quick, args.large_mib_per_row, args.small_ops, args.large_batch, args.small_batch
     )
     t0 = time.perf_counter()
-    with _scratch_dir(parent) as base:
+    with scratch_dir(parent, ".lmcache_peer-") as base:
         bench = Bench(base, args.row_budget_s, args.threads)
         bench.facts = machine_facts(base)
         bench.progress = lambda m: print(m, file=sys.stderr, flush=True)
