@@ -1361,6 +1361,27 @@ class VllmSchedulerDriver:
             torch.device("cpu"),
             cache_config.get_resolved_kv_cache_layout(),
         )
+        self._start(
+            spec,
+            block_size=block_size,
+            layout=layout,
+            dtype=dtype,
+            model=model,
+            kv_caches=kv_caches,
+        )
+
+    def _start(
+        self,
+        spec: TinyLlamaSpec,
+        *,
+        block_size: int,
+        layout: KVLayout,
+        dtype: torch.dtype,
+        model: Any,
+        kv_caches: Any,
+    ) -> None:
+        """The end of every constructor: the stand-in runner over ``kv_caches``
+        (with ``self.worker_connector``) and empty request state."""
         self.runner = StandInModelRunner(
             spec,
             num_blocks=self.kv_cache_config.num_blocks,

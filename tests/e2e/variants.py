@@ -342,10 +342,10 @@ class StandInEngine(VllmSchedulerDriver):
     """:class:`VllmSchedulerDriver` with tensor parallelism, a ``kv_role``, and
     requests with a LoRA adapter, a cache salt or multimodal features.
 
-    The constructor follows ``VllmSchedulerDriver.__init__`` step for step
-    (whose stepping, planning and recording it inherits unchanged) and adds
-    ``ParallelConfig(tensor_parallel_size=tp)``, per-rank KV-cache specs and
-    one worker connector per rank (:class:`TPWorkers`).
+    The constructor follows ``VllmSchedulerDriver.__init__`` step for step and
+    ends in the same ``_start`` (stepping, planning and recording are inherited
+    unchanged); it adds ``ParallelConfig(tensor_parallel_size=tp)``, per-rank
+    KV-cache specs and one worker connector per rank (:class:`TPWorkers`).
     """
 
     def __init__(
@@ -419,22 +419,14 @@ class StandInEngine(VllmSchedulerDriver):
             )
             for name in spec.layer_names()
         }
-        self.runner = StandInModelRunner(
+        self._start(
             spec,
-            num_blocks=self.kv_cache_config.num_blocks,
             block_size=block_size,
             layout=layout,
             dtype=dtype,
-            connector=self.worker_connector,
             model=model,
             kv_caches=kv_caches,
         )
-        self.block_size = block_size
-        self.eos_token_id = spec.vocab_size - 1
-        self.results: dict[str, VllmRequestResult] = {}
-        self._states = {}
-        self._pending_logits: dict[str, torch.Tensor] = {}
-        self.steps = 0
         self._lora_ids: dict[str, int] = {}
 
     @property
