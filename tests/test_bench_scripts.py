@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,13 +32,14 @@ IO_CEILINGS = ("raw write {}-obj", "raw read cold {}-obj", "raw read warm {}-obj
 FACTS = ("cores", "filesystem (stat -f -c %T)", "python", "cryptography", "openssl")
 
 
-@pytest.mark.slow
-def test_bench_store_quick_writes_every_row(tmp_path: Path) -> None:
+def run_quick(script: Path, tmp_path: Path, *extra: str) -> tuple[str, dict[str, Any], Path]:
+    """Run ``script --quick --json F --dir D`` in ``tmp_path``; must exit 0.
+    Returns (stdout, the JSON document, D)."""
     work = tmp_path / "work"
     work.mkdir()
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--json", str(out), "--dir", str(work)],
+        [sys.executable, str(script), "--quick", *extra, "--json", str(out), "--dir", str(work)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -45,9 +47,15 @@ def test_bench_store_quick_writes_every_row(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "kvoffload Store" in proc.stdout
+    doc: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
+    return proc.stdout, doc, work
 
-    doc = json.loads(out.read_text(encoding="utf-8"))
+
+@pytest.mark.slow
+def test_bench_store_quick_writes_every_row(tmp_path: Path) -> None:
+    stdout, doc, work = run_quick(SCRIPT, tmp_path)
+    assert "kvoffload Store" in stdout
+
     rows = {r["id"]: r for r in doc["rows"]}
     ceilings = {r["id"]: r for r in doc["ceilings"]}
     expected_rows = {f"{s}/{d}/{r}" for s in SHAPES for d in DURABILITIES for r in ROWS}
@@ -118,23 +126,10 @@ IO_LOADS = tuple(f"load {f} {c}" for c in ("cold", "warm") for f in ("sealed", "
 
 @pytest.mark.slow
 def test_bench_io_quick_writes_every_row(tmp_path: Path) -> None:
-    work = tmp_path / "work"
-    work.mkdir()
-    out = tmp_path / "bench_io.json"
-    proc = subprocess.run(
-        [sys.executable, str(IO_SCRIPT), "--quick", "--no-lmcache", "--json", str(out),
-         "--dir", str(work)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "kvoffload Store" in proc.stdout
-    assert "best sealed path" in proc.stdout
+    stdout, doc, work = run_quick(IO_SCRIPT, tmp_path, "--no-lmcache")
+    assert "kvoffload Store" in stdout
+    assert "best sealed path" in stdout
 
-    doc = json.loads(out.read_text(encoding="utf-8"))
     rows = {r["id"]: r for r in doc["rows"]}
     ran = [b["name"] for b in doc["backends"] if b["available"]]
     assert set(IO_BACKENDS) <= set(ran)
@@ -222,21 +217,9 @@ SIDECAR_ROWS = (
 
 @pytest.mark.slow
 def test_bench_sidecar_quick_writes_every_row_and_stops_its_sidecars(tmp_path: Path) -> None:
-    work = tmp_path / "work"
-    work.mkdir()
-    out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, str(SIDECAR_SCRIPT), "--quick", "--json", str(out), "--dir", str(work)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "kvoffload sidecar" in proc.stdout
+    stdout, doc, work = run_quick(SIDECAR_SCRIPT, tmp_path)
+    assert "kvoffload sidecar" in stdout
 
-    doc = json.loads(out.read_text(encoding="utf-8"))
     rows = {r["id"]: r for r in doc["rows"]}
     ceilings = {r["id"]: r for r in doc["ceilings"]}
     assert set(rows) == {f"{s}/{d}/{r}" for s in SHAPES for d in DURABILITIES for r in SIDECAR_ROWS}
@@ -297,21 +280,9 @@ def _has_transformers() -> bool:
     not _has_transformers(), reason="transformers is not installed (pip install -e '.[demo]')"
 )
 def test_bench_ttft_quick_reports_every_row_and_stops_its_sidecar(tmp_path: Path) -> None:
-    work = tmp_path / "work"
-    work.mkdir()
-    out = tmp_path / "ttft.json"
-    proc = subprocess.run(
-        [sys.executable, str(TTFT_SCRIPT), "--quick", "--json", str(out), "--dir", str(work)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "time to first token" in proc.stdout
+    stdout, doc, work = run_quick(TTFT_SCRIPT, tmp_path)
+    assert "time to first token" in stdout
 
-    doc = json.loads(out.read_text(encoding="utf-8"))
     rows = {r["name"]: r for r in doc["rows"]}
     for name in (*TTFT_ROWS, *TTFT_CEILINGS):
         assert name in rows, name
