@@ -985,13 +985,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     shapes = bs.make_shapes(args.quick, args.large_mib_per_row, args.small_ops)
     batch = {"large": args.large_batch, "small": args.small_batch}
-    load0 = os.getloadavg()
+    load0 = bs.loadavg()
     peer: dict[str, Any] | None = None
     try:
         with bs.scratch_dir(parent, ".bench_io-") as base:
             shapes = _fit(shapes, base, 1, len(args.durability))
             facts = bs.machine_facts(base)
-            facts["load average at start (1/5/15 min)"] = " ".join(f"{x:.2f}" for x in load0)
+            facts["load average at start (1/5/15 min)"] = load0
             specs = probe_backends(args.backend, base)
             auto = probe_backends(["auto"], base)[0]
             facts["KVOFFLOAD_IO=auto picks"] = f"{auto.summary}: {auto.reason}"
@@ -1031,7 +1031,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         err.print("interrupted: temp files removed")
         return 130
     facts["run time"] = f"{elapsed:.1f} s (kvoffload rows {t1 - t0:.1f} s)"
-    facts["load average at end (1/5/15 min)"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    facts["load average at end (1/5/15 min)"] = bs.loadavg()
     keys = [s.key for s in shapes]
     targets = ceiling_targets(bench.results, keys, args.durability)
     peer_cmp = peer_targets(bench.results, peer, keys) if peer is not None else []

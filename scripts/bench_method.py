@@ -130,6 +130,14 @@ def cmd(args: Sequence[str]) -> str:
     return res.stdout.strip() or f"unknown ({res.stderr.strip()[:60]})"
 
 
+def loadavg() -> str:
+    """The 1/5/15-minute load averages, for the machine facts of a run."""
+    try:
+        return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
 def raise_interrupt(signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 

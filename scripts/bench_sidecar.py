@@ -1128,13 +1128,6 @@ def _git_state() -> str:
     return f"git {head}" + (f" + uncommitted changes in {', '.join(files)}" if files else "")
 
 
-def _loadavg() -> str:
-    try:
-        return " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "?"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     logging.getLogger("kvoffload").setLevel(logging.ERROR)
@@ -1169,7 +1162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shapes = _fit_to_disk(shapes, base, args.batch)
             facts = bs.machine_facts(base)
             facts["kvoffload source"] = _git_state()
-            facts["load average 1/5/15 min (start)"] = _loadavg()
+            facts["load average 1/5/15 min (start)"] = bs.loadavg()
             o_direct = supports_o_direct(base)
             bench = Bench(base, args.row_budget_s, staging, o_direct, args.lookups)
             bench.progress = lambda m: err.print(m, highlight=False)
@@ -1200,7 +1193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             client_prof.disable()
                 shutil.rmtree(base / dur, ignore_errors=True)
             elapsed = time.perf_counter() - t0
-            facts["load average 1/5/15 min (end)"] = _loadavg()
+            facts["load average 1/5/15 min (end)"] = bs.loadavg()
     except KeyboardInterrupt:
         err.print("interrupted: sidecars stopped, temp files removed")
         return 130

@@ -67,7 +67,7 @@ from rich.table import Table
 # benchmarks load by path.
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_method import (  # the other benchmarks use these through this module
+from bench_method import (  # the other benchmarks also use these through this module
     Mincore,
     Timing,
     cmd,
@@ -75,6 +75,7 @@ from bench_method import (  # the other benchmarks use these through this module
     interleaved,
     scratch_dir,
 )
+from bench_method import loadavg as loadavg  # for the other benchmarks
 
 from kvoffload.layouts import v1
 from kvoffload.sidecar.fileio import Durability

@@ -481,13 +481,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return a
 
 
-def _loadavg() -> str:
-    try:
-        return " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "?"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     logging.getLogger("kvoffload").setLevel(logging.ERROR)
@@ -516,7 +509,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with bs.scratch_dir(parent, ".bench_ttft-") as base:
             facts = bs.machine_facts(base)
-            facts["load average 1/5/15 min (start)"] = _loadavg()
+            facts["load average 1/5/15 min (start)"] = bs.loadavg()
             t_start = time.perf_counter()
             progress(f"model: {shape.describe()}, fp32, seed {SEED}")
             config = kd.llama_config(shape)
@@ -559,7 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 bench.run(args.rounds)
                 sidecar_stats = dict(sc.stats)
             elapsed = time.perf_counter() - t_start
-            facts["load average 1/5/15 min (end)"] = _loadavg()
+            facts["load average 1/5/15 min (end)"] = bs.loadavg()
     except KeyboardInterrupt:
         err.print("interrupted: sidecar stopped, temp files removed")
         return 130
