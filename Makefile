@@ -35,8 +35,8 @@ serve: $(STAMP)
 	$(BIN)/kvoffload serve --dev
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvoffload sidecar layouts tests scripts
-	$(BIN)/ruff format --check kvoffload sidecar layouts tests scripts
+	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff format --check src tests scripts
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

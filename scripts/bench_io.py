@@ -23,7 +23,7 @@ kvoffload
     decrypted), so a row's ops are batches; throughput counts chunks.
 direct (posix backends only)
     the direct path of ``encryption = "none"``, ``direct = true`` tenants
-    (layouts/v1.md §4.1), both halves in this process, minus the socket. Save
+    (docs/spec/layout-v1.md §4.1), both halves in this process, minus the socket. Save
     of a batch: ``Store.lease_store`` per chunk (reserve, create + fallocate
     the temp file), then per chunk the worker's ``checks_of`` (XXH3-128 per
     layer) + ``plain_header_block`` + ``PosixDirectIO().write_object`` (one

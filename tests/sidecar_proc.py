@@ -337,7 +337,7 @@ class DevSidecar:
         return self.workdir / ".kvoffload" / "store"
 
     def objects(self, tenant: str) -> list[Path]:
-        """The tenant's chunk objects on disk (layouts/v1.md §2)."""
+        """The tenant's chunk objects on disk (docs/spec/layout-v1.md §2)."""
         from kvoffload.layouts import v1
 
         return sorted((self.store_root / "objects" / tenant).rglob(f"*{v1.OBJECT_SUFFIX}"))

@@ -1,4 +1,4 @@
-"""The direct path (protocol.md 5.14, 5.15; layouts/v1.md §4.1) with a real daemon.
+"""The direct path (protocol-v1.md 5.14, 5.15; docs/spec/layout-v1.md §4.1) with a real daemon.
 
 The sidecar runs as ``kvoffload serve``; workers are other processes
 (``tests/sidecar_proc.py``) that write and read the leased files themselves.

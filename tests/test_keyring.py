@@ -127,7 +127,7 @@ def test_valid_tenant_ids(keys_dir: Path, kek: Kek, tenant: str) -> None:
 
 
 def test_kek_id_test_vector() -> None:
-    # Pinned in layouts/v1-keys.md section 4: key files written today must name
+    # Pinned in docs/spec/keys-v1.md section 4: key files written today must name
     # their KEK the same way tomorrow.
     assert Kek(bytes(range(32))).key_id == "717af2e5a83d5d10"
     assert repr(Kek(bytes(range(32)))) == "Kek(key_id='717af2e5a83d5d10')"

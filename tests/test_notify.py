@@ -168,7 +168,7 @@ CHILD = textwrap.dedent(
 
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
@@ -238,7 +238,7 @@ def test_listen_fds_under_systemd_socket_activate(short_dir: Path) -> None:
             "--listen",
             str(path),
             "--fdname=control",
-            f"--setenv=PYTHONPATH={REPO}",
+            f"--setenv=PYTHONPATH={REPO / 'src'}",
             sys.executable,
             "-c",
             ACTIVATED,

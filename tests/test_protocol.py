@@ -1,4 +1,4 @@
-"""Protocol v1: framing, message validation and the handshake rules of protocol.md."""
+"""Protocol v1: framing, message validation and the handshake rules of protocol-v1.md."""
 
 from __future__ import annotations
 
@@ -404,7 +404,7 @@ def test_hello_with_inverted_version_range_is_bad_request() -> None:
 
 
 def test_error_code_values_are_frozen() -> None:
-    # protocol.md §4: these numbers are on the wire and must never change.
+    # protocol-v1.md §4: these numbers are on the wire and must never change.
     assert {c.name: c.value for c in ErrorCode} == {
         "OK": 0,
         "BAD_REQUEST": 1,

@@ -1,0 +1,260 @@
+"""The compatibility contract: everything that shapes a KV cache.
+
+KV computed under one contract may be reused only under an *equal* contract.
+Reusing KV under a different model revision, tokenizer, RoPE, LoRA, dtype,
+layout, shard or tenant produces fluent, wrong output, so every field here is
+part of every chunk key and of the AEAD associated data of every object.
+
+The fingerprint is BLAKE2b-256 (person ``kvo-ns-v1``) over the *canonical
+encoding* of the contract, defined here and in ``docs/spec/layout-v1.md``:
+
+* a JSON object with keys sorted by code point, no whitespace, UTF-8, strings
+  NFC-normalised, ``ensure_ascii`` off;
+* every number that is not a bool is converted to a float and written as the
+  string ``float.hex(x)`` (so ``8``, ``8.0`` and ``8e0`` are one value; NaN and
+  infinities are refused);
+* nested mappings are encoded the same way, recursively; sequences keep their
+  order; ``None`` is ``null``;
+* the top-level object carries ``"contract": 1``, the version of this encoding.
+
+So neither field order, dict ordering nor float formatting can change the
+fingerprint, while any change of value does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import unicodedata
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvoffload.errors import ContractError
+
+CONTRACT_ENCODING_VERSION = 1
+FINGERPRINT_SIZE = 32
+DEFAULT_CHUNK_TOKENS = 256
+
+#: Tenant ids appear in paths and object headers: keep them boring.
+TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+CACHE_LAYOUTS = ("NHD", "HND")
+
+
+def validate_tenant(tenant: str) -> str:
+    if not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
+        raise ContractError(
+            f"invalid tenant id {tenant!r}: 1-64 characters of [A-Za-z0-9._-], "
+            "starting with a letter or digit"
+        )
+    return tenant
+
+
+def _canon(value: Any, where: str) -> Any:
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int | float):
+        f = float(value)
+        if not math.isfinite(f):
+            raise ContractError(f"{where}: non-finite number {value!r}")
+        return f.hex()
+    if isinstance(value, str):
+        return unicodedata.normalize("NFC", value)
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ContractError(f"{where}: mapping keys must be strings, got {k!r}")
+            out[unicodedata.normalize("NFC", k)] = _canon(v, f"{where}.{k}")
+        return out
+    if isinstance(value, Sequence):
+        return [_canon(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    raise ContractError(f"{where}: unsupported type {type(value).__name__}")
+
+
+def canonical_json(value: Mapping[str, Any]) -> bytes:
+    """The canonical encoding described in the module docstring."""
+    return json.dumps(
+        _canon(value, "contract"),
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+        allow_nan=False,
+    ).encode("utf-8")
+
+
+def _freeze(value: Any) -> Any:
+    """Make a nested config hashable so the contract can stay frozen."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, tuple) and all(
+        isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) for i in value
+    ):
+        return {k: _thaw(v) for k, v in value}
+    if isinstance(value, tuple):
+        return [_thaw(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Shape of one shard's KV cache: what a chunk holds per layer."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    cache_layout: str = "NHD"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ContractError(f"layer_layout.{name} must be a positive int, got {v!r}")
+        if self.cache_layout not in CACHE_LAYOUTS:
+            raise ContractError(
+                f"layer_layout.cache_layout must be one of {CACHE_LAYOUTS}, "
+                f"got {self.cache_layout!r}"
+            )
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which tensor/pipeline-parallel slice of the KV this worker holds."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.tp_rank < self.tp_size) or not (0 <= self.pp_rank < self.pp_size):
+            raise ContractError(f"invalid shard {self}")
+
+
+@dataclass(frozen=True)
+class CompatContract:
+    """Every input that shapes the KV of a chunk. Equal contract ⇔ reusable KV."""
+
+    model_revision: str
+    tokenizer_hash: str
+    chat_template_version: str
+    attention_backend: str
+    kv_dtype: str
+    block_size: int
+    layer_layout: LayerLayout
+    tenant_namespace: str
+    rope_config: Any = field(default=())
+    lora_id: str | None = None
+    shard: Shard = field(default_factory=Shard)
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+
+    def __post_init__(self) -> None:
+        for name in (
+            "model_revision",
+            "tokenizer_hash",
+            "chat_template_version",
+            "attention_backend",
+            "kv_dtype",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v:
+                raise ContractError(f"{name} must be a non-empty string, got {v!r}")
+        validate_tenant(self.tenant_namespace)
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ContractError(f"block_size must be a positive int, got {self.block_size!r}")
+        if (
+            not isinstance(self.chunk_tokens, int)
+            or self.chunk_tokens <= 0
+            or self.chunk_tokens % self.block_size
+        ):
+            raise ContractError(
+                f"chunk_tokens ({self.chunk_tokens!r}) must be a positive multiple of "
+                f"block_size ({self.block_size})"
+            )
+        if self.lora_id is not None and not isinstance(self.lora_id, str):
+            raise ContractError(f"lora_id must be a string or None, got {self.lora_id!r}")
+        rope = self.rope_config
+        if isinstance(rope, Mapping):
+            _canon(rope, "rope_config")  # validate early: NaN etc.
+            object.__setattr__(self, "rope_config", _freeze(rope))
+        elif not isinstance(rope, tuple):
+            raise ContractError("rope_config must be a mapping")
+
+    @property
+    def rope(self) -> dict[str, Any]:
+        out = _thaw(self.rope_config)
+        return out if isinstance(out, dict) else {}
+
+    @property
+    def tenant(self) -> str:
+        return self.tenant_namespace
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "contract": CONTRACT_ENCODING_VERSION,
+            "model_revision": self.model_revision,
+            "tokenizer_hash": self.tokenizer_hash,
+            "chat_template_version": self.chat_template_version,
+            "attention_backend": self.attention_backend,
+            "kv_dtype": self.kv_dtype,
+            "block_size": self.block_size,
+            "chunk_tokens": self.chunk_tokens,
+            "layer_layout": {
+                "num_layers": self.layer_layout.num_layers,
+                "num_kv_heads": self.layer_layout.num_kv_heads,
+                "head_dim": self.layer_layout.head_dim,
+                "cache_layout": self.layer_layout.cache_layout,
+            },
+            "rope_config": self.rope,
+            "lora_id": self.lora_id,
+            "tenant_namespace": self.tenant_namespace,
+            "shard": {
+                "tp_rank": self.shard.tp_rank,
+                "tp_size": self.shard.tp_size,
+                "pp_rank": self.shard.pp_rank,
+                "pp_size": self.shard.pp_size,
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CompatContract:
+        version = d.get("contract", CONTRACT_ENCODING_VERSION)
+        if version != CONTRACT_ENCODING_VERSION:
+            raise ContractError(f"unknown contract encoding version {version!r}")
+        try:
+            return cls(
+                model_revision=d["model_revision"],
+                tokenizer_hash=d["tokenizer_hash"],
+                chat_template_version=d["chat_template_version"],
+                attention_backend=d["attention_backend"],
+                kv_dtype=d["kv_dtype"],
+                block_size=d["block_size"],
+                chunk_tokens=d.get("chunk_tokens", DEFAULT_CHUNK_TOKENS),
+                layer_layout=LayerLayout(**d["layer_layout"]),
+                rope_config=d.get("rope_config", {}),
+                lora_id=d.get("lora_id"),
+                tenant_namespace=d["tenant_namespace"],
+                shard=Shard(**d.get("shard", {})),
+            )
+        except KeyError as exc:
+            raise ContractError(f"contract field {exc.args[0]!r} is missing") from exc
+        except TypeError as exc:
+            raise ContractError(f"invalid contract: {exc}") from exc
+
+    def canonical_bytes(self) -> bytes:
+        return canonical_json(self.to_dict())
+
+    def fingerprint(self) -> bytes:
+        """32-byte namespace fingerprint; stable across processes and versions."""
+        return hashlib.blake2b(
+            self.canonical_bytes(), digest_size=FINGERPRINT_SIZE, person=b"kvo-ns-v1"
+        ).digest()

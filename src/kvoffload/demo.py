@@ -1,0 +1,959 @@
+"""Cross-process KV reuse through the sidecar, on a random-weight Llama on CPU.
+
+A library of small steps, used by ``kvoffload demo`` and ``scripts/bench_ttft.py``:
+
+* :func:`llama_config` / :func:`build_model`: a transformers Llama whose
+  weights come from a seed; the seed stands for the model revision.
+* :func:`demo_contract`: the :class:`~kvoffload.contract.CompatContract` of
+  such a model (``model_revision = "demo-llama@seed<N>"``, tokenizer hash,
+  layer layout, KV dtype, RoPE, ...).
+* :func:`prefill`: KV and last-position logits of a whole prompt;
+  :func:`prefill_suffix`: the same for the tokens after a cached prefix.
+* :func:`pack_chunks` / :class:`PrefixBuffer`: between a model's KV and
+  kvoffload chunks. A chunk holds one buffer per layer: K then V of the
+  chunk's tokens, each ``[kv_heads, chunk_tokens, head_dim]`` (HND), contiguous.
+* :func:`reuse_prefill`: what a worker does to serve a prompt with reuse:
+  chunk keys, ``lookup``, ``load`` into a prefix buffer, a ``DynamicCache``
+  from it, and a prefill of the suffix only.
+* :func:`dev_sidecar`: the embedded development sidecar (``kvoffload --dev
+  serve`` in a directory), started and stopped, or reused when one answers.
+* :func:`run_demo`: the demo itself, two (then three) worker processes
+  (``python -m kvoffload.demo worker``, a JSON job on stdin, a JSON result on
+  stdout) that share nothing but the sidecar.
+
+transformers is imported inside the functions that need it (``pip install
+'kvoffload[demo]'``), so importing this module costs nothing. Everything runs
+in float32.
+
+Exactness: "prefix loaded + suffix computed" attends to the very KV bytes a
+full prefill computes, so the logits differ only where the BLAS kernels that
+PyTorch picks by the *shape* of a GEMM (a 32-row suffix versus a 1056-row
+prompt) round differently. :func:`logits_tolerance` is the bound used: 1e-4 of
+the largest logit (at least 1e-4), a hundred times the ~1e-6 relative error
+such re-associations produce over a dozen layers of fp32 sums of a few
+thousand terms, while a wrong KV (another prefix, another revision) moves
+logits by the order of their spread (~0.1-1). Measured on CPU, the difference
+is usually exactly 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+import hashlib
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import torch
+
+from kvoffload.errors import SidecarStartError
+
+from .contract import CompatContract, LayerLayout
+from .keys import chunk_keys
+from .protocol import ALIGNMENT, region_size
+
+DEFAULT_TENANT = "demo"
+DEFAULT_CHUNK_TOKENS = 256
+DEFAULT_BLOCK_SIZE = 16
+CACHE_LAYOUT = "HND"
+#: Relative logits tolerance (see the module docstring and :func:`logits_tolerance`).
+LOGITS_RTOL = 1e-4
+#: Largest staging buffer a demo worker maps.
+MAX_STAGING_BYTES = 512 << 20
+WORKER_TIMEOUT_S = 900.0
+SIDECAR_READY_TIMEOUT_S = 60.0
+#: A Unix socket path must fit sun_path (108 bytes with its NUL).
+MAX_SOCKET_PATH = 100
+
+TRANSFORMERS_MISSING = (
+    "the demo needs transformers: pip install 'kvoffload[demo]' (or .venv/bin/pip install "
+    "'transformers>=4.57')"
+)
+
+
+def transformers_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformers") is not None
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Llama architecture, without weights (JSON-friendly, for worker jobs)."""
+
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    vocab_size: int = 32000
+    #: None: Llama's 8/3 x hidden, rounded up to a multiple of 64.
+    intermediate_size: int | None = None
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    #: Llama's own init scale: logits of a random model spread over ~0.3-1.
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden size {self.hidden_size} is not a multiple of {self.num_heads} heads"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{self.num_heads} heads are not a multiple of {self.num_kv_heads} KV heads"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.intermediate_size is not None:
+            return self.intermediate_size
+        return 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
+        """K and V of one token in every layer."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    def describe(self) -> str:
+        return (
+            f"Llama, {self.num_layers} layers, hidden {self.hidden_size}, {self.num_heads} heads / "
+            f"{self.num_kv_heads} KV heads x {self.head_dim}, FFN {self.ffn_size}, "
+            f"vocab {self.vocab_size}"
+        )
+
+
+def llama_config(shape: ModelShape, *, attn_implementation: str = "sdpa") -> Any:
+    """A ``transformers.LlamaConfig`` for ``shape``."""
+    from transformers import LlamaConfig
+
+    cls: Any = LlamaConfig
+    return cls(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.ffn_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_position_embeddings,
+        # transformers 5 folds rope_theta into rope_parameters; 4.57 keeps it as is.
+        rope_theta=shape.rope_theta,
+        initializer_range=shape.initializer_range,
+        tie_word_embeddings=False,
+        attn_implementation=attn_implementation,
+    )
+
+
+def build_model(config: Any, seed: int, dtype: torch.dtype = torch.float32) -> Any:
+    """A ``LlamaForCausalLM`` with random weights drawn from ``seed`` (the caller's RNG is
+    left alone), in eval mode, without gradients."""
+    from transformers import LlamaForCausalLM
+
+    cls: Any = LlamaForCausalLM
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = cls(config)
+    model = model.to(dtype).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def model_revision(seed: int) -> str:
+    """What the contract says the model is: the seed stands for the checkpoint's revision."""
+    return f"demo-llama@seed{seed}"
+
+
+def tokenizer_hash(config: Any) -> str:
+    """The demo has no tokenizer: prompts are random ids below ``vocab_size``."""
+    ident = f"kvoffload-demo/random-token-ids/vocab={config.vocab_size}"
+    return hashlib.blake2b(ident.encode(), digest_size=16).hexdigest()
+
+
+def rope_config(config: Any) -> dict[str, Any]:
+    """RoPE parameters of ``config`` (transformers 5: ``rope_parameters``; 4.x: ``rope_theta``
+    and ``rope_scaling``)."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        return dict(params)
+    out: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
+    scaling = getattr(config, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        out["rope_scaling"] = dict(scaling)
+    return out
+
+
+def layer_layout(config: Any) -> LayerLayout:
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // config.num_attention_heads
+    )
+    return LayerLayout(
+        num_layers=int(config.num_hidden_layers),
+        num_kv_heads=int(config.num_key_value_heads),
+        head_dim=int(head_dim),
+        cache_layout=CACHE_LAYOUT,
+    )
+
+
+def demo_contract(
+    config: Any,
+    seed: int,
+    *,
+    tenant: str = DEFAULT_TENANT,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    dtype: torch.dtype = torch.float32,
+) -> CompatContract:
+    """The compatibility contract of ``build_model(config, seed)`` computing in ``dtype``."""
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    return CompatContract(
+        model_revision=model_revision(seed),
+        tokenizer_hash=tokenizer_hash(config),
+        chat_template_version="none",
+        attention_backend=f"TRANSFORMERS_{str(impl).upper()}_CPU",
+        kv_dtype=str(dtype).removeprefix("torch."),
+        block_size=block_size,
+        chunk_tokens=chunk_tokens,
+        layer_layout=layer_layout(config),
+        rope_config=rope_config(config),
+        tenant_namespace=tenant,
+    )
+
+
+def random_tokens(n: int, vocab_size: int, seed: int) -> list[int]:
+    """``n`` token ids below ``vocab_size``, a pure function of ``seed``."""
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(0, vocab_size, n)]
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+@dataclass
+class Prefill:
+    """Logits of the last position (float32 ``[vocab]``) and the KV of every position of
+    every layer (``[kv_heads, tokens, head_dim]`` each, views of the model's cache)."""
+
+    logits: torch.Tensor
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.keys[0].shape[1]) if self.keys else 0
+
+
+def new_cache(config: Any) -> Any:
+    from transformers import DynamicCache
+
+    cls: Any = DynamicCache
+    try:
+        return cls(config=config)
+    except TypeError:  # transformers < 4.56
+        return cls()
+
+
+def _layer_kv(cache: Any, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return layers[i].keys, layers[i].values
+    return cache.key_cache[i], cache.value_cache[i]
+
+
+def _forward(model: Any, token_ids: Sequence[int], start: int, cache: Any) -> torch.Tensor:
+    """Run positions ``start..start+len(token_ids)`` over ``cache`` (which holds ``start``
+    positions); float32 logits of the last one."""
+    ids = torch.tensor([list(token_ids)], dtype=torch.int64)
+    positions = torch.arange(start, start + len(token_ids), dtype=torch.int64).unsqueeze(0)
+    with torch.inference_mode():
+        out = model(
+            input_ids=ids,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    logits: torch.Tensor = out.logits[0, -1].float()
+    return logits
+
+
+def prefill(model: Any, token_ids: Sequence[int]) -> Prefill:
+    """A full prefill of ``token_ids``: what a worker without reuse computes."""
+    if not token_ids:
+        raise ValueError("nothing to prefill")
+    cache = new_cache(model.config)
+    logits = _forward(model, token_ids, 0, cache)
+    kv = [_layer_kv(cache, i) for i in range(model.config.num_hidden_layers)]
+    return Prefill(logits, [k[0] for k, _ in kv], [v[0] for _, v in kv])
+
+
+def prefill_suffix(
+    model: Any, token_ids: Sequence[int], cache: Any, start: int | None = None
+) -> torch.Tensor:
+    """Prefill ``token_ids[start:]`` over ``cache``, which holds the KV of
+    ``token_ids[:start]`` (default: however many positions it holds); last logits."""
+    cached = int(cache.get_seq_length())
+    start = cached if start is None else start
+    if start != cached:
+        raise ValueError(f"the cache holds {cached} positions, the suffix starts at {start}")
+    if start >= len(token_ids):
+        raise ValueError(f"no suffix: {start} of {len(token_ids)} tokens are cached")
+    return _forward(model, token_ids[start:], start, cache)
+
+
+def cache_from_kv(config: Any, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> Any:
+    """A ``DynamicCache`` holding ``keys``/``values`` (``[kv_heads, tokens, head_dim]`` per
+    layer), as transformers lays them out: ``[batch=1, kv_heads, tokens, head_dim]``."""
+    cache = new_cache(config)
+    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+        cache.update(k.unsqueeze(0), v.unsqueeze(0), i)
+    return cache
+
+
+# --------------------------------------------------------------------------- chunks
+
+
+def chunk_layer_bytes(layout: LayerLayout, chunk_tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of one layer of one chunk: K then V, ``[kv_heads, chunk_tokens, head_dim]`` each."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * layout.num_kv_heads * chunk_tokens * layout.head_dim * elem
+
+
+def pack_chunks(
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    chunk_tokens: int,
+    num_chunks: int | None = None,
+) -> list[list[torch.Tensor]]:
+    """The first ``num_chunks`` (default: every full) chunks of a prefill's KV, as kvoffload
+    chunks: per chunk, one contiguous tensor per layer, ``[2, kv_heads, chunk_tokens,
+    head_dim]`` (K then V)."""
+    total = int(keys[0].shape[1])
+    full = total // chunk_tokens
+    n = full if num_chunks is None else num_chunks
+    if not 0 <= n <= full:
+        raise ValueError(f"{total} tokens hold {full} full chunks, not {n}")
+    chunks: list[list[torch.Tensor]] = []
+    for c in range(n):
+        s, e = c * chunk_tokens, (c + 1) * chunk_tokens
+        chunks.append(
+            [torch.stack((k[:, s:e], v[:, s:e])) for k, v in zip(keys, values, strict=True)]
+        )
+    return chunks
+
+
+class PrefixBuffer:
+    """KV of ``num_chunks`` chunks, filled chunk by chunk from loaded layer buffers.
+
+    :meth:`fill` has the signature of ``SidecarClient.load``'s ``into`` callback,
+    so a load copies each layer straight from the staging buffer into place.
+    """
+
+    def __init__(
+        self,
+        layout: LayerLayout,
+        chunk_tokens: int,
+        num_chunks: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if layout.cache_layout != CACHE_LAYOUT:
+            raise ValueError(f"chunks are packed {CACHE_LAYOUT}, not {layout.cache_layout}")
+        self.layout = layout
+        self.chunk_tokens = chunk_tokens
+        self.num_chunks = num_chunks
+        self.dtype = dtype
+        self.layer_bytes = chunk_layer_bytes(layout, chunk_tokens, dtype)
+        shape = (layout.num_kv_heads, num_chunks * chunk_tokens, layout.head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype) for _ in range(layout.num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype) for _ in range(layout.num_layers)]
+        # Byte views ([H, T, D * elem] uint8) that numpy can copy into, for any dtype.
+        self._k = [t.view(torch.uint8).numpy() for t in self.keys]
+        self._v = [t.view(torch.uint8).numpy() for t in self.values]
+        self.filled = [False] * num_chunks
+
+    def fill(self, index: int, _key: bytes, layers: Sequence[memoryview]) -> None:
+        """Copy chunk ``index``'s layers (K then V each) into place."""
+        if not 0 <= index < self.num_chunks:
+            raise IndexError(f"chunk {index} of {self.num_chunks}")
+        if len(layers) != self.layout.num_layers:
+            raise ValueError(
+                f"chunk {index}: {len(layers)} layers, expected {self.layout.num_layers}"
+            )
+        h, c = self.layout.num_kv_heads, self.chunk_tokens
+        s, e = index * c, (index + 1) * c
+        for i, view in enumerate(layers):
+            if view.nbytes != self.layer_bytes:
+                raise ValueError(
+                    f"chunk {index} layer {i}: {view.nbytes} bytes, expected {self.layer_bytes}"
+                )
+            src = np.frombuffer(view, dtype=np.uint8).reshape(2, h, c, -1)
+            np.copyto(self._k[i][:, s:e], src[0])
+            np.copyto(self._v[i][:, s:e], src[1])
+        self.filled[index] = True
+
+    def leading(self) -> int:
+        """How many leading chunks are filled."""
+        n = 0
+        while n < self.num_chunks and self.filled[n]:
+            n += 1
+        return n
+
+    def to_cache(self, config: Any, num_chunks: int | None = None) -> Any:
+        """A ``DynamicCache`` of the first ``num_chunks`` (default: the leading filled) chunks."""
+        n = self.leading() if num_chunks is None else num_chunks
+        t = n * self.chunk_tokens
+        return cache_from_kv(config, [k[:, :t] for k in self.keys], [v[:, :t] for v in self.values])
+
+
+def unpack_chunks(
+    config: Any,
+    chunks: Sequence[Sequence[Any]],
+    chunk_tokens: int,
+    dtype: torch.dtype = torch.float32,
+) -> Any:
+    """A ``DynamicCache`` prefix from loaded chunks (each: one bytes-like per layer)."""
+    buf = PrefixBuffer(layer_layout(config), chunk_tokens, len(chunks), dtype)
+    for i, layers in enumerate(chunks):
+        buf.fill(i, b"", [memoryview(x).cast("B") for x in layers])
+    return buf.to_cache(config)
+
+
+def staging_bytes_for(
+    layout: LayerLayout, chunk_tokens: int, num_chunks: int, dtype: torch.dtype = torch.float32
+) -> int:
+    """A staging buffer that holds ``num_chunks`` chunks at once (capped)."""
+    per_chunk = region_size([chunk_layer_bytes(layout, chunk_tokens, dtype)] * layout.num_layers)
+    want = max(1, num_chunks) * per_chunk
+    return max(ALIGNMENT, min(want, max(per_chunk, MAX_STAGING_BYTES)))
+
+
+# --------------------------------------------------------------------------- reuse
+
+
+@dataclass
+class ReuseResult:
+    """One prompt served with reuse: what was found, loaded and computed, and how long each
+    step took (seconds)."""
+
+    logits: torch.Tensor
+    lookup_chunks: int
+    reused_chunks: int
+    reused_tokens: int
+    loaded_bytes: int
+    prefix: PrefixBuffer | None
+    keys_s: float
+    lookup_s: float
+    load_s: float
+    cache_s: float
+    compute_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.keys_s + self.lookup_s + self.load_s + self.cache_s + self.compute_s
+
+
+def reuse_prefill(
+    model: Any,
+    client: Any,
+    contract: CompatContract,
+    token_ids: Sequence[int],
+    *,
+    dtype: torch.dtype = torch.float32,
+    clock: Callable[[], float] = time.perf_counter,
+) -> ReuseResult:
+    """Serve ``token_ids`` as a worker with kvoffload does: chunk keys, lookup, load the
+    leading chunks found (at most all but the last token, so one position is computed),
+    and prefill only the rest. ``client`` is a connected ``SidecarClient``."""
+    t0 = clock()
+    salt = client.salt
+    if salt is None:
+        raise RuntimeError("the sidecar is not reachable")
+    keys = chunk_keys(contract, salt, token_ids)
+    t1 = clock()
+    found = client.lookup(keys)
+    # A full hit still computes one position: the first token needs its logits.
+    n = min(found, (len(token_ids) - 1) // contract.chunk_tokens)
+    t2 = clock()
+    prefix: PrefixBuffer | None = None
+    reused = 0
+    if n:
+        prefix = PrefixBuffer(contract.layer_layout, contract.chunk_tokens, n, dtype)
+        client.load(keys[:n], into=prefix.fill)
+        reused = prefix.leading()
+    t3 = clock()
+    if prefix is not None and reused:
+        cache = prefix.to_cache(model.config, reused)
+    else:
+        cache = new_cache(model.config)
+    t4 = clock()
+    logits = prefill_suffix(model, token_ids, cache, reused * contract.chunk_tokens)
+    t5 = clock()
+    loaded = reused * (prefix.layer_bytes * contract.layer_layout.num_layers if prefix else 0)
+    return ReuseResult(
+        logits=logits,
+        lookup_chunks=found,
+        reused_chunks=reused,
+        reused_tokens=reused * contract.chunk_tokens,
+        loaded_bytes=loaded,
+        prefix=prefix,
+        keys_s=t1 - t0,
+        lookup_s=t2 - t1,
+        load_s=t3 - t2,
+        cache_s=t4 - t3,
+        compute_s=t5 - t4,
+    )
+
+
+def logits_tolerance(reference: torch.Tensor) -> float:
+    """Largest |difference| accepted between reuse and recompute logits (module docstring)."""
+    return LOGITS_RTOL * max(1.0, float(reference.abs().max()))
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+
+# --------------------------------------------------------------------------- the dev sidecar
+
+
+@dataclass
+class RunningSidecar:
+    """A sidecar serving the embedded development store of ``directory``."""
+
+    directory: Path
+    socket_path: Path
+    store_root: Path
+    started: bool
+    pid: int | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    stopped: bool = False
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+@functools.cache
+def _libc() -> Any:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Get SIGTERM when the process that started the sidecar dies, even by SIGKILL.
+
+    libc is loaded by the parent before the fork (:func:`_libc`): the child, which may
+    have been forked from a threaded process, only calls into it."""
+    if sys.platform.startswith("linux"):
+        _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def _answers(socket_path: Path, timeout_s: float = 2.0) -> dict[str, Any] | None:
+    from .client import fetch_stats
+    from .protocol import ProtocolError
+    from .transport import TransportError
+
+    if not socket_path.exists():
+        return None
+    try:
+        return fetch_stats(socket_path, timeout_s=timeout_s)
+    except (TransportError, ProtocolError, OSError):
+        return None
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _tail(f: IO[bytes], n: int = 4000) -> str:
+    f.flush()
+    f.seek(0)
+    return f.read().decode("utf-8", "replace")[-n:]
+
+
+@contextlib.contextmanager
+def dev_sidecar(
+    directory: Path | None = None, *, ready_timeout_s: float = SIDECAR_READY_TIMEOUT_S
+) -> Iterator[RunningSidecar]:
+    """The sidecar of ``directory``'s embedded store (``./.kvoffload``): the one already
+    answering on its socket, or ``python -m kvoffload.cli --dev serve`` started there
+    (``KVOFFLOAD_*`` variables removed from its environment) and stopped with SIGTERM on
+    exit. Its output goes to a temp file, quoted if it fails to start."""
+    from .sidecar.config import Config
+
+    directory = (directory or Path.cwd()).resolve()
+    cfg = Config.dev_default(directory)
+    sock = cfg.socket_path
+    running = RunningSidecar(directory, sock, cfg.store_root, started=False)
+    stats = _answers(sock)
+    if stats is not None:
+        running.stats = stats
+        yield running
+        return
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
+    with contextlib.ExitStack() as stack:
+        if len(os.fsencode(sock)) >= MAX_SOCKET_PATH:
+            # Too long for sun_path: the same store, its socket in a short temp dir.
+            short = Path(tempfile.mkdtemp(prefix="kvo-"))
+            stack.callback(shutil.rmtree, short, True)
+            sock = running.socket_path = short / "kvoffload.sock"
+            env["KVOFFLOAD_SERVER_SOCKET"] = str(sock)
+        log = stack.enter_context(tempfile.TemporaryFile())
+        if sys.platform.startswith("linux"):
+            _libc()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvoffload.cli", "--dev", "serve"],
+            cwd=directory,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+        )
+        running.started, running.pid = True, proc.pid
+        try:
+            deadline = time.monotonic() + ready_timeout_s
+            while True:
+                if proc.poll() is not None:
+                    raise SidecarStartError(
+                        f"the sidecar exited with {proc.returncode}:\n{_tail(log)}"
+                    )
+                stats = _answers(sock)
+                if stats is not None:
+                    running.stats = stats
+                    break
+                if time.monotonic() > deadline:
+                    raise SidecarStartError(
+                        f"no answer on {sock} after {ready_timeout_s:.0f} s:\n{_tail(log)}"
+                    )
+                time.sleep(0.05)
+            yield running
+        finally:
+            _stop(proc)
+            running.stopped = True
+
+
+# --------------------------------------------------------------------------- workers
+
+
+@dataclass(frozen=True)
+class WorkerJob:
+    """What one worker process does (``python -m kvoffload.demo worker`` reads it as JSON).
+
+    ``role`` "save": prefill ``tokens`` and save every full chunk. "reuse": serve
+    ``tokens`` with reuse (:func:`reuse_prefill`), then, if ``recompute``, prefill them
+    in full too and compare; ``repeats`` times, reporting the median. ``warmup`` runs
+    both shapes once, untimed, first.
+    """
+
+    role: str
+    socket_path: str
+    tenant: str
+    shape: ModelShape
+    seed: int
+    tokens: list[int]
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    threads: int = 2
+    warmup: bool = True
+    recompute: bool = True
+    repeats: int = 3
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerJob:
+        d = json.loads(text)
+        d["shape"] = ModelShape(**d["shape"])
+        return cls(**d)
+
+
+def _warm_up(model: Any, tokens: Sequence[int], chunk_tokens: int) -> None:
+    """One full prefill and one suffix prefill of the shapes to come (untimed): the first
+    call of a GEMM shape pays one-off set-up costs that no later call does."""
+    full = prefill(model, tokens)
+    n = (len(tokens) - 1) // chunk_tokens * chunk_tokens
+    if n:
+        cache = cache_from_kv(
+            model.config, [k[:, :n] for k in full.keys], [v[:, :n] for v in full.values]
+        )
+        prefill_suffix(model, tokens, cache, n)
+
+
+def run_worker(job: WorkerJob) -> dict[str, Any]:
+    """Run one worker's job in this process; a JSON-able report."""
+    from .client import SidecarClient
+
+    torch.set_num_threads(job.threads)
+    config = llama_config(job.shape)
+    model = build_model(config, job.seed)
+    contract = demo_contract(config, job.seed, tenant=job.tenant, chunk_tokens=job.chunk_tokens)
+    full_chunks = len(job.tokens) // job.chunk_tokens
+    staging = staging_bytes_for(contract.layer_layout, job.chunk_tokens, full_chunks)
+    report: dict[str, Any] = {
+        "role": job.role,
+        "pid": os.getpid(),
+        "model_revision": contract.model_revision,
+        "namespace": contract.fingerprint().hex(),
+        "tokens": len(job.tokens),
+        "full_chunks": full_chunks,
+        "torch_threads": torch.get_num_threads(),
+    }
+    with SidecarClient(
+        job.socket_path, job.tenant, staging_bytes=staging, name=f"kvoffload demo {job.role}"
+    ) as client:
+        # Connecting (hello, staging registration) is a worker's start-up, not a request's.
+        if client.salt is None:
+            raise RuntimeError(f"no sidecar answered on {job.socket_path}")
+        if job.role == "save":
+            t0 = time.perf_counter()
+            full = prefill(model, job.tokens)
+            t1 = time.perf_counter()
+            keys = chunk_keys(contract, client.salt, job.tokens)
+            chunks = pack_chunks(full.keys, full.values, job.chunk_tokens)
+            saved = client.save(contract.fingerprint(), list(zip(keys, chunks, strict=True)))
+            t2 = time.perf_counter()
+            layer_bytes = chunk_layer_bytes(contract.layer_layout, job.chunk_tokens, torch.float32)
+            report |= {
+                "prefill_s": t1 - t0,
+                "save_s": t2 - t1,
+                "chunks_saved": sum(saved),
+                "bytes_saved": sum(saved) * layer_bytes * contract.layer_layout.num_layers,
+                "next_token": int(full.logits.argmax()),
+            }
+            return report
+        if job.role != "reuse":
+            raise ValueError(f"unknown worker role {job.role!r}")
+        if job.warmup:
+            _warm_up(model, job.tokens, job.chunk_tokens)
+        return report | _serve_with_reuse(job, model, client, contract)
+
+
+def _serve_with_reuse(
+    job: WorkerJob, model: Any, client: Any, contract: CompatContract
+) -> dict[str, Any]:
+    """``job.repeats`` rounds of (reuse, recompute), interleaved so that a noisy machine
+    slows both alike; the run with the median TTFT is reported, and every run is compared."""
+    reuses: list[ReuseResult] = []
+    recompute_s: list[float] = []
+    full: Prefill | None = None
+    diff = kv_diff = 0.0
+    greedy = True
+    for _ in range(job.repeats):
+        r = reuse_prefill(model, client, contract, job.tokens)
+        reuses.append(r)
+        if not job.recompute:
+            continue
+        t0 = time.perf_counter()
+        full = prefill(model, job.tokens)
+        recompute_s.append(time.perf_counter() - t0)
+        diff = max(diff, max_abs_diff(r.logits, full.logits))
+        greedy = greedy and int(r.logits.argmax()) == int(full.logits.argmax())
+        if r.prefix is not None and r.reused_chunks:
+            t = r.reused_tokens
+            kv_diff = max(
+                kv_diff,
+                *(
+                    max(max_abs_diff(a[:, :t], b[:, :t]), max_abs_diff(c[:, :t], d[:, :t]))
+                    for a, b, c, d in zip(
+                        r.prefix.keys, full.keys, r.prefix.values, full.values, strict=True
+                    )
+                ),
+            )
+    r = sorted(reuses, key=lambda x: x.total_s)[(len(reuses) - 1) // 2]
+    report: dict[str, Any] = {
+        "repeats": job.repeats,
+        "lookup_chunks": r.lookup_chunks,
+        "chunks_reused": r.reused_chunks,
+        "tokens_reused": r.reused_tokens,
+        "tokens_computed": len(job.tokens) - r.reused_tokens,
+        "bytes_loaded": r.loaded_bytes,
+        "ttft_reuse_s": r.total_s,
+        "ttft_reuse_runs_s": [x.total_s for x in reuses],
+        "keys_s": r.keys_s,
+        "lookup_s": r.lookup_s,
+        "load_s": r.load_s,
+        "cache_s": r.cache_s,
+        "suffix_prefill_s": r.compute_s,
+        "next_token": int(r.logits.argmax()),
+    }
+    if full is not None:
+        tol = logits_tolerance(full.logits)
+        report |= {
+            "ttft_recompute_s": statistics.median(recompute_s),
+            "ttft_recompute_runs_s": recompute_s,
+            "recompute_next_token": int(full.logits.argmax()),
+            "logits_max_abs_diff": diff,
+            "logits_tolerance": tol,
+            "logits_match": diff <= tol,
+            "greedy_match": greedy,
+            "prefix_kv_max_abs_diff": kv_diff,
+            "logits_abs_max": float(full.logits.abs().max()),
+        }
+    return report
+
+
+def spawn_worker(job: WorkerJob, *, timeout_s: float = WORKER_TIMEOUT_S) -> dict[str, Any]:
+    """Run ``job`` in its own Python process; its report."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoffload.demo", "worker"],
+        input=job.to_json(),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"worker {job.role} (seed {job.seed}) exited with {proc.returncode}:\n"
+            f"{proc.stderr[-4000:]}"
+        )
+    lines = proc.stdout.strip().splitlines()
+    if not lines:
+        raise RuntimeError(f"worker {job.role} printed no report:\n{proc.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+# --------------------------------------------------------------------------- the demo
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    shape: ModelShape = ModelShape()
+    prompt_tokens: int = 1024
+    suffix_tokens: int = 32
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    seed: int = 0
+    other_seed: int = 1
+    tenant: str = DEFAULT_TENANT
+    threads: int = 2
+    token_seed: int = 1234
+    #: Rounds of (reuse, recompute) in worker B; the medians are reported.
+    repeats: int = 3
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1 or self.suffix_tokens < 1:
+            raise ValueError("--prompt-tokens and --suffix-tokens must be at least 1")
+        if self.chunk_tokens < DEFAULT_BLOCK_SIZE or self.chunk_tokens % DEFAULT_BLOCK_SIZE:
+            raise ValueError(f"chunk tokens must be a multiple of {DEFAULT_BLOCK_SIZE}")
+        if self.repeats < 1 or self.threads < 1:
+            raise ValueError("--repeats and --threads must be at least 1")
+        if self.seed == self.other_seed:
+            raise ValueError("the other revision needs another seed")
+        if self.prompt_tokens + self.suffix_tokens > self.shape.max_position_embeddings:
+            raise ValueError(
+                f"prompt + suffix exceed {self.shape.max_position_embeddings} positions"
+            )
+
+
+def demo_prompts(cfg: DemoConfig) -> tuple[list[int], list[int]]:
+    """Worker A's and worker B's prompts: one shared document of ``prompt_tokens`` tokens,
+    each followed by its own ``suffix_tokens``-token question."""
+    vocab = cfg.shape.vocab_size
+    doc = random_tokens(cfg.prompt_tokens, vocab, cfg.token_seed)
+    qa = random_tokens(cfg.suffix_tokens, vocab, cfg.token_seed + 1)
+    qb = random_tokens(cfg.suffix_tokens, vocab, cfg.token_seed + 2)
+    return doc + qa, doc + qb
+
+
+def run_demo(
+    cfg: DemoConfig,
+    directory: Path | None = None,
+    progress: Callable[[str], None] = lambda _m: None,
+) -> dict[str, Any]:
+    """Worker A saves, worker B reuses (and recomputes to compare), worker C (another
+    revision) misses; each its own process, all through one dev sidecar."""
+    prompt_a, prompt_b = demo_prompts(cfg)
+    out: dict[str, Any] = {
+        "model": asdict(cfg.shape) | {"head_dim": cfg.shape.head_dim, "ffn": cfg.shape.ffn_size},
+        "model_description": cfg.shape.describe(),
+        "dtype": "float32",
+        "prompt_tokens": cfg.prompt_tokens,
+        "suffix_tokens": cfg.suffix_tokens,
+        "chunk_tokens": cfg.chunk_tokens,
+        "tenant": cfg.tenant,
+        "torch_threads": cfg.threads,
+    }
+    with dev_sidecar(directory) as sc:
+        progress(
+            f"sidecar {'started, pid ' + str(sc.pid) if sc.started else 'already running'} "
+            f"on {sc.socket_path}"
+        )
+        out["sidecar"] = {
+            "socket": str(sc.socket_path),
+            "store": str(sc.store_root),
+            "started": sc.started,
+            "pid": sc.pid,
+        }
+
+        def job(role: str, seed: int, tokens: list[int], recompute: bool) -> WorkerJob:
+            return WorkerJob(
+                role=role,
+                socket_path=str(sc.socket_path),
+                tenant=cfg.tenant,
+                shape=cfg.shape,
+                seed=seed,
+                tokens=tokens,
+                chunk_tokens=cfg.chunk_tokens,
+                threads=cfg.threads,
+                recompute=recompute,
+                repeats=cfg.repeats if recompute else 1,
+            )
+
+        progress(f"worker A ({model_revision(cfg.seed)}): prefill {len(prompt_a)} tokens, save")
+        out["a"] = spawn_worker(job("save", cfg.seed, prompt_a, False))
+        progress(f"worker B ({model_revision(cfg.seed)}): reuse, then recompute to compare")
+        out["b"] = spawn_worker(job("reuse", cfg.seed, prompt_b, True))
+        progress(f"worker C ({model_revision(cfg.other_seed)}): another revision, must miss")
+        out["c"] = spawn_worker(job("reuse", cfg.other_seed, prompt_b, False))
+    out["sidecar"]["stopped"] = sc.stopped
+    b = out["b"]
+    out["speedup"] = b["ttft_recompute_s"] / b["ttft_reuse_s"] if b["ttft_reuse_s"] > 0 else None
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args != ["worker"]:
+        print(
+            "usage: python -m kvoffload.demo worker  (a JSON WorkerJob on stdin)", file=sys.stderr
+        )
+        return 2
+    job = WorkerJob.from_json(sys.stdin.read())
+    report = run_worker(job)
+    sys.stdout.write(json.dumps(report) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""The layout layer's errors; defined, with the whole tree, in :mod:`kvoffload.errors`."""
+
+from __future__ import annotations
+
+from kvoffload.errors import CorruptObject, LayoutError, ObjectMismatch, UnknownLayoutVersion
+
+__all__ = ["CorruptObject", "LayoutError", "ObjectMismatch", "UnknownLayoutVersion"]

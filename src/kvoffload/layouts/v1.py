@@ -1,0 +1,500 @@
+"""Layout v1: the byte format of one object, its path, and sealing/opening.
+
+``docs/spec/layout-v1.md`` is normative; this module implements it. An object is
+one chunk (N tokens × all layers of one shard). All integers little-endian::
+
+    0    8  magic "KVOFFOBJ"
+    8    2  layout version (1)
+    10   2  flags (bit 0: SEALED = AES-256-GCM; all other bits 0)
+    12   4  header_length (bytes, including the trailing checksum)
+    16   4  data_offset (first layer; multiple of 4096)
+    20   4  num_layers (1..65535)
+    24   4  key_epoch (0 when not sealed)
+    28   2  tenant_len (1..64)
+    30   2  reserved (0)
+    32   8  created (unix ns)
+    40  32  chunk key
+    72  32  namespace fingerprint
+    104 64  tenant id (UTF-8, zero padded)
+    168  8  reserved (0)
+    176 48×num_layers  layer table: u64 offset, u64 length, 12 nonce, 16 check, 4 reserved
+    ... 16  header checksum: XXH3-128 of bytes [0, header_length-16)
+
+Layer ``i`` starts at ``offset[i]`` (4096-aligned, packed in order) and holds
+``length[i]`` bytes of ciphertext followed by the 16-byte GCM tag when SEALED
+(``check`` repeats the tag), or the plaintext when not (``check`` is
+XXH3-128 of it). Every byte between regions and up to the file end (a
+multiple of 4096) is zero, and readers check it, so no byte of an object can
+change unnoticed.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import xxhash
+
+from .errors import CorruptObject, ObjectMismatch, UnknownLayoutVersion
+
+VERSION = 1
+MAGIC = b"KVOFFOBJ"
+ALIGN = 4096
+FLAG_SEALED = 0x1
+KNOWN_FLAGS = FLAG_SEALED
+TAG_SIZE = 16
+NONCE_SIZE = 12
+KEY_SIZE = 32
+MAX_LAYERS = 0xFFFF
+MAX_TENANT = 64
+OBJECT_SUFFIX = ".kvo"
+TMP_PREFIX = ".tmp-"
+
+_FIXED = struct.Struct("<8sHHIIIIHHQ32s32s64s8x")
+_LAYER = struct.Struct("<QQ12s16s4x")
+_CHECK_SIZE = 16
+_AAD = struct.Struct("<8sHHIIIQ32s32sH")
+assert _FIXED.size == 176 and _LAYER.size == 48
+
+
+class Aead(Protocol):
+    """What sealing needs of an AEAD (``cryptography``'s AESGCM fits)."""
+
+    def encrypt_into(
+        self, nonce: bytes, data: Any, associated_data: bytes | None, buf: Any
+    ) -> int: ...
+
+    def decrypt_into(
+        self, nonce: bytes, data: Any, associated_data: bytes | None, buf: Any
+    ) -> int: ...
+
+
+def default_params() -> dict[str, Any]:
+    return {
+        "fanout": [2, 2],
+        "alignment": ALIGN,
+        "object_suffix": OBJECT_SUFFIX,
+        "chunk_key": "blake2b-256 keyed by tenant salt",
+        "aead": "AES-256-GCM",
+        "checksum": "xxh3-128",
+    }
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def header_length(num_layers: int) -> int:
+    return _FIXED.size + _LAYER.size * num_layers + _CHECK_SIZE
+
+
+def object_relpath(tenant: str, chunk_key: bytes) -> str:
+    """Path of an object below the store root: a pure function of (tenant, key)."""
+    h = chunk_key.hex()
+    return f"objects/{tenant}/{h[0:2]}/{h[2:4]}/{h}{OBJECT_SUFFIX}"
+
+
+def tmp_name() -> str:
+    """A temp-file name unique per writer (random + pid); create it with O_EXCL."""
+    return f"{TMP_PREFIX}{os.urandom(8).hex()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class LayerEntry:
+    offset: int
+    length: int
+    nonce: bytes
+    check: bytes
+
+
+@dataclass(frozen=True)
+class ObjectHeader:
+    version: int
+    flags: int
+    key_epoch: int
+    created_ns: int
+    chunk_key: bytes
+    namespace: bytes
+    tenant: str
+    data_offset: int
+    layers: tuple[LayerEntry, ...]
+
+    @property
+    def sealed(self) -> bool:
+        return bool(self.flags & FLAG_SEALED)
+
+    @property
+    def payload_size(self) -> int:
+        """Plaintext bytes: the sum of the layer lengths."""
+        return sum(le.length for le in self.layers)
+
+    @property
+    def total_size(self) -> int:
+        return total_size(self.data_offset, [le.length for le in self.layers], self.sealed)
+
+
+def plan_offsets(num_layers: int, lengths: Sequence[int], sealed: bool) -> tuple[int, list[int]]:
+    """(data_offset, per-layer offsets): the only valid placement of the layers."""
+    data_offset = align_up(header_length(num_layers))
+    offsets = []
+    pos = data_offset
+    for n in lengths:
+        offsets.append(pos)
+        pos = align_up(pos + n + (TAG_SIZE if sealed else 0))
+    return data_offset, offsets
+
+
+def total_size(data_offset: int, lengths: Sequence[int], sealed: bool) -> int:
+    pos = data_offset
+    for n in lengths:
+        pos = align_up(pos + n + (TAG_SIZE if sealed else 0))
+    return pos
+
+
+def object_size(lengths: Sequence[int], sealed: bool) -> int:
+    """File size of an object with these layer lengths."""
+    return total_size(align_up(header_length(len(lengths))), lengths, sealed)
+
+
+def _tenant_bytes(tenant: str) -> bytes:
+    b = tenant.encode("utf-8")
+    if not 1 <= len(b) <= MAX_TENANT:
+        raise ValueError(f"tenant id must be 1..{MAX_TENANT} bytes")
+    return b
+
+
+def encode_header(h: ObjectHeader) -> bytes:
+    t = _tenant_bytes(h.tenant)
+    n = len(h.layers)
+    hl = header_length(n)
+    parts = [
+        _FIXED.pack(
+            MAGIC,
+            h.version,
+            h.flags,
+            hl,
+            h.data_offset,
+            n,
+            h.key_epoch,
+            len(t),
+            0,
+            h.created_ns,
+            h.chunk_key,
+            h.namespace,
+            t,
+        )
+    ]
+    for le in h.layers:
+        parts.append(_LAYER.pack(le.offset, le.length, le.nonce, le.check))
+    body = b"".join(parts)
+    return body + xxhash.xxh3_128_digest(body)
+
+
+def peek_version(buf: bytes | memoryview) -> int:
+    if len(buf) < 10 or bytes(buf[0:8]) != MAGIC:
+        raise CorruptObject("not a kvoffload object (bad magic)")
+    return int(struct.unpack_from("<H", buf, 8)[0])
+
+
+def decode_header(buf: bytes | memoryview) -> ObjectHeader:
+    """Parse and check a header; refuses unknown versions and any inconsistency."""
+    mv = memoryview(buf)
+    version = peek_version(mv)
+    if version != VERSION:
+        raise UnknownLayoutVersion(version, "object header")
+    if len(mv) < _FIXED.size:
+        raise CorruptObject("truncated header")
+    (
+        _magic,
+        _ver,
+        flags,
+        hl,
+        data_offset,
+        n,
+        epoch,
+        tlen,
+        reserved,
+        created,
+        key,
+        ns,
+        tenant_raw,
+    ) = _FIXED.unpack_from(mv, 0)
+    if not 1 <= n <= MAX_LAYERS or hl != header_length(n) or len(mv) < hl:
+        raise CorruptObject("bad layer count or header length")
+    if xxhash.xxh3_128_digest(mv[: hl - _CHECK_SIZE]) != bytes(mv[hl - _CHECK_SIZE : hl]):
+        raise CorruptObject("header checksum mismatch")
+    if flags & ~KNOWN_FLAGS or reserved or bytes(mv[168:176]) != bytes(8):
+        raise CorruptObject("unknown flags or non-zero reserved field")
+    if not 1 <= tlen <= MAX_TENANT or tenant_raw[tlen:] != bytes(MAX_TENANT - tlen):
+        raise CorruptObject("bad tenant field")
+    sealed = bool(flags & FLAG_SEALED)
+    if not sealed and epoch != 0:
+        raise CorruptObject("plaintext object with a key epoch")
+    layers = []
+    for i in range(n):
+        off, length, nonce, check = _LAYER.unpack_from(mv, _FIXED.size + i * _LAYER.size)
+        if bytes(
+            mv[_FIXED.size + i * _LAYER.size + 44 : _FIXED.size + (i + 1) * _LAYER.size]
+        ) != bytes(4):
+            raise CorruptObject("non-zero reserved field in layer table")
+        if not sealed and nonce != bytes(NONCE_SIZE):
+            raise CorruptObject("plaintext layer with a nonce")
+        layers.append(LayerEntry(off, length, nonce, check))
+    expect_do, expect_offs = plan_offsets(n, [le.length for le in layers], sealed)
+    if data_offset != expect_do or [le.offset for le in layers] != expect_offs:
+        raise CorruptObject("layer offsets do not follow the v1 placement rule")
+    try:
+        tenant = tenant_raw[:tlen].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CorruptObject("tenant id is not UTF-8") from exc
+    return ObjectHeader(
+        version=version,
+        flags=flags,
+        key_epoch=epoch,
+        created_ns=created,
+        chunk_key=key,
+        namespace=ns,
+        tenant=tenant,
+        data_offset=data_offset,
+        layers=tuple(layers),
+    )
+
+
+def layer_aad(h: ObjectHeader, index: int) -> bytes:
+    """Associated data of layer ``index``: binds it to its object, place and owner."""
+    t = _tenant_bytes(h.tenant)
+    return (
+        _AAD.pack(
+            b"KVOFFAAD",
+            h.version,
+            h.flags,
+            h.key_epoch,
+            len(h.layers),
+            index,
+            h.layers[index].length,
+            h.chunk_key,
+            h.namespace,
+            len(t),
+        )
+        + t
+    )
+
+
+def _zero(mv: memoryview, start: int, end: int) -> None:
+    if end > start:
+        mv[start:end] = bytes(end - start)
+
+
+def seal_into(
+    out: memoryview,
+    *,
+    tenant: str,
+    namespace: bytes,
+    chunk_key: bytes,
+    layers: Sequence[memoryview | bytes | bytearray],
+    aead: Aead | None,
+    key_epoch: int = 0,
+    created_ns: int = 0,
+    nonce_source: Callable[[int], bytes] = os.urandom,
+) -> int:
+    """Build a complete object in ``out``; returns its size. ``aead=None``: plaintext.
+
+    ``out`` must hold :func:`object_size` bytes. Ciphertext is written straight
+    into ``out`` (``encrypt_into``), so sealing costs no extra copy.
+    """
+    if len(chunk_key) != KEY_SIZE or len(namespace) != KEY_SIZE:
+        raise ValueError("chunk key and namespace fingerprint must be 32 bytes")
+    if not 1 <= len(layers) <= MAX_LAYERS:
+        raise ValueError(f"an object holds 1..{MAX_LAYERS} layers")
+    sealed = aead is not None
+    if not sealed and key_epoch:
+        raise ValueError("a plaintext object has no key epoch")
+    lengths = [len(memoryview(x).cast("B")) for x in layers]
+    data_offset, offsets = plan_offsets(len(layers), lengths, sealed)
+    size = total_size(data_offset, lengths, sealed)
+    if len(out) < size:
+        raise ValueError(f"output buffer too small: {len(out)} < {size}")
+    flags = FLAG_SEALED if sealed else 0
+    entries: list[LayerEntry] = []
+    proto = ObjectHeader(
+        VERSION,
+        flags,
+        key_epoch,
+        created_ns,
+        chunk_key,
+        namespace,
+        tenant,
+        data_offset,
+        tuple(LayerEntry(o, n, b"", b"") for o, n in zip(offsets, lengths, strict=True)),
+    )
+    for i, (src, off, n) in enumerate(zip(layers, offsets, lengths, strict=True)):
+        data = memoryview(src).cast("B")
+        if sealed:
+            assert aead is not None
+            nonce = nonce_source(NONCE_SIZE)
+            aead.encrypt_into(nonce, data, layer_aad(proto, i), out[off : off + n + TAG_SIZE])
+            check = bytes(out[off + n : off + n + TAG_SIZE])
+            end = off + n + TAG_SIZE
+        else:
+            nonce = bytes(NONCE_SIZE)
+            out[off : off + n] = data
+            check = xxhash.xxh3_128_digest(data)
+            end = off + n
+        nxt = offsets[i + 1] if i + 1 < len(offsets) else size
+        _zero(out, end, nxt)
+        entries.append(LayerEntry(off, n, nonce, check))
+    header = encode_header(
+        ObjectHeader(
+            VERSION,
+            flags,
+            key_epoch,
+            created_ns,
+            chunk_key,
+            namespace,
+            tenant,
+            data_offset,
+            tuple(entries),
+        )
+    )
+    out[: len(header)] = header
+    _zero(out, len(header), data_offset)
+    return size
+
+
+def plain_header_block(
+    *,
+    tenant: str,
+    namespace: bytes,
+    chunk_key: bytes,
+    lengths: Sequence[int],
+    checks: Sequence[bytes],
+    created_ns: int = 0,
+) -> bytes:
+    """The first ``data_offset`` bytes of a plaintext object: header, then zeros.
+
+    For writers that place the layers themselves (the direct path, section 4.1
+    of the spec): they write this block at offset 0, each layer ``i`` at
+    ``plan_offsets(...)[1][i]``, and leave every other byte zero. ``checks``
+    are the layers' XXH3-128 digests (:func:`layer_check`).
+    """
+    if len(chunk_key) != KEY_SIZE or len(namespace) != KEY_SIZE:
+        raise ValueError("chunk key and namespace fingerprint must be 32 bytes")
+    if not 1 <= len(lengths) <= MAX_LAYERS or len(checks) != len(lengths):
+        raise ValueError(f"an object holds 1..{MAX_LAYERS} layers, one check each")
+    if any(n < 0 for n in lengths) or any(len(c) != _CHECK_SIZE for c in checks):
+        raise ValueError("layer lengths must be >= 0 and checks 16 bytes")
+    data_offset, offsets = plan_offsets(len(lengths), lengths, False)
+    entries = tuple(
+        LayerEntry(o, n, bytes(NONCE_SIZE), bytes(c))
+        for o, n, c in zip(offsets, lengths, checks, strict=True)
+    )
+    header = encode_header(
+        ObjectHeader(VERSION, 0, 0, created_ns, chunk_key, namespace, tenant, data_offset, entries)
+    )
+    return header + bytes(data_offset - len(header))
+
+
+def layer_check(data: memoryview | bytes | bytearray) -> bytes:
+    """The ``check`` of a plaintext layer: XXH3-128 of its bytes."""
+    return xxhash.xxh3_128_digest(data)
+
+
+def _is_zero(mv: memoryview) -> bool:
+    # bytes == bytes is a memcmp; memoryview == bytes compares item by item (50x slower).
+    return bytes(mv) == bytes(len(mv))
+
+
+def verify_plain(
+    buf: memoryview, *, tenant: str, namespace: bytes, chunk_key: bytes
+) -> ObjectHeader:
+    """Check a whole plaintext object in ``buf`` without copying its layers out.
+
+    What the sidecar runs on an object a direct-path writer produced before it
+    gives the object its name: every check :func:`open_into` makes, and the
+    object must be plaintext (a writer outside the sidecar has no data key).
+    """
+    h = decode_header(buf)
+    if h.sealed:
+        raise CorruptObject("a direct-path object must be plaintext (SEALED flag set)")
+    _check_whole(h, buf, tenant, namespace, chunk_key)
+    return h
+
+
+def _check_whole(
+    h: ObjectHeader, buf: memoryview, tenant: str, namespace: bytes, chunk_key: bytes
+) -> None:
+    """Identity, size and (for plaintext) every pad and checksum of ``buf``."""
+    if h.chunk_key != chunk_key or h.tenant != tenant or h.namespace != namespace:
+        raise ObjectMismatch("object belongs to another chunk key, tenant or namespace")
+    size = h.total_size
+    if len(buf) != size:
+        raise CorruptObject(f"object is {len(buf)} bytes, header says {size}")
+    if h.sealed:
+        return
+    hl = header_length(len(h.layers))
+    if not _is_zero(buf[hl : h.data_offset]):
+        raise CorruptObject("non-zero padding after header")
+    for i, le in enumerate(h.layers):
+        end = le.offset + le.length
+        nxt = h.layers[i + 1].offset if i + 1 < len(h.layers) else size
+        if not _is_zero(buf[end:nxt]):
+            raise CorruptObject(f"non-zero padding after layer {i}")
+        if xxhash.xxh3_128_digest(buf[le.offset : end]) != le.check:
+            raise CorruptObject(f"layer {i}: checksum mismatch")
+
+
+def open_into(
+    buf: memoryview,
+    out: memoryview,
+    *,
+    tenant: str,
+    namespace: bytes,
+    chunk_key: bytes,
+    aead_for_epoch: Callable[[int], Aead | None],
+) -> ObjectHeader:
+    """Verify the whole object in ``buf`` and write its layers, packed, into ``out``.
+
+    Raises :class:`CorruptObject` (or :class:`ObjectMismatch`) unless every
+    structural check, every zero pad and every tag/checksum passed; callers
+    must treat the bytes in ``out`` as garbage unless this returns.
+    """
+    h = decode_header(buf)
+    if h.chunk_key != chunk_key or h.tenant != tenant or h.namespace != namespace:
+        raise ObjectMismatch("object belongs to another chunk key, tenant or namespace")
+    size = h.total_size
+    if len(buf) != size:
+        raise CorruptObject(f"object is {len(buf)} bytes, header says {size}")
+    if len(out) < h.payload_size:
+        raise ValueError(f"output buffer too small: {len(out)} < {h.payload_size}")
+    aead = aead_for_epoch(h.key_epoch) if h.sealed else None
+    if h.sealed and aead is None:
+        raise CorruptObject(f"no key for epoch {h.key_epoch} (purged or unknown)")
+    hl = header_length(len(h.layers))
+    if not _is_zero(buf[hl : h.data_offset]):
+        raise CorruptObject("non-zero padding after header")
+    pos = 0
+    for i, le in enumerate(h.layers):
+        stored = le.length + (TAG_SIZE if h.sealed else 0)
+        end = le.offset + stored
+        nxt = h.layers[i + 1].offset if i + 1 < len(h.layers) else size
+        if not _is_zero(buf[end:nxt]):
+            raise CorruptObject(f"non-zero padding after layer {i}")
+        dst = out[pos : pos + le.length]
+        if h.sealed:
+            assert aead is not None
+            if bytes(buf[le.offset + le.length : end]) != le.check:
+                raise CorruptObject(f"layer {i}: tag differs from the header's copy")
+            try:
+                aead.decrypt_into(le.nonce, buf[le.offset : end], layer_aad(h, i), dst)
+            except Exception as exc:  # cryptography's InvalidTag
+                raise CorruptObject(f"layer {i}: authentication failed") from exc
+        else:
+            src = buf[le.offset : end]
+            if xxhash.xxh3_128_digest(src) != le.check:
+                raise CorruptObject(f"layer {i}: checksum mismatch")
+            dst[:] = src
+        pos += le.length
+    return h

@@ -1,0 +1,653 @@
+"""The access policy: which peers may use which tenants, and each tenant's settings.
+
+The sidecar's socket is 0660 with a dedicated group, so anyone who can connect
+is a legitimate client of *some* tenant; this file decides which. Each
+connection's ``SO_PEERCRED`` uid and groups are looked up in the grants, and a
+request for a tenant that the peer may not use is answered as if the tenant
+were empty. The file is TOML (``/etc/kvoffload/policy.toml``)::
+
+    version = 1                     # required; the only version there is
+
+    [defaults]                      # settings of tenants without their own table
+    encryption = "aes-256-gcm"      # or "none": stored in plaintext, still checksummed
+    ttl = "7d"                      # 30s, 15m, 12h, 7d (also 1.5h), or "none"
+    quota = "200GiB"                # B, KiB, MiB, GiB, TiB, PiB; KB, MB, GB, TB, PB
+                                    # (powers of ten); or "none". The tenant's stored +
+                                    # in-flight bytes; its own LRU chunks make room
+
+    [tenants.acme]                  # a table per tenant with settings of its own;
+    encryption = "none"             # a key left out is taken from [defaults]
+    ttl = "1h"
+    quota = "10GiB"
+    trust_group = "prod"            # optional, per tenant only
+    direct = true                   # optional, per tenant, needs encryption = "none":
+                                    # workers may write and read this tenant's objects
+                                    # themselves (GPUDirect Storage); docs/spec/layout-v1.md §4.1
+    direct_group = "vllm-acme"      # optional: the group (name or gid) whose members'
+                                    # workers get the direct path; the sidecar shares the
+                                    # tenant's object tree with it. Without it, only
+                                    # workers running as the sidecar's own uid (or root)
+                                    # can open the leased files, so only they get it.
+
+    [[grants]]                      # who may use which tenants
+    uid = 1001                      # exactly one of uid, gid, user, group
+    tenants = ["acme", "beta"]      # tenant ids, or ["*"] for every tenant
+    admin = false                   # optional: may use the admin verbs (purge, fsck)
+
+Rules, all of which make a file that breaks them refuse to load (`PolicyError`,
+whose message names the file and, where it can be found, the line):
+
+* Unknown keys anywhere are errors: a typo such as ``encrpytion = "none"`` or
+  ``tennants = [...]`` must never silently weaken or widen isolation.
+* ``version`` must be present and equal to 1.
+* Tenant ids (table names and grant entries) match
+  ``^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$`` (`kvoffload.contract.TENANT_RE`).
+  ``"*"`` must stand alone in its list.
+* Durations and sizes are strings with a unit; a bare number is refused because
+  ``quota = 10`` (10 bytes? 10 GiB?) is exactly the kind of mistake to catch.
+  A ttl must be positive; a quota of ``"0B"`` is allowed and stores nothing.
+* ``user``/``group`` names are resolved through pwd/grp when the file is
+  loaded, so an unknown name fails at load time instead of granting nothing at
+  request time; reload the policy after renumbering accounts.
+* A file writable by everyone is refused: whoever can edit it owns every tenant.
+
+Without any grant nobody may use anything: root is not special, give it an
+explicit grant (usually ``uid = 0``, ``tenants = ["*"]``, ``admin = true``).
+Grants add up: a peer gets the union of every grant that matches its uid or any
+of its groups. ``admin`` allows the admin verbs on any tenant; it does not by
+itself allow reading or writing a tenant's data.
+
+`SO_PEERCRED` reports only the peer's primary gid; for ``gid``/``group``
+grants to see supplementary groups as well, the caller passes them too (from
+``SO_PEERGROUPS`` or ``/proc/<pid>/status``).
+
+A `Policy` is immutable: reloading builds a new one and swaps it in, so a
+revocation takes effect for the next request without locking.
+"""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import pwd
+import re
+import stat
+import tomllib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, ClassVar, Final, Literal, final
+
+from kvoffload.contract import TENANT_RE
+from kvoffload.errors import PolicyError
+
+POLICY_VERSION: Final = 1
+WILDCARD: Final = "*"
+
+ENCRYPTIONS: Final[Mapping[str, bool]] = MappingProxyType({"aes-256-gcm": True, "none": False})
+
+_UID_LIMIT: Final = 2**32 - 1  # (uid_t)-1 means "no change" to the kernel, never a real id
+
+_DURATION_RE: Final = re.compile(r"^(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[smhd])$")
+_DURATION_UNITS: Final[Mapping[str, int]] = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+_SIZE_RE: Final = re.compile(r"^(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[KMGTP]i?B|B)$")
+_SIZE_UNITS: Final[Mapping[str, int]] = {
+    "B": 1,
+    **{f"{p}iB": 1024 ** (i + 1) for i, p in enumerate("KMGTP")},
+    **{f"{p}B": 1000 ** (i + 1) for i, p in enumerate("KMGTP")},
+}
+
+_TOP_KEYS: Final = ("version", "defaults", "tenants", "grants")
+_DEFAULTS_KEYS: Final = ("encryption", "ttl", "quota")
+_TENANT_KEYS: Final = ("encryption", "ttl", "quota", "trust_group", "direct", "direct_group")
+_PER_TENANT_ONLY: Final = ("trust_group", "direct", "direct_group")
+_GRANT_KEYS: Final = ("uid", "gid", "user", "group", "tenants", "admin")
+_PRINCIPAL_KEYS: Final = ("uid", "gid", "user", "group")
+
+
+@final
+class AllTenants:
+    """Every tenant, including those the policy has no table for (a ``"*"`` grant).
+
+    Supports ``tenant in ALL_TENANTS`` like the frozenset it stands in for, so
+    callers need not tell the two apart for a membership test.
+    """
+
+    _instance: ClassVar[AllTenants | None] = None
+
+    def __new__(cls) -> AllTenants:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __contains__(self, tenant: object) -> bool:
+        return is_valid_tenant_id(tenant)
+
+    def __repr__(self) -> str:
+        return "ALL_TENANTS"
+
+    def __reduce__(self) -> str:
+        return "ALL_TENANTS"
+
+
+ALL_TENANTS: Final = AllTenants()
+
+TenantSet = frozenset[str] | AllTenants
+
+
+@dataclass(frozen=True, slots=True)
+class TenantPolicy:
+    """The effective settings of one tenant (its own table over ``[defaults]``)."""
+
+    encryption: bool = True
+    ttl_s: float | None = None
+    quota_bytes: int | None = None
+    trust_group: str | None = None
+    #: The direct path (docs/spec/layout-v1.md §4.1) is allowed; implies ``encryption`` off.
+    direct: bool = False
+    #: The group that shares the tenant's object tree with the sidecar.
+    direct_gid: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """One ``[[grants]]`` entry, with user/group names already resolved to ids."""
+
+    principal: Literal["uid", "gid"]
+    id: int
+    tenants: TenantSet
+    admin: bool = False
+    #: How the file named the principal (``user "vllm"``), for messages and audits.
+    label: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class _Access:
+    tenants: TenantSet
+    admin: bool
+
+
+def _merge(a: _Access | None, b: _Access) -> _Access:
+    if a is None:
+        return b
+    tenants: TenantSet
+    if isinstance(a.tenants, AllTenants) or isinstance(b.tenants, AllTenants):
+        tenants = ALL_TENANTS
+    else:
+        tenants = a.tenants | b.tenants
+    return _Access(tenants, a.admin or b.admin)
+
+
+_NO_ACCESS: Final = _Access(frozenset(), False)
+
+
+def is_valid_tenant_id(tenant: object) -> bool:
+    # fullmatch, not match: the pattern's "$" also matches before a trailing
+    # newline, and "acme\n" must not pass for a tenant id.
+    return isinstance(tenant, str) and TENANT_RE.fullmatch(tenant) is not None
+
+
+class Policy:
+    """An immutable, loaded policy; see the module docstring for the file format."""
+
+    def __init__(
+        self,
+        *,
+        defaults: TenantPolicy = TenantPolicy(),  # frozen, so one shared default is safe
+        tenants: Mapping[str, TenantPolicy] | None = None,
+        grants: Iterable[Grant] = (),
+        source: str = "<built-in>",
+    ) -> None:
+        tenants = dict(tenants or {})
+        for name in tenants:
+            if not is_valid_tenant_id(name):
+                raise ValueError(f"invalid tenant id {name!r}")
+        self._source = source
+        self._defaults = defaults
+        self._tenants: Mapping[str, TenantPolicy] = MappingProxyType(tenants)
+        self._grants = tuple(grants)
+        by_uid: dict[int, _Access] = {}
+        by_gid: dict[int, _Access] = {}
+        for g in self._grants:
+            if not isinstance(g.tenants, AllTenants):
+                for name in g.tenants:
+                    if not is_valid_tenant_id(name):
+                        raise ValueError(f"invalid tenant id {name!r} in grant for {g.label}")
+            table = by_uid if g.principal == "uid" else by_gid
+            table[g.id] = _merge(table.get(g.id), _Access(g.tenants, g.admin))
+        self._by_uid: Mapping[int, _Access] = by_uid
+        self._by_gid: Mapping[int, _Access] = by_gid
+
+    # -- construction ---------------------------------------------------------------
+
+    @classmethod
+    def from_toml_text(cls, text: str, source: str = "<string>") -> Policy:
+        return _Parser(text, source).parse()
+
+    @classmethod
+    def default_dev(cls) -> Policy:
+        """A permissive policy for the embedded dev mode.
+
+        Root and the current user may use every tenant and the admin verbs;
+        everyone else nothing, so a dev socket left readable still isolates.
+        """
+        uids = dict.fromkeys((0, os.getuid()))
+        grants = [Grant("uid", uid, ALL_TENANTS, admin=True, label=f"uid {uid}") for uid in uids]
+        return cls(grants=grants, source="<dev>")
+
+    # -- queries --------------------------------------------------------------------
+
+    @property
+    def source(self) -> str:
+        return self._source
+
+    @property
+    def defaults(self) -> TenantPolicy:
+        return self._defaults
+
+    @property
+    def tenants(self) -> Mapping[str, TenantPolicy]:
+        """Tenants with a table of their own (others get `defaults`)."""
+        return self._tenants
+
+    @property
+    def grants(self) -> tuple[Grant, ...]:
+        return self._grants
+
+    def _access(self, uid: int, gids: Sequence[int]) -> _Access:
+        acc = self._by_uid.get(uid)
+        for gid in gids:
+            g = self._by_gid.get(gid)
+            if g is not None:
+                acc = _merge(acc, g)
+        return acc if acc is not None else _NO_ACCESS
+
+    def tenants_for(self, uid: int, gids: Sequence[int]) -> frozenset[str] | AllTenants:
+        """The tenants a peer with this uid and these groups may use."""
+        return self._access(uid, gids).tenants
+
+    def may_use(self, uid: int, gids: Sequence[int], tenant: str) -> bool:
+        # An invalid id is simply not usable: the caller answers it like any
+        # forbidden tenant, so the reply reveals nothing about the policy.
+        return is_valid_tenant_id(tenant) and tenant in self.tenants_for(uid, gids)
+
+    def is_admin(self, uid: int, gids: Sequence[int]) -> bool:
+        return self._access(uid, gids).admin
+
+    def tenant(self, tenant: str) -> TenantPolicy:
+        """The effective settings of ``tenant``; `defaults` if it has no table."""
+        if not is_valid_tenant_id(tenant):
+            raise ValueError(f"invalid tenant id {tenant!r}")
+        return self._tenants.get(tenant, self._defaults)
+
+    def __repr__(self) -> str:
+        return (
+            f"Policy(source={self._source!r}, tenants={len(self._tenants)}, "
+            f"grants={len(self._grants)})"
+        )
+
+
+def load_policy(path: str | os.PathLike[str]) -> Policy:
+    """Read and validate the policy file at ``path``."""
+    source = os.fspath(path)
+    try:
+        with Path(path).open("rb") as f:
+            st = os.fstat(f.fileno())
+            data = f.read()
+    except OSError as exc:
+        raise PolicyError(source, f"cannot read policy: {exc.strerror or exc}") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise PolicyError(source, "policy is not a regular file")
+    if st.st_mode & stat.S_IWOTH:
+        raise PolicyError(
+            source,
+            f"policy is writable by everyone (mode {stat.filemode(st.st_mode)}); refusing it",
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise PolicyError(source, "policy is not valid UTF-8", line) from exc
+    return Policy.from_toml_text(text, source=source)
+
+
+# -- parsing --------------------------------------------------------------------------
+
+_Path = tuple[str | int, ...]
+
+_BARE_OR_QUOTED = r"""(?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|'[^']*')"""
+_KEYS = rf"{_BARE_OR_QUOTED}(?:\s*\.\s*{_BARE_OR_QUOTED})*"
+_ARRAY_HEADER_RE: Final = re.compile(rf"^\s*\[\[\s*({_KEYS})\s*\]\]")
+_TABLE_HEADER_RE: Final = re.compile(rf"^\s*\[\s*({_KEYS})\s*\]")
+_KEY_LINE_RE: Final = re.compile(rf"^\s*({_KEYS})\s*=")
+_KEY_PART_RE: Final = re.compile(_BARE_OR_QUOTED)
+_TOML_POS_RE: Final = re.compile(r"^(?P<msg>.*?)\s*\(at line (?P<line>\d+), column (?P<col>\d+)\)$")
+
+
+def _unquote(key: str) -> str:
+    if key.startswith("'"):
+        return key[1:-1]
+    if key.startswith('"'):
+        # TOML's basic-string escapes are JSON's plus \U; a key JSON cannot
+        # read stays as written, which only costs the line number.
+        try:
+            return str(json.loads(key))
+        except ValueError:
+            return key[1:-1]
+    return key
+
+
+def _split_keys(keys: str) -> tuple[str, ...]:
+    return tuple(_unquote(k) for k in _KEY_PART_RE.findall(keys))
+
+
+class _Locator:
+    """Finds the line that defines a key path, for messages about semantic errors.
+
+    tomllib returns plain dicts without positions, so this re-reads the text
+    just far enough to map table headers and ``key =`` lines to key paths
+    (``("grants", 2, "uid")``). For a path it has no line for, it gives the
+    line of the nearest enclosing table; failing that, None.
+    """
+
+    def __init__(self, text: str) -> None:
+        self._entries: list[tuple[_Path, int]] = []
+        current: _Path = ()
+        arrays: dict[tuple[str, ...], int] = {}
+        in_multiline: str | None = None
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if in_multiline is not None:
+                if line.count(in_multiline) % 2 == 1:
+                    in_multiline = None
+                continue
+            if m := _ARRAY_HEADER_RE.match(line):
+                base = _split_keys(m.group(1))
+                arrays[base] = arrays.get(base, -1) + 1
+                current = (*base, arrays[base])
+                self._entries.append((current, lineno))
+            elif m := _TABLE_HEADER_RE.match(line):
+                current = _split_keys(m.group(1))
+                self._entries.append((current, lineno))
+            elif m := _KEY_LINE_RE.match(line):
+                self._entries.append(((*current, *_split_keys(m.group(1))), lineno))
+            for delim in ('"""', "'''"):
+                if line.count(delim) % 2 == 1:
+                    in_multiline = delim
+                    break
+
+    def line_of(self, path: _Path) -> int | None:
+        # Exact key first; then the first line inside it (a table only ever
+        # named in headers such as [tenant.acme]); then the innermost
+        # enclosing table or inline-table key.
+        best_len, best_line = 0, None
+        for entry, lineno in self._entries:
+            if entry == path:
+                return lineno
+        for entry, lineno in self._entries:
+            if path and entry[: len(path)] == path:
+                return lineno
+        for entry, lineno in self._entries:
+            n = len(entry)
+            if best_len < n < len(path) and path[:n] == entry:
+                best_len, best_line = n, lineno
+        return best_line
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, int | float):
+        return f"number {value}"
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "an array"
+    return type(value).__name__
+
+
+def _fmt_path(path: _Path) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
+    return out
+
+
+class _Parser:
+    def __init__(self, text: str, source: str) -> None:
+        self.text = text
+        self.source = source
+        self._locator: _Locator | None = None
+
+    def fail(self, path: _Path, reason: str) -> PolicyError:
+        if self._locator is None:
+            self._locator = _Locator(self.text)
+        return PolicyError(self.source, reason, self._locator.line_of(path))
+
+    def parse(self) -> Policy:
+        doc = self._load()
+        self._check_keys(doc, (), _TOP_KEYS)
+        if "version" not in doc:
+            raise self.fail((), f"missing 'version = {POLICY_VERSION}' at the top of the policy")
+        version = doc["version"]
+        if isinstance(version, bool) or version != POLICY_VERSION:
+            raise self.fail(
+                ("version",),
+                f"unsupported policy version {_describe(version)}; this kvoffload reads "
+                f"version {POLICY_VERSION}",
+            )
+
+        defaults = self._tenant_table(
+            self._table(doc, ("defaults",)), ("defaults",), TenantPolicy(), _DEFAULTS_KEYS
+        )
+        tenants: dict[str, TenantPolicy] = {}
+        for name, table in self._table(doc, ("tenants",)).items():
+            path: _Path = ("tenants", name)
+            if not is_valid_tenant_id(name):
+                raise self.fail(path, self._bad_tenant(name))
+            if not isinstance(table, dict):
+                raise self.fail(path, f"tenants.{name} must be a table, not {_describe(table)}")
+            tenants[name] = self._tenant_table(table, path, defaults, _TENANT_KEYS)
+
+        raw_grants = doc.get("grants", [])
+        if not isinstance(raw_grants, list):
+            raise self.fail(("grants",), "'grants' must be an array of tables ([[grants]])")
+        grants = [self._grant(g, ("grants", i)) for i, g in enumerate(raw_grants)]
+        return Policy(defaults=defaults, tenants=tenants, grants=grants, source=self.source)
+
+    def _load(self) -> dict[str, Any]:
+        try:
+            return tomllib.loads(self.text)
+        except tomllib.TOMLDecodeError as exc:
+            msg = str(exc)
+            m = _TOML_POS_RE.match(msg)
+            if m is None:
+                raise PolicyError(self.source, f"invalid TOML: {msg}") from exc
+            raise PolicyError(
+                self.source, f"invalid TOML: {m['msg']}", int(m["line"]), int(m["col"])
+            ) from exc
+
+    def _check_keys(self, table: Mapping[str, Any], path: _Path, allowed: Sequence[str]) -> None:
+        for key in table:
+            if key not in allowed:
+                where = f"in [{_fmt_path(path)}]" if path else "at the top level"
+                raise self.fail(
+                    (*path, key),
+                    f"unknown key {key!r} {where}; allowed: {', '.join(allowed)}",
+                )
+
+    def _table(self, doc: Mapping[str, Any], path: tuple[str]) -> dict[str, Any]:
+        value = doc.get(path[0], {})
+        if not isinstance(value, dict):
+            raise self.fail(path, f"'{path[0]}' must be a table, not {_describe(value)}")
+        return value
+
+    def _bad_tenant(self, name: object) -> str:
+        return (
+            f"invalid tenant id {name!r}: 1-64 characters of [A-Za-z0-9._-], "
+            "starting with a letter or digit"
+        )
+
+    def _tenant_table(
+        self,
+        table: Mapping[str, Any],
+        path: _Path,
+        base: TenantPolicy,
+        allowed: Sequence[str],
+    ) -> TenantPolicy:
+        if path == ("defaults",):
+            for key in _PER_TENANT_ONLY:
+                if key in table:
+                    raise self.fail(
+                        (*path, key),
+                        f"{key} is set per tenant, in [tenants.<id>], not in [defaults]",
+                    )
+        self._check_keys(table, path, allowed)
+        encryption, ttl_s, quota = base.encryption, base.ttl_s, base.quota_bytes
+        trust_group = base.trust_group
+        if "encryption" in table:
+            value = table["encryption"]
+            if not isinstance(value, str) or value not in ENCRYPTIONS:
+                raise self.fail(
+                    (*path, "encryption"),
+                    f"encryption must be one of {', '.join(map(repr, ENCRYPTIONS))}, "
+                    f"not {_describe(value)}",
+                )
+            encryption = ENCRYPTIONS[value]
+        if "ttl" in table:
+            ttl_s = self._duration(table["ttl"], (*path, "ttl"))
+        if "quota" in table:
+            quota = self._size(table["quota"], (*path, "quota"))
+        if "trust_group" in table:
+            value = table["trust_group"]
+            if not is_valid_tenant_id(value):
+                raise self.fail(
+                    (*path, "trust_group"),
+                    f"trust_group must be a name of 1-64 characters of [A-Za-z0-9._-], "
+                    f"not {_describe(value)}",
+                )
+            trust_group = value
+        direct = table.get("direct", False)
+        if not isinstance(direct, bool):
+            raise self.fail(
+                (*path, "direct"), f"direct must be true or false, not {_describe(direct)}"
+            )
+        if direct and encryption:
+            raise self.fail(
+                (*path, "direct"),
+                'direct = true needs encryption = "none": a worker writing its own files has '
+                "no data key, and a sealed tenant's bytes never leave the sidecar in plaintext",
+            )
+        direct_gid: int | None = None
+        if "direct_group" in table:
+            if not direct:
+                raise self.fail(
+                    (*path, "direct_group"), "direct_group is only meaningful with direct = true"
+                )
+            direct_gid = self._group_id(table["direct_group"], (*path, "direct_group"))
+        return TenantPolicy(encryption, ttl_s, quota, trust_group, direct, direct_gid)
+
+    def _group_id(self, value: object, path: _Path) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not 0 <= value < _UID_LIMIT:
+                raise self.fail(path, f"gid {value} is out of range")
+            return value
+        if not isinstance(value, str) or not value:
+            raise self.fail(path, f"a group name or gid, not {_describe(value)}")
+        try:
+            return grp.getgrnam(value).gr_gid
+        except KeyError:
+            raise self.fail(path, f"unknown group {value!r} (not in the group database)") from None
+
+    def _duration(self, value: object, path: _Path) -> float | None:
+        if value == "none":
+            return None
+        m = _DURATION_RE.match(value) if isinstance(value, str) else None
+        if m is None:
+            raise self.fail(
+                path,
+                f"bad duration {_describe(value)} for ttl: write a number and a unit "
+                '(s, m, h, d), e.g. "30s", "12h", "7d", or "none"',
+            )
+        seconds = float(m["num"]) * _DURATION_UNITS[m["unit"]]
+        if seconds <= 0:
+            raise self.fail(path, f'ttl must be positive, not {value!r}; use "none" for no ttl')
+        return seconds
+
+    def _size(self, value: object, path: _Path) -> int | None:
+        if value == "none":
+            return None
+        m = _SIZE_RE.match(value) if isinstance(value, str) else None
+        if m is None:
+            raise self.fail(
+                path,
+                f"bad size {_describe(value)} for quota: write a number and a unit "
+                '(B, KiB, MiB, GiB, TiB, PiB or KB, MB, GB, TB, PB), e.g. "200GiB", '
+                'or "none"',
+            )
+        size = Fraction(m["num"]) * _SIZE_UNITS[m["unit"]]
+        if size.denominator != 1:
+            raise self.fail(path, f"quota {value!r} is not a whole number of bytes")
+        return int(size)
+
+    def _grant(self, raw: object, path: _Path) -> Grant:
+        if not isinstance(raw, dict):
+            raise self.fail(path, f"each grant must be a table, not {_describe(raw)}")
+        self._check_keys(raw, path, _GRANT_KEYS)
+        named = [k for k in _PRINCIPAL_KEYS if k in raw]
+        if len(named) != 1:
+            raise self.fail(
+                path,
+                "a grant names exactly one of uid, gid, user, group"
+                + (f"; this one has {', '.join(named)}" if named else ""),
+            )
+        kind = named[0]
+        value = raw[kind]
+        principal: Literal["uid", "gid"]
+        if kind in ("uid", "gid"):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise self.fail((*path, kind), f"{kind} must be an integer, not {_describe(value)}")
+            if not 0 <= value < _UID_LIMIT:
+                raise self.fail((*path, kind), f"{kind} {value} is out of range")
+            principal = "uid" if kind == "uid" else "gid"
+            ident, label = value, f"{kind} {value}"
+        else:
+            if not isinstance(value, str) or not value:
+                raise self.fail((*path, kind), f"{kind} must be a name, not {_describe(value)}")
+            try:
+                if kind == "user":
+                    principal, ident = "uid", pwd.getpwnam(value).pw_uid
+                else:
+                    principal, ident = "gid", grp.getgrnam(value).gr_gid
+            except KeyError:
+                raise self.fail(
+                    (*path, kind), f"unknown {kind} {value!r} (not in the {kind} database)"
+                ) from None
+            label = f"{kind} {value!r} ({principal} {ident})"
+
+        if "tenants" not in raw:
+            raise self.fail(path, f"grant for {label} has no 'tenants' list")
+        tenants = self._tenant_list(raw["tenants"], (*path, "tenants"))
+        admin = raw.get("admin", False)
+        if not isinstance(admin, bool):
+            raise self.fail(
+                (*path, "admin"), f"admin must be true or false, not {_describe(admin)}"
+            )
+        return Grant(principal, ident, tenants, admin, label)
+
+    def _tenant_list(self, value: object, path: _Path) -> TenantSet:
+        if not isinstance(value, list):
+            raise self.fail(path, f"tenants must be an array of tenant ids, not {_describe(value)}")
+        if WILDCARD in value:
+            if len(value) != 1:
+                raise self.fail(path, f'"{WILDCARD}" stands for every tenant and must stand alone')
+            return ALL_TENANTS
+        for name in value:
+            if not is_valid_tenant_id(name):
+                raise self.fail(path, self._bad_tenant(name))
+        return frozenset(value)
