@@ -6,7 +6,7 @@ layout, shard or tenant produces fluent, wrong output, so every field here is
 part of every chunk key and of the AEAD associated data of every object.
 
 The fingerprint is BLAKE2b-256 (person ``kvo-ns-v1``) over the *canonical
-encoding* of the contract, defined here and in ``docs/spec/layout-v1.md``:
+encoding* of the contract, specified in ``docs/spec/contract-v1.md``:
 
 * a JSON object with keys sorted by code point, no whitespace, UTF-8, strings
   NFC-normalised, ``ensure_ascii`` off;
