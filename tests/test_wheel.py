@@ -1,0 +1,91 @@
+"""A non-editable wheel carries every module and spec, and its sidecar runs outside the repo.
+
+Built with ``pip wheel --no-build-isolation`` from this checkout, unpacked
+with ``pip install --no-deps --target`` (the dependencies come from the test
+venv), and run from a directory outside the source tree with that target
+first on ``sys.path``, so nothing can resolve through the editable install.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SRC = REPO / "src"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(out), str(REPO)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    (whl,) = out.glob("kvoffload-*.whl")
+    return whl
+
+
+def test_the_wheel_holds_every_module_and_spec(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    modules = {str(p.relative_to(SRC)) for p in SRC.rglob("*.py")}
+    assert len(modules) > 30
+    assert not modules - names, sorted(modules - names)
+    data = next(n.split("/data/")[0] for n in names if ".data/data/" in n)
+    for spec in (REPO / "docs" / "spec").glob("*.md"):
+        assert f"{data}/data/share/doc/kvoffload/spec/{spec.name}" in names, spec.name
+    assert "kvoffload/py.typed" in names
+
+
+def test_the_wheel_serves_outside_the_repo(wheel: Path, tmp_path: Path) -> None:
+    target = tmp_path / "site"
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+         str(wheel)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
+    env["PYTHONPATH"] = str(target)
+    cli = [sys.executable, "-c", "import sys; from kvoffload.cli import main; sys.exit(main())"]
+    where = subprocess.run(
+        [sys.executable, "-c", "import kvoffload.sidecar.server as s; print(s.__file__)"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert where.stdout.strip().startswith(str(target)), where.stdout + where.stderr
+    proc = subprocess.Popen(
+        [*cli, "--dev", "serve"], cwd=work, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        sock = work / ".kvoffload" / "kvoffload.sock"
+        deadline = time.monotonic() + 60
+        while not sock.exists():
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the sidecar did not create its socket"
+            time.sleep(0.1)
+        stats = subprocess.run(
+            [*cli, "--dev", "stats", "--json"], cwd=work, env=env,
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert stats.returncode == 0, stats.stderr
+        assert isinstance(json.loads(stats.stdout), dict)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "DEVELOPMENT MODE" in err
