@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import mmap
 import os
 import threading
 from collections.abc import Sequence
@@ -44,13 +43,12 @@ from typing import Any, Protocol
 import xxhash
 
 from kvoffload.errors import DirectIOError
+from kvoffload.posix import ALIGN, O_DIRECT, ScratchBuffers, align_up, pread_all, pwrite_all
 
 log = logging.getLogger(__name__)
 
 ENV_VAR = "KVOFFLOAD_DIRECT_IO"
 MODES = ("auto", "posix", "kvikio")
-ALIGN = 4096
-O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 
 
 def is_device(obj: Any) -> bool:
@@ -162,55 +160,14 @@ class DirectIO(Protocol):
         """Read each layer into its destination; False if any fails its checksum."""
 
 
-class _Bounce:
-    """A per-thread page-aligned host buffer (an anonymous mapping) that only grows."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def get(self, size: int) -> memoryview:
-        buf: mmap.mmap | None = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < size:
-            # The old mapping is dropped, not closed: a view of it may still be
-            # in use (the header block's), and it unmaps when the last one goes.
-            buf = mmap.mmap(-1, max(_align(size), 1 << 20))
-            self._local.buf = buf
-        return memoryview(buf)[:size]
-
-
 #: Zeros for the padding between pieces (always shorter than a page).
 _ZEROS = bytes(ALIGN)
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _aligned_addr(mv: memoryview) -> bool:
-    import ctypes
-
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(mv)) % ALIGN == 0
-    except (TypeError, ValueError, BufferError):
-        return False
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        n = os.pwritev(fd, [data[done:]], offset + done)
-        if n <= 0:
-            raise DirectIOError(errno.EIO, "short write")
-        done += n
-
-
-def _pread_all(fd: int, out: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(out):
-        n = os.preadv(fd, [out[done:]], offset + done)
-        if n == 0:
-            raise DirectIOError(errno.EIO, f"object ends at {offset + done}, short of a layer")
-        done += n
+def _pread_exact(fd: int, out: memoryview, offset: int) -> None:
+    done = pread_all(fd, out, offset)
+    if done < out.nbytes:
+        raise DirectIOError(errno.EIO, f"object ends at {offset + done}, short of a layer")
 
 
 class PosixDirectIO:
@@ -220,7 +177,8 @@ class PosixDirectIO:
 
     def __init__(self, *, o_direct: bool = True) -> None:
         self.o_direct = o_direct and bool(O_DIRECT)
-        self._bounce = _Bounce()
+        # Page-aligned (O_DIRECT), per thread, only growing; not prefaulted.
+        self._bounce = ScratchBuffers(prefault=False)
 
     def sources(self, layers: Sequence[Any]) -> list[Any]:
         return [to_host(x) if is_device(x) else x for x in layers]
@@ -275,12 +233,12 @@ class PosixDirectIO:
             # The page cache: one pwritev per piece costs a memcpy each, and the
             # padding is already zero (the sidecar allocated the file).
             for view, off in zip(views, offs, strict=True):
-                _pwrite_all(fd, view, off)
+                pwrite_all(fd, view, off)
             return
         # O_DIRECT: the whole object image in one aligned buffer and one write.
         # A write per layer would cost a device round trip each (small chunks
         # pay that many times over); the copy runs at memcpy speed.
-        size = _align(offs[-1] + views[-1].nbytes)
+        size = align_up(offs[-1] + views[-1].nbytes)
         buf = self._bounce.get(size)
         for i, (view, off) in enumerate(zip(views, offs, strict=True)):
             end = off + view.nbytes
@@ -289,7 +247,7 @@ class PosixDirectIO:
                 raise ValueError(f"piece {i} overlaps the next one")
             buf[off:end] = view
             buf[end:nxt] = _ZEROS[: nxt - end]
-        _pwrite_all(fd, buf, 0)
+        pwrite_all(fd, buf, 0)
 
     def read_layers(self, path: str, extents: Sequence[Extent], dests: Sequence[Any]) -> bool:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -298,12 +256,12 @@ class PosixDirectIO:
             for ext, dst in zip(extents, dests, strict=True):
                 if is_device(dst):
                     host = self._bounce.get(ext.length)
-                    _pread_all(fd, host, ext.offset)
+                    _pread_exact(fd, host, ext.offset)
                     ok &= xxhash.xxh3_128_digest(host) == ext.check
                     _copy_to_device(host, dst)
                 else:
                     out = _host_view(dst, writable=True)[: ext.length]
-                    _pread_all(fd, out, ext.offset)
+                    _pread_exact(fd, out, ext.offset)
                     ok &= xxhash.xxh3_128_digest(out) == ext.check
         finally:
             os.close(fd)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,7 +10,22 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ..posix import NO_DIRSYNC_ERRNOS, atomic_create, fsync_dir
 from .errors import LayoutError, UnknownLayoutVersion
+
+__all__ = [
+    "LAYOUT_FILE",
+    "MAX_LAYOUT_VERSION",
+    "MIN_LAYOUT_VERSION",
+    "NO_DIRSYNC_ERRNOS",
+    "SUPPORTED_LAYOUT_VERSIONS",
+    "LayoutInfo",
+    "Migration",
+    "create_root",
+    "fsync_dir",
+    "migrations",
+    "read_layout",
+]
 
 LAYOUT_FILE = "layout.json"
 MIN_LAYOUT_VERSION = 1
@@ -26,23 +39,6 @@ class LayoutInfo:
     store_id: str
     created: str
     params: dict[str, Any]
-
-
-#: Some network filesystems refuse fsync on a directory; their metadata
-#: operations are synchronous on the server anyway.
-NO_DIRSYNC_ERRNOS = frozenset({errno.EINVAL, errno.EOPNOTSUPP})
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory (after creating or renaming an entry in it)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in NO_DIRSYNC_ERRNOS:
-            raise
-    finally:
-        os.close(fd)
 
 
 def create_root(root: Path, version: int = MAX_LAYOUT_VERSION) -> LayoutInfo:
@@ -63,20 +59,17 @@ def create_root(root: Path, version: int = MAX_LAYOUT_VERSION) -> LayoutInfo:
     }
     for sub in ("keys", "objects", "journal"):
         (root / sub).mkdir(exist_ok=True)
-    tmp = root / f".{LAYOUT_FILE}.{uuid.uuid4().hex}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(info, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    data = (json.dumps(info, indent=2, sort_keys=True) + "\n").encode("utf-8")
     try:
-        # link() fails if another creator won the race: theirs stands.
-        os.link(tmp, root / LAYOUT_FILE)
+        # Linked, never replaced: if another creator won the race, theirs stands.
+        atomic_create(
+            root / LAYOUT_FILE,
+            data,
+            mode=0o666,  # as open(): the umask decides
+            tmp_name=f".{LAYOUT_FILE}.{uuid.uuid4().hex}.tmp",
+        )
     except FileExistsError:
-        pass
-    finally:
-        tmp.unlink()
-    fsync_dir(root)
+        fsync_dir(root)
     return read_layout(root)
 
 

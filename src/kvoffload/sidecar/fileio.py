@@ -24,23 +24,43 @@ import ctypes.util
 import enum
 import errno
 import fcntl
-import mmap
 import os
 import stat
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from ..layouts import v1
-from ..layouts.store_root import fsync_dir
+from ..posix import O_DIRECT, ScratchBuffers, buffer_address, fsync_dir, pread_all, pwrite_all
 from .errors import StoreIOError
+
+__all__ = [
+    "DIRECT_ALIGN",
+    "O_DIRECT",
+    "PERMANENT_ERRNOS",
+    "AllocFn",
+    "Durability",
+    "FillFn",
+    "ScratchBuffers",
+    "buffer_address",
+    "create_lease_file",
+    "direct_ok",
+    "fsync_dir",
+    "open_lease_file",
+    "publish_lease_file",
+    "read_fd",
+    "read_file",
+    "read_prefix",
+    "read_range",
+    "share_dirs",
+    "syncfs",
+    "write_atomic",
+]
 
 #: ENOSPC, EDQUOT, EACCES, EROFS, EPERM will not go away by retrying.
 PERMANENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM})
 #: O_DIRECT needs buffer address, file offset and length aligned to the logical
 #: block size; 4 KiB covers every common device (and is layout v1's alignment).
 DIRECT_ALIGN = v1.ALIGN
-O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 
 #: Fills an open temp file with the object (default: :func:`_write_all`).
 FillFn = Callable[[int, Path, memoryview], None]
@@ -90,14 +110,6 @@ def _fallocate(fd: int, size: int) -> None:
             raise OSError(err, os.strerror(err))
 
 
-def buffer_address(buf: memoryview) -> int | None:
-    """Address of a writable buffer's first byte; None if read-only or empty."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    except (TypeError, ValueError, BufferError):
-        return None
-
-
 def direct_ok(buf: memoryview, offset: int = 0) -> bool:
     """Whether O_DIRECT can move ``buf`` to/from ``offset`` (all three 4 KiB-aligned)."""
     if not O_DIRECT or offset % DIRECT_ALIGN or buf.nbytes % DIRECT_ALIGN or not buf.nbytes:
@@ -115,6 +127,16 @@ def _drop_direct(fd: int) -> bool:
     return True
 
 
+def _buffered_on_einval(fd: int) -> Callable[[OSError], bool]:
+    """A retry rule for :func:`~kvoffload.posix.pwrite_all`/``pread_all``: an
+    O_DIRECT descriptor the file system turns down (EINVAL) goes on buffered."""
+
+    def retry(exc: OSError) -> bool:
+        return exc.errno == errno.EINVAL and _drop_direct(fd)
+
+    return retry
+
+
 def syncfs(path: Path) -> None:
     """Flush every dirty page of the file system holding ``path``."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -122,29 +144,6 @@ def syncfs(path: Path) -> None:
         _syncfs(fd)
     finally:
         os.close(fd)
-
-
-class ScratchBuffers:
-    """Per-thread page-aligned buffers that only grow, kept mapped and touched.
-
-    A fresh mapping per object costs a page fault per 4 KiB (≈1 GB/s here);
-    a reused one runs at memcpy speed.
-    """
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def get(self, size: int) -> memoryview:
-        buf: mmap.mmap | None = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < size:
-            if buf is not None:
-                buf.close()
-            cap = v1.align_up(max(size, 1 << 20), 1 << 20)
-            buf = mmap.mmap(-1, cap)
-            # Touch every page now so the hot path never faults.
-            buf.write(bytes(cap))
-            self._local.buf = buf
-        return memoryview(buf)[:size]
 
 
 def _make_dirs(path: Path, *, durable: bool) -> None:
@@ -170,19 +169,7 @@ def _make_dirs(path: Path, *, durable: bool) -> None:
 def _write_all(fd: int, data: memoryview) -> None:
     """pwrite every byte from offset 0. An O_DIRECT descriptor that the file
     system turns down (EINVAL) continues through the page cache."""
-    data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-    done = 0
-    total = len(data)
-    while done < total:
-        try:
-            n = os.pwritev(fd, [data[done:]], done)
-        except OSError as exc:
-            if exc.errno == errno.EINVAL and _drop_direct(fd):
-                continue
-            raise
-        if n <= 0:
-            raise OSError(errno.EIO, "short write")
-        done += n
+    pwrite_all(fd, data, 0, on_error=_buffered_on_einval(fd))
 
 
 def _open_excl(path: Path, direct: bool) -> tuple[int, bool]:
@@ -266,20 +253,15 @@ def _open_read(path: Path, direct: bool) -> int:
 
 def _pread_into(fd: int, buf: memoryview, offset: int, want: int) -> int:
     """preadv up to ``want`` bytes into ``buf`` from ``offset``; stops early at EOF."""
-    done = 0
-    while done < want:
-        try:
-            n = os.preadv(fd, [buf[done:want]], offset + done)
-        except OSError as exc:
-            if exc.errno == errno.EINVAL and _drop_direct(fd):
-                continue  # the file system turned O_DIRECT down after all
-            raise
-        if n == 0:
-            break  # shrank under us: the short buffer fails verification
-        done += n
-        if done % DIRECT_ALIGN and done < want:
+
+    def on_partial(done: int) -> None:
+        if done % DIRECT_ALIGN:
             _drop_direct(fd)  # an unaligned short read: go on buffered
-    return done
+
+    # Stops early at EOF (shrank under us): the short buffer fails verification.
+    return pread_all(
+        fd, buf[:want], offset, on_error=_buffered_on_einval(fd), on_partial=on_partial
+    )
 
 
 def read_file(

@@ -42,7 +42,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from kvoffload.contract import TENANT_RE
 from kvoffload.errors import KeyringError
 
-from ..layouts.store_root import fsync_dir
+from ..posix import atomic_create, fsync_dir, pwrite_all
 
 __all__ = [
     "DEK_SIZE",
@@ -193,24 +193,16 @@ class Kek:
         p = Path(path)
         try:
             p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            tmp = p.with_name(f".{p.name}.{os.urandom(8).hex()}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            data = os.urandom(KEK_SIZE).hex().encode("ascii") + b"\n"
+            created = True
             try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(os.urandom(KEK_SIZE).hex().encode("ascii") + b"\n")
-                    f.flush()
-                    os.fsync(f.fileno())
-                created = True
-                try:
-                    os.link(tmp, p)
-                except FileExistsError:
-                    created = False
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
+                atomic_create(p, data, mode=0o600)  # linked: never replaces
+            except FileExistsError:
+                created = False
         except OSError as exc:
             raise KeyringError(f"cannot create development KEK {p}: {exc}") from exc
-        _fsync_dir(p.parent)
+        if not created:
+            _fsync_dir(p.parent)  # the winner's name, durable before we rely on it
         kek = cls.from_file(p)
         log.warning(
             "\n%s\nDEVELOPMENT KEK %s (id %s) %s. It sits in a plain file on this machine: "
@@ -398,20 +390,20 @@ class Keyring:
             rec = self._load(tenant, path)
             if rec is None:
                 fresh = self._new_record(tenant)
-                tmp = self._write_tmp(tenant, self._encode(fresh, self._kek))
                 try:
-                    # link() never replaces: if another creator got there
+                    # Linked, never replaced: if another creator got there
                     # first (a node without working flock), theirs stands.
-                    os.link(tmp, path)
+                    atomic_create(
+                        path,
+                        self._encode(fresh, self._kek),
+                        mode=0o600,
+                        tmp_name=self._tmp_name(tenant),
+                    )
                     created = True
                 except FileExistsError:
-                    pass
+                    _fsync_dir(self._dir)
                 except OSError as exc:
                     raise KeyringError(f"cannot create key file {path}: {exc}") from exc
-                finally:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(tmp)
-                _fsync_dir(self._dir)
                 rec = fresh if created else self._load_after_lost_race(tenant, path)
             self._remember(rec.keys, now)
         if created:
@@ -743,36 +735,17 @@ class Keyring:
         }
         return (json.dumps(doc, indent=2) + "\n").encode("ascii")
 
-    def _write_tmp(self, tenant: str, data: bytes) -> Path:
+    @staticmethod
+    def _tmp_name(tenant: str) -> str:
         # The tenant is in the name so that destroy() finds and erases a temp
-        # file a crashed writer left behind.
-        tmp = self._dir / f".tmp-{os.urandom(8).hex()}-{tenant}"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-        except OSError as exc:
-            raise KeyringError(f"cannot write key file {tmp}: {exc}") from exc
-        return tmp
+        # file a crashed writer left behind (_SCRATCH_RE).
+        return f".tmp-{os.urandom(8).hex()}-{tenant}"
 
     def _replace(self, tenant: str, path: Path, data: bytes) -> None:
-        tmp = self._write_tmp(tenant, data)
         try:
-            os.replace(tmp, path)
-        except BaseException as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            if isinstance(exc, OSError):
-                raise KeyringError(f"cannot replace key file {path}: {exc}") from exc
-            raise
-        _fsync_dir(self._dir)
+            atomic_create(path, data, mode=0o600, replace=True, tmp_name=self._tmp_name(tenant))
+        except OSError as exc:
+            raise KeyringError(f"cannot replace key file {path}: {exc}") from exc
 
     def _scratch_files(self, tenant: str) -> list[Path]:
         try:
@@ -813,7 +786,9 @@ class Keyring:
             size = os.fstat(fd).st_size
             pos = 0
             while pos < size:
-                pos += os.pwrite(fd, os.urandom(min(size - pos, 1 << 20)), pos)
+                n = min(size - pos, 1 << 20)
+                pwrite_all(fd, os.urandom(n), pos)
+                pos += n
             os.fsync(fd)
         except OSError as exc:
             raise KeyringError(f"cannot erase {path}: {exc}") from exc
