@@ -41,9 +41,16 @@ from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ..layouts import CorruptObject, LayoutError, UnknownLayoutVersion, create_root, read_layout, v1
-from . import fileio
-from .errors import (
+from ...layouts import (
+    CorruptObject,
+    LayoutError,
+    UnknownLayoutVersion,
+    create_root,
+    read_layout,
+    v1,
+)
+from .. import fileio
+from ..errors import (
     LeaseInvalid,
     QuotaExceeded,
     StoreError,
@@ -51,10 +58,10 @@ from .errors import (
     StoreIOError,
     StoreLocked,
 )
-from .fileio import Durability, ScratchBuffers, read_prefix, syncfs
-from .index import ChunkRecord, Index
-from .iobackend import IOBackend, IOMode, IOPlan, select_backend
-from .keyring import Kek, Keyring, KeyringError, TenantKeys
+from ..fileio import Durability, ScratchBuffers, read_prefix, syncfs
+from ..index import ChunkRecord, Index
+from ..iobackend import IOBackend, IOMode, IOPlan, select_backend
+from ..keyring import Kek, Keyring, KeyringError, TenantKeys
 
 log = logging.getLogger("kvoffload.store")
 
