@@ -158,6 +158,9 @@ def open_store(cfg: Config, *, create: bool = False) -> Iterator[Store]:
         raise typer.Exit(EXIT_ERROR) from exc
     try:
         yield store
+    except StoreError as exc:  # index or key failures, mapped at the Store boundary
+        err.print(f"[red]store:[/red] {exc}")
+        raise typer.Exit(EXIT_ERROR) from exc
     finally:
         store.close()
 
@@ -205,21 +208,21 @@ def inspect(as_json: JsonOpt = False) -> None:
     """Store id, layout version, tenants, namespaces, chunks, bytes, capacity."""
     cfg = _config()
     with open_store(cfg) as store:
-        tenants = store.index.tenants()
+        tenants = store.tenant_usage()
         data: dict[str, Any] = {
             "store_root": str(cfg.store_root),
             "store_id": store.layout.store_id,
             "layout_version": store.layout.version,
             "capacity_bytes": store.config.capacity_bytes,
             "used_bytes": store.used_bytes,
-            "chunks": store.index.count(),
+            "chunks": store.chunk_count(),
             "tenants": {
                 t: {
                     "chunks": u.count,
                     "bytes": u.bytes,
                     "namespaces": {
                         ns.hex(): {"chunks": nu.count, "bytes": nu.bytes}
-                        for ns, nu in store.index.namespaces(t).items()
+                        for ns, nu in store.namespace_usage(t).items()
                     },
                 }
                 for t, u in sorted(tenants.items())
@@ -263,7 +266,7 @@ def ls_(
     new_cut = now - int((parse_duration(newer_than) or 0) * 1e9) if newer_than else None
     rows: list[dict[str, Any]] = []
     with open_store(cfg) as store:
-        for rec in store.index.records(tenant=tenant, namespace=ns):
+        for rec in store.chunks(tenant=tenant, namespace=ns):
             if old_cut is not None and rec.created_ns >= old_cut:
                 continue
             if new_cut is not None and rec.created_ns < new_cut:
@@ -507,7 +510,7 @@ def doctor(as_json: JsonOpt = False) -> None:
     import platform
 
     from .direct import decide as decide_direct
-    from .sidecar.gpu_probe import ProbeEnv, probe
+    from .gpu_probe import ProbeEnv, probe
     from .sidecar.iobackend import IOMode, mount_of, plan, probe_direct
 
     cfg = _config()
