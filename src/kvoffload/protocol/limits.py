@@ -1,0 +1,58 @@
+"""The constants of protocol v1 (``docs/spec/protocol-v1.md`` §3, §4, §9) and its enums."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+PROTOCOL_VERSION = 1
+MIN_PROTOCOL_VERSION = 1
+MAX_PROTOCOL_VERSION = 1
+
+CLIENT_MAGIC = b"KVOFFCLT"
+SERVER_MAGIC = b"KVOFFSRV"
+MAGIC_SIZE = 8
+
+MAX_FRAME = 1 << 20
+MAX_BATCH = 1024
+MAX_LAYERS = 0xFFFF
+MAX_TENANTS = 64
+MAX_CLIENT_NAME = 128
+MAX_REQUEST_ID = 2**32 - 1
+MAX_U64 = 2**64 - 1
+MAX_U16 = 0xFFFF
+ALIGNMENT = 4096
+KEY_SIZE = 32
+SALT_SIZE = 32
+MAX_MESSAGE = 4096
+#: Most descriptors one frame may declare, and most received but unclaimed.
+MAX_FDS = 4
+#: Longest object path a lease may name.
+MAX_PATH = 4096
+#: Largest region alignment a server may announce.
+MAX_ALIGNMENT = 1 << 30
+
+
+class Op(StrEnum):
+    HELLO = "hello"
+    REGISTER_STAGING = "register_staging"
+    LOOKUP = "lookup"
+    PREPARE_STORE = "prepare_store"
+    COMPLETE_STORE = "complete_store"
+    ABORT = "abort"
+    PREPARE_LOAD = "prepare_load"
+    COMPLETE_LOAD = "complete_load"
+    TOUCH = "touch"
+    STATS = "stats"
+    PURGE = "purge"
+    FSCK = "fsck"
+    BYE = "bye"
+    LEASE_STORE = "lease_store"
+    LEASE_LOAD = "lease_load"
+    #: Server-initiated fatal error frame (id 0).
+    ERROR = "error"
+
+
+class StoreStatus(StrEnum):
+    WRITE = "write"
+    EXISTS = "exists"
+    REJECTED = "rejected"

@@ -1,0 +1,506 @@
+"""Replies of protocol v1 (protocol-v1.md §5), as frozen ``msgspec.Struct`` messages.
+
+These are the OK replies; an error reply is :class:`ErrorReply`. A reply whose
+entries depend on a status or flag (``prepare_store``, ``prepare_load`` and
+their direct-path twins) is read through private wire structs (a tagged union
+on ``status``, a flag then the found entry's fields) and then checked as a
+whole: handle 0 exactly when nothing is to be done, found entries a prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, ClassVar, Self, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from kvoffload.errors import ErrorCode
+
+from .fields import (
+    Aligned,
+    Check,
+    LayerSizes,
+    Message,
+    Path,
+    Salt,
+    Seconds,
+    ShortStr,
+    Tenant,
+    UInt,
+    WireCode,
+    code,
+    decode,
+    free_form,
+)
+from .framing import bad
+from .limits import (
+    ALIGNMENT,
+    MAX_ALIGNMENT,
+    MAX_BATCH,
+    MAX_FRAME,
+    MAX_LAYERS,
+    MAX_MESSAGE,
+    Op,
+    StoreStatus,
+)
+
+Ident = Annotated[str, Meta(max_length=256)]
+Alignment = Annotated[int, Meta(ge=ALIGNMENT, le=MAX_ALIGNMENT)]
+
+
+class ReplyMessage(Message, frozen=True):
+    """Base of the OK replies that have result keys: ``OP`` is the verb."""
+
+    OP: ClassVar[Op]
+
+    @classmethod
+    def from_wire(cls, m: Mapping[str, Any]) -> Self:
+        return decode(cls, m, f"{cls.OP.value} reply")
+
+
+class HelloReply(ReplyMessage, frozen=True):
+    OP: ClassVar[Op] = Op.HELLO
+    WIRE_REQUIRED: ClassVar[tuple[str, ...]] = (
+        "alignment",
+        "max_frame",
+        "max_batch",
+        "max_inflight",
+        "max_staging",
+        "handle_ttl_s",
+    )
+    version: Annotated[int, Meta(ge=1, le=0xFFFF)]
+    server_id: Ident
+    store_id: Ident
+    salts: Mapping[Tenant, Salt]
+    alignment: Alignment = ALIGNMENT
+    max_frame: Annotated[int, Meta(ge=1024, le=MAX_FRAME)] = MAX_FRAME
+    max_batch: Annotated[int, Meta(ge=1, le=MAX_BATCH)] = MAX_BATCH
+    max_inflight: Annotated[int, Meta(ge=1)] = 64
+    max_staging: Annotated[int, Meta(ge=ALIGNMENT)] = 1 << 40
+    handle_ttl_s: Seconds = 60.0
+    #: Optional (5.1): tenants of this hello that this connection may use the
+    #: direct path for. Absent or false: staging only.
+    direct: Mapping[Tenant, bool] = msgspec.field(default_factory=dict)
+
+    def validate_wire(self, where: str) -> None:
+        if self.alignment & (self.alignment - 1):
+            raise bad(f"{where}.alignment: {self.alignment} is not a power of two")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "direct": dict(self.direct),
+            "version": self.version,
+            "server_id": self.server_id,
+            "store_id": self.store_id,
+            "alignment": self.alignment,
+            "max_frame": self.max_frame,
+            "max_batch": self.max_batch,
+            "max_inflight": self.max_inflight,
+            "max_staging": self.max_staging,
+            "handle_ttl_s": self.handle_ttl_s,
+            "salts": dict(self.salts),
+        }
+
+
+class Ack(Message, frozen=True):
+    """The reply of a verb without result keys; ``op`` says which verb."""
+
+    op: Op
+
+    def to_wire(self) -> dict[str, Any]:
+        return {}
+
+
+class LookupReply(ReplyMessage, frozen=True):
+    OP: ClassVar[Op] = Op.LOOKUP
+    found: Annotated[int, Meta(ge=0, le=MAX_BATCH)]
+
+
+class CompleteStoreReply(ReplyMessage, frozen=True):
+    OP: ClassVar[Op] = Op.COMPLETE_STORE
+    stored: Annotated[tuple[bool, ...], Meta(min_length=1, max_length=MAX_BATCH)]
+
+
+class PurgeReply(ReplyMessage, frozen=True):
+    OP: ClassVar[Op] = Op.PURGE
+    removed: UInt
+
+
+class StatsReply(ReplyMessage, frozen=True):
+    OP: ClassVar[Op] = Op.STATS
+    stats: Mapping[str, Any]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"stats": dict(self.stats)}
+
+    @classmethod
+    def from_wire(cls, m: Mapping[str, Any]) -> Self:
+        return cls(free_form(m, "stats", "stats reply"))
+
+
+class FsckReply(ReplyMessage, frozen=True):
+    OP: ClassVar[Op] = Op.FSCK
+    report: Mapping[str, Any]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"report": dict(self.report)}
+
+    @classmethod
+    def from_wire(cls, m: Mapping[str, Any]) -> Self:
+        return cls(free_form(m, "report", "fsck reply"))
+
+
+# -- prepare_store, lease_store: one entry per chunk, by status ---------------
+
+
+class StoreSlot(Message, frozen=True):
+    status: StoreStatus
+    offset: int = 0
+    code: ErrorCode = ErrorCode.OK
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"status": self.status.value}
+        if self.status is StoreStatus.WRITE:
+            d["offset"] = self.offset
+        elif self.status is StoreStatus.REJECTED:
+            d["code"] = int(self.code)
+        return d
+
+
+class LeaseSlot(Message, frozen=True):
+    """One chunk of a ``lease_store`` reply: where and how the worker writes it."""
+
+    status: StoreStatus
+    path: str = ""
+    size: int = 0
+    data_offset: int = 0
+    offsets: tuple[int, ...] = ()
+    code: ErrorCode = ErrorCode.OK
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"status": self.status.value}
+        if self.status is StoreStatus.WRITE:
+            d.update(
+                path=self.path,
+                size=self.size,
+                data_offset=self.data_offset,
+                offsets=list(self.offsets),
+            )
+        elif self.status is StoreStatus.REJECTED:
+            d["code"] = int(self.code)
+        return d
+
+
+class _Exists(Message, frozen=True, tag_field="status", tag="exists"):
+    pass
+
+
+class _Rejected(Message, frozen=True, tag_field="status", tag="rejected"):
+    code: WireCode
+
+
+class _StagedWrite(Message, frozen=True, tag_field="status", tag="write"):
+    offset: Aligned
+
+
+class _LeasedWrite(Message, frozen=True, tag_field="status", tag="write"):
+    path: Path
+    size: Aligned
+    data_offset: Aligned
+    offsets: Annotated[tuple[Aligned, ...], Meta(min_length=1, max_length=MAX_LAYERS)]
+
+
+_StagedEntries = Annotated[
+    tuple[_StagedWrite | _Exists | _Rejected, ...], Meta(min_length=1, max_length=MAX_BATCH)
+]
+_LeasedEntries = Annotated[
+    tuple[_LeasedWrite | _Exists | _Rejected, ...], Meta(min_length=1, max_length=MAX_BATCH)
+]
+#: Checked entry by entry: a miss's other keys are not read.
+_LoadEntries = Annotated[tuple[Any, ...], Meta(min_length=1, max_length=MAX_BATCH)]
+
+
+class _PrepareStoreWire(Message, frozen=True):
+    handle: UInt
+    chunks: _StagedEntries
+
+
+class _LeaseStoreWire(Message, frozen=True):
+    WIRE_NULLABLE: ClassVar[tuple[str, ...]] = ("durability",)
+    handle: UInt
+    alignment: Alignment
+    chunks: _LeasedEntries
+    durability: ShortStr = ""
+
+
+def _check_handle(handle: int, slots: tuple[StoreSlot | LeaseSlot, ...], where: str) -> None:
+    if (handle == 0) == any(s.status is StoreStatus.WRITE for s in slots):
+        raise bad(f"{where}: handle {handle} does not match the chunks to write")
+
+
+class PrepareStoreReply(ReplyMessage, frozen=True):
+    OP: ClassVar[Op] = Op.PREPARE_STORE
+    handle: int
+    chunks: tuple[StoreSlot, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"handle": self.handle, "chunks": [c.to_wire() for c in self.chunks]}
+
+    @classmethod
+    def from_wire(cls, m: Mapping[str, Any]) -> Self:
+        w = "prepare_store reply"
+        wire = decode(_PrepareStoreWire, m, w)
+        slots = tuple(
+            StoreSlot(StoreStatus.WRITE, offset=c.offset)
+            if isinstance(c, _StagedWrite)
+            else StoreSlot(StoreStatus.REJECTED, code=code(c.code))
+            if isinstance(c, _Rejected)
+            else StoreSlot(StoreStatus.EXISTS)
+            for c in wire.chunks
+        )
+        _check_handle(wire.handle, slots, w)
+        return cls(wire.handle, slots)
+
+
+class LeaseStoreReply(ReplyMessage, frozen=True):
+    OP: ClassVar[Op] = Op.LEASE_STORE
+    handle: int
+    alignment: int
+    chunks: tuple[LeaseSlot, ...]
+    #: Optional: the server's durability setting ("object", "batch", "none"; ""
+    #: if not sent), a hint for how the client writes (5.14).
+    durability: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "handle": self.handle,
+            "alignment": self.alignment,
+            "chunks": [c.to_wire() for c in self.chunks],
+        }
+        if self.durability:
+            d["durability"] = self.durability
+        return d
+
+    @classmethod
+    def from_wire(cls, m: Mapping[str, Any]) -> Self:
+        w = "lease_store reply"
+        wire = decode(_LeaseStoreWire, m, w)
+        slots = tuple(
+            LeaseSlot(
+                StoreStatus.WRITE,
+                path=c.path,
+                size=c.size,
+                data_offset=c.data_offset,
+                offsets=c.offsets,
+            )
+            if isinstance(c, _LeasedWrite)
+            else LeaseSlot(StoreStatus.REJECTED, code=code(c.code))
+            if isinstance(c, _Rejected)
+            else LeaseSlot(StoreStatus.EXISTS)
+            for c in wire.chunks
+        )
+        _check_handle(wire.handle, slots, w)
+        return cls(wire.handle, wire.alignment, slots, wire.durability)
+
+
+# -- prepare_load, lease_load: a found prefix of the keys ---------------------
+
+
+class LoadSlot(Message, frozen=True):
+    verified: bool
+    offset: int = 0
+    layers: tuple[int, ...] = ()
+
+
+class LayerExtent(Message, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """Where one layer of a stored object lies, and its XXH3-128 checksum.
+
+    On the wire: ``[offset, length, check]``.
+    """
+
+    offset: Aligned
+    length: UInt
+    check: Check
+
+
+class ReadSlot(Message, frozen=True):
+    """One key of a ``lease_load`` reply."""
+
+    found: bool
+    path: str = ""
+    size: int = 0
+    layers: tuple[LayerExtent, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        if not self.found:
+            return {"found": False}
+        return {
+            "found": True,
+            "path": self.path,
+            "size": self.size,
+            "layers": [[x.offset, x.length, x.check] for x in self.layers],
+        }
+
+
+class _LoadWire(Message, frozen=True):
+    handle: UInt
+    stop: WireCode
+    chunks: _LoadEntries
+
+
+class _Verified(Message, frozen=True):
+    verified: bool
+
+
+class _LoadHit(Message, frozen=True):
+    offset: Aligned
+    layers: LayerSizes
+
+
+class _Found(Message, frozen=True):
+    found: bool
+
+
+class _ReadHit(Message, frozen=True):
+    path: Path
+    size: Aligned
+    layers: Annotated[tuple[LayerExtent, ...], Meta(min_length=1, max_length=MAX_LAYERS)]
+
+
+_S = TypeVar("_S")
+
+
+def _prefix_reply(
+    m: Mapping[str, Any],
+    w: str,
+    flag: str,
+    hit: Callable[[Any, str], _S | None],
+    miss: _S,
+) -> tuple[int, ErrorCode, tuple[_S, ...]]:
+    """(handle, stop, slots) of a load-type reply: the chunks whose ``flag`` is
+    true form a prefix, ``stop`` is OK exactly when there is no miss, and the
+    handle is 0 exactly when nothing was found. ``hit`` returns None for a miss."""
+    wire = decode(_LoadWire, m, w)
+    slots: list[_S] = []
+    seen_miss = False
+    for i, c in enumerate(wire.chunks):
+        cw = f"{w}.chunks[{i}]"
+        got = hit(c, cw)
+        if got is None:
+            seen_miss = True
+            slots.append(miss)
+            continue
+        if seen_miss:
+            raise bad(f"{cw}: {flag} chunk after a miss")
+        slots.append(got)
+    stop = code(wire.stop)
+    if (stop is ErrorCode.OK) != (not seen_miss):
+        raise bad(f"{w}: stop {stop.name} does not match the chunks")
+    if (wire.handle == 0) == (slots[0] is not miss):  # the found chunks are a prefix
+        raise bad(f"{w}: handle {wire.handle} does not match the {flag} chunks")
+    return wire.handle, stop, tuple(slots)
+
+
+class PrepareLoadReply(ReplyMessage, frozen=True):
+    OP: ClassVar[Op] = Op.PREPARE_LOAD
+    handle: int
+    stop: ErrorCode
+    chunks: tuple[LoadSlot, ...]
+
+    @property
+    def verified(self) -> int:
+        """Length of the verified prefix."""
+        return sum(1 for c in self.chunks if c.verified)
+
+    @classmethod
+    def from_wire(cls, m: Mapping[str, Any]) -> Self:
+        def hit(c: Any, cw: str) -> LoadSlot | None:
+            if not decode(_Verified, c, cw).verified:
+                return None
+            h = decode(_LoadHit, c, cw)
+            return LoadSlot(True, h.offset, h.layers)
+
+        return cls(*_prefix_reply(m, "prepare_load reply", "verified", hit, LoadSlot(False)))
+
+
+class LeaseLoadReply(ReplyMessage, frozen=True):
+    OP: ClassVar[Op] = Op.LEASE_LOAD
+    handle: int
+    stop: ErrorCode
+    chunks: tuple[ReadSlot, ...]
+
+    @property
+    def found(self) -> int:
+        return sum(1 for c in self.chunks if c.found)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "handle": self.handle,
+            "stop": int(self.stop),
+            "chunks": [c.to_wire() for c in self.chunks],
+        }
+
+    @classmethod
+    def from_wire(cls, m: Mapping[str, Any]) -> Self:
+        def hit(c: Any, cw: str) -> ReadSlot | None:
+            if not decode(_Found, c, cw).found:
+                return None
+            h = decode(_ReadHit, c, cw)
+            return ReadSlot(True, h.path, h.size, h.layers)
+
+        return cls(*_prefix_reply(m, "lease_load reply", "found", hit, ReadSlot(False)))
+
+
+class ErrorReply(Message, frozen=True):
+    """A reply with a non-zero code; also the server-initiated fatal ``error`` frame."""
+
+    op: str
+    code: ErrorCode
+    message: str = ""
+    #: Only in an UNSUPPORTED_VERSION reply to hello: the server's version range.
+    server_versions: tuple[int, int] | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"message": self.message[:MAX_MESSAGE]}
+        if self.server_versions is not None:
+            d["min_version"], d["max_version"] = self.server_versions
+        return d
+
+
+Reply = (
+    HelloReply
+    | Ack
+    | LookupReply
+    | PrepareStoreReply
+    | CompleteStoreReply
+    | PrepareLoadReply
+    | StatsReply
+    | PurgeReply
+    | FsckReply
+    | LeaseStoreReply
+    | LeaseLoadReply
+    | ErrorReply
+)
+
+__all__ = [
+    "Ack",
+    "CompleteStoreReply",
+    "ErrorReply",
+    "FsckReply",
+    "HelloReply",
+    "LayerExtent",
+    "LeaseLoadReply",
+    "LeaseSlot",
+    "LeaseStoreReply",
+    "LoadSlot",
+    "LookupReply",
+    "PrepareLoadReply",
+    "PrepareStoreReply",
+    "PurgeReply",
+    "ReadSlot",
+    "Reply",
+    "ReplyMessage",
+    "StatsReply",
+    "StoreSlot",
+]

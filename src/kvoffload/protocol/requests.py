@@ -1,0 +1,228 @@
+"""Requests of protocol v1 (protocol-v1.md §5), as frozen ``msgspec.Struct`` messages.
+
+Each class names its verb in ``OP``; ``to_wire()`` gives its result keys in the
+order they have always been sent, and ``from_wire()`` validates a received map
+(:func:`kvoffload.protocol.fields.decode`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Self
+
+from msgspec import Meta
+
+from .fields import (
+    Handle,
+    Key,
+    Keys,
+    LayerSizes,
+    Message,
+    Namespace,
+    Seconds,
+    Tenant,
+    decode,
+    distinct,
+)
+from .framing import bad
+from .limits import (
+    ALIGNMENT,
+    MAX_BATCH,
+    MAX_CLIENT_NAME,
+    MAX_PROTOCOL_VERSION,
+    MAX_TENANTS,
+    MIN_PROTOCOL_VERSION,
+    Op,
+)
+
+Version = Annotated[int, Meta(ge=1, le=0xFFFF)]
+
+
+class RequestMessage(Message, frozen=True):
+    """Base of the requests: ``OP`` is the verb."""
+
+    OP: ClassVar[Op]
+
+    @classmethod
+    def from_wire(cls, m: Mapping[str, Any]) -> Self:
+        return decode(cls, m, cls.OP.value)
+
+
+class Hello(RequestMessage, frozen=True):
+    OP: ClassVar[Op] = Op.HELLO
+    WIRE_REQUIRED: ClassVar[tuple[str, ...]] = ("min_version", "max_version", "client", "tenants")
+    min_version: Version = MIN_PROTOCOL_VERSION
+    max_version: Version = MAX_PROTOCOL_VERSION
+    client: Annotated[str, Meta(max_length=MAX_CLIENT_NAME)] = ""
+    tenants: Annotated[tuple[Tenant, ...], Meta(max_length=MAX_TENANTS)] = ()
+
+    def validate_wire(self, where: str) -> None:
+        if self.min_version > self.max_version:
+            raise bad(f"{where}: min_version {self.min_version} > max_version {self.max_version}")
+        distinct(self.tenants, f"{where}.tenants", "tenant")
+
+
+class RegisterStaging(RequestMessage, frozen=True):
+    OP: ClassVar[Op] = Op.REGISTER_STAGING
+    size: Annotated[int, Meta(ge=ALIGNMENT, multiple_of=ALIGNMENT)]
+
+
+class _TenantKeys(RequestMessage, frozen=True):
+    tenant: Tenant
+    keys: Keys
+
+
+class Lookup(_TenantKeys, frozen=True):
+    OP: ClassVar[Op] = Op.LOOKUP
+
+
+class Touch(_TenantKeys, frozen=True):
+    OP: ClassVar[Op] = Op.TOUCH
+
+
+class PrepareLoad(_TenantKeys, frozen=True):
+    OP: ClassVar[Op] = Op.PREPARE_LOAD
+
+
+class LeaseLoad(PrepareLoad, frozen=True):
+    """``prepare_load``'s fields; the direct path (5.15). Match it before PrepareLoad."""
+
+    OP: ClassVar[Op] = Op.LEASE_LOAD
+
+
+class ChunkSpec(Message, frozen=True):
+    key: Key
+    layers: LayerSizes
+
+    @property
+    def payload(self) -> int:
+        return sum(self.layers)
+
+
+class PrepareStore(RequestMessage, frozen=True):
+    OP: ClassVar[Op] = Op.PREPARE_STORE
+    tenant: Tenant
+    namespace: Namespace
+    chunks: Annotated[tuple[ChunkSpec, ...], Meta(min_length=1, max_length=MAX_BATCH)]
+    ttl_s: Seconds | None = None
+
+    def validate_wire(self, where: str) -> None:
+        distinct(tuple(c.key for c in self.chunks), f"{where}.chunks", "key")
+
+
+class LeaseStore(PrepareStore, frozen=True):
+    """``prepare_store``'s fields; the direct path (5.14). Match it before PrepareStore."""
+
+    OP: ClassVar[Op] = Op.LEASE_STORE
+
+
+class CompleteStore(RequestMessage, frozen=True):
+    OP: ClassVar[Op] = Op.COMPLETE_STORE
+    handle: Handle
+
+
+class CompleteLoad(RequestMessage, frozen=True):
+    OP: ClassVar[Op] = Op.COMPLETE_LOAD
+    WIRE_NULLABLE: ClassVar[tuple[str, ...]] = ("corrupt",)
+    handle: Handle
+    #: Of a ``lease_load`` handle: indices of the chunks whose bytes failed the
+    #: reader's checksums (5.15). Optional; absent = none.
+    corrupt: Annotated[
+        tuple[Annotated[int, Meta(ge=0, le=MAX_BATCH - 1)], ...], Meta(max_length=MAX_BATCH)
+    ] = ()
+
+    def validate_wire(self, where: str) -> None:
+        distinct(self.corrupt, f"{where}.corrupt", "index")
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"handle": self.handle}
+        if self.corrupt:
+            d["corrupt"] = list(self.corrupt)
+        return d
+
+
+class Abort(RequestMessage, frozen=True):
+    OP: ClassVar[Op] = Op.ABORT
+    handle: Handle
+
+
+class Stats(RequestMessage, frozen=True):
+    OP: ClassVar[Op] = Op.STATS
+
+
+class Bye(RequestMessage, frozen=True):
+    OP: ClassVar[Op] = Op.BYE
+
+
+class Purge(RequestMessage, frozen=True):
+    OP: ClassVar[Op] = Op.PURGE
+    tenant: Tenant
+    namespace: Namespace | None = None
+
+
+class Fsck(RequestMessage, frozen=True):
+    OP: ClassVar[Op] = Op.FSCK
+    WIRE_REQUIRED: ClassVar[tuple[str, ...]] = ("repair",)
+    repair: bool = False
+
+
+Request = (
+    Hello
+    | RegisterStaging
+    | Lookup
+    | PrepareStore
+    | CompleteStore
+    | Abort
+    | PrepareLoad
+    | CompleteLoad
+    | Touch
+    | Stats
+    | Purge
+    | Fsck
+    | Bye
+    | LeaseStore
+    | LeaseLoad
+)
+
+REQUEST_TYPES: dict[Op, type[Request]] = {
+    t.OP: t
+    for t in (
+        Hello,
+        RegisterStaging,
+        Lookup,
+        PrepareStore,
+        CompleteStore,
+        Abort,
+        PrepareLoad,
+        CompleteLoad,
+        Touch,
+        Stats,
+        Purge,
+        Fsck,
+        Bye,
+        LeaseStore,
+        LeaseLoad,
+    )
+}
+
+__all__ = [
+    "REQUEST_TYPES",
+    "Abort",
+    "Bye",
+    "ChunkSpec",
+    "CompleteLoad",
+    "CompleteStore",
+    "Fsck",
+    "Hello",
+    "LeaseLoad",
+    "LeaseStore",
+    "Lookup",
+    "PrepareLoad",
+    "PrepareStore",
+    "Purge",
+    "RegisterStaging",
+    "Request",
+    "RequestMessage",
+    "Stats",
+    "Touch",
+]
