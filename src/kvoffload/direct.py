@@ -21,7 +21,7 @@ Backends, chosen by ``KVOFFLOAD_DIRECT_IO`` (``auto`` by default):
     ``kvikio.CuFile``: GDS between GPU memory and the file where the node
     has it, kvikio's POSIX compat mode otherwise; host buffers work too.
 ``auto``
-    kvikio when the sidecar's safe GPU probe (:mod:`kvoffload.sidecar.gpu_probe`:
+    kvikio when the sidecar's safe GPU probe (:mod:`kvoffload.gpu_probe`:
     driver first, anything that could hang in a child with a timeout) says
     it can do I/O here, posix otherwise.
 
@@ -92,7 +92,7 @@ def copy_into(src: memoryview, dst: Any) -> None:
 
 
 def _host_view(obj: Any, writable: bool = False) -> memoryview:
-    from .client import as_byte_view
+    from .client.buffers import as_byte_view
 
     if writable:
         if type(obj).__module__.partition(".")[0] == "torch":  # a CPU tensor: no buffer protocol
@@ -342,7 +342,7 @@ class KvikioDirectIO:
 
 def decide(rep: Any, want: str = "auto") -> tuple[str, str]:
     """(backend, why) for a worker's direct path, from a GPU probe report
-    (:class:`kvoffload.sidecar.gpu_probe.GpuReport`); ``kvoffload doctor`` shows it."""
+    (:class:`kvoffload.gpu_probe.GpuReport`); ``kvoffload doctor`` shows it."""
     if rep.kvikio_usable:
         how = "GPUDirect Storage" if rep.gds_available else "kvikio's compat mode (no GDS)"
         return "kvikio", f"{rep.kvikio_reason}: GPU tensors move through {how}"
@@ -367,7 +367,7 @@ def select(mode: str | None = None) -> DirectIO:
         if want == "posix":
             name, why = "posix", f"{ENV_VAR}=posix"
         else:
-            from .sidecar.gpu_probe import probe
+            from .gpu_probe import probe
 
             name, why = decide(probe(requested="kvikio" if want == "kvikio" else "auto"), want)
             if name != "kvikio" and want == "kvikio":

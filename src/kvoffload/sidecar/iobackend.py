@@ -59,10 +59,10 @@ from typing import Any, Protocol
 
 from kvoffload.errors import IOBackendUnavailable
 
+from ..gpu_probe import GpuReport, ProbeEnv, probe, redecide
 from ..layouts import v1
 from . import fileio
 from .fileio import O_DIRECT, AllocFn, Durability
-from .gpu_probe import GpuReport, ProbeEnv, probe, redecide
 
 log = logging.getLogger("kvoffload.io")
 

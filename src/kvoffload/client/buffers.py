@@ -1,0 +1,93 @@
+"""The client's buffer helpers: layer views, argument checks, staging regions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import direct as direct_io
+from ..protocol import KEY_SIZE, ErrorCode, ProtocolError, packed_layout
+from ..staging import StagingBuffer
+
+#: A layer argument: anything with the buffer protocol (bytes, bytearray,
+#: memoryview, numpy array), or a contiguous CPU torch tensor.
+BufferLike = Any
+LoadCallback = Callable[[int, bytes, Sequence[memoryview]], None]
+#: ``dest_for(index, key, layer_sizes)``: where ``load_to`` puts a chunk's
+#: layers: writable host buffers or GPU tensors, one per layer, each at least
+#: its layer's size.
+DestCallback = Callable[[int, bytes, Sequence[int]], Sequence[Any]]
+#: ``copy_in(staging, offset, layers)``: packs a chunk's layers into staging.
+CopyInFn = Callable[[StagingBuffer, int, list[memoryview]], None]
+
+
+@dataclass
+class LoadedChunk:
+    """One requested key's outcome. ``layers`` holds copies, unless an ``into``
+    callback received the data, in which case it is empty."""
+
+    key: bytes
+    ok: bool
+    layers: list[memoryview] = field(default_factory=list)
+
+
+def as_byte_view(obj: BufferLike) -> memoryview:
+    """A flat, read-only byte view of a layer, without copying."""
+    if type(obj).__module__.partition(".")[0] == "torch":
+        # torch tensors have no buffer protocol; importing torch here costs
+        # nothing since the caller already has it loaded.
+        import torch
+
+        if obj.device.type != "cpu":
+            raise ValueError(f"layer tensor must be on the CPU, not {obj.device}")
+        if not obj.is_contiguous():
+            raise ValueError("layer tensor must be contiguous")
+        obj = obj.reshape(-1).view(torch.uint8).numpy()
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise TypeError(f"layer of type {type(obj).__name__} is not a buffer") from None
+    if not mv.c_contiguous:
+        raise ValueError("layer buffer must be C-contiguous")
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    return mv.toreadonly()
+
+
+def check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    out = list(keys)
+    for i, k in enumerate(out):
+        if not isinstance(k, bytes) or len(k) != KEY_SIZE:
+            raise ValueError(f"keys[{i}] must be {KEY_SIZE} bytes")
+    return out
+
+
+def check_dests(dests: Sequence[Any], sizes: Sequence[int]) -> list[Any]:
+    """``dest_for``'s answer: one destination per layer, each big enough."""
+    out = list(dests)
+    if len(out) != len(sizes):
+        raise ValueError(f"dest_for returned {len(out)} destinations for {len(sizes)} layers")
+    for i, (d, n) in enumerate(zip(out, sizes, strict=True)):
+        if direct_io.nbytes(d) < n:
+            raise ValueError(f"destination of layer {i} holds fewer than {n} bytes")
+    return out
+
+
+def check_regions(regions: list[tuple[int, int]], size: int) -> None:
+    """The server's offsets must stay inside the buffer and apart: a slice past
+    the end of a memoryview would silently truncate instead of failing."""
+    end = 0
+    for off, n in sorted(regions):
+        if off < end or off + n > size:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"bad staging region {off}+{n}")
+        end = off + n
+
+
+def copy_in(staging: StagingBuffer, offset: int, layers: list[memoryview]) -> None:
+    """Copy a chunk's layers into staging at ``offset``, packed as the protocol lays them."""
+    dst = staging.view
+    offs, _ = packed_layout([v.nbytes for v in layers])
+    for lo, v in zip(offs, layers, strict=True):
+        start = offset + lo
+        dst[start : start + v.nbytes] = v

@@ -1,0 +1,189 @@
+"""One connection to the sidecar: request ids, replies, error handling, logging.
+
+A :class:`Session` is what a save or load strategy talks through. It never
+decides to reconnect itself: :meth:`Session.lose` closes the transport and
+tells the owner (the :class:`~kvoffload.client.SidecarClient`), which backs
+off and opens a fresh session on a later call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ..protocol import (
+    MAX_PROTOCOL_VERSION,
+    MIN_PROTOCOL_VERSION,
+    Ack,
+    Bye,
+    ErrorCode,
+    ErrorReply,
+    Hello,
+    HelloReply,
+    ProtocolError,
+    Reply,
+    Request,
+    Stats,
+    StatsReply,
+    close_fds,
+    parse_reply,
+    request_message,
+)
+from ..staging import StagingError
+from ..transport import Transport, TransportError, UnixTransport
+
+#: Every module of the client logs as ``kvoffload.client``.
+log = logging.getLogger("kvoffload.client")
+_R = TypeVar("_R")
+
+
+class Unavailable(Exception):
+    """The sidecar answered, but the session cannot continue (refused hello, draining)."""
+
+
+#: What "the sidecar is not usable right now" looks like from here.
+CONNECTION_ERRORS = (TransportError, ProtocolError, Unavailable, StagingError, OSError)
+
+
+class RateLimitedLog:
+    """One warning per category per interval; the next one says how many were dropped."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float]) -> None:
+        self._interval_s = interval_s
+        self._clock = clock
+        self._next: dict[str, float] = {}
+        self._dropped: dict[str, int] = {}
+
+    def __call__(self, level: int, category: str, msg: str) -> None:
+        now = self._clock()
+        if now < self._next.get(category, float("-inf")):
+            self._dropped[category] = self._dropped.get(category, 0) + 1
+            return
+        dropped = self._dropped.pop(category, 0)
+        suffix = f" ({dropped} similar messages suppressed)" if dropped else ""
+        log.log(level, "%s%s", msg, suffix)
+        self._next[category] = now + self._interval_s
+
+
+def expect(reply: Reply, cls: type[_R]) -> _R:
+    """``reply`` as a ``cls``; anything else is a protocol error."""
+    if not isinstance(reply, cls):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected reply {reply!r}")
+    return reply
+
+
+def read_reply(transport: Transport, rid: int, req: Request) -> tuple[int, Reply]:
+    """The reply to request ``rid`` (``req``), checked for id and op."""
+    frame = transport.recv()
+    if frame.fds:
+        close_fds(frame.fds)
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "server sent descriptors")
+    got, reply = parse_reply(frame.msg)
+    if got == 0 and isinstance(reply, ErrorReply):
+        raise Unavailable(f"sidecar closed the connection: {reply.code.name}: {reply.message}")
+    if got != rid:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"reply to request {got}, expected {rid}")
+    op = reply.op if isinstance(reply, ErrorReply | Ack) else reply.OP
+    if op != req.OP:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"reply for {op}, expected {req.OP}")
+    return got, reply
+
+
+#: ``on_lost(session, exc)``: the owner forgets the session and backs off.
+LostFn = Callable[["Session", BaseException], None]
+
+
+@dataclass(eq=False)
+class Session:
+    """A connection that said hello and registered its staging buffer."""
+
+    transport: Transport
+    hello: HelloReply
+    salt: bytes
+    tenant: str
+    warn: RateLimitedLog
+    on_lost: LostFn
+    next_id: int = 1
+    #: Lost or closed: a strategy stops at the next batch boundary.
+    ended: bool = False
+
+    @property
+    def alive(self) -> bool:
+        return not self.ended
+
+    def take_id(self) -> int:
+        rid = self.next_id
+        self.next_id = rid % (2**32 - 1) + 1
+        return rid
+
+    def call(self, req: Request, fds: Sequence[int] = ()) -> Reply:
+        rid = self.take_id()
+        self.transport.send(request_message(rid, req), fds)
+        return read_reply(self.transport, rid, req)[1]
+
+    def lose(self, exc: BaseException) -> None:
+        """Drop the session; the server releases everything it held for it."""
+        self.ended = True
+        self.transport.close()
+        self.on_lost(self, exc)
+
+    def close(self) -> None:
+        """Say bye and disconnect (``SidecarClient.close``); never raises a connection error."""
+        self.ended = True
+        with contextlib.suppress(*CONNECTION_ERRORS):
+            self.call(Bye())
+        self.transport.close()
+
+    def on_error_reply(self, reply: ErrorReply) -> None:
+        if reply.code is ErrorCode.SHUTTING_DOWN:
+            self.lose(Unavailable("sidecar is shutting down"))
+        elif reply.code in (
+            ErrorCode.BAD_REQUEST,
+            ErrorCode.BAD_HANDLE,
+            ErrorCode.NOT_REGISTERED,
+            ErrorCode.UNSUPPORTED,
+        ):
+            # One side has a bug: start over with fresh state on both ends.
+            self.lose(Unavailable(f"{reply.code.name}: {reply.message}"))
+        else:
+            self.warn(
+                logging.WARNING,
+                f"reply-{reply.code.name}",
+                f"kvoffload sidecar refused {reply.op}: {reply.code.name}: {reply.message}",
+            )
+
+
+def fetch_stats(socket_path: str | os.PathLike[str], timeout_s: float = 5.0) -> dict[str, Any]:
+    """The sidecar's counters, over a connection that names no tenant.
+
+    Unlike ``SidecarClient.stats`` this neither creates a tenant's keys nor
+    registers a staging buffer, so an operator's `kvoffload stats` has no side
+    effects. Raises ``TransportError``/``ProtocolError`` if the sidecar is unreachable.
+    """
+    transport = UnixTransport.connect(os.fspath(socket_path), timeout_s=timeout_s)
+    try:
+        exchanges: list[tuple[int, Request]] = [
+            (1, Hello(MIN_PROTOCOL_VERSION, MAX_PROTOCOL_VERSION, "kvoffload stats", ())),
+            (2, Stats()),
+        ]
+        result: dict[str, Any] = {}
+        for rid, req in exchanges:
+            transport.send(request_message(rid, req))
+            frame = transport.recv()
+            close_fds(frame.fds)
+            got, reply = parse_reply(frame.msg)
+            if isinstance(reply, ErrorReply):
+                raise ProtocolError(reply.code, f"{req.OP.value} refused: {reply.message}")
+            if got != rid:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"reply to {got}, expected {rid}")
+            if isinstance(reply, StatsReply):
+                result = dict(reply.stats)
+        with contextlib.suppress(*CONNECTION_ERRORS):
+            transport.send(request_message(3, Bye()))
+        return result
+    finally:
+        transport.close()

@@ -1,0 +1,244 @@
+"""The staging path: chunk bytes pass through the shared staging buffer.
+
+Save: ``prepare_store`` reserves regions of the buffer, the worker copies the
+layers in, ``complete_store`` has the sidecar verify and write them. Load:
+``prepare_load`` has the sidecar read and verify chunks into the buffer, the
+worker copies them out (or hands views to ``into``), ``complete_load``
+releases the regions. Each call starts with the whole buffer free (the
+client serializes calls), which is what sizes the batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from .. import direct as direct_io
+from ..protocol import (
+    Abort,
+    ChunkSpec,
+    CompleteLoad,
+    ErrorCode,
+    ErrorReply,
+    PrepareLoad,
+    PrepareLoadReply,
+    PrepareStore,
+    PrepareStoreReply,
+    ProtocolError,
+    StoreStatus,
+    packed_layout,
+    region_size,
+)
+from ..staging import StagingBuffer
+from .buffers import (
+    CopyInFn,
+    DestCallback,
+    LoadCallback,
+    LoadedChunk,
+    check_dests,
+    check_regions,
+)
+from .paths import complete_store
+from .session import CONNECTION_ERRORS, Session, expect
+
+#: Conservative msgpack size of one chunk entry in prepare_store: key (34),
+#: map keys and headers (~24), one u64 (≤ 9 bytes) per layer size.
+_CHUNK_ENTRY_BYTES = 64
+_LAYER_ENTRY_BYTES = 9
+_FRAME_SLACK = 4096
+
+
+class StagedPath:
+    """Saves and loads through ``staging`` (registered with the session's sidecar)."""
+
+    name = "staged"
+
+    def __init__(self, staging: StagingBuffer, copy_in: CopyInFn) -> None:
+        self._staging = staging
+        self._copy_in = copy_in
+
+    # -- save ----------------------------------------------------------------
+
+    def save(
+        self,
+        s: Session,
+        namespace: bytes,
+        keys: list[bytes],
+        srcs: list[list[Any]],
+        ttl_s: float | None,
+        results: list[bool],
+    ) -> None:
+        views = [[direct_io.to_host(v) if direct_io.is_device(v) else v for v in lv] for lv in srcs]
+        cap = self._staging.size
+        fits = [region_size([v.nbytes for v in lv]) <= cap for lv in views]
+        if not all(fits):
+            # Only a client that asked for the direct path gets this far with
+            # such chunks (otherwise ChunkTooLarge was raised up front).
+            s.warn(
+                logging.WARNING,
+                "direct-unavailable",
+                "kvoffload: the direct path is not offered for tenant "
+                f"{s.tenant!r}; {fits.count(False)} chunk(s) exceed the staging "
+                "buffer and are not saved",
+            )
+        for batch in self._store_batches(s, views):
+            batch = [i for i in batch if fits[i]]
+            if batch:
+                self._save_batch(s, namespace, keys, views, batch, ttl_s, results)
+            if not s.alive:
+                break
+
+    def _store_batches(self, s: Session, views: list[list[memoryview]]) -> list[list[int]]:
+        """Consecutive chunk indices that fit the staging buffer, max_batch and max_frame."""
+        cap = self._staging.size
+        frame_budget = s.hello.max_frame - _FRAME_SLACK
+        batches: list[list[int]] = []
+        cur: list[int] = []
+        cur_bytes = cur_frame = 0
+        for i, lv in enumerate(views):
+            packed = region_size([v.nbytes for v in lv], s.hello.alignment)
+            entry = _CHUNK_ENTRY_BYTES + _LAYER_ENTRY_BYTES * len(lv)
+            if cur and (
+                cur_bytes + packed > cap
+                or len(cur) >= s.hello.max_batch
+                or cur_frame + entry > frame_budget
+            ):
+                batches.append(cur)
+                cur, cur_bytes, cur_frame = [], 0, 0
+            cur.append(i)
+            cur_bytes += packed
+            cur_frame += entry
+        if cur:
+            batches.append(cur)
+        return batches
+
+    def _save_batch(
+        self,
+        s: Session,
+        namespace: bytes,
+        keys: list[bytes],
+        views: list[list[memoryview]],
+        batch: list[int],
+        ttl_s: float | None,
+        results: list[bool],
+    ) -> None:
+        staging = self._staging
+        specs = tuple(ChunkSpec(keys[i], tuple(v.nbytes for v in views[i])) for i in batch)
+        reply = s.call(PrepareStore(s.tenant, namespace, specs, ttl_s))
+        if isinstance(reply, ErrorReply):
+            s.on_error_reply(reply)
+            return
+        prep = expect(reply, PrepareStoreReply)
+        if len(prep.chunks) != len(batch):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "prepare_store reply has wrong length")
+        regions: list[tuple[int, int]] = []
+        for slot, sp in zip(prep.chunks, specs, strict=True):
+            if slot.status is StoreStatus.WRITE:
+                regions.append((slot.offset, sp.payload))
+        check_regions(regions, staging.size)
+        try:
+            for slot, i in zip(prep.chunks, batch, strict=True):
+                if slot.status is StoreStatus.WRITE:
+                    self._copy_in(staging, slot.offset, views[i])
+        except BaseException:
+            with contextlib.suppress(*CONNECTION_ERRORS):
+                s.call(Abort(prep.handle))
+            raise
+        complete_store(s, prep.chunks, prep.handle, batch, results)
+
+    # -- load ----------------------------------------------------------------
+
+    def load(
+        self,
+        s: Session,
+        keys: list[bytes],
+        results: list[LoadedChunk],
+        into: LoadCallback | None,
+        dest_for: DestCallback | None,
+    ) -> None:
+        if dest_for is not None:
+            pick = dest_for
+
+            def copy(idx: int, key: bytes, views: Sequence[memoryview]) -> None:
+                sizes = [v.nbytes for v in views]
+                for v, d in zip(views, check_dests(pick(idx, key, sizes), sizes), strict=True):
+                    direct_io.copy_into(v, d)
+
+            into = copy
+        pos = 0
+        while pos < len(keys):
+            n, more = self._load_batch(s, keys, pos, into, results)
+            pos += n
+            if not more or not s.alive:
+                break
+
+    def _load_batch(
+        self,
+        s: Session,
+        keys: list[bytes],
+        pos: int,
+        into: LoadCallback | None,
+        results: list[LoadedChunk],
+    ) -> tuple[int, bool]:
+        """Load keys[pos:] up to one batch; (chunks loaded, worth asking for more)."""
+        staging = self._staging
+        batch = keys[pos : pos + s.hello.max_batch]
+        reply = s.call(PrepareLoad(s.tenant, tuple(batch)))
+        if isinstance(reply, ErrorReply):
+            s.on_error_reply(reply)
+            return 0, False
+        prep = expect(reply, PrepareLoadReply)
+        if len(prep.chunks) != len(batch):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "prepare_load reply has wrong length")
+        n = prep.verified
+        loaded = prep.chunks[:n]
+        try:
+            check_regions([(c.offset, sum(c.layers)) for c in loaded], staging.size)
+            for j, slot in enumerate(loaded):
+                offs, _ = packed_layout(slot.layers)
+                src = [
+                    staging.view[slot.offset + lo : slot.offset + lo + size].toreadonly()
+                    for lo, size in zip(offs, slot.layers, strict=True)
+                ]
+                idx = pos + j
+                if into is None:
+                    buf = memoryview(bytearray(sum(slot.layers)))
+                    layers: list[memoryview] = []
+                    at = 0
+                    for v in src:
+                        buf[at : at + v.nbytes] = v
+                        layers.append(buf[at : at + v.nbytes])
+                        at += v.nbytes
+                    results[idx] = LoadedChunk(keys[idx], True, layers)
+                else:
+                    try:
+                        into(idx, keys[idx], src)
+                    finally:
+                        for v in src:
+                            with contextlib.suppress(BufferError):
+                                v.release()
+                    results[idx] = LoadedChunk(keys[idx], True)
+        finally:
+            if prep.handle:
+                # Everything verified is already copied out: a failure from
+                # here on cannot unmake those results, and a disconnect
+                # releases the handle anyway.
+                try:
+                    done = s.call(CompleteLoad(prep.handle))
+                    if isinstance(done, ErrorReply):
+                        s.on_error_reply(done)
+                except CONNECTION_ERRORS as exc:
+                    s.lose(exc)
+        # OK and NOT_FOUND are ordinary outcomes; BUSY after progress means "ask again".
+        quiet = prep.stop in (ErrorCode.OK, ErrorCode.NOT_FOUND) or (
+            prep.stop is ErrorCode.BUSY and n > 0
+        )
+        if not quiet:
+            s.warn(
+                logging.WARNING,
+                f"load-{prep.stop.name}",
+                f"kvoffload load stopped early: {prep.stop.name}",
+            )
+        return n, prep.stop is ErrorCode.BUSY and n > 0
