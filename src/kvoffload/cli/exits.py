@@ -1,0 +1,131 @@
+"""The CLI's exit codes and the one table that maps exceptions to them.
+
+Commands never pick an exit code for a failure themselves: they raise (a
+:mod:`kvoffload.errors` class, or one of the CLI outcomes below) and
+:func:`kvoffload.cli.main` turns the exception into one line on stderr,
+``<label>: <message>``, and the exit code :data:`EXIT_TABLE` gives its class.
+No traceback: an exception no row matches is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from ..errors import (
+    ConfigError,
+    KeyringError,
+    KVOffloadError,
+    LayoutError,
+    PolicyError,
+    ProtocolError,
+    SidecarStartError,
+    StoreError,
+    StoreLocked,
+    TransportError,
+)
+
+__all__ = [
+    "EXIT_ABORTED",
+    "EXIT_ERROR",
+    "EXIT_FSCK_PROBLEMS",
+    "EXIT_LOCKED",
+    "EXIT_NO_STORE",
+    "EXIT_OK",
+    "EXIT_TABLE",
+    "EXIT_UNREACHABLE",
+    "EXIT_USAGE",
+    "Aborted",
+    "CliOutcome",
+    "CliUsageError",
+    "DemoFailed",
+    "ExitCode",
+    "FsckProblems",
+    "NoStore",
+    "SidecarUnreachable",
+    "exit_for",
+]
+
+
+class ExitCode(IntEnum):
+    """The documented exit codes (``kvoffload --help``); these numbers never change."""
+
+    OK = 0
+    ERROR = 1  # I/O, invalid store, invalid config
+    USAGE = 2  # usage error
+    NO_STORE = 3  # no store at that location (run `kvoffload init`)
+    LOCKED = 4  # the store's index is held by another process (a running sidecar)
+    FSCK_PROBLEMS = 5  # fsck found problems (without --repair)
+    ABORTED = 6  # aborted at a confirmation prompt
+    UNREACHABLE = 7  # the sidecar is not reachable (stats, demo)
+
+
+EXIT_OK = ExitCode.OK
+EXIT_ERROR = ExitCode.ERROR
+EXIT_USAGE = ExitCode.USAGE
+EXIT_NO_STORE = ExitCode.NO_STORE
+EXIT_LOCKED = ExitCode.LOCKED
+EXIT_FSCK_PROBLEMS = ExitCode.FSCK_PROBLEMS
+EXIT_ABORTED = ExitCode.ABORTED
+EXIT_UNREACHABLE = ExitCode.UNREACHABLE
+
+
+# -- outcomes only the CLI has (not library errors) ----------------------------
+
+
+class CliOutcome(KVOffloadError):
+    """Base of the command-line outcomes that are not library errors."""
+
+
+class CliUsageError(CliOutcome):
+    """Options that do not make sense together, or a malformed value."""
+
+
+class NoStore(LayoutError):
+    """No store at the configured root (no layout.json): run ``kvoffload init``."""
+
+
+class FsckProblems(CliOutcome):
+    """fsck found problems and was not asked to repair them (the report is printed)."""
+
+
+class Aborted(CliOutcome):
+    """The user said no at a confirmation prompt."""
+
+
+class SidecarUnreachable(CliOutcome):
+    """No sidecar answered on the socket."""
+
+
+class DemoFailed(CliOutcome):
+    """A demo worker failed, or the demo cannot run here (the message says why)."""
+
+
+#: exception class → (exit code, label of the one stderr line). The first row
+#: whose class the exception is an instance of wins, so subclasses come first.
+EXIT_TABLE: tuple[tuple[type[BaseException], ExitCode, str], ...] = (
+    (CliUsageError, ExitCode.USAGE, "usage"),
+    (Aborted, ExitCode.ABORTED, "aborted"),
+    (FsckProblems, ExitCode.FSCK_PROBLEMS, "fsck"),
+    (NoStore, ExitCode.NO_STORE, "no store"),
+    (StoreLocked, ExitCode.LOCKED, "locked"),
+    (SidecarUnreachable, ExitCode.UNREACHABLE, "unreachable"),
+    (SidecarStartError, ExitCode.UNREACHABLE, "sidecar"),
+    (TransportError, ExitCode.UNREACHABLE, "unreachable"),
+    (ProtocolError, ExitCode.UNREACHABLE, "unreachable"),
+    (DemoFailed, ExitCode.ERROR, "demo failed"),
+    (ConfigError, ExitCode.ERROR, "config error"),
+    (PolicyError, ExitCode.ERROR, "policy"),
+    (KeyringError, ExitCode.ERROR, "KEK"),
+    (LayoutError, ExitCode.ERROR, "store"),
+    (StoreError, ExitCode.ERROR, "store"),
+    (KVOffloadError, ExitCode.ERROR, "error"),
+    (OSError, ExitCode.ERROR, "error"),
+)
+
+
+def exit_for(exc: BaseException) -> tuple[ExitCode, str] | None:
+    """The exit code and label for ``exc``, or None when no row matches (a bug)."""
+    for cls, code, label in EXIT_TABLE:
+        if isinstance(exc, cls):
+            return code, label
+    return None
