@@ -30,6 +30,7 @@
     │   ├── StoreIOError                    the file system failed (ENOSPC, EACCES, EIO…)
     │   ├── LeaseInvalid                    a direct-path object failed its check
     │   ├── UnknownTenant                   no keys for this tenant (never created, or purged)
+    │   ├── StoreKeyError                   a tenant's key file is corrupt, unreadable or unwritable
     │   └── IOBackendUnavailable            a requested I/O backend cannot work on this node
     └── SidecarStartError     (RuntimeError) a development sidecar did not come up
 
@@ -74,6 +75,7 @@ __all__ = [
     "StoreError",
     "StoreFull",
     "StoreIOError",
+    "StoreKeyError",
     "StoreLocked",
     "TransportClosed",
     "TransportError",
@@ -314,6 +316,13 @@ class LeaseInvalid(StoreError):
 
 class UnknownTenant(StoreError):
     """The tenant has no keys: nothing of it can be read."""
+
+
+class StoreKeyError(StoreError):
+    """A tenant's keys cannot be used: its key file is corrupt or unreadable, or a
+    key write failed (a :class:`KeyringError` underneath, mapped at the store
+    boundary). Unlike :class:`UnknownTenant` the keys exist; restore or rotate them.
+    """
 
 
 class IOBackendUnavailable(StoreError):

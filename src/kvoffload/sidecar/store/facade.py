@@ -1,0 +1,302 @@
+"""The :class:`Store` facade: opening and closing, tenants, deletes and purges,
+stats, and the read-only views the CLI uses (``chunks``, ``tenant_usage``…).
+
+Every public method leaves through the store boundary
+(:func:`~.base.mapped_errors`): index failures (:class:`IndexFailure`,
+``lmdb.Error``) become :class:`StoreIOError`, keyring failures
+(:class:`KeyringError`) :class:`StoreKeyError`; a chunk that cannot be read
+is still a miss, never an exception.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from ...layouts import create_root, read_layout
+from ..errors import StoreError, StoreIOError, StoreLocked
+from ..fileio import Durability, ScratchBuffers, syncfs
+from ..index import ChunkRecord, Index, Usage
+from ..iobackend import select_backend
+from ..keyring import Kek, Keyring, KeyringError
+from .audit import AuditLog
+from .base import Counters, StoreConfig, boundary, log, mapped_errors
+from .leases import Leases
+
+
+class Store(Leases):
+    """See the package docstring. Open with :meth:`open`; close with :meth:`close`."""
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        kek: Kek,
+        *,
+        create: bool = False,
+        audit: Callable[[str, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.root = config.root
+        if create:
+            self.layout = create_root(self.root)
+        else:
+            self.layout = read_layout(self.root)
+        index_dir = config.resolved_index_dir()
+        index_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(index_dir / "kvoffload.lock", os.O_RDWR | os.O_CREAT, 0o640)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            os.close(self._lock_fd)
+            raise StoreLocked(
+                f"the index at {index_dir} is in use by another process (a running sidecar?); "
+                "use the sidecar's admin verbs or stop it first"
+            ) from exc
+        try:
+            with mapped_errors("open"):
+                self._open_parts(index_dir, kek, audit)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        self.counters = Counters()
+        self._closed = threading.Event()
+        self._bg: list[threading.Thread] = []
+        self._flusher: threading.Thread | None = None
+        if config.durability is Durability.BATCH:
+            self._flusher = threading.Thread(
+                target=self._flush_loop, name="kvoffload-flush", daemon=True
+            )
+            self._flusher.start()
+
+    def _open_parts(
+        self, index_dir: Path, kek: Kek, audit: Callable[[str, dict[str, Any]], None] | None
+    ) -> None:
+        """Keyring, index and I/O backend; on failure, what was opened is closed
+        (the caller closes the lock file)."""
+        config = self.config
+        self._audit = AuditLog(index_dir / "audit.jsonl", audit)
+        self.keyring = Keyring(
+            self.root / "keys", kek, cache_ttl_s=config.key_cache_ttl_s, audit=self._audit
+        )
+        tenants = self.keyring.tenants()
+        if tenants:
+            # A wrong KEK must stop us here: later, every object would look corrupt
+            # and fsck --repair would delete them all.
+            try:
+                self.keyring.get(tenants[0])
+            except KeyringError as exc:
+                raise StoreError(f"the KEK does not open this store's keys: {exc}") from exc
+        self.index = Index(index_dir / "lmdb")
+        try:
+            store_id = self.index.get_meta("store_id")
+            if store_id is None:
+                self.index.set_meta("store_id", self.layout.store_id.encode())
+            elif store_id.decode() != self.layout.store_id:
+                raise StoreError(
+                    f"index at {index_dir} belongs to store {store_id.decode()}, "
+                    f"not {self.layout.store_id}: point index_dir elsewhere or run fsck --repair"
+                )
+            self._mu = threading.Lock()
+            self._used = self.index.usage().bytes
+            self._reserved = 0
+            self._tenant_reserved = {}
+            self._pins = {}
+            self._touch_pending = {}
+            self._touch_flushed = time.time_ns()
+            self._seal_budget = {}
+            self._scratch = ScratchBuffers()
+            self._scratch_alt = ScratchBuffers()
+            self._pipe = None
+            sel = select_backend(config.io, self.root / "objects")
+        except BaseException:
+            self.index.close()
+            raise
+        self.io = sel.backend
+        self.io_plan = sel.plan
+
+    # ------------------------------------------------------------------ life
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self.wait_background()
+        if self._pipe is not None:
+            self._pipe.shutdown(wait=True)
+        self.io.close()
+        with mapped_errors("close"):
+            try:
+                self._flush_touches()
+                if self._flusher is not None:
+                    self._flusher.join()
+                if self.config.durability is not Durability.NONE:
+                    try:
+                        syncfs(self.root)
+                    except OSError as exc:
+                        log.warning("final syncfs failed: %s", exc)
+                self.index.flush()
+            finally:
+                self.index.close()
+                os.close(self._lock_fd)
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _flush_loop(self) -> None:
+        while not self._closed.wait(self.config.batch_interval_s):
+            try:
+                syncfs(self.root)
+                self.index.flush()
+            except OSError as exc:
+                log.warning("batched syncfs failed: %s", exc)
+
+    def wait_background(self) -> None:
+        """Wait for background work (purge file removal) to finish."""
+        for t in list(self._bg):
+            t.join()
+        self._bg = [t for t in self._bg if t.is_alive()]
+
+    # -------------------------------------------------------------- tenants
+
+    @boundary
+    def tenant_salt(self, tenant: str) -> bytes:
+        """The tenant's secret key salt (creates the tenant's keys on first use)."""
+        return self.keyring.ensure_tenant(tenant).salt
+
+    @boundary
+    def tenants(self) -> list[str]:
+        """Tenants with keys."""
+        return self.keyring.tenants()
+
+    # ---------------------------------------------------------------- views
+
+    def chunks(
+        self, tenant: str | None = None, namespace: bytes | None = None
+    ) -> Iterator[ChunkRecord]:
+        """Index records (no data I/O), of one tenant and/or namespace, in key order."""
+        with mapped_errors("chunks"):
+            yield from self.index.records(tenant=tenant, namespace=namespace)
+
+    @boundary
+    def chunk_count(self) -> int:
+        """How many chunks the index holds."""
+        return self.index.count()
+
+    @boundary
+    def tenant_usage(self) -> dict[str, Usage]:
+        """Stored chunks and bytes per tenant that has at least one chunk."""
+        return self.index.tenants()
+
+    @boundary
+    def namespace_usage(self, tenant: str) -> dict[bytes, Usage]:
+        """Stored chunks and bytes per namespace of ``tenant``."""
+        return self.index.namespaces(tenant)
+
+    # --------------------------------------------------------------- delete
+
+    @boundary
+    def delete(self, tenant: str, key: bytes) -> bool:
+        return self._drop(tenant, key, reason="delete")
+
+    @boundary
+    def expire(self) -> int:
+        """Drop every chunk whose TTL has passed."""
+        n = 0
+        for rec in self.index.expired(time.time_ns()):
+            n += self._drop(rec.tenant, rec.chunk_key, reason="expired")
+        return n
+
+    @boundary
+    def purge_tenant(self, tenant: str, *, wait: bool = False) -> int:
+        """Crypto-erase a tenant: destroy its wrapped keys first, then remove its data.
+
+        After the key file is destroyed (overwritten, fsync'd, unlinked) no
+        object of the tenant decrypts anywhere; files and index entries are
+        removed in the background (``wait=True`` waits). Returns the number of
+        index records scheduled for removal.
+        """
+        existed = self.keyring.destroy(tenant)
+        recs = list(self.index.records(tenant=tenant))
+        self._audit("purge_tenant", {"tenant": tenant, "had_keys": existed, "chunks": len(recs)})
+
+        def work() -> None:
+            shutil.rmtree(self.root / "objects" / tenant, ignore_errors=True)
+            for rec in recs:
+                self._drop(rec.tenant, rec.chunk_key, reason="purge", remove_file=False)
+
+        t = threading.Thread(target=work, name=f"purge-{tenant}", daemon=True)
+        t.start()
+        self._bg.append(t)
+        if wait:
+            t.join()
+        return len(recs)
+
+    @boundary
+    def purge_namespace(self, tenant: str, namespace: bytes) -> int:
+        """Remove a namespace's chunks (file removal, not a crypto erase: keys are per tenant)."""
+        recs = list(self.index.records(tenant=tenant, namespace=namespace))
+        for rec in recs:
+            self._drop(rec.tenant, rec.chunk_key, reason="purge-namespace")
+        self._audit(
+            "purge_namespace", {"tenant": tenant, "namespace": namespace.hex(), "chunks": len(recs)}
+        )
+        return len(recs)
+
+    @boundary
+    def purge_older_than(self, age_s: float, tenant: str | None = None) -> int:
+        cutoff = time.time_ns() - int(age_s * 1e9)
+        recs = [r for r in self.index.records(tenant=tenant) if r.created_ns < cutoff]
+        for rec in recs:
+            self._drop(rec.tenant, rec.chunk_key, reason="purge-age")
+        return len(recs)
+
+    @boundary
+    def rotate_kek(self, new_kek: Kek) -> int:
+        return self.keyring.rotate_kek(new_kek)  # the keyring writes the audit record
+
+    @boundary
+    def maintain(self) -> dict[str, int]:
+        """Periodic upkeep the server runs: TTL expiry and orphaned temp files."""
+        self._flush_touches()
+        return {"expired": self.expire(), "tmp_removed": self.collect_garbage()}
+
+    # ---------------------------------------------------------------- stats
+
+    @boundary
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "store_id": self.layout.store_id,
+            "layout_version": self.layout.version,
+            "capacity_bytes": self.config.capacity_bytes,
+            "used_bytes": self._used,
+            "reserved_bytes": self._reserved,
+            "chunks": self.index.count(),
+            "tenants": len(self.keyring.tenants()),
+            "hits": c.hits,
+            "misses": c.misses,
+            "puts": c.puts,
+            "put_exists": c.put_exists,
+            "evictions": c.evictions,
+            "corrupt": c.corrupt,
+            "bytes_in": c.bytes_in,
+            "bytes_out": c.bytes_out,
+            "durability": str(self.config.durability),
+            "io": self.io.describe(),
+        }
+
+
+def open_store(config: StoreConfig, kek: Kek, *, create: bool = False) -> Store:
+    try:
+        return Store(config, kek, create=create)
+    except OSError as exc:
+        raise StoreIOError(f"cannot open store at {config.root}: {exc}", exc.errno) from exc

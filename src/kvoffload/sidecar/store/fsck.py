@@ -1,0 +1,219 @@
+"""Maintenance: fsck (the files against the index, and the index rebuilt from
+the files), walking the object tree, adopting another writer's object, and
+collecting orphaned temp files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...layouts import CorruptObject, LayoutError, v1
+from ..fileio import read_prefix
+from ..index import ChunkRecord
+from ..keyring import KeyringError
+from .base import MAX_OBJECT_BYTES, aead_lookup, boundary
+from .capacity import Capacity
+
+
+@dataclass
+class FsckReport:
+    objects_on_disk: int = 0
+    index_records: int = 0
+    ok: int = 0
+    missing_files: list[str] = field(default_factory=list)  # index says present, no file
+    unindexed_files: list[str] = field(default_factory=list)  # file, no index record
+    corrupt_files: list[str] = field(default_factory=list)
+    orphan_tmp_files: list[str] = field(default_factory=list)
+    purged_tenant_files: list[str] = field(default_factory=list)
+    mismatched_records: list[str] = field(default_factory=list)
+    repaired: bool = False
+
+    @property
+    def clean(self) -> bool:
+        return not (
+            self.missing_files
+            or self.unindexed_files
+            or self.corrupt_files
+            or self.orphan_tmp_files
+            or self.purged_tenant_files
+            or self.mismatched_records
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items()}
+        d["clean"] = self.clean
+        return d
+
+
+class Maintenance(Capacity):
+    def _walk_objects(self) -> Iterator[Path]:
+        objects = self.root / "objects"
+        if not objects.is_dir():
+            return
+        for dirpath, _dirs, files in os.walk(objects):
+            for name in files:
+                yield Path(dirpath) / name
+
+    @boundary
+    def fsck(
+        self,
+        repair: bool = False,
+        *,
+        verify_data: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> FsckReport:
+        """Compare the files with the index; ``repair`` rebuilds the index from files.
+
+        ``verify_data`` also decrypts/checksums every layer (slower). Objects
+        of tenants without keys (purged) and old temp files are removed on repair.
+        """
+        rep = FsckReport(repaired=repair)
+        now = time.time()
+        good: dict[tuple[str, bytes], ChunkRecord] = {}
+        to_remove: list[Path] = []
+        tenants_with_keys = set(self.keyring.tenants())
+        corrupt_ids: set[tuple[str, bytes] | None] = set()
+        for i, path in enumerate(self._walk_objects()):
+            if progress is not None and i % 256 == 0:
+                progress(i)
+            rel = str(path.relative_to(self.root))
+            if path.name.startswith(v1.TMP_PREFIX):
+                try:
+                    old = now - path.stat().st_mtime > self.config.tmp_max_age_s
+                except FileNotFoundError:
+                    continue
+                if old:
+                    rep.orphan_tmp_files.append(rel)
+                    to_remove.append(path)
+                continue
+            rep.objects_on_disk += 1
+            try:
+                st = path.stat()
+                h = v1.decode_header(read_prefix(path, v1.ALIGN * 64))
+                if rel != v1.object_relpath(h.tenant, h.chunk_key):
+                    raise CorruptObject("object is not at its own path")
+                if st.st_size != h.total_size:
+                    raise CorruptObject("size differs from header")
+                if h.tenant not in tenants_with_keys and h.sealed:
+                    rep.purged_tenant_files.append(rel)
+                    to_remove.append(path)
+                    continue
+                if verify_data:
+                    tk = self.keyring.get(h.tenant) if h.sealed else None
+                    scratch = bytearray(h.payload_size)
+                    v1.open_into(
+                        self.io.read_object(path, self._scratch.get, MAX_OBJECT_BYTES),
+                        memoryview(scratch),
+                        tenant=h.tenant,
+                        namespace=h.namespace,
+                        chunk_key=h.chunk_key,
+                        aead_for_epoch=aead_lookup(tk),
+                    )
+            except (LayoutError, OSError, KeyringError) as exc:
+                rep.corrupt_files.append(f"{rel}: {exc}")
+                to_remove.append(path)
+                corrupt_ids.add(_identity_from_path(rel))
+                continue
+            good[(h.tenant, h.chunk_key)] = self._record_from_header(h, st.st_size)
+        indexed = {(r.tenant, r.chunk_key): r for r in self.index.records()}
+        rep.index_records = len(indexed)
+        for k, r in indexed.items():
+            g = good.get(k)
+            if g is None:
+                if k not in corrupt_ids:
+                    rep.missing_files.append(v1.object_relpath(*k))
+            elif (g.size, g.namespace, g.key_epoch) != (r.size, r.namespace, r.key_epoch):
+                rep.mismatched_records.append(v1.object_relpath(*k))
+            else:
+                rep.ok += 1
+        for k in good:
+            if k not in indexed:
+                rep.unindexed_files.append(v1.object_relpath(*k))
+        if repair:
+            for p in to_remove:
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+            # Rebuild from the files alone, keeping access times the index still knows.
+            merged: list[ChunkRecord] = []
+            for k, g in good.items():
+                prev = indexed.get(k)
+                same = prev is not None and (prev.size, prev.namespace, prev.key_epoch) == (
+                    g.size,
+                    g.namespace,
+                    g.key_epoch,
+                )
+                if prev is not None and same:
+                    merged.append(prev)
+                else:
+                    merged.append(g)
+            with self._mu:
+                self.index.clear()
+                self.index.put_many(merged)
+                self._used = self.index.usage().bytes
+            self.index.flush()
+        return rep
+
+    @boundary
+    def collect_garbage(self) -> int:
+        """Remove temp files older than ``tmp_max_age_s`` (cancelled or crashed writers)."""
+        n = 0
+        now = time.time()
+        for path in self._walk_objects():
+            if path.name.startswith(v1.TMP_PREFIX):
+                try:
+                    if now - path.stat().st_mtime > self.config.tmp_max_age_s:
+                        path.unlink()
+                        n += 1
+                except FileNotFoundError:
+                    pass
+        return n
+
+    def _adopt(self, tenant: str, key: bytes) -> bool:
+        """Index an object another writer (node) put on disk. False if absent/invalid."""
+        path = self._path(tenant, key)
+        try:
+            st = path.stat()
+            head = read_prefix(path, v1.ALIGN)
+            h = v1.decode_header(head)
+        except (OSError, LayoutError):
+            return False
+        if h.chunk_key != key or h.tenant != tenant or st.st_size != h.total_size:
+            return False
+        rec = self._record_from_header(h, st.st_size)
+        with self._mu:
+            if self.index.put(rec):
+                self._used += rec.size
+        return True
+
+    @staticmethod
+    def _record_from_header(h: v1.ObjectHeader, size: int) -> ChunkRecord:
+        now = time.time_ns()
+        return ChunkRecord(
+            tenant=h.tenant,
+            chunk_key=h.chunk_key,
+            namespace=h.namespace,
+            key_epoch=h.key_epoch,
+            size=size,
+            payload=h.payload_size,
+            num_layers=len(h.layers),
+            created_ns=h.created_ns,
+            last_access_ns=now,
+            expires_ns=0,
+        )
+
+
+def _identity_from_path(rel: str) -> tuple[str, bytes] | None:
+    """(tenant, chunk key) that a path under objects/ names, if it names one."""
+    parts = rel.split("/")
+    if len(parts) != 5 or parts[0] != "objects" or not parts[4].endswith(v1.OBJECT_SUFFIX):
+        return None
+    try:
+        return parts[1], bytes.fromhex(parts[4][: -len(v1.OBJECT_SUFFIX)])
+    except ValueError:
+        return None

@@ -1,0 +1,215 @@
+"""The direct path (docs/spec/layout-v1.md §4.1): a worker writes or reads a
+plaintext object itself. The store leases the temp file and its reservation,
+checks and publishes what the worker wrote, and hands out header-checked
+read leases; a reader's checksum complaint is verified here before anything
+is dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...layouts import CorruptObject, LayoutError, v1
+from .. import fileio
+from ..errors import LeaseInvalid
+from ..fileio import Durability, read_prefix
+from ..index import ChunkRecord
+from ..keyring import KeyringError
+from .base import MAX_OBJECT_BYTES, boundary
+from .capacity import Reservation
+from .pipeline import Pipeline
+
+
+@dataclass
+class StoreLease:
+    """A direct-path write in progress (docs/spec/layout-v1.md §4.1): the leased temp
+    file, its reservation, and what the finished object must be."""
+
+    tenant: str
+    namespace: bytes
+    chunk_key: bytes
+    lengths: tuple[int, ...]
+    size: int
+    tmp: Path
+    final: Path
+    reservation: Reservation
+    ttl_s: float | None
+
+    @property
+    def offsets(self) -> tuple[int, list[int]]:
+        """(data_offset, layer offsets) of the object the worker must write."""
+        return v1.plan_offsets(len(self.lengths), self.lengths, False)
+
+
+@dataclass(frozen=True)
+class ReadLease:
+    """What a worker needs to read one verified-at-rest direct-path object itself."""
+
+    path: Path
+    size: int
+    header: v1.ObjectHeader
+
+
+class Leases(Pipeline):
+    @property
+    def durability(self) -> str:
+        """The fsync setting, as the lease tells a direct-path writer (a write hint)."""
+        return str(self.config.durability)
+
+    @boundary
+    def lease_store(
+        self,
+        tenant: str,
+        namespace: bytes,
+        chunk_key: bytes,
+        lengths: Sequence[int],
+        *,
+        ttl_s: float | None = None,
+        gid: int | None = None,
+        quota: int | None = None,
+    ) -> StoreLease | None:
+        """Reserve space and create the temp file a worker will fill (layout-v1.md §4.1).
+
+        None if the chunk is already stored. ``gid``: the tenant's
+        ``direct_group``, which gets the tenant's object tree shared with it.
+        Raises StoreFull, or StoreIOError (a full disk: before any byte moves).
+        """
+        if len(chunk_key) != v1.KEY_SIZE or len(namespace) != v1.KEY_SIZE:
+            raise ValueError("chunk key and namespace must be 32 bytes")
+        if not 1 <= len(lengths) <= v1.MAX_LAYERS or any(n < 1 for n in lengths):
+            raise ValueError(f"1..{v1.MAX_LAYERS} layers of at least one byte expected")
+        if self.index.get(tenant, chunk_key) is not None:
+            self.counters.put_exists += 1
+            return None
+        size = v1.object_size(lengths, False)
+        res = self.reserve(tenant, size, quota=quota)
+        final = self._path(tenant, chunk_key)
+        try:
+            tmp = fileio.create_lease_file(
+                final,
+                size,
+                durable_dirs=self.config.durability is Durability.OBJECT,
+                gid=gid,
+                share_top=self.root / "objects" / tenant if gid is not None else None,
+            )
+        except BaseException:
+            res.release()
+            raise
+        return StoreLease(
+            tenant, namespace, chunk_key, tuple(lengths), size, tmp, final, res, ttl_s
+        )  # fmt: skip
+
+    def cancel_lease(self, lease: StoreLease) -> None:
+        """Drop a lease: its temp file and its reservation (idempotent)."""
+        with contextlib.suppress(FileNotFoundError):
+            lease.tmp.unlink()
+        lease.reservation.release()
+
+    @boundary
+    def publish_lease(self, lease: StoreLease) -> bool:
+        """Check the worker's object and give it its name; True once stored.
+
+        Raises :class:`LeaseInvalid` (the object failed a check: it is
+        deleted, nothing is indexed) or StoreIOError. Always ends the lease.
+        """
+        try:
+            try:
+                fd = fileio.open_lease_file(lease.tmp, lease.size)
+            except OSError as exc:
+                raise LeaseInvalid(f"leased file unusable: {exc}") from exc
+            try:
+                buf = self._scratch.get(lease.size)
+                n = fileio.read_fd(fd, buf, lease.size)
+                h = v1.verify_plain(
+                    buf[:n],
+                    tenant=lease.tenant,
+                    namespace=lease.namespace,
+                    chunk_key=lease.chunk_key,
+                )
+                if tuple(le.length for le in h.layers) != lease.lengths:
+                    raise CorruptObject("layer lengths differ from the lease")
+            except (LayoutError, OSError) as exc:
+                os.close(fd)
+                self.counters.corrupt += 1
+                raise LeaseInvalid(f"chunk {lease.chunk_key.hex()[:16]}: {exc}") from exc
+            fileio.publish_lease_file(lease.tmp, fd, lease.final, self.config.durability)
+            now = time.time_ns()
+            rec = ChunkRecord(
+                tenant=lease.tenant,
+                chunk_key=lease.chunk_key,
+                namespace=lease.namespace,
+                key_epoch=0,
+                size=lease.size,
+                payload=h.payload_size,
+                num_layers=len(h.layers),
+                created_ns=h.created_ns,
+                last_access_ns=now,
+                expires_ns=now + int(lease.ttl_s * 1e9) if lease.ttl_s else 0,
+            )
+            with self._mu:
+                inserted = self.index.put(rec)
+                if inserted:
+                    self._used += lease.size
+                    lease.reservation._commit_locked()
+            if inserted:
+                self.counters.puts += 1
+                self.counters.bytes_in += rec.payload
+            else:
+                self.counters.put_exists += 1  # another writer indexed it meanwhile
+        finally:
+            self.cancel_lease(lease)  # a no-op for the file once it has its name
+        self._after_write()
+        return True
+
+    @boundary
+    def lease_load(self, tenant: str, key: bytes) -> ReadLease | None:
+        """Header-checked facts of a stored plaintext chunk for a worker to read itself.
+
+        None (a miss, the entry dropped where the file is bad) if it is absent,
+        expired, sealed, or its header, identity or size fail. The layer bytes
+        are the reader's to verify against the header's checksums. The caller
+        pins the key first.
+        """
+        rec = self._record(tenant, key)
+        if rec is None:
+            self.counters.misses += 1
+            return None
+        if rec.key_epoch:
+            return None  # sealed: only the sidecar reads it
+        path = self._path(tenant, key)
+        try:
+            size = os.stat(path).st_size
+            head = read_prefix(path, v1.header_length(rec.num_layers))
+            h = v1.decode_header(head)
+            if h.chunk_key != key or h.tenant != tenant or h.namespace != rec.namespace:
+                raise CorruptObject("object belongs to another chunk key, tenant or namespace")
+            if h.sealed or size != h.total_size:
+                raise CorruptObject(f"object is {size} bytes or sealed, header says otherwise")
+        except (LayoutError, KeyringError, OSError) as exc:
+            self._read_failed(tenant, key, exc)
+            return None
+        self._hit(tenant, key, h.payload_size)
+        return ReadLease(path, size, h)
+
+    @boundary
+    def check_reported(self, tenant: str, key: bytes) -> bool:
+        """A reader says the chunk failed its checksums: verify it fully here.
+
+        True (and the chunk dropped) if it is corrupt; False if it verifies,
+        so a confused or hostile reader cannot make the store delete good data.
+        """
+        rec = self._record(tenant, key)
+        if rec is None or rec.key_epoch:
+            return False  # sealed chunks are read by the sidecar only: nothing to re-check
+        try:
+            buf = self.io.read_object(self._path(tenant, key), self._scratch.get, MAX_OBJECT_BYTES)
+            v1.verify_plain(buf, tenant=tenant, namespace=rec.namespace, chunk_key=key)
+        except (LayoutError, OSError) as exc:
+            self._read_failed(tenant, key, exc)
+            return True
+        return False

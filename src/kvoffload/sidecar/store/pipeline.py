@@ -1,0 +1,458 @@
+"""The data path: put / put_many (reserve, seal, write, index) and get /
+get_many_into (read, verify, decrypt), with lookups.
+
+Read rule: a chunk is returned only after every byte of its object has been
+verified (structure, zero padding, every tag or checksum). Any failure —
+missing file, torn or flipped bytes, another object's file, a purged key —
+is a miss, and the index entry (and a corrupt file) is dropped.
+
+``put_many`` and ``get_many_into`` pipeline a batch on a small thread pool:
+chunk n+1 is sealed while chunk n is written, and read while chunk n is
+verified and decrypted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from ...layouts import LayoutError, v1
+from ..errors import StoreError
+from ..index import ChunkRecord
+from ..keyring import KeyringError
+from .base import MAX_OBJECT_BYTES, SEAL_COUNT_BLOCK, aead_lookup, boundary, log
+from .capacity import Reservation
+from .fsck import Maintenance
+
+
+@dataclass
+class _PutJob:
+    """One chunk between reservation and index insert (put / put_many)."""
+
+    tenant: str
+    namespace: bytes
+    chunk_key: bytes
+    layers: Sequence[memoryview | bytes | bytearray]
+    lengths: list[int]
+    size: int
+    res: Reservation
+    aead: AESGCM | None
+    epoch: int
+    ttl_s: float | None
+    now: int
+
+
+class Pipeline(Maintenance):
+    def _nonce_budget(self, tenant: str, epoch: int, segments: int) -> int:
+        """Count sealed segments per (tenant, epoch); rotate the DEK before the bound.
+
+        The persisted count runs ahead of the real one by up to a block, so a
+        crash can only over-count, never under-count.
+        """
+        limit = self.config.max_segments_per_epoch
+        block = max(segments, min(SEAL_COUNT_BLOCK, limit // 4))
+        with self._mu:
+            while True:
+                left = self._seal_budget.get((tenant, epoch), 0)
+                if left >= segments:
+                    self._seal_budget[(tenant, epoch)] = left - segments
+                    return epoch
+                name = f"seal_count/{tenant}/{epoch}"
+                raw = self.index.get_meta(name)
+                done = int(raw.decode()) if raw else 0
+                if done + block > limit:
+                    epoch = self.keyring.rotate_dek(tenant)
+                    log.info("tenant %s: nonce budget spent, DEK epoch now %d", tenant, epoch)
+                    continue
+                self.index.set_meta(name, str(done + block).encode())
+                self._seal_budget[(tenant, epoch)] = left + block
+
+    @boundary
+    def put(
+        self,
+        tenant: str,
+        namespace: bytes,
+        chunk_key: bytes,
+        layers: Sequence[memoryview | bytes | bytearray],
+        *,
+        encrypt: bool = True,
+        ttl_s: float | None = None,
+        reservation: Reservation | None = None,
+    ) -> bool:
+        """Store one chunk. True if written, False if it was already present."""
+        job = self._begin_put(tenant, namespace, chunk_key, layers, encrypt, ttl_s, reservation)
+        if job is None:
+            return False
+        try:
+            buf = self._scratch.get(job.size)
+            self._seal(job, buf)
+        except BaseException:
+            job.res.release()
+            raise
+        return self._write_sealed(job, buf)
+
+    @boundary
+    def put_many(
+        self,
+        tenant: str,
+        namespace: bytes,
+        chunks: Sequence[tuple[bytes, Sequence[memoryview | bytes | bytearray]]],
+        *,
+        encrypt: bool = True,
+        ttl_s: float | None = None,
+        reservations: Sequence[Reservation | None] | None = None,
+    ) -> list[bool]:
+        """Store several chunks ``(chunk_key, layers)``, sealing chunk n+1 while chunk n
+        is written. Per chunk: True if written, False if already present.
+
+        ``reservations[i]``, if given, is capacity already held for chunk i (the
+        server reserves at prepare time); it is consumed or released.
+        On an error (StoreFull, StoreIOError…) the chunks before the failing one
+        are stored, nothing after it is, and the error is raised.
+        """
+        results = [False] * len(chunks)
+        held = list(reservations) if reservations is not None else [None] * len(chunks)
+        if len(held) != len(chunks):
+            raise ValueError("one reservation (or None) per chunk")
+        if len(chunks) < 2:
+            for i, (key, layers) in enumerate(chunks):
+                results[i] = self.put(
+                    tenant, namespace, key, layers, encrypt=encrypt, ttl_s=ttl_s,
+                    reservation=held[i],
+                )  # fmt: skip
+            return results
+        pool = self._pipeline()
+        scratch = (self._scratch, self._scratch_alt)
+        turn = 0
+        inflight: tuple[int, Future[bool]] | None = None
+        try:
+            for i, (key, layers) in enumerate(chunks):
+                job = self._begin_put(tenant, namespace, key, layers, encrypt, ttl_s, held[i])
+                if job is None:
+                    continue
+                try:
+                    # The other buffer may still be being written: seal into this one.
+                    buf = scratch[turn].get(job.size)
+                    turn ^= 1
+                    self._seal(job, buf)
+                    if inflight is not None:
+                        j, fut = inflight
+                        inflight = None
+                        results[j] = fut.result()
+                except BaseException:
+                    job.res.release()
+                    raise
+                inflight = (i, pool.submit(self._write_sealed, job, buf))
+            if inflight is not None:
+                j, fut = inflight
+                inflight = None
+                results[j] = fut.result()
+        finally:
+            if inflight is not None:  # an error while a write was in flight: let it finish
+                try:
+                    inflight[1].result()
+                except Exception as exc:
+                    log.warning("put_many: in-flight write failed too: %s", exc)
+        return results
+
+    def _pipeline(self) -> ThreadPoolExecutor:
+        with self._mu:
+            if self._pipe is None:
+                self._pipe = ThreadPoolExecutor(
+                    max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="kvoffload-pipe"
+                )
+            return self._pipe
+
+    def _begin_put(
+        self,
+        tenant: str,
+        namespace: bytes,
+        chunk_key: bytes,
+        layers: Sequence[memoryview | bytes | bytearray],
+        encrypt: bool,
+        ttl_s: float | None,
+        reservation: Reservation | None,
+    ) -> _PutJob | None:
+        """Checks, capacity reservation and key for one chunk; None if already present."""
+        if len(chunk_key) != v1.KEY_SIZE or len(namespace) != v1.KEY_SIZE:
+            raise ValueError("chunk key and namespace must be 32 bytes")
+        if self.index.get(tenant, chunk_key) is not None:
+            self.counters.put_exists += 1
+            if reservation is not None:
+                reservation.release()
+            return None
+        lengths = [memoryview(x).nbytes for x in layers]
+        size = v1.object_size(lengths, encrypt)
+        res = reservation
+        if res is None or res.released or res.nbytes < size:
+            if res is not None:
+                res.release()
+            res = self.reserve(tenant, size)
+        try:
+            aead = None
+            epoch = 0
+            if encrypt:
+                tk = self.keyring.ensure_tenant(tenant)
+                epoch = self._nonce_budget(tenant, tk.current_epoch, len(layers))
+                if epoch != tk.current_epoch:
+                    tk = self.keyring.ensure_tenant(tenant)
+                aead = tk.aead(epoch)
+                if aead is None:
+                    raise StoreError(f"tenant {tenant}: no data key for epoch {epoch}")
+        except BaseException:
+            res.release()
+            raise
+        return _PutJob(
+            tenant, namespace, chunk_key, layers, lengths, size, res, aead, epoch, ttl_s,
+            time.time_ns(),
+        )  # fmt: skip
+
+    @staticmethod
+    def _seal(job: _PutJob, buf: memoryview) -> None:
+        v1.seal_into(
+            buf,
+            tenant=job.tenant,
+            namespace=job.namespace,
+            chunk_key=job.chunk_key,
+            layers=job.layers,
+            aead=job.aead,
+            key_epoch=job.epoch,
+            created_ns=job.now,
+        )
+
+    def _write_sealed(self, job: _PutJob, buf: memoryview) -> bool:
+        """Write a sealed object and index it; always releases the job's reservation."""
+        res = job.res
+        try:
+            path = self._path(job.tenant, job.chunk_key)
+            written = self.io.write_object(path, buf, self.config.durability)
+            if not written:
+                # Another writer (another node on a shared FS) got there first.
+                self._adopt(job.tenant, job.chunk_key)
+                self.counters.put_exists += 1
+                return False
+            now = job.now
+            rec = ChunkRecord(
+                tenant=job.tenant,
+                chunk_key=job.chunk_key,
+                namespace=job.namespace,
+                key_epoch=job.epoch,
+                size=job.size,
+                payload=sum(job.lengths),
+                num_layers=len(job.lengths),
+                created_ns=now,
+                last_access_ns=now,
+                expires_ns=now + int(job.ttl_s * 1e9) if job.ttl_s else 0,
+            )
+            with self._mu:
+                # Turn the reservation into usage in one step: used + reserved
+                # neither dips (letting another writer in) nor double counts.
+                inserted = self.index.put(rec)
+                if inserted:
+                    self._used += job.size
+                    res._commit_locked()
+            self.counters.puts += 1
+            self.counters.bytes_in += rec.payload
+        finally:
+            res.release()
+        self._after_write()
+        return inserted
+
+    def _record(self, tenant: str, key: bytes) -> ChunkRecord | None:
+        rec = self.index.get(tenant, key)
+        if rec is None and self.config.probe_files_on_miss and self._adopt(tenant, key):
+            rec = self.index.get(tenant, key)
+        if rec is not None and rec.expires_ns and rec.expires_ns <= time.time_ns():
+            self._drop(tenant, key, reason="expired")
+            return None
+        return rec
+
+    @boundary
+    def lookup(self, tenant: str, keys: Sequence[bytes]) -> int:
+        """How many leading keys are present (per the index, plus files on a miss)."""
+        now = time.time_ns()
+        n = self.index.lookup(tenant, keys, now_ns=now)
+        # The prefix ends at an absent or expired key; an absent one may be another
+        # node's object (shared FS): adopt it and go on, which costs a stat per miss.
+        while n < len(keys):
+            rec = self.index.get(tenant, keys[n])
+            if rec is not None:  # present but expired
+                self._drop(tenant, keys[n], reason="expired")
+                return n
+            if not (self.config.probe_files_on_miss and self._adopt(tenant, keys[n])):
+                return n
+            n += self.index.lookup(tenant, keys[n:], now_ns=now)
+        return n
+
+    @boundary
+    def lookup_cached(self, tenant: str, keys: Sequence[bytes]) -> int | None:
+        """:meth:`lookup` from the index alone, or None where that needs the disk
+        (a miss that may be another node's file, or an expired entry to drop)."""
+        n = self.index.lookup(tenant, keys, now_ns=time.time_ns())
+        if n == len(keys):
+            return n
+        if self.config.probe_files_on_miss or self.index.get(tenant, keys[n]) is not None:
+            return None
+        return n
+
+    @boundary
+    def contains(self, tenant: str, key: bytes) -> bool:
+        return self.lookup(tenant, [key]) == 1
+
+    @boundary
+    def payload_info(self, tenant: str, key: bytes) -> ChunkRecord | None:
+        """Index record of a chunk (sizes, layers), no data I/O."""
+        return self._record(tenant, key)
+
+    @boundary
+    def get_into(self, tenant: str, key: bytes, out: memoryview) -> list[int] | None:
+        """Verify the chunk and write its layers, packed, into ``out``.
+
+        Returns the per-layer lengths, or None (a miss) if the chunk is absent
+        or fails any check; then ``out`` holds garbage and the entry is dropped.
+        """
+        rec = self._record(tenant, key)
+        if rec is None:
+            self.counters.misses += 1
+            return None
+        try:
+            buf = self.io.read_object(self._path(tenant, key), self._scratch.get, MAX_OBJECT_BYTES)
+        except OSError as exc:
+            self._unreadable(tenant, key, exc)
+            return None
+        return self._open_into(tenant, key, rec, buf, out)
+
+    @boundary
+    def get_many_into(
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        outs: Sequence[memoryview],
+        *,
+        stop_at_miss: bool = True,
+    ) -> list[list[int] | None]:
+        """:meth:`get_into` for several chunks, reading chunk n+1 while chunk n is
+        verified and decrypted. Per chunk: its layer lengths, or None (a miss).
+
+        With ``stop_at_miss`` (the default: a prefix cache has no use for the
+        chunks after a hole) nothing after the first miss is read; those are None.
+        """
+        if len(outs) != len(keys):
+            raise ValueError("one output buffer per key")
+        results: list[list[int] | None] = [None] * len(keys)
+        if len(keys) < 2:
+            for i, k in enumerate(keys):
+                results[i] = self.get_into(tenant, k, outs[i])
+            return results
+        pool = self._pipeline()
+        scratch = (self._scratch, self._scratch_alt)
+        turn = 0
+
+        def start(i: int) -> tuple[ChunkRecord | None, Future[memoryview] | None]:
+            nonlocal turn
+            rec = self._record(tenant, keys[i])
+            if rec is None:
+                return None, None
+            # Size the buffer here, in the caller's thread (scratch buffers are per thread).
+            buf = scratch[turn].get(v1.align_up(rec.size))
+            turn ^= 1
+            path = self._path(tenant, keys[i])
+            return rec, pool.submit(self.io.read_object, path, _Prealloc(buf), MAX_OBJECT_BYTES)
+
+        cur = start(0)
+        nxt: tuple[ChunkRecord | None, Future[memoryview] | None] = (None, None)
+        try:
+            for i in range(len(keys)):
+                rec, fut = cur
+                cur = (None, None)
+                if rec is None or fut is None:
+                    self.counters.misses += 1
+                    if stop_at_miss:
+                        break
+                    if i + 1 < len(keys):
+                        cur = start(i + 1)
+                    continue
+                try:
+                    buf = fut.result()
+                except OSError as exc:
+                    self._unreadable(tenant, keys[i], exc)
+                    if stop_at_miss:
+                        break
+                    if i + 1 < len(keys):
+                        cur = start(i + 1)
+                    continue
+                if i + 1 < len(keys):
+                    nxt = start(i + 1)  # read the next chunk while this one decrypts
+                results[i] = self._open_into(tenant, keys[i], rec, buf, outs[i])
+                del buf
+                cur, nxt = nxt, (None, None)
+                if results[i] is None and stop_at_miss:
+                    break
+        finally:
+            for _rec, f in (cur, nxt):
+                if f is not None:  # a read we no longer want still owns a buffer: wait
+                    with contextlib.suppress(Exception):
+                        f.result()
+        return results
+
+    def _open_into(
+        self, tenant: str, key: bytes, rec: ChunkRecord, buf: memoryview, out: memoryview
+    ) -> list[int] | None:
+        """Verify and decrypt a read object into ``out``; None (and the entry dropped) if bad."""
+        try:
+            tk = self.keyring.get(tenant) if rec.key_epoch else None
+            h = v1.open_into(
+                buf,
+                out,
+                tenant=tenant,
+                namespace=rec.namespace,
+                chunk_key=key,
+                aead_for_epoch=aead_lookup(tk),
+            )
+        except (LayoutError, KeyringError, OSError) as exc:
+            self._read_failed(tenant, key, exc)
+            return None
+        self._hit(tenant, key, h.payload_size)
+        return [le.length for le in h.layers]
+
+    @boundary
+    def get(self, tenant: str, key: bytes) -> list[bytes] | None:
+        """Convenience: the verified layers as bytes, or None."""
+        rec = self._record(tenant, key)
+        if rec is None:
+            self.counters.misses += 1
+            return None
+        out = bytearray(rec.payload)
+        lengths = self.get_into(tenant, key, memoryview(out))
+        if lengths is None:
+            return None
+        res, pos = [], 0
+        for n in lengths:
+            res.append(bytes(out[pos : pos + n]))
+            pos += n
+        return res
+
+    @boundary
+    def touch(self, tenant: str, keys: Sequence[bytes]) -> None:
+        for k in keys:
+            self._touch_later(tenant, k)  # the index ignores keys it does not hold
+
+
+class _Prealloc:
+    """An ``alloc`` for a read on another thread: the caller's buffer, sized beforehand
+    from the index record; a fresh mapping if the file turns out larger."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self._buf = buf
+
+    def __call__(self, n: int) -> memoryview:
+        if n <= len(self._buf):
+            return self._buf[:n]
+        return memoryview(mmap.mmap(-1, v1.align_up(max(n, 1))))[:n]
