@@ -1,0 +1,135 @@
+"""What the sidecar's verb layer needs of the store and of the policy.
+
+:class:`StoreAPI` is the subset of :class:`kvoffload.sidecar.store.Store`
+that protocol v1 (``docs/spec/protocol-v1.md``) uses, :class:`PolicyAPI` the
+subset of :class:`kvoffload.sidecar.policy.Policy`. Both are structural
+(``typing.Protocol``): the real classes satisfy them without inheriting, and
+tests pass in-memory doubles.
+
+The store's own value types (reservations, leases, fsck reports, index
+records) are imported for type checking only, so importing this module (and
+the server) does not import the store's dependencies (LMDB, cryptography).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .index import ChunkRecord
+    from .store import FsckReport, ReadLease, Reservation, StoreLease
+
+
+class ReservationAPI(Protocol):
+    """Store capacity held for one chunk until it is written or released."""
+
+    def release(self) -> None: ...
+
+
+class StoreAPI(Protocol):
+    def tenant_salt(self, tenant: str) -> bytes: ...
+
+    def put(
+        self,
+        tenant: str,
+        namespace: bytes,
+        chunk_key: bytes,
+        layers: Sequence[memoryview],
+        *,
+        encrypt: bool = ...,
+        ttl_s: float | None = ...,
+        reservation: Reservation | None = ...,
+    ) -> bool: ...
+
+    def reserve(self, tenant: str, nbytes: int, *, quota: int | None = ...) -> Reservation: ...
+
+    def put_many(
+        self,
+        tenant: str,
+        namespace: bytes,
+        chunks: Sequence[tuple[bytes, Sequence[memoryview]]],
+        *,
+        encrypt: bool = ...,
+        ttl_s: float | None = ...,
+        reservations: Sequence[Reservation | None] | None = ...,
+    ) -> list[bool]: ...
+
+    def get_many_into(
+        self, tenant: str, keys: Sequence[bytes], outs: Sequence[memoryview]
+    ) -> list[list[int] | None]: ...
+
+    def get_into(self, tenant: str, chunk_key: bytes, out: memoryview) -> list[int] | None: ...
+
+    def payload_info(self, tenant: str, chunk_key: bytes) -> ChunkRecord | None: ...
+
+    def lookup(self, tenant: str, keys: Sequence[bytes]) -> int: ...
+
+    def lookup_cached(self, tenant: str, keys: Sequence[bytes]) -> int | None: ...
+
+    def pin(self, tenant: str, keys: Sequence[bytes]) -> None: ...
+
+    def unpin(self, tenant: str, keys: Sequence[bytes]) -> None: ...
+
+    def touch(self, tenant: str, keys: Sequence[bytes]) -> None: ...
+
+    def purge_tenant(self, tenant: str) -> int: ...
+
+    def purge_namespace(self, tenant: str, namespace: bytes) -> int: ...
+
+    def fsck(self, repair: bool = ...) -> FsckReport: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def maintain(self) -> dict[str, int]: ...
+
+    # The direct path (protocol-v1.md 5.14, 5.15; layout-v1.md §4.1).
+    def lease_store(
+        self,
+        tenant: str,
+        namespace: bytes,
+        chunk_key: bytes,
+        lengths: Sequence[int],
+        *,
+        ttl_s: float | None = ...,
+        gid: int | None = ...,
+        quota: int | None = ...,
+    ) -> StoreLease | None: ...
+
+    def publish_lease(self, lease: StoreLease) -> bool: ...
+
+    def cancel_lease(self, lease: StoreLease) -> None: ...
+
+    def lease_load(self, tenant: str, key: bytes) -> ReadLease | None: ...
+
+    def check_reported(self, tenant: str, key: bytes) -> bool: ...
+
+
+class TenantSettings(Protocol):
+    """One tenant's effective policy (``kvoffload.sidecar.policy.TenantPolicy``)."""
+
+    @property
+    def encryption(self) -> bool: ...
+
+    @property
+    def ttl_s(self) -> float | None: ...
+
+    @property
+    def direct(self) -> bool: ...
+
+    @property
+    def direct_gid(self) -> int | None: ...
+
+    @property
+    def quota_bytes(self) -> int | None: ...
+
+
+class PolicyAPI(Protocol):
+    def may_use(self, uid: int, gids: Sequence[int], tenant: str) -> bool: ...
+
+    def is_admin(self, uid: int, gids: Sequence[int]) -> bool: ...
+
+    def tenant(self, tenant: str) -> TenantSettings: ...
+
+
+__all__ = ["PolicyAPI", "ReservationAPI", "StoreAPI", "TenantSettings"]
