@@ -22,7 +22,7 @@ import pytest
 
 from kvoffload import protocol as p
 from kvoffload.protocol import ErrorCode, StoreStatus, fake_salt
-from kvoffload.sidecar.policy import Grant, Policy
+from kvoffload.sidecar.policy import Grant, Policy, TenantPolicy
 from kvoffload.sidecar.server import ServerConfig, load_or_create_secret
 from kvoffload.sidecar.service import Peer, Service
 from kvoffload.sidecar.session import Session
@@ -54,7 +54,7 @@ def buf() -> Iterator[StagingBuffer]:
 
 
 def open_session(service: Service, buf: StagingBuffer | None, *tenants: str) -> Session:
-    s = service.open_session(ME)
+    s = Session(service, ME)
     reply = s.hello(p.Hello(1, 1, "unit", tenants or ("acme",)))
     assert isinstance(reply, p.HelloReply)
     if buf is not None:
@@ -83,7 +83,7 @@ def store_chunk(s: Session, buf: StagingBuffer, k: bytes, layers: list[bytes]) -
 
 
 def test_hello_grants_only_permitted_tenants(service: Service, store: Any) -> None:
-    s = service.open_session(ME)
+    s = Session(service, ME)
     reply = s.hello(p.Hello(1, 1, "unit", ("acme", "rival")))
     assert isinstance(reply, p.HelloReply)
     assert reply.version == 1 and s.version == 1
@@ -95,7 +95,7 @@ def test_hello_grants_only_permitted_tenants(service: Service, store: Any) -> No
 
 
 def test_hello_without_a_common_version_says_so(service: Service) -> None:
-    s = service.open_session(ME)
+    s = Session(service, ME)
     reply = s.hello(p.Hello(2, 3, "future", ("acme",)))
     assert isinstance(reply, p.ErrorReply)
     assert reply.code is ErrorCode.UNSUPPORTED_VERSION
@@ -283,6 +283,36 @@ def test_too_many_handles_is_busy(store: Any, buf: StagingBuffer) -> None:
     assert isinstance(first, p.PrepareStoreReply) and first.handle
     second = call(s, p.PrepareStore("acme", NS, (p.ChunkSpec(key(2), (10,)),)))
     assert isinstance(second, p.ErrorReply) and second.code is ErrorCode.BUSY
+
+
+def test_direct_path_lease_then_abort_leaves_nothing(store: Any) -> None:
+    policy = Policy(
+        tenants={"acme": TenantPolicy(encryption=False, direct=True)},
+        grants=[Grant("uid", os.getuid(), frozenset({"acme", "plain"}))],
+    )
+    service = Service(store, policy, ServerConfig(secret=SECRET))
+    s = open_session(service, None, "acme", "plain", "rival")
+    hello = Session(service, ME).hello(p.Hello(1, 1, "unit", ("acme", "plain", "rival")))
+    assert isinstance(hello, p.HelloReply)
+    assert hello.direct == {"acme": True, "plain": False, "rival": False}
+    lease = call(s, p.LeaseStore("acme", NS, (p.ChunkSpec(key(1), (100, 200)),)))
+    assert isinstance(lease, p.LeaseStoreReply) and lease.handle
+    slot = lease.chunks[0]
+    assert slot.status is StoreStatus.WRITE and slot.offsets
+    assert Path(slot.path).stat().st_size == slot.size
+    assert store.reserved_bytes > 0
+    assert call(s, p.Abort(lease.handle)) == p.Ack(p.Op.ABORT)
+    assert not Path(slot.path).exists() and store.reserved_bytes == 0
+    for req in (
+        p.LeaseStore("plain", NS, (p.ChunkSpec(key(1), (10,)),)),
+        p.LeaseLoad("plain", (key(1),)),
+        p.LeaseStore("rival", NS, (p.ChunkSpec(key(1), (10,)),)),
+    ):
+        reply = call(s, req)
+        assert isinstance(reply, p.ErrorReply) and reply.code is ErrorCode.FORBIDDEN
+    # A tenant the connection may not use: the empty tenant's answer, not FORBIDDEN.
+    miss = call(s, p.LeaseLoad("rival", (key(1),)))
+    assert miss == p.LeaseLoadReply(0, ErrorCode.NOT_FOUND, (p.ReadSlot(False),))
 
 
 # -- the persistent secret -------------------------------------------------------------------

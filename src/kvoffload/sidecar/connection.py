@@ -52,6 +52,7 @@ from kvoffload.protocol import (
 )
 
 from .service import Peer, Service
+from .session import Session
 
 log = logging.getLogger("kvoffload.server")
 
@@ -79,7 +80,7 @@ class Connection:
         self.pool = pool
         self.sock = sock
         self.peer = peer
-        self.session = service.open_session(peer)
+        self.session = Session(service, peer)
         self.decoder = FrameDecoder(expect_magic=CLIENT_MAGIC, max_frame=MAX_FRAME)
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.write_lock = asyncio.Lock()

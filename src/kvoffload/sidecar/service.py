@@ -172,14 +172,10 @@ class Service:
         self._mu = threading.Lock()
         self._sessions: set[Session] = set()
 
-    def open_session(self, peer: Peer) -> Session:
-        """A new connection's verb state; :meth:`Session.close` forgets it."""
-        from .session import Session
-
-        session = Session(self, peer)
+    def enter(self, session: Session) -> None:
+        """A new session (``Session.__init__``); :meth:`forget` is its ``close``."""
         with self._mu:
             self._sessions.add(session)
-        return session
 
     def forget(self, session: Session) -> None:
         with self._mu:

@@ -121,6 +121,7 @@ class Session:
         self.mu = threading.Lock()
         self.handles: dict[int, Handle] = {}
         self.next_handle = 1
+        service.enter(self)
 
     def __repr__(self) -> str:
         return f"<connection pid={self.peer.pid} uid={self.peer.uid}>"
@@ -197,6 +198,7 @@ class Session:
             return [self.handles.pop(h) for h in old]
 
     def open_handles(self) -> int:
+        """§7: how many handles the session holds."""
         with self.mu:
             return len(self.handles)
 
@@ -496,8 +498,8 @@ class Session:
         right: str,
         claim: Callable[[WriteHandle, int, ChunkSpec, TenantSettings], _W],
     ) -> tuple[int, tuple[_W, ...]]:
-        """The flow of both write verbs: permission, then per chunk ``exists`` or a
-        claim on the medium; a handle only if some chunk is to be written."""
+        """§5.4, §5.14, §6: the flow of both write verbs: permission, then per chunk
+        ``exists`` or a claim on the medium; a handle only if a chunk is to be written."""
         self._listed(req.tenant)
         if not allowed(req.tenant):
             # §6: refused before any store access, for every forbidden name alike.
@@ -691,8 +693,8 @@ class Session:
         direct: bool,
         fill: Callable[[LoadHandle, Sequence[bytes]], tuple[list[_R], ErrorCode]],
     ) -> tuple[int, ErrorCode, tuple[_R, ...]]:
-        """The flow of both read verbs. ``fill`` records in the handle what it pins
-        and allocates, and leaves there exactly the found prefix."""
+        """§5.7, §5.15, §6: the flow of both read verbs. ``fill`` records in the handle
+        what it pins and allocates, and leaves there exactly the found prefix."""
         self._listed(req.tenant)
         misses = [miss] * len(req.keys)
         if not self.may_use(req.tenant):
