@@ -53,8 +53,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import ctypes
-import ctypes.util
 import hashlib
 import importlib
 import io
@@ -64,7 +62,6 @@ import mmap
 import os
 import pstats
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -82,17 +79,16 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvoffload import direct as direct_io
-from kvoffload.client import SidecarClient, fetch_stats
+from kvoffload import testing
+from kvoffload.client import SidecarClient
 from kvoffload.layouts import v1
 from kvoffload.protocol import (
     Lookup,
     LookupReply,
-    ProtocolError,
     encode_frame,
     reply_message,
     request_message,
 )
-from kvoffload.transport import TransportError
 
 if TYPE_CHECKING:
     import bench_store as bs
@@ -336,14 +332,9 @@ def batched(op: Callable[[int], object], batch: int) -> Callable[[int], None]:
 
 # --------------------------------------------------------------------------- the sidecar
 
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the benchmark dies, even by SIGKILL."""
-    if sys.platform.startswith("linux"):
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+# In the child before exec: get SIGTERM when the benchmark dies, even by SIGKILL.
+_die_with_parent = testing.die_with_parent
+testing.prepare_die_with_parent()
 
 
 # Runs the CLI with one cProfile profiler per thread (pool threads included) and
@@ -482,53 +473,28 @@ def run_sidecar(
         work.mkdir(parents=True)
         sock = _short_socket_dir(work, stack) / "kvoffload.sock"
         config = _config_files(work, sock)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
-        env["KVOFFLOAD_STORE_DURABILITY"] = durability
+        env = {"KVOFFLOAD_STORE_DURABILITY": durability}
         if io_mode is not None:
             env["KVOFFLOAD_IO"] = io_mode
         cli = ["--config", str(config), "serve"]
         if profile is None:
-            cmd = [sys.executable, "-m", "kvoffload.cli", *cli]
+            cmd = testing.cli_argv(*cli)
         else:
             out = profile / f"sidecar-{durability}.prof"
             cmd = [sys.executable, "-c", _PROFILE_BOOTSTRAP, str(out), *cli]
         log_path = work / "sidecar.log"
-        log_file = stack.enter_context(open(log_path, "wb"))
-        proc = subprocess.Popen(
-            cmd,
-            cwd=work,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent,
+        process = testing.SidecarProcess(
+            work, sock, cmd, env=env, log_path=log_path, tie_to_parent=True
         )
-        sc = Sidecar(work, sock, work / "store", proc, log_path, cmd)
-        stack.callback(_stop, proc)
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the sidecar exited with {proc.returncode}:\n{sc.log_tail()}")
-            if sock.exists():
-                try:
-                    sc.stats = fetch_stats(sock, timeout_s=2.0)
-                    break
-                except (TransportError, ProtocolError, OSError):
-                    pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the sidecar did not come up:\n{sc.log_tail()}")
-            time.sleep(0.05)
-        yield sc
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        stack.callback(process.stop)
+        process.start()
+        assert process.proc is not None
+        sc = Sidecar(work, sock, work / "store", process.proc, log_path, cmd)
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            sc.stats = process.wait_ready(ready_timeout_s)
+        except testing.SidecarStartError as exc:
+            raise RuntimeError(str(exc)) from None
+        yield sc
 
 
 # --------------------------------------------------------------------------- socket echo

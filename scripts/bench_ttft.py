@@ -23,7 +23,7 @@ operation runs once untimed before the rounds (the first call of a GEMM shape
 pays one-off costs). Times are medians over the rounds.
 
 The logits of reuse and recompute are compared: max |difference| against
-``kvoffload.demo.logits_tolerance`` (1e-4 of the largest logit: what BLAS kernels
+``kvoffload.integrations.demo_model.logits_tolerance`` (1e-4 of the largest logit: what BLAS kernels
 chosen by GEMM shape may change in fp32; a wrong KV moves logits by ~0.1-1).
 
 Usage::
@@ -56,8 +56,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvoffload import demo as kd
 from kvoffload.client import SidecarClient
+from kvoffload.integrations import demo_model as kd
 from kvoffload.keys import chunk_keys
 from kvoffload.layouts import v1
 

@@ -31,7 +31,10 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
+
+from kvoffload.errors import SidecarStartError
+from kvoffload.testing import SidecarProcess, cli_argv
 
 HERE = Path(__file__).resolve()
 PAGE = 4096
@@ -73,11 +76,9 @@ def object_relpath(tenant: str, key: bytes) -> str:
 
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The test's environment without anything that would configure the sidecar."""
-    drop = ("KVOFFLOAD_", "LISTEN_", "NOTIFY_SOCKET", "WATCHDOG_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    env.update(extra or {})
-    return env
+    from kvoffload.testing import sidecar_env
+
+    return sidecar_env({"PYTHONDONTWRITEBYTECODE": "1", **(extra or {})})
 
 
 def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
@@ -89,8 +90,9 @@ def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> 
         time.sleep(0.05)
 
 
-class Sidecar:
-    """One ``kvoffload serve`` process; its stdout and stderr go to a log file."""
+class Sidecar(SidecarProcess):
+    """One ``kvoffload serve`` process (:class:`kvoffload.testing.SidecarProcess`), its
+    output in ``workdir/<log_name>.log``; failures to start or stop are test failures."""
 
     def __init__(
         self,
@@ -98,100 +100,44 @@ class Sidecar:
         socket_path: Path,
         argv: Sequence[str],
         *,
-        env: dict[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
         pass_fds: Sequence[int] = (),
         log_name: str = "sidecar",
+        log_path: Path | None = None,
+        tie_to_parent: bool = False,
     ) -> None:
-        self.workdir = workdir
-        self.socket_path = socket_path
-        self.argv = list(argv)
-        self.env = clean_env(env)
-        self.pass_fds = tuple(pass_fds)
-        self.log_path = workdir / f"{log_name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
+        super().__init__(
+            workdir,
+            socket_path,
+            argv,
+            env={"PYTHONDONTWRITEBYTECODE": "1", **(env or {})},
+            pass_fds=pass_fds,
+            log_path=log_path or workdir / f"{log_name}.log",
+            tie_to_parent=tie_to_parent,
+        )
 
     @classmethod
     def serve_argv(cls, *args: str) -> list[str]:
-        return [sys.executable, "-m", "kvoffload.cli", *args]
+        return cli_argv(*args)
 
     def start(self) -> Sidecar:
-        assert self.proc is None or self.proc.poll() is not None
-        self._close_log()
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in _close_log
-        self.proc = subprocess.Popen(
-            self.argv,
-            cwd=self.workdir,
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            pass_fds=self.pass_fds,
-        )
+        super().start()
         return self
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def stats(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        from kvoffload.client import fetch_stats
-
-        return fetch_stats(self.socket_path, timeout_s=timeout_s)
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> dict[str, Any]:
         """Poll the socket until the daemon answers ``stats`` (bounded)."""
-        from kvoffload.protocol import ProtocolError
-        from kvoffload.transport import TransportError
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if not self.alive():
-                raise AssertionError(f"sidecar exited during start-up:\n{self.log_text()}")
-            try:
-                return self.stats(timeout_s=2.0)
-            except (TransportError, ProtocolError, OSError):
-                if time.monotonic() > deadline:
-                    raise AssertionError(
-                        f"sidecar not ready within {timeout_s:.0f} s:\n{self.log_text()}"
-                    ) from None
-                time.sleep(0.05)
-
-    def signal(self, sig: int) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(sig)
+        try:
+            return super().wait_ready(timeout_s)
+        except SidecarStartError as exc:
+            raise AssertionError(f"sidecar not ready: {exc}") from None
 
     def wait(self, timeout_s: float = 30.0) -> int:
-        assert self.proc is not None
         try:
-            return self.proc.wait(timeout_s)
+            return super().wait(timeout_s)
         except subprocess.TimeoutExpired:
             raise AssertionError(
                 f"sidecar still running after {timeout_s:.0f} s:\n{self.log_text()}"
             ) from None
-
-    def kill(self) -> None:
-        """SIGKILL and reap (idempotent)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(10)
-        self._close_log()
-
-    def _close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
 
     def wait_idle(self, what: str = "connections closed and nothing reserved") -> dict[str, Any]:
         """Until only our stats connection is open and no store space is reserved."""
@@ -388,23 +334,23 @@ class DevSidecar:
 @contextlib.contextmanager
 def dev_sidecar(env: Mapping[str, str] | None = None) -> Iterator[DevSidecar]:
     """Start a dev sidecar in a short /tmp folder (AF_UNIX paths are limited to
-    107 bytes); stop it (SIGTERM, then SIGKILL) and remove the folder after."""
+    107 bytes) with :func:`kvoffload.testing.dev_sidecar`; stop it (SIGTERM, then
+    SIGKILL) and remove the folder after."""
+    from kvoffload import testing
+
     workdir = Path(tempfile.mkdtemp(prefix="kvo-e2e-", dir="/tmp"))
-    proc = Sidecar(
-        workdir,
-        workdir / ".kvoffload" / "kvoffload.sock",
-        Sidecar.serve_argv("--dev", "serve"),
-        env=dict(env or {}),
-    )
     try:
-        proc.start().wait_ready()
-        yield DevSidecar(proc)
+        with testing.dev_sidecar(
+            workdir,
+            env=dict(env or {}),
+            log_path=workdir / "sidecar.log",
+            process_class=Sidecar,
+        ) as running:
+            assert isinstance(running.process, Sidecar)
+            yield DevSidecar(running.process)
+    except SidecarStartError as exc:
+        raise AssertionError(f"dev sidecar did not start: {exc}") from None
     finally:
-        if proc.alive():
-            proc.signal(signal.SIGTERM)
-            with contextlib.suppress(AssertionError):
-                proc.wait(30)
-        proc.kill()
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -1,6 +1,6 @@
 """`kvoffload demo`: worker processes reuse KV through a sidecar the demo starts and stops.
 
-Plus the library steps of ``kvoffload.demo`` in-process (no sidecar): chunks
+Plus the library steps of ``kvoffload.integrations.demo_model`` in-process (no sidecar): chunks
 packed and unpacked are the same KV, and a suffix prefilled over that prefix
 gives the logits of a full prefill.
 """
@@ -97,7 +97,7 @@ def test_demo_refuses_a_bad_shape(tmp_path: Path) -> None:
 
 
 def test_pack_unpack_and_suffix_prefill_equal_a_full_prefill() -> None:
-    from kvoffload import demo as kd
+    from kvoffload.integrations import demo_model as kd
 
     torch.set_num_threads(1)
     shape = kd.ModelShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=97)
@@ -130,7 +130,7 @@ def test_pack_unpack_and_suffix_prefill_equal_a_full_prefill() -> None:
 
 
 def test_contract_names_the_revision_and_the_layout() -> None:
-    from kvoffload import demo as kd
+    from kvoffload.integrations import demo_model as kd
 
     shape = kd.ModelShape(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=97)
     config = kd.llama_config(shape)

@@ -49,7 +49,7 @@ def demo(
     (seed + 1), must miss and recompute.
     Needs transformers (pip install 'kvoffload[demo]').
     """
-    from .. import demo as kd
+    from ..integrations import demo_model as kd
 
     if not kd.transformers_available():
         raise DemoFailed(kd.TRANSFORMERS_MISSING)

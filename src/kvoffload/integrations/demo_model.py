@@ -18,7 +18,7 @@ A library of small steps, used by ``kvoffload demo`` and ``scripts/bench_ttft.py
 * :func:`dev_sidecar`: the embedded development sidecar (``kvoffload --dev
   serve`` in a directory), started and stopped, or reused when one answers.
 * :func:`run_demo`: the demo itself, two (then three) worker processes
-  (``python -m kvoffload.demo worker``, a JSON job on stdin, a JSON result on
+  (``python -m kvoffload.integrations.demo_model worker``, a JSON job on stdin, a JSON result on
   stdout) that share nothing but the sidecar.
 
 transformers is imported inside the functions that need it (``pip install
@@ -39,33 +39,27 @@ is usually exactly 0.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import functools
 import hashlib
 import json
 import math
 import os
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from kvoffload.errors import SidecarStartError
-
-from .contract import CompatContract, LayerLayout
-from .keys import chunk_keys
-from .protocol import ALIGNMENT, region_size
+from ..contract import CompatContract, LayerLayout
+from ..keys import chunk_keys
+from ..protocol import ALIGNMENT, region_size
+from ..testing import RunningSidecar
+from ..testing import dev_sidecar as start_dev_sidecar
 
 DEFAULT_TENANT = "demo"
 DEFAULT_CHUNK_TOKENS = 256
@@ -77,8 +71,6 @@ LOGITS_RTOL = 1e-4
 MAX_STAGING_BYTES = 512 << 20
 WORKER_TIMEOUT_S = 900.0
 SIDECAR_READY_TIMEOUT_S = 60.0
-#: A Unix socket path must fit sun_path (108 bytes with its NUL).
-MAX_SOCKET_PATH = 100
 
 TRANSFORMERS_MISSING = (
     "the demo needs transformers: pip install 'kvoffload[demo]' (or .venv/bin/pip install "
@@ -541,125 +533,14 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 # --------------------------------------------------------------------------- the dev sidecar
 
 
-@dataclass
-class RunningSidecar:
-    """A sidecar serving the embedded development store of ``directory``."""
-
-    directory: Path
-    socket_path: Path
-    store_root: Path
-    started: bool
-    pid: int | None = None
-    stats: dict[str, Any] = field(default_factory=dict)
-    stopped: bool = False
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-@functools.cache
-def _libc() -> Any:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Get SIGTERM when the process that started the sidecar dies, even by SIGKILL.
-
-    libc is loaded by the parent before the fork (:func:`_libc`): the child, which may
-    have been forked from a threaded process, only calls into it."""
-    if sys.platform.startswith("linux"):
-        _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
-def _answers(socket_path: Path, timeout_s: float = 2.0) -> dict[str, Any] | None:
-    from .client import fetch_stats
-    from .protocol import ProtocolError
-    from .transport import TransportError
-
-    if not socket_path.exists():
-        return None
-    try:
-        return fetch_stats(socket_path, timeout_s=timeout_s)
-    except (TransportError, ProtocolError, OSError):
-        return None
-
-
-def _stop(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _tail(f: IO[bytes], n: int = 4000) -> str:
-    f.flush()
-    f.seek(0)
-    return f.read().decode("utf-8", "replace")[-n:]
-
-
 @contextlib.contextmanager
 def dev_sidecar(
     directory: Path | None = None, *, ready_timeout_s: float = SIDECAR_READY_TIMEOUT_S
 ) -> Iterator[RunningSidecar]:
-    """The sidecar of ``directory``'s embedded store (``./.kvoffload``): the one already
-    answering on its socket, or ``python -m kvoffload.cli --dev serve`` started there
-    (``KVOFFLOAD_*`` variables removed from its environment) and stopped with SIGTERM on
-    exit. Its output goes to a temp file, quoted if it fails to start."""
-    from .sidecar.config import Config
-
-    directory = (directory or Path.cwd()).resolve()
-    cfg = Config.dev_default(directory)
-    sock = cfg.socket_path
-    running = RunningSidecar(directory, sock, cfg.store_root, started=False)
-    stats = _answers(sock)
-    if stats is not None:
-        running.stats = stats
-        yield running
-        return
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
-    with contextlib.ExitStack() as stack:
-        if len(os.fsencode(sock)) >= MAX_SOCKET_PATH:
-            # Too long for sun_path: the same store, its socket in a short temp dir.
-            short = Path(tempfile.mkdtemp(prefix="kvo-"))
-            stack.callback(shutil.rmtree, short, True)
-            sock = running.socket_path = short / "kvoffload.sock"
-            env["KVOFFLOAD_SERVER_SOCKET"] = str(sock)
-        log = stack.enter_context(tempfile.TemporaryFile())
-        if sys.platform.startswith("linux"):
-            _libc()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvoffload.cli", "--dev", "serve"],
-            cwd=directory,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent,
-        )
-        running.started, running.pid = True, proc.pid
-        try:
-            deadline = time.monotonic() + ready_timeout_s
-            while True:
-                if proc.poll() is not None:
-                    raise SidecarStartError(
-                        f"the sidecar exited with {proc.returncode}:\n{_tail(log)}"
-                    )
-                stats = _answers(sock)
-                if stats is not None:
-                    running.stats = stats
-                    break
-                if time.monotonic() > deadline:
-                    raise SidecarStartError(
-                        f"no answer on {sock} after {ready_timeout_s:.0f} s:\n{_tail(log)}"
-                    )
-                time.sleep(0.05)
-            yield running
-        finally:
-            _stop(proc)
-            running.stopped = True
+    """The sidecar of ``directory``'s embedded store: the one already answering on its
+    socket, or one started there and stopped on exit (:func:`kvoffload.testing.dev_sidecar`)."""
+    with start_dev_sidecar(directory, reuse=True, ready_timeout_s=ready_timeout_s) as sc:
+        yield sc
 
 
 # --------------------------------------------------------------------------- workers
@@ -667,7 +548,8 @@ def dev_sidecar(
 
 @dataclass(frozen=True)
 class WorkerJob:
-    """What one worker process does (``python -m kvoffload.demo worker`` reads it as JSON).
+    """What one worker process does (``python -m kvoffload.integrations.demo_model worker``
+    reads it as JSON).
 
     ``role`` "save": prefill ``tokens`` and save every full chunk. "reuse": serve
     ``tokens`` with reuse (:func:`reuse_prefill`), then, if ``recompute``, prefill them
@@ -711,7 +593,7 @@ def _warm_up(model: Any, tokens: Sequence[int], chunk_tokens: int) -> None:
 
 def run_worker(job: WorkerJob) -> dict[str, Any]:
     """Run one worker's job in this process; a JSON-able report."""
-    from .client import SidecarClient
+    from ..client import SidecarClient
 
     torch.set_num_threads(job.threads)
     config = llama_config(job.shape)
@@ -825,7 +707,7 @@ def _serve_with_reuse(
 def spawn_worker(job: WorkerJob, *, timeout_s: float = WORKER_TIMEOUT_S) -> dict[str, Any]:
     """Run ``job`` in its own Python process; its report."""
     proc = subprocess.run(
-        [sys.executable, "-m", "kvoffload.demo", "worker"],
+        [sys.executable, "-m", "kvoffload.integrations.demo_model", "worker"],
         input=job.to_json(),
         capture_output=True,
         text=True,
@@ -946,7 +828,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args != ["worker"]:
         print(
-            "usage: python -m kvoffload.demo worker  (a JSON WorkerJob on stdin)", file=sys.stderr
+            "usage: python -m kvoffload.integrations.demo_model worker (a JSON WorkerJob on stdin)",
+            file=sys.stderr,
         )
         return 2
     job = WorkerJob.from_json(sys.stdin.read())
