@@ -177,14 +177,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output."
 
 
 def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "unlimited"
-    f = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if f < 1024 or unit == "TiB":
-            return f"{f:.1f} {unit}" if unit != "B" else f"{int(f)} B"
-        f /= 1024
-    return f"{n} B"
+    from ..units import format_size
+
+    return format_size(n)
 
 
 def parse_ns(namespace: str | None) -> bytes | None:

@@ -21,13 +21,19 @@ def serve(
         int | None, typer.Option("--metrics-port", help="Prometheus /metrics port (0 = off).")
     ] = None,
 ) -> None:
-    """Run the sidecar: serve the store on its Unix socket until SIGTERM."""
+    """Run the sidecar: serve the store on its Unix socket until SIGTERM.
+
+    An unknown KVOFFLOAD_* variable in the environment is an error (as an
+    unknown key in the config file is): one line naming it and the closest known one.
+    """
+    from .. import envvars
     from ..errors import ConfigError
     from ..sidecar import notify
     from ..sidecar.metrics import Metrics
     from ..sidecar.policy import Policy, load_policy
     from ..sidecar.server import Server, ServerConfig, load_or_create_secret, run
 
+    envvars.check_environment()
     cfg = config()
     logging.getLogger().setLevel(logging.INFO)
     if cfg.policy_file is not None:

@@ -79,12 +79,12 @@ def inspect(as_json: JsonOpt = False) -> None:
 
 def _duration(text: str, option: str) -> float:
     from ..errors import ConfigError
-    from ..sidecar.config import parse_duration
+    from ..units import parse_duration
 
     try:
-        return parse_duration(text) or 0.0
+        return parse_duration(text, allow_none=False, what=option) or 0.0
     except ConfigError as exc:
-        raise CliUsageError(f"{option}: {exc}") from exc
+        raise CliUsageError(str(exc)) from exc
 
 
 @app.command("ls")

@@ -39,20 +39,27 @@ Environment: ``KVOFFLOAD_CONFIG`` (file path) and one variable per key,
 ``KVOFFLOAD_SERVER_SOCKET``, ``KVOFFLOAD_METRICS_PORT``; plus the short forms
 ``KVOFFLOAD_KEK_FILE`` and ``KVOFFLOAD_POLICY`` that systemd units use, and
 ``KVOFFLOAD_IO`` for ``[store] io`` (the I/O backend, see ``sidecar/iobackend.py``).
+Every variable is in :mod:`kvoffload.envvars` (``kvoffload serve`` refuses an
+unknown one); sizes and durations are parsed by :mod:`kvoffload.units`.
+
+The configuration is one tree: :class:`Config` holds every setting, and its
+:attr:`~Config.store`, :attr:`~Config.server`, :attr:`~Config.metrics` and
+:attr:`~Config.security` are the typed sections of the file (frozen views of
+the same values).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from kvoffload import envvars
 from kvoffload.errors import ConfigError
+from kvoffload.units import parse_duration, parse_size
 
 from .fileio import Durability
 from .iobackend import IOMode, parse_mode
@@ -60,47 +67,46 @@ from .iobackend import IOMode, parse_mode
 DEV_DIR_NAME = ".kvoffload"
 
 
-_SIZE_RE = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[KMGTP]i?B|B)?\s*$")
-_SIZE_UNITS: dict[str | None, int] = {
-    None: 1,
-    "B": 1,
-    **{f"{p}iB": 1024 ** (i + 1) for i, p in enumerate("KMGTP")},
-    **{f"{p}B": 1000 ** (i + 1) for i, p in enumerate("KMGTP")},
-}
-_DURATION_RE = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>ms|s|m|h|d)?\s*$")
-_DURATION_UNITS: dict[str | None, float] = {
-    None: 1.0,
-    "ms": 1e-3,
-    "s": 1.0,
-    "m": 60.0,
-    "h": 3600.0,
-    "d": 86400.0,
-}
+@dataclass(frozen=True)
+class StoreSection:
+    """``[store]``."""
+
+    root: Path
+    index_dir: Path
+    capacity_bytes: int | None
+    high_watermark: float
+    low_watermark: float
+    durability: Durability
+    key_cache_ttl_s: float
+    io: IOMode
 
 
-def parse_size(value: object) -> int | None:
-    """``"200GiB"`` → bytes; an int is bytes; ``"none"`` → None."""
-    if value is None or value == "none":
-        return None
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    m = _SIZE_RE.match(value) if isinstance(value, str) else None
-    if m is None:
-        raise ConfigError(f'bad size {value!r}: e.g. 4096, "512MiB", "2TB" or "none"')
-    size = Fraction(m["num"]) * _SIZE_UNITS[m["unit"]]
-    return int(size)
+@dataclass(frozen=True)
+class ServerSection:
+    """``[server]``."""
+
+    socket_path: Path
+    socket_group: str | None
+    socket_fd: int | None
+    workers: int
+    max_inflight_bytes: int
+    idle_reservation_timeout_s: float
 
 
-def parse_duration(value: object) -> float | None:
-    """``"30s"``, ``"15m"``, ``"7d"`` → seconds; a number is seconds; ``"none"`` → None."""
-    if value is None or value == "none":
-        return None
-    if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
-        return float(value)
-    m = _DURATION_RE.match(value) if isinstance(value, str) else None
-    if m is None:
-        raise ConfigError(f'bad duration {value!r}: e.g. 30, "500ms", "15m", "7d"')
-    return float(m["num"]) * _DURATION_UNITS[m["unit"]]
+@dataclass(frozen=True)
+class MetricsSection:
+    """``[metrics]``."""
+
+    port: int
+    host: str
+
+
+@dataclass(frozen=True)
+class SecuritySection:
+    """``[security]``."""
+
+    kek_file: Path | None
+    policy_file: Path | None
 
 
 @dataclass
@@ -149,6 +155,38 @@ class Config:
         return self.store_root.parent / f"{self.store_root.name}.index"
 
     @property
+    def store(self) -> StoreSection:
+        return StoreSection(
+            self.store_root,
+            self.resolved_index_dir,
+            self.capacity_bytes,
+            self.high_watermark,
+            self.low_watermark,
+            self.durability,
+            self.key_cache_ttl_s,
+            self.io,
+        )
+
+    @property
+    def server(self) -> ServerSection:
+        return ServerSection(
+            self.socket_path,
+            self.socket_group,
+            self.socket_fd,
+            self.workers,
+            self.max_inflight_bytes,
+            self.idle_reservation_timeout_s,
+        )
+
+    @property
+    def metrics(self) -> MetricsSection:
+        return MetricsSection(self.metrics_port, self.metrics_host)
+
+    @property
+    def security(self) -> SecuritySection:
+        return SecuritySection(self.kek_file, self.policy_file)
+
+    @property
     def worker_threads(self) -> int:
         return self.workers or max(2, os.cpu_count() or 2)
 
@@ -187,10 +225,9 @@ _KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("security", "kek_file"): ("kek_file", Path),
     ("security", "policy"): ("policy_file", Path),
 }
-_SHORT_ENV = {
-    "KVOFFLOAD_KEK_FILE": ("security", "kek_file"),
-    "KVOFFLOAD_POLICY": ("security", "policy"),
-    "KVOFFLOAD_IO": ("store", "io"),
+#: environment variable → (section, key), from the one registry (kvoffload.envvars).
+_ENV_KEYS: dict[str, tuple[str, str]] = {
+    v.name: v.config_key for v in envvars.REGISTRY if v.config_key is not None
 }
 
 
@@ -228,16 +265,16 @@ def load_config(
             for key, raw in table.items():
                 cfg = _apply(cfg, section, key, raw, str(path))
     for var, value in env.items():
-        if var in _SHORT_ENV:
-            cfg = _apply(cfg, *_SHORT_ENV[var], value, f"${var}")
-        elif var.startswith("KVOFFLOAD_") and var not in ("KVOFFLOAD_CONFIG", "KVOFFLOAD_DEV"):
-            rest = var[len("KVOFFLOAD_") :].lower()
-            section, _, key = rest.partition("_")
-            if (section, key) in _KEYS:
-                cfg = _apply(cfg, section, key, value, f"${var}")
+        if var in _ENV_KEYS:
+            cfg = _apply(cfg, *_ENV_KEYS[var], value, f"${var}")
     if not 0 < cfg.low_watermark <= cfg.high_watermark <= 1:
         raise ConfigError("watermarks must satisfy 0 < low_watermark <= high_watermark <= 1")
     return cfg
+
+
+def config_keys() -> list[tuple[str, str]]:
+    """Every ``(section, key)`` of the config file."""
+    return list(_KEYS)
 
 
 def config_fields() -> list[str]:

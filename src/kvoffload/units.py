@@ -1,0 +1,124 @@
+"""Sizes and durations, parsed and printed the one way every kvoffload setting uses.
+
+Sizes: an integer is bytes; a string is a number and a unit, binary (``KiB``,
+``MiB``, ``GiB``, ``TiB``, ``PiB``) or decimal (``KB`` … ``PB``) or ``B``:
+``"512MiB"``, ``"2TB"``, ``"1.5GiB"``. Durations: a number is seconds; a
+string is a number and ``ms``, ``s``, ``m``, ``h`` or ``d``: ``"500ms"``,
+``"15m"``, ``"7d"``. ``"none"`` is "no limit" (None) wherever it is allowed.
+
+``require_unit`` refuses a bare number (``quota = 10``: bytes? GiB?); the
+policy file wants that. Errors are :class:`~kvoffload.errors.ConfigError`
+(a ``ValueError``) whose message says what was wrong and shows examples.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from typing import Final
+
+from .errors import ConfigError
+
+__all__ = [
+    "DURATION_UNITS",
+    "SIZE_UNITS",
+    "format_duration",
+    "format_size",
+    "parse_duration",
+    "parse_size",
+]
+
+SIZE_UNITS: Final[dict[str, int]] = {
+    "B": 1,
+    **{f"{p}iB": 1024 ** (i + 1) for i, p in enumerate("KMGTP")},
+    **{f"{p}B": 1000 ** (i + 1) for i, p in enumerate("KMGTP")},
+}
+DURATION_UNITS: Final[dict[str, float]] = {
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+    "d": 86400.0,
+}
+_SIZE_RE: Final = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[KMGTP]i?B|B)?\s*$")
+_DURATION_RE: Final = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>ms|s|m|h|d)?\s*$")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+
+
+def parse_size(
+    value: object,
+    *,
+    require_unit: bool = False,
+    allow_none: bool = True,
+    whole: bool = False,
+    what: str = "size",
+) -> int | None:
+    """``"200GiB"`` → bytes; an int is bytes; ``"none"`` → None.
+
+    ``whole``: refuse a size that is not a whole number of bytes (``"1.5B"``);
+    otherwise it is rounded down."""
+    if allow_none and (value is None or value == "none"):
+        return None
+    if not require_unit and isinstance(value, int) and _number(value):
+        return int(value)
+    m = _SIZE_RE.match(value) if isinstance(value, str) else None
+    if m is None or (require_unit and m["unit"] is None):
+        none = ' or "none"' if allow_none else ""
+        raise ConfigError(
+            f"bad {what} {value!r}: a number and a unit (B, KiB, MiB, GiB, TiB, PiB or "
+            f'KB, MB, GB, TB, PB), e.g. "512MiB", "2TB"{none}'
+            + ("" if require_unit else ", or a number of bytes")
+        )
+    size = Fraction(m["num"]) * SIZE_UNITS[m["unit"] or "B"]
+    if whole and size.denominator != 1:
+        raise ConfigError(f"{what} {value!r} is not a whole number of bytes")
+    return int(size)
+
+
+def parse_duration(
+    value: object,
+    *,
+    require_unit: bool = False,
+    allow_none: bool = True,
+    what: str = "duration",
+) -> float | None:
+    """``"30s"``, ``"15m"``, ``"7d"`` → seconds; a number is seconds; ``"none"`` → None."""
+    if allow_none and (value is None or value == "none"):
+        return None
+    if not require_unit and _number(value):
+        return float(value)  # type: ignore[arg-type]
+    m = _DURATION_RE.match(value) if isinstance(value, str) else None
+    if m is None or (require_unit and m["unit"] is None):
+        none = ' or "none"' if allow_none else ""
+        raise ConfigError(
+            f"bad {what} {value!r}: a number and a unit (ms, s, m, h, d), "
+            f'e.g. "500ms", "30s", "15m", "7d"{none}'
+            + ("" if require_unit else ", or a number of seconds")
+        )
+    return float(m["num"]) * DURATION_UNITS[m["unit"] or "s"]
+
+
+def format_size(n: int | None) -> str:
+    """Bytes for people: ``"512 B"``, ``"1.5 GiB"``; None is ``"unlimited"``."""
+    if n is None:
+        return "unlimited"
+    f = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if f < 1024 or unit == "TiB":
+            return f"{int(f)} B" if unit == "B" else f"{f:.1f} {unit}"
+        f /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def format_duration(seconds: float | None) -> str:
+    """Seconds for people: ``"250 ms"``, ``"30 s"``, ``"15 m"``, ``"2.5 h"``, ``"7 d"``."""
+    if seconds is None:
+        return "none"
+    for unit, scale in (("d", 86400.0), ("h", 3600.0), ("m", 60.0), ("s", 1.0)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds * 1e3:.3g} ms"
