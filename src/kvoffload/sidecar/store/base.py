@@ -103,12 +103,18 @@ def mapped_errors(what: str) -> Iterator[None]:
 
 
 def boundary(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    """Decorate a public Store method with :func:`mapped_errors`."""
+    """Decorate a public Store method with the mapping of :func:`mapped_errors`
+    (a bare ``try``: this wraps the hot paths, get_into and lookup included)."""
+    what = fn.__name__
 
     @functools.wraps(fn)
     def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with mapped_errors(fn.__name__):
+        try:
             return fn(*args, **kwargs)
+        except (IndexFailure, lmdb.Error) as exc:
+            raise StoreIOError(f"{what}: the index failed: {exc}") from exc
+        except KeyringError as exc:
+            raise StoreKeyError(f"{what}: {exc}") from exc
 
     return wrapper
 
