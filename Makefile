@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml
 	  (apt-get update -qq && apt-get install -y -qq systemd >/dev/null) || true; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch first, pinned to the local CPU build: an unpinned torch pulls a CUDA build.
+	# torch first, pinned to the local CPU build: an unpinned torch pulls a CUDA build
+	# (torch is not a base dependency: the test and demo extras bring it for workers).
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,demo]' 'transformers==5.20.2'
 	touch $(STAMP)
@@ -42,8 +43,11 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 # tests/vllm and tests/e2e need vLLM and transformers: they run in the vLLM venv.
+# Coverage of the whole package (sidecar subprocesses included, see
+# [tool.coverage.run] in pyproject.toml); the total is printed last.
 pytest: $(STAMP)
-	$(BIN)/python -m pytest --ignore=tests/vllm --ignore=tests/e2e $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --cov --cov-report= --ignore=tests/vllm --ignore=tests/e2e $(PYTEST_ARGS)
+	@echo "coverage of kvoffload: $$($(BIN)/coverage report --format=total)%"
 
 # The vLLM tier: vLLM's real scheduler and transformers models, in their own venv.
 pytest-vllm: $(VSTAMP)
@@ -52,4 +56,4 @@ pytest-vllm: $(VSTAMP)
 test: lint typecheck pytest pytest-vllm
 
 clean:
-	rm -rf $(VENV) $(VVENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VVENV) .mypy_cache .ruff_cache .pytest_cache .coverage .coverage.*
