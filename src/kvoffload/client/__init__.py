@@ -79,7 +79,7 @@ from .session import (
     CONNECTION_ERRORS,
     RateLimitedLog,
     Session,
-    Unavailable,
+    _Unavailable,
     expect,
     fetch_stats,
     log,
@@ -417,10 +417,10 @@ class SidecarClient:
         transport.send(request_message(1, hello_req))
         _, reply = read_reply(transport, 1, hello_req)
         if isinstance(reply, ErrorReply):
-            raise Unavailable(f"hello refused: {reply.code.name}: {reply.message}")
+            raise _Unavailable(f"hello refused: {reply.code.name}: {reply.message}")
         hello = expect(reply, HelloReply)
         if not MIN_PROTOCOL_VERSION <= hello.version <= MAX_PROTOCOL_VERSION:
-            raise Unavailable(f"server chose protocol version {hello.version}, not offered")
+            raise _Unavailable(f"server chose protocol version {hello.version}, not offered")
         salt = hello.salts.get(self._tenant)
         if salt is None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "hello reply lacks the tenant's salt")
@@ -428,7 +428,7 @@ class SidecarClient:
             size = min(self._staging_bytes, hello.max_staging // ALIGNMENT * ALIGNMENT)
             self._staging = StagingBuffer(size, name=f"kvoffload-staging-{self._tenant}")
         elif self._staging.size > hello.max_staging:
-            raise Unavailable(
+            raise _Unavailable(
                 f"staging buffer of {self._staging.size} bytes exceeds the server's "
                 f"limit of {hello.max_staging}"
             )
@@ -438,7 +438,7 @@ class SidecarClient:
         )
         reply = session.call(RegisterStaging(self._staging.size), fds=[self._staging.fd])
         if isinstance(reply, ErrorReply):
-            raise Unavailable(f"staging registration refused: {reply.code.name}: {reply.message}")
+            raise _Unavailable(f"staging registration refused: {reply.code.name}: {reply.message}")
         expect(reply, Ack)
         return session
 

@@ -41,12 +41,12 @@ log = logging.getLogger("kvoffload.client")
 _R = TypeVar("_R")
 
 
-class Unavailable(Exception):
+class _Unavailable(Exception):
     """The sidecar answered, but the session cannot continue (refused hello, draining)."""
 
 
 #: What "the sidecar is not usable right now" looks like from here.
-CONNECTION_ERRORS = (TransportError, ProtocolError, Unavailable, StagingError, OSError)
+CONNECTION_ERRORS = (TransportError, ProtocolError, _Unavailable, StagingError, OSError)
 
 
 class RateLimitedLog:
@@ -84,7 +84,7 @@ def read_reply(transport: Transport, rid: int, req: Request) -> tuple[int, Reply
         raise ProtocolError(ErrorCode.BAD_REQUEST, "server sent descriptors")
     got, reply = parse_reply(frame.msg)
     if got == 0 and isinstance(reply, ErrorReply):
-        raise Unavailable(f"sidecar closed the connection: {reply.code.name}: {reply.message}")
+        raise _Unavailable(f"sidecar closed the connection: {reply.code.name}: {reply.message}")
     if got != rid:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"reply to request {got}, expected {rid}")
     op = reply.op if isinstance(reply, ErrorReply | Ack) else reply.OP
@@ -140,7 +140,7 @@ class Session:
 
     def on_error_reply(self, reply: ErrorReply) -> None:
         if reply.code is ErrorCode.SHUTTING_DOWN:
-            self.lose(Unavailable("sidecar is shutting down"))
+            self.lose(_Unavailable("sidecar is shutting down"))
         elif reply.code in (
             ErrorCode.BAD_REQUEST,
             ErrorCode.BAD_HANDLE,
@@ -148,7 +148,7 @@ class Session:
             ErrorCode.UNSUPPORTED,
         ):
             # One side has a bug: start over with fresh state on both ends.
-            self.lose(Unavailable(f"{reply.code.name}: {reply.message}"))
+            self.lose(_Unavailable(f"{reply.code.name}: {reply.message}"))
         else:
             self.warn(
                 logging.WARNING,
