@@ -17,6 +17,8 @@ def _package_exceptions() -> dict[str, type[BaseException]]:
     """Every public exception class reachable from any kvoffload module."""
     found: dict[str, type[BaseException]] = {}
     for mod in pkgutil.walk_packages(kvoffload.__path__, "kvoffload."):
+        if mod.name.endswith(".__main__"):  # runs its program when imported
+            continue
         try:
             module = importlib.import_module(mod.name)
         except ImportError as exc:  # an optional engine (vllm) absent in this venv
