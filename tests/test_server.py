@@ -218,6 +218,8 @@ class ServerThread:
         self.thread.start()
         assert self._ready.wait(20)
         if self._error is not None:
+            self.thread.join(20)
+            self.loop.close()  # a loop left open is a ResourceWarning, an error here
             raise self._error
 
     def _main(self) -> None:
