@@ -13,6 +13,7 @@ from enum import IntEnum
 
 from ..errors import (
     ConfigError,
+    IndexFailure,
     KeyringError,
     KVOffloadError,
     LayoutError,
@@ -118,6 +119,7 @@ EXIT_TABLE: tuple[tuple[type[BaseException], ExitCode, str], ...] = (
     (KeyringError, ExitCode.ERROR, "KEK"),
     (LayoutError, ExitCode.ERROR, "store"),
     (StoreError, ExitCode.ERROR, "store"),
+    (IndexFailure, ExitCode.ERROR, "store"),
     (KVOffloadError, ExitCode.ERROR, "error"),
     (OSError, ExitCode.ERROR, "error"),
 )
