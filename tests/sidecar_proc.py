@@ -187,15 +187,22 @@ class Child:
 
     def _read_stdout(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with contextlib.suppress(ValueError):
-                self.messages.put(json.loads(line))
+        with self.proc.stdout:  # closed at EOF: no ResourceWarning
+            for line in self.proc.stdout:
+                with contextlib.suppress(ValueError):
+                    self.messages.put(json.loads(line))
         self.messages.put(None)
 
     def _read_stderr(self) -> None:
         assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self._stderr.append(line)
+        with self.proc.stderr:
+            for line in self.proc.stderr:
+                self._stderr.append(line)
+
+    def _close_stdin(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
 
     @property
     def pid(self) -> int:
@@ -243,6 +250,7 @@ class Child:
             raise AssertionError(
                 f"child {self.pid} still running; stderr:\n{self.stderr}"
             ) from None
+        self._close_stdin()
         for t in self._threads:
             t.join(10)
         while self.next(5) is not None:
@@ -257,6 +265,7 @@ class Child:
             if sig == signal.SIGKILL:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(10)
+        self._close_stdin()
         for t in self._threads:
             t.join(10)
         while self.next(5) is not None:

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .exits import CliUsageError, NoStore
+from .exits import _CliUsageError, _NoStore
 
 if TYPE_CHECKING:
     from ..sidecar.config import Config
@@ -155,7 +155,7 @@ def open_store(cfg: Config, *, create: bool = False) -> Iterator[Store]:
         store = Store(cfg.store_config(), kek, create=create)
     except LayoutError as exc:
         if not (cfg.store_root / "layout.json").exists():
-            raise NoStore(f"{exc} (run `kvoffload init`)") from exc
+            raise _NoStore(f"{exc} (run `kvoffload init`)") from exc
         raise
     try:
         yield store
@@ -190,5 +190,5 @@ def parse_ns(namespace: str | None) -> bytes | None:
     except ValueError:
         ns = b""
     if len(ns) != 32:
-        raise CliUsageError("--namespace must be a 64-hex-digit fingerprint")
+        raise _CliUsageError("--namespace must be a 64-hex-digit fingerprint")
     return ns

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from ..errors import SidecarStartError
 from .app import JsonOpt, app, emit, err, human_bytes, out
-from .exits import CliUsageError, DemoFailed
+from .exits import _CliUsageError, _DemoFailed
 
 
 def _ms(seconds: float) -> str:
@@ -52,7 +52,7 @@ def demo(
     from ..integrations import demo_model as kd
 
     if not kd.transformers_available():
-        raise DemoFailed(kd.TRANSFORMERS_MISSING)
+        raise _DemoFailed(kd.TRANSFORMERS_MISSING)
     try:
         shape = kd.ModelShape(
             num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads
@@ -68,7 +68,7 @@ def demo(
             repeats=repeats,
         )
     except ValueError as exc:
-        raise CliUsageError(str(exc)) from exc
+        raise _CliUsageError(str(exc)) from exc
     try:
         if as_json:
             data = kd.run_demo(cfg)
@@ -78,7 +78,7 @@ def demo(
     except SidecarStartError:
         raise
     except RuntimeError as exc:
-        raise DemoFailed(str(exc)) from exc
+        raise _DemoFailed(str(exc)) from exc
     if as_json:
         emit(True, data)
         return

@@ -35,14 +35,7 @@ __all__ = [
     "EXIT_TABLE",
     "EXIT_UNREACHABLE",
     "EXIT_USAGE",
-    "Aborted",
-    "CliOutcome",
-    "CliUsageError",
-    "DemoFailed",
     "ExitCode",
-    "FsckProblems",
-    "NoStore",
-    "SidecarUnreachable",
     "exit_for",
 ]
 
@@ -71,49 +64,53 @@ EXIT_UNREACHABLE = ExitCode.UNREACHABLE
 
 
 # -- outcomes only the CLI has (not library errors) ----------------------------
+#
+# Private on purpose: they are the commands' way of telling main() which exit
+# code applies, raised and caught inside the CLI, never seen by a caller; the
+# package's public exceptions all live in kvoffload.errors (tests/test_errors.py).
 
 
-class CliOutcome(KVOffloadError):
+class _CliOutcome(KVOffloadError):
     """Base of the command-line outcomes that are not library errors."""
 
 
-class CliUsageError(CliOutcome):
+class _CliUsageError(_CliOutcome):
     """Options that do not make sense together, or a malformed value."""
 
 
-class NoStore(LayoutError):
+class _NoStore(LayoutError):
     """No store at the configured root (no layout.json): run ``kvoffload init``."""
 
 
-class FsckProblems(CliOutcome):
+class _FsckProblems(_CliOutcome):
     """fsck found problems and was not asked to repair them (the report is printed)."""
 
 
-class Aborted(CliOutcome):
+class _Aborted(_CliOutcome):
     """The user said no at a confirmation prompt."""
 
 
-class SidecarUnreachable(CliOutcome):
+class _SidecarUnreachable(_CliOutcome):
     """No sidecar answered on the socket."""
 
 
-class DemoFailed(CliOutcome):
+class _DemoFailed(_CliOutcome):
     """A demo worker failed, or the demo cannot run here (the message says why)."""
 
 
 #: exception class → (exit code, label of the one stderr line). The first row
 #: whose class the exception is an instance of wins, so subclasses come first.
 EXIT_TABLE: tuple[tuple[type[BaseException], ExitCode, str], ...] = (
-    (CliUsageError, ExitCode.USAGE, "usage"),
-    (Aborted, ExitCode.ABORTED, "aborted"),
-    (FsckProblems, ExitCode.FSCK_PROBLEMS, "fsck"),
-    (NoStore, ExitCode.NO_STORE, "no store"),
+    (_CliUsageError, ExitCode.USAGE, "usage"),
+    (_Aborted, ExitCode.ABORTED, "aborted"),
+    (_FsckProblems, ExitCode.FSCK_PROBLEMS, "fsck"),
+    (_NoStore, ExitCode.NO_STORE, "no store"),
     (StoreLocked, ExitCode.LOCKED, "locked"),
-    (SidecarUnreachable, ExitCode.UNREACHABLE, "unreachable"),
+    (_SidecarUnreachable, ExitCode.UNREACHABLE, "unreachable"),
     (SidecarStartError, ExitCode.UNREACHABLE, "sidecar"),
     (TransportError, ExitCode.UNREACHABLE, "unreachable"),
     (ProtocolError, ExitCode.UNREACHABLE, "unreachable"),
-    (DemoFailed, ExitCode.ERROR, "demo failed"),
+    (_DemoFailed, ExitCode.ERROR, "demo failed"),
     (ConfigError, ExitCode.ERROR, "config error"),
     (PolicyError, ExitCode.ERROR, "policy"),
     (KeyringError, ExitCode.ERROR, "KEK"),

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from .app import JsonOpt, app, config, emit, err, open_store
-from .exits import CliUsageError, SidecarUnreachable
+from .exits import _CliUsageError, _SidecarUnreachable
 
 
 @app.command()
@@ -45,7 +45,7 @@ def serve(
     if fd is None:
         inherited = notify.listen_fds()
         if len(inherited) > 1:
-            raise CliUsageError(f"socket activation: expected one socket, got {len(inherited)}")
+            raise _CliUsageError(f"socket activation: expected one socket, got {len(inherited)}")
         fd = inherited[0] if inherited else None
     if cfg.dev:
         err.print(
@@ -93,5 +93,5 @@ def stats(as_json: JsonOpt = False) -> None:
     try:
         data = fetch_stats(cfg.socket_path)
     except (TransportError, ProtocolError, OSError) as exc:
-        raise SidecarUnreachable(f"no sidecar answered on {cfg.socket_path}: {exc}") from exc
+        raise _SidecarUnreachable(f"no sidecar answered on {cfg.socket_path}: {exc}") from exc
     emit(as_json, data)

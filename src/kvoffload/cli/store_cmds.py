@@ -20,7 +20,7 @@ from .app import (
     open_store,
     parse_ns,
 )
-from .exits import Aborted, CliUsageError, FsckProblems
+from .exits import _Aborted, _CliUsageError, _FsckProblems
 
 
 @app.command()
@@ -84,7 +84,7 @@ def _duration(text: str, option: str) -> float:
     try:
         return parse_duration(text, allow_none=False, what=option) or 0.0
     except ConfigError as exc:
-        raise CliUsageError(str(exc)) from exc
+        raise _CliUsageError(str(exc)) from exc
 
 
 @app.command("ls")
@@ -147,11 +147,11 @@ def purge(
 ) -> None:
     """Remove data. --tenant alone is a crypto-erase: its keys are destroyed first."""
     if tenant is None and namespace is None and older_than is None:
-        raise CliUsageError(
+        raise _CliUsageError(
             "say what to purge: --tenant, --namespace (with --tenant) or --older-than"
         )
     if namespace is not None and tenant is None:
-        raise CliUsageError("--namespace needs --tenant")
+        raise _CliUsageError("--namespace needs --tenant")
     ns = parse_ns(namespace)
     age = _duration(older_than, "--older-than") if older_than is not None else None
     cfg = config()
@@ -163,7 +163,7 @@ def purge(
         else f"chunks older than {older_than}" + (f" of tenant {tenant}" if tenant else "")
     )
     if not yes and not typer.confirm(f"Purge {what}?", default=False, err=True):
-        raise Aborted(f"nothing purged ({what})")
+        raise _Aborted(f"nothing purged ({what})")
     with open_store(cfg) as store:
         if age is not None:
             n = store.purge_older_than(age, tenant)
@@ -205,7 +205,7 @@ def fsck(
     data = report.to_dict()
     emit(as_json, data)
     if not report.clean and not repair:
-        raise FsckProblems("the store has problems: run `kvoffload fsck --repair`")
+        raise _FsckProblems("the store has problems: run `kvoffload fsck --repair`")
 
 
 @keys_app.command("rotate-kek")
