@@ -1,7 +1,8 @@
 """Per-tenant secrets (salt and data keys), wrapped by a key-encryption key.
 
 ``docs/spec/keys-v1.md`` is the normative description of the key files; this
-module implements it. ::
+module implements it with ``kek`` (the KEK) and ``keyfile`` (the file format),
+whose names it re-exports. ::
 
     Kek           the node's or cluster's key-encryption key, read from a
                   credential file outside the store (systemd LoadCredential=)
@@ -18,31 +19,36 @@ at most ``cache_ttl_s`` old, expires.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
 import errno
 import fcntl
-import hashlib
-import json
 import logging
 import os
 import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvoffload.contract import TENANT_RE
 from kvoffload.errors import KeyringError
 
-from ..posix import atomic_create, fsync_dir, pwrite_all
+from ..posix import atomic_create, pwrite_all
+from .kek import KEK_SIZE, Kek, _fsync_dir
+from .kek import NONCE_SIZE as NONCE_SIZE  # unused here, re-exported
+from .keyfile import (
+    DEK_SIZE,
+    FORMAT_VERSION,
+    MAX_EPOCH,
+    SALT_SIZE,
+    TenantKeys,
+    _now,
+    _Record,
+    decode_record,
+    encode_record,
+)
+from .keyfile import TAG_SIZE as TAG_SIZE  # unused here, re-exported
 
 __all__ = [
     "DEK_SIZE",
@@ -60,32 +66,15 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-KEK_SIZE = 32
-DEK_SIZE = 32
-SALT_SIZE = 32
-NONCE_SIZE = 12
-TAG_SIZE = 16
-#: Object headers store the key epoch as a u32, and 0 means "not sealed".
-MAX_EPOCH = 2**32 - 1
 KEY_SUFFIX = ".key"
 LOCK_NAME = ".lock"
 
 AuditHook = Callable[[str, dict[str, Any]], None]
 
-_WRAP_PREFIX = b"kvo-wrap-v1"
-_KEK_ID_PERSON = b"kvo-kek-id"
 # Tenant ids may contain '-' and '.', so the random part comes first and the
 # tenant is everything after it: a prefix match can never catch "acme-2" for "acme".
 _SCRATCH_RE = re.compile(r"\.(?:tmp|erase)-[0-9a-f]{16}-(.+)")
 _MAX_KEY_FILE = 16 * 2**20
-_MAX_KEK_FILE = 4096
-_HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
-_TOP_FIELDS = frozenset(
-    {"format", "tenant", "kek_id", "created", "current_epoch", "salt", "epochs"}
-)
-_SALT_FIELDS = frozenset({"nonce", "ct"})
-_EPOCH_FIELDS = frozenset({"nonce", "ct", "created"})
 # A reader that opened a key file just before a destroy renamed and overwrote
 # it reads random bytes; it retries when the name no longer points at that inode.
 _READ_ATTEMPTS = 3
@@ -93,195 +82,6 @@ _READ_ATTEMPTS = 3
 # NFS client may still hold a negative lookup for it for a moment.
 _LOST_RACE_WAITS_S = (0.0, 0.05, 0.1, 0.2, 0.4)
 _NO_LOCK_ERRNOS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
-
-
-def _salt_aad(tenant: str) -> bytes:
-    return b"|".join((_WRAP_PREFIX, b"salt", tenant.encode("ascii")))
-
-
-def _dek_aad(tenant: str, epoch: int) -> bytes:
-    return b"|".join((_WRAP_PREFIX, b"dek", tenant.encode("ascii"), str(epoch).encode("ascii")))
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fsync_dir(path)
-    except OSError as exc:
-        raise KeyringError(f"cannot fsync directory {path}: {exc}") from exc
-
-
-def _looks_like_text(data: bytes) -> bool:
-    return all(0x20 <= b < 0x7F or b in b"\t\n\r" for b in data)
-
-
-def _parse_kek(data: bytes, where: Path) -> bytes:
-    # A raw key is exactly 32 bytes and binary. 32 printable characters are far
-    # likelier a 16-byte hex key or a password than a random key (chance of a
-    # random key being all printable: ~1e-14), so they are refused, not used.
-    if len(data) == KEK_SIZE and not _looks_like_text(data):
-        return data
-    text = b"".join(data.split())
-    if len(text) == 2 * KEK_SIZE and all(c in _HEX_DIGITS for c in text):
-        return bytes.fromhex(text.decode("ascii"))
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raw = b""
-    if len(raw) == KEK_SIZE:
-        return raw
-    raise KeyringError(
-        f"KEK file {where}: expected 32 raw bytes, 64 hex digits or base64 of 32 bytes "
-        f"(whitespace ignored); found {len(data)} bytes of something else"
-    )
-
-
-class Kek:
-    """A 32-byte key-encryption key; it wraps the tenants' secrets in key files.
-
-    The KEK lives outside the store (systemd ``LoadCredential=``), never in it:
-    whoever holds both the store and the KEK holds every tenant's keys.
-    ``key_id`` names it in key files without revealing it.
-    """
-
-    __slots__ = ("_aead", "key_id", "source")
-
-    def __init__(self, key: bytes, *, source: Path | None = None) -> None:
-        if len(key) != KEK_SIZE:
-            raise KeyringError(f"a KEK is {KEK_SIZE} bytes, got {len(key)}")
-        # Only the AESGCM object keeps the key: one copy fewer in memory.
-        self._aead = AESGCM(bytes(key))
-        self.key_id: str = hashlib.blake2b(
-            bytes(key), digest_size=8, person=_KEK_ID_PERSON
-        ).hexdigest()
-        self.source: Path | None = source
-
-    def __repr__(self) -> str:
-        return f"Kek(key_id={self.key_id!r})"
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> Kek:
-        """Load a KEK from 32 raw bytes, 64 hex digits or base64 of 32 bytes."""
-        p = Path(path)
-        try:
-            with open(p, "rb") as f:
-                mode = os.fstat(f.fileno()).st_mode
-                data = f.read(_MAX_KEK_FILE + 1)
-        except OSError as exc:
-            raise KeyringError(f"cannot read KEK file {p}: {exc.strerror or exc}") from exc
-        if mode & 0o044:
-            log.warning(
-                "KEK file %s is readable by its group or by others (mode %03o); "
-                "anyone who can read it can unwrap every tenant's keys: chmod 0400 it",
-                p,
-                mode & 0o777,
-            )
-        if len(data) > _MAX_KEK_FILE:
-            raise KeyringError(f"KEK file {p}: too large to be a key")
-        return cls(_parse_kek(data, p), source=p)
-
-    @classmethod
-    def generate_dev(cls, path: str | os.PathLike[str]) -> Kek:
-        """Create a random KEK file (mode 0600) for development, or load the existing one.
-
-        Safe against a concurrent creator: the file is written under a temp name
-        and linked into place, so a loser loads the winner's complete file.
-        """
-        p = Path(path)
-        try:
-            p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            data = os.urandom(KEK_SIZE).hex().encode("ascii") + b"\n"
-            created = True
-            try:
-                atomic_create(p, data, mode=0o600)  # linked: never replaces
-            except FileExistsError:
-                created = False
-        except OSError as exc:
-            raise KeyringError(f"cannot create development KEK {p}: {exc}") from exc
-        if not created:
-            _fsync_dir(p.parent)  # the winner's name, durable before we rely on it
-        kek = cls.from_file(p)
-        log.warning(
-            "\n%s\nDEVELOPMENT KEK %s (id %s) %s. It sits in a plain file on this machine: "
-            "anyone who can read it can decrypt every tenant's cached KV. NEVER use it in "
-            "production; give the sidecar a KEK through systemd LoadCredential= instead.\n%s",
-            "!" * 78,
-            p,
-            kek.key_id,
-            "was just generated" if created else "is in use",
-            "!" * 78,
-        )
-        return kek
-
-    def _wrap(self, secret: bytes, aad: bytes) -> dict[str, str]:
-        # Random nonces: a KEK wraps a few values per tenant and rotation,
-        # nowhere near the 2**32 bound on random 96-bit GCM nonces.
-        nonce = os.urandom(NONCE_SIZE)
-        ct = self._aead.encrypt(nonce, secret, aad)
-        return {"nonce": base64.b64encode(nonce).decode(), "ct": base64.b64encode(ct).decode()}
-
-    def _unwrap(self, nonce: bytes, ct: bytes, aad: bytes) -> bytes:
-        return self._aead.decrypt(nonce, ct, aad)
-
-
-@dataclass(frozen=True, eq=False)
-class TenantKeys:
-    """One tenant's unwrapped secrets.
-
-    Hold one only for the operation at hand and ask the keyring again for the
-    next: the keyring's cache bound is what makes a purge reach this process.
-    ``repr`` never shows a secret.
-    """
-
-    tenant: str
-    #: 32 secret bytes, the BLAKE2b key of the tenant's chunk keys; fixed for life.
-    salt: bytes = field(repr=False)
-    #: The epoch new objects are sealed under.
-    current_epoch: int
-    #: AES-256 data keys by epoch; old epochs stay so that old objects open.
-    deks: dict[int, bytes] = field(repr=False)
-    _aeads: dict[int, AESGCM] = field(default_factory=dict, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if len(self.salt) != SALT_SIZE:
-            raise ValueError(f"tenant salt must be {SALT_SIZE} bytes")
-        if any(len(k) != DEK_SIZE for k in self.deks.values()):
-            raise ValueError(f"data keys must be {DEK_SIZE} bytes")
-        if self.current_epoch not in self.deks:
-            raise ValueError(f"no data key for the current epoch {self.current_epoch}")
-
-    def aead(self, epoch: int) -> AESGCM | None:
-        """The AES-256-GCM of ``epoch``, or None when the tenant has no such epoch."""
-        aead = self._aeads.get(epoch)
-        if aead is None:
-            dek = self.deks.get(epoch)
-            if dek is None:
-                return None
-            # setdefault: two threads racing here end up sharing one object.
-            aead = self._aeads.setdefault(epoch, AESGCM(dek))
-        return aead
-
-
-@dataclass(frozen=True)
-class _Record:
-    """A decoded key file: the secrets plus the metadata a rewrite must keep."""
-
-    keys: TenantKeys
-    kek_id: str
-    created: str
-    epoch_created: dict[int, str]
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate field {k!r}")
-        out[k] = v
-    return out
 
 
 class Keyring:
@@ -395,7 +195,7 @@ class Keyring:
                     # first (a node without working flock), theirs stands.
                     atomic_create(
                         path,
-                        self._encode(fresh, self._kek),
+                        encode_record(fresh, self._kek),
                         mode=0o600,
                         tmp_name=self._tmp_name(tenant),
                     )
@@ -450,7 +250,7 @@ class Keyring:
                 created=rec.created,
                 epoch_created={**rec.epoch_created, new: _now()},
             )
-            self._replace(tenant, path, self._encode(rotated, self._kek))
+            self._replace(tenant, path, encode_record(rotated, self._kek))
             self._remember(rotated.keys, now)
         self._emit("rotate_dek", {"tenant": tenant, "epoch": new, "previous_epoch": old})
         return new
@@ -510,7 +310,7 @@ class Keyring:
                     rec = self._load(tenant, path)
                     if rec is None or rec.kek_id == new_kek.key_id:
                         continue
-                    self._replace(tenant, path, self._encode(rec, new_kek))
+                    self._replace(tenant, path, encode_record(rec, new_kek))
                     rewrapped += 1
             except KeyringError as exc:
                 failed[tenant] = str(exc)
@@ -631,109 +431,12 @@ class Keyring:
             try:
                 if len(data) > _MAX_KEY_FILE:
                     raise KeyringError(f"key file {path} is larger than {_MAX_KEY_FILE} bytes")
-                return self._decode(tenant, path, data)
+                return decode_record(tenant, path, data, self._keks, self._kek.key_id)
             except KeyringError:
                 if attempt + 1 < _READ_ATTEMPTS and not _still_names(path, st):
                     continue
                 raise
         raise AssertionError("unreachable")  # pragma: no cover
-
-    def _decode(self, tenant: str, path: Path, data: bytes) -> _Record:
-        def bad(why: str) -> KeyringError:
-            return KeyringError(f"key file {path}: {why}")
-
-        try:
-            doc = json.loads(data, object_pairs_hook=_no_duplicate_keys)
-        except (ValueError, RecursionError) as exc:
-            raise bad(f"not a valid JSON key file ({exc})") from exc
-        if not isinstance(doc, dict):
-            raise bad("not a JSON object")
-        fmt = doc.get("format")
-        if type(fmt) is not int or fmt != FORMAT_VERSION:
-            raise bad(
-                f"unknown format {fmt!r}; this kvoffload reads format {FORMAT_VERSION} "
-                "(upgrade kvoffload)"
-            )
-        if doc.keys() != _TOP_FIELDS:
-            raise bad(
-                f"fields {sorted(doc.keys() ^ _TOP_FIELDS)} are missing or unknown in format 1"
-            )
-        if doc["tenant"] != tenant:
-            raise bad(f"names tenant {doc['tenant']!r}, expected {tenant!r}")
-        kek_id = doc["kek_id"]
-        if not isinstance(kek_id, str):
-            raise bad("kek_id is not a string")
-        kek = self._keks.get(kek_id)
-        if kek is None:
-            others = [k for k in self._keks if k != self._kek.key_id]
-            also = f" (previous KEKs: {', '.join(others)})" if others else ""
-            raise KeyringError(
-                f"key file {path} wrapped by KEK {kek_id}, loaded KEK is {self._kek.key_id}{also}"
-            )
-        created = _timestamp(doc["created"], bad, "created")
-        current = doc["current_epoch"]
-        if type(current) is not int or not 1 <= current <= MAX_EPOCH:
-            raise bad(f"current_epoch {current!r} is not an integer in 1..{MAX_EPOCH}")
-        salt_doc = _fields(doc["salt"], _SALT_FIELDS, bad, "salt")
-        epochs_doc = doc["epochs"]
-        if not isinstance(epochs_doc, dict) or not epochs_doc:
-            raise bad("epochs is not a non-empty object")
-        try:
-            salt = kek._unwrap(
-                _b64(salt_doc["nonce"], NONCE_SIZE, bad, "salt nonce"),
-                _b64(salt_doc["ct"], SALT_SIZE + TAG_SIZE, bad, "salt ct"),
-                _salt_aad(tenant),
-            )
-        except InvalidTag as exc:
-            raise bad(
-                "salt fails authentication (corrupt, tampered, or from another tenant's file)"
-            ) from exc
-        deks: dict[int, bytes] = {}
-        epoch_created: dict[int, str] = {}
-        for name, entry_doc in epochs_doc.items():
-            if not (name.isascii() and name.isdigit() and str(int(name)) == name):
-                raise bad(f"epoch name {name!r} is not a canonical decimal integer")
-            epoch = int(name)
-            if not 1 <= epoch <= MAX_EPOCH:
-                raise bad(f"epoch {epoch} is outside 1..{MAX_EPOCH}")
-            entry = _fields(entry_doc, _EPOCH_FIELDS, bad, f"epoch {epoch}")
-            epoch_created[epoch] = _timestamp(entry["created"], bad, f"epoch {epoch} created")
-            try:
-                deks[epoch] = kek._unwrap(
-                    _b64(entry["nonce"], NONCE_SIZE, bad, f"epoch {epoch} nonce"),
-                    _b64(entry["ct"], DEK_SIZE + TAG_SIZE, bad, f"epoch {epoch} ct"),
-                    _dek_aad(tenant, epoch),
-                )
-            except InvalidTag as exc:
-                raise bad(
-                    f"data key of epoch {epoch} fails authentication (corrupt, tampered, "
-                    "or moved from another tenant or epoch)"
-                ) from exc
-        if current != max(deks):
-            raise bad(f"current_epoch {current} is not the newest epoch {max(deks)}")
-        return _Record(
-            keys=TenantKeys(tenant, salt, current, deks),
-            kek_id=kek_id,
-            created=created,
-            epoch_created=epoch_created,
-        )
-
-    def _encode(self, rec: _Record, kek: Kek) -> bytes:
-        t = rec.keys.tenant
-        epochs = {
-            str(e): {**kek._wrap(rec.keys.deks[e], _dek_aad(t, e)), "created": rec.epoch_created[e]}
-            for e in sorted(rec.keys.deks)
-        }
-        doc = {
-            "format": FORMAT_VERSION,
-            "tenant": t,
-            "kek_id": kek.key_id,
-            "created": rec.created,
-            "current_epoch": rec.keys.current_epoch,
-            "salt": kek._wrap(rec.keys.salt, _salt_aad(t)),
-            "epochs": epochs,
-        }
-        return (json.dumps(doc, indent=2) + "\n").encode("ascii")
 
     @staticmethod
     def _tmp_name(tenant: str) -> str:
@@ -806,34 +509,3 @@ def _still_names(path: Path, st: os.stat_result) -> bool:
     except OSError:
         return True
     return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
-
-
-def _fields(
-    value: Any, names: frozenset[str], bad: Callable[[str], KeyringError], what: str
-) -> dict[str, Any]:
-    if not isinstance(value, dict) or value.keys() != names:
-        raise bad(f"{what} must be an object with exactly the fields {sorted(names)}")
-    return value
-
-
-def _b64(value: Any, size: int, bad: Callable[[str], KeyringError], what: str) -> bytes:
-    if not isinstance(value, str):
-        raise bad(f"{what} is not a string")
-    try:
-        raw = base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise bad(f"{what} is not valid base64") from exc
-    # Canonical form only, so no two files (or bit flips) encode the same bytes.
-    if len(raw) != size or base64.b64encode(raw).decode("ascii") != value:
-        raise bad(f"{what} is not the canonical base64 of {size} bytes")
-    return raw
-
-
-def _timestamp(value: Any, bad: Callable[[str], KeyringError], what: str) -> str:
-    if not isinstance(value, str):
-        raise bad(f"{what} is not a string")
-    try:
-        datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ")
-    except ValueError as exc:
-        raise bad(f"{what} {value!r} is not a UTC timestamp YYYY-MM-DDTHH:MM:SSZ") from exc
-    return value
