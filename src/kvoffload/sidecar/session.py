@@ -11,21 +11,17 @@ service's *current* policy. A tenant the connection may not use gets the
 empty-tenant answer before the store is consulted, so neither content nor
 timing tells whether it exists.
 
-Writes and reads each have one flow for both media: a region of the staging
-buffer (``prepare_store``/``prepare_load``) or a file of the store handed to
-the worker (``lease_store``/``lease_load``, the direct path). Only the step
-that claims the medium for one chunk, and the step that commits a completed
-write, differ.
+The write and read verbs (``prepare_store``/``lease_store`` →
+``complete_store``, ``prepare_load``/``lease_load`` → ``complete_load``) with
+their two media live in ``transfers.py``, a mixin of :class:`Session`.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TypeVar
 
 from kvoffload.protocol import (
@@ -34,79 +30,53 @@ from kvoffload.protocol import (
     MIN_PROTOCOL_VERSION,
     Abort,
     Ack,
-    ChunkSpec,
     CompleteLoad,
     CompleteStore,
-    CompleteStoreReply,
     ErrorCode,
     ErrorReply,
     Fsck,
     FsckReply,
     Hello,
     HelloReply,
-    LayerExtent,
     LeaseLoad,
-    LeaseLoadReply,
-    LeaseSlot,
     LeaseStore,
-    LeaseStoreReply,
-    LoadSlot,
     Lookup,
     LookupReply,
     Op,
     PrepareLoad,
-    PrepareLoadReply,
     PrepareStore,
-    PrepareStoreReply,
     ProtocolError,
     Purge,
     PurgeReply,
-    ReadSlot,
     RegisterStaging,
     Reply,
     Request,
     Stats,
     StatsReply,
-    StoreSlot,
-    StoreStatus,
     Touch,
-    align_up,
     close_fds,
     fake_salt,
     negotiate_version,
-    packed_layout,
-    region_size,
 )
 from kvoffload.staging import RegionAllocator, StagingBuffer, StagingError
 
-from ..layouts import v1
-from .errors import LeaseInvalid, StoreError, StoreFull, StoreIOError
-from .ports import TenantSettings
 from .service import (
     Handle,
-    LeasedWrite,
     LoadHandle,
     Peer,
     Reject,
     Service,
-    StagedWrite,
     WriteHandle,
-    payload_of,
     plainify,
 )
+from .transfers import Transfers
 
 log = logging.getLogger("kvoffload.server")
 
 _H = TypeVar("_H", WriteHandle, LoadHandle)
-_W = TypeVar("_W", StoreSlot, LeaseSlot)
-_R = TypeVar("_R", LoadSlot, ReadSlot)
-#: A reply frame's room for lease entries, and what one costs besides its path.
-_REPLY_ROOM = MAX_FRAME - 4096
-_LEASE_ENTRY_BYTES = 96
-_EXTENT_BYTES = 40
 
 
-class Session:
+class Session(Transfers):
     """The verb state of one connection: its peer, the tenants named in ``hello``,
     the registered staging buffer with its region allocator, and the open handles."""
 
@@ -414,321 +384,6 @@ class Session:
             raise Reject(ErrorCode.BAD_HANDLE, f"no such handle {req.handle}")
         self._release(handle)
         return Ack(Op.ABORT)
-
-    # -- writes (§5.4, §5.5, §5.14, §8) -----------------------------------------------
-
-    def prepare_store(self, req: PrepareStore) -> Reply:
-        """§5.4, §7: a region of the staging buffer and a reservation per new chunk."""
-        self._open_handle_slot()
-        staging, alloc = self._registered()
-        align = self.service.config.alignment
-        store = self.service.store
-
-        def claim(h: WriteHandle, i: int, c: ChunkSpec, settings: TenantSettings) -> StoreSlot:
-            need = region_size(c.layers, align)
-            if need > staging.size:
-                return StoreSlot(StoreStatus.REJECTED, code=ErrorCode.TOO_LARGE)
-            with self.mu:
-                off = alloc.alloc(need)
-            if off is None:
-                return StoreSlot(StoreStatus.REJECTED, code=ErrorCode.BUSY)
-            try:
-                nbytes = v1.object_size(c.layers, h.encrypt)
-                res = store.reserve(h.tenant, nbytes, quota=settings.quota_bytes)
-            except StoreFull:
-                self._free(off)
-                return StoreSlot(StoreStatus.REJECTED, code=ErrorCode.NO_SPACE)
-            except Exception:
-                log.exception("%r: reserving space failed", self)
-                self._free(off)
-                return StoreSlot(StoreStatus.REJECTED, code=ErrorCode.INTERNAL)
-            h.staged.append(StagedWrite(i, c.key, c.layers, off, res))
-            return StoreSlot(StoreStatus.WRITE, offset=off)
-
-        handle, slots = self._prepare_write(req, StoreSlot, self.may_use, "write tenant", claim)
-        return PrepareStoreReply(handle, slots)
-
-    def lease_store(self, req: LeaseStore) -> Reply:
-        """§5.14: a leased temp file of the store per new chunk, for the worker to write."""
-        self._open_handle_slot()
-        store = self.service.store
-        used = 64  # of the reply frame
-
-        def claim(h: WriteHandle, i: int, c: ChunkSpec, settings: TenantSettings) -> LeaseSlot:
-            nonlocal used
-            need = _LEASE_ENTRY_BYTES + 9 * len(c.layers) + 256
-            if used + need > _REPLY_ROOM:  # the reply must fit one frame
-                return LeaseSlot(StoreStatus.REJECTED, code=ErrorCode.BUSY)
-            try:
-                lease = store.lease_store(
-                    h.tenant,
-                    h.namespace,
-                    c.key,
-                    c.layers,
-                    ttl_s=h.ttl_s,
-                    gid=settings.direct_gid,
-                    quota=settings.quota_bytes,
-                )
-            except StoreFull:
-                return LeaseSlot(StoreStatus.REJECTED, code=ErrorCode.NO_SPACE)
-            except StoreIOError as exc:
-                full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-                log.log(logging.INFO if full else logging.ERROR, "%r: lease: %s", self, exc)
-                code = ErrorCode.NO_SPACE if full else ErrorCode.INTERNAL
-                return LeaseSlot(StoreStatus.REJECTED, code=code)
-            if lease is None:
-                return LeaseSlot(StoreStatus.EXISTS)
-            data_offset, offsets = lease.offsets
-            path = str(lease.tmp)
-            used += need + len(path.encode())
-            h.leased.append(LeasedWrite(i, lease))
-            return LeaseSlot(StoreStatus.WRITE, path, lease.size, data_offset, tuple(offsets))
-
-        handle, slots = self._prepare_write(
-            req, LeaseSlot, self.direct_ok, "use the direct path for tenant", claim
-        )
-        durability = str(getattr(store, "durability", ""))
-        return LeaseStoreReply(handle, v1.ALIGN, slots, durability)
-
-    def _prepare_write(
-        self,
-        req: PrepareStore,
-        slot: type[_W],
-        allowed: Callable[[str], bool],
-        right: str,
-        claim: Callable[[WriteHandle, int, ChunkSpec, TenantSettings], _W],
-    ) -> tuple[int, tuple[_W, ...]]:
-        """§5.4, §5.14, §6: the flow of both write verbs: permission, then per chunk
-        ``exists`` or a claim on the medium; a handle only if a chunk is to be written."""
-        self._listed(req.tenant)
-        if not allowed(req.tenant):
-            # §6: refused before any store access, for every forbidden name alike.
-            raise Reject(ErrorCode.FORBIDDEN, f"this connection may not {right} {req.tenant!r}")
-        settings = self.service.policy.tenant(req.tenant)
-        ttl_s = req.ttl_s if req.ttl_s is not None else settings.ttl_s
-        encrypt = settings.encryption and slot is StoreSlot
-        h = WriteHandle(req.tenant, req.namespace, encrypt, ttl_s, (), [], [], 0.0)
-        slots: list[_W] = []
-        try:
-            for i, c in enumerate(req.chunks):
-                if self.service.store.lookup(req.tenant, [c.key]) == 1:
-                    slots.append(slot(StoreStatus.EXISTS))
-                else:
-                    slots.append(claim(h, i, c, settings))
-        except BaseException:
-            self._release(h)
-            raise
-        h.slots = tuple(slots)
-        if not h.staged and not h.leased:
-            return 0, tuple(slots)
-        h.created = time.monotonic()
-        return self._add_handle(h), tuple(slots)
-
-    def complete_store(self, req: CompleteStore) -> Reply:
-        """§5.5, §5.14, §8: write (or verify and publish) every chunk of the handle,
-        then release its regions, reservations and leftover leased files."""
-        h = self._take_handle(req.handle, WriteHandle)
-        stored = [s.status is StoreStatus.EXISTS for s in h.slots]
-        try:
-            if h.leased:
-                self._publish_leases(h, stored)
-            else:
-                self._write_staged(h, stored)
-        finally:
-            self._release(h)
-        return CompleteStoreReply(tuple(stored))
-
-    def _write_staged(self, h: WriteHandle, stored: list[bool]) -> None:
-        staging, _ = self._registered()
-        store = self.service.store
-        views: list[list[memoryview]] = []
-        for sw in h.staged:
-            offs, _ = packed_layout(sw.layers)
-            views.append(
-                [
-                    staging.view[sw.offset + lo : sw.offset + lo + n]
-                    for lo, n in zip(offs, sw.layers, strict=True)
-                ]
-            )
-        try:
-            # One batch: the store seals chunk n+1 while chunk n is written.
-            with self.service.budget.hold(sum(sum(sw.layers) for sw in h.staged)):
-                store.put_many(
-                    h.tenant,
-                    h.namespace,
-                    [(sw.key, v) for sw, v in zip(h.staged, views, strict=True)],
-                    encrypt=h.encrypt,
-                    ttl_s=h.ttl_s,
-                    reservations=[sw.reservation for sw in h.staged],
-                )
-            for sw in h.staged:
-                stored[sw.index] = True  # False from put means "already present": success
-        except Exception as exc:
-            if isinstance(exc, StoreFull):
-                log.info("%r: chunks not stored: %s", self, exc)
-            else:
-                log.exception("%r: storing chunks failed", self)
-            # The chunks before the failing one are stored; ask the index which.
-            for sw in h.staged:
-                stored[sw.index] = store.payload_info(h.tenant, sw.key) is not None
-        finally:
-            for v in views:
-                for m in v:
-                    m.release()
-
-    def _publish_leases(self, h: WriteHandle, stored: list[bool]) -> None:
-        store = self.service.store
-        for lw in h.leased:
-            with self.service.budget.hold(lw.lease.size):
-                try:
-                    stored[lw.index] = store.publish_lease(lw.lease)
-                except LeaseInvalid as exc:
-                    log.warning("%r: direct-path object refused: %s", self, exc)
-                except StoreError as exc:
-                    log.error("%r: direct-path object not stored: %s", self, exc)
-
-    # -- reads (§5.7, §5.8, §5.15) ------------------------------------------------------
-
-    def prepare_load(self, req: PrepareLoad) -> Reply:
-        """§5.7, §7: read and verify the leading chunks into regions, pinned."""
-        self._open_handle_slot()
-        staging, alloc = self._registered()
-        store = self.service.store
-        align = self.service.config.alignment
-
-        def fill(h: LoadHandle, keys: Sequence[bytes]) -> tuple[list[LoadSlot], ErrorCode]:
-            stop = ErrorCode.OK
-            payloads: list[int] = []
-            # Plan: regions for the leading chunks the index has, pinned before any
-            # read so eviction cannot remove a file under it.
-            for key in keys:
-                payload = payload_of(store.payload_info(h.tenant, key))
-                if not payload:
-                    stop = ErrorCode.NOT_FOUND
-                    break
-                need = align_up(payload, align)
-                if need > staging.size:
-                    stop = ErrorCode.TOO_LARGE
-                    break
-                with self.mu:
-                    off = alloc.alloc(need)
-                if off is None:
-                    stop = ErrorCode.BUSY
-                    break
-                h.offsets.append(off)
-                store.pin(h.tenant, [key])
-                h.keys.append(key)
-                payloads.append(payload)
-            # Read: one batch, so chunk n+1 is read while chunk n is verified.
-            outs = [staging.view[off : off + n] for off, n in zip(h.offsets, payloads, strict=True)]
-            try:
-                with self.service.budget.hold(sum(payloads)):
-                    results = store.get_many_into(h.tenant, list(h.keys), outs)
-            except Exception:
-                log.exception("%r: reading chunks failed", self)
-                results = [None] * len(payloads)
-                stop = ErrorCode.INTERNAL
-            finally:
-                for o in outs:
-                    o.release()
-            loaded: list[LoadSlot] = []
-            for off, payload, lengths in zip(h.offsets, payloads, results, strict=True):
-                if not lengths or sum(lengths) != payload:
-                    break  # a miss ends the prefix: this chunk and all after it
-                loaded.append(LoadSlot(True, off, tuple(lengths)))
-            if len(loaded) < len(h.keys):
-                if stop is ErrorCode.OK:
-                    stop = ErrorCode.NOT_FOUND
-                n = len(loaded)
-                keys_left, offs_left = h.keys[n:], h.offsets[n:]
-                del h.keys[n:], h.offsets[n:]
-                store.unpin(h.tenant, keys_left)
-                for off in offs_left:
-                    self._free(off)
-            return loaded, stop
-
-        handle, stop, slots = self._prepare_read(req, LoadSlot(False), False, fill)
-        return PrepareLoadReply(handle, stop, slots)
-
-    def lease_load(self, req: LeaseLoad) -> Reply:
-        """§5.15: the leading objects' paths and checks, header checked, pinned."""
-        self._open_handle_slot()
-        store = self.service.store
-
-        def fill(h: LoadHandle, keys: Sequence[bytes]) -> tuple[list[ReadSlot], ErrorCode]:
-            used = 64  # of the reply frame
-            found: list[ReadSlot] = []
-            for key in keys:
-                # Pinned before the header is read, so eviction cannot remove
-                # the file between this reply and the worker's read.
-                store.pin(h.tenant, [key])
-                try:
-                    lease = store.lease_load(h.tenant, key)
-                except Exception:
-                    store.unpin(h.tenant, [key])
-                    log.exception("%r: lease_load failed", self)
-                    return found, ErrorCode.INTERNAL
-                if lease is None:
-                    store.unpin(h.tenant, [key])
-                    return found, ErrorCode.NOT_FOUND
-                path = str(lease.path)
-                layers = lease.header.layers
-                need = _LEASE_ENTRY_BYTES + len(path.encode()) + _EXTENT_BYTES * len(layers)
-                if used + need > _REPLY_ROOM:
-                    store.unpin(h.tenant, [key])
-                    return found, ErrorCode.BUSY
-                used += need
-                h.keys.append(key)
-                extents = tuple(LayerExtent(le.offset, le.length, le.check) for le in layers)
-                found.append(ReadSlot(True, path, lease.size, extents))
-            return found, ErrorCode.OK
-
-        handle, stop, slots = self._prepare_read(req, ReadSlot(False), True, fill)
-        return LeaseLoadReply(handle, stop, slots)
-
-    def _prepare_read(
-        self,
-        req: PrepareLoad,
-        miss: _R,
-        direct: bool,
-        fill: Callable[[LoadHandle, Sequence[bytes]], tuple[list[_R], ErrorCode]],
-    ) -> tuple[int, ErrorCode, tuple[_R, ...]]:
-        """§5.7, §5.15, §6: the flow of both read verbs. ``fill`` records in the handle
-        what it pins and allocates, and leaves there exactly the found prefix."""
-        self._listed(req.tenant)
-        misses = [miss] * len(req.keys)
-        if not self.may_use(req.tenant):
-            # §6: exactly the empty tenant's answer, before any index access.
-            return 0, ErrorCode.NOT_FOUND, tuple(misses)
-        if direct and not self.direct_ok(req.tenant):
-            raise Reject(
-                ErrorCode.FORBIDDEN,
-                f"this connection may not use the direct path for tenant {req.tenant!r}",
-            )
-        h = LoadHandle(req.tenant, [], [], 0.0, direct)
-        try:
-            found, stop = fill(h, req.keys)
-        except BaseException:
-            self._release(h)
-            raise
-        if not found:
-            return 0, stop, tuple(misses)
-        h.created = time.monotonic()
-        return self._add_handle(h), stop, tuple(found) + tuple(misses[len(found) :])
-
-    def complete_load(self, req: CompleteLoad) -> Reply:
-        """§5.8: release the regions and pins; check chunks the worker reports corrupt."""
-        h = self._take_handle(req.handle, LoadHandle)
-        try:
-            if h.direct:  # a staging load's bytes the sidecar verified itself
-                for i in req.corrupt:
-                    if i < len(h.keys) and self.service.store.check_reported(h.tenant, h.keys[i]):
-                        log.warning(
-                            "%r: chunk %s reported and found corrupt", self, h.keys[i].hex()[:16]
-                        )
-        finally:
-            self._release(h)
-        return Ack(Op.COMPLETE_LOAD)
 
 
 __all__ = ["Session"]
