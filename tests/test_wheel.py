@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,10 +28,22 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Built from a copy of the files git would commit: a build/ left in the
+    # checkout by an earlier build would otherwise smuggle stale modules in.
+    tree = tmp_path_factory.mktemp("tree")
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO, capture_output=True, check=True,
+    ).stdout.decode().split("\0")  # fmt: skip
+    for rel in filter(None, listed):
+        src = REPO / rel
+        if src.is_file():
+            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, tree / rel)
     out = tmp_path_factory.mktemp("wheel")
     r = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "-w", str(out), str(REPO)],
+         "-w", str(out), str(tree)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
@@ -43,6 +56,8 @@ def test_the_wheel_holds_every_module_and_spec(wheel: Path) -> None:
     modules = {str(p.relative_to(SRC)) for p in SRC.rglob("*.py")}
     assert len(modules) > 30
     assert not modules - names, sorted(modules - names)
+    packed = {n for n in names if n.endswith(".py") and not n.startswith("kvoffload-")}
+    assert not packed - modules, f"modules that are not in src/: {sorted(packed - modules)}"
     data = next(n.split("/data/")[0] for n in names if ".data/data/" in n)
     for spec in (REPO / "docs" / "spec").glob("*.md"):
         assert f"{data}/data/share/doc/kvoffload/spec/{spec.name}" in names, spec.name

@@ -9,6 +9,7 @@
     ├── PolicyError           (ValueError)  a bad policy file; reads ``<file>:<line>: <reason>``
     ├── ConnectorConfigError  (ValueError)  a bad vLLM connector config (KVOffloadConfigError)
     ├── ProtocolError                       peer input that breaks protocol v1
+    ├── Reject                              a verb the sidecar refuses as a whole (an error reply)
     ├── TransportError                      the connection failed and is closed
     │   ├── TransportClosed                 the peer closed or reset it, or this end did
     │   └── TransportTimeout                no frame, or no send, within the timeout
@@ -70,6 +71,7 @@ __all__ = [
     "PolicyError",
     "ProtocolError",
     "QuotaExceeded",
+    "Reject",
     "SidecarStartError",
     "StagingError",
     "StoreError",
@@ -190,6 +192,18 @@ class ProtocolError(KVOffloadError):
     @property
     def fatal(self) -> bool:
         return self.request_id is None
+
+
+class Reject(KVOffloadError):
+    """A verb the sidecar refuses as a whole: the session answers an error reply with ``code``.
+
+    Raised inside the daemon's verb layer only; the connection never dies of it.
+    """
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 class TransportError(KVOffloadError):

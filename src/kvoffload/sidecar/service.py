@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvoffload.errors import Reject
 from kvoffload.posix import atomic_create
-from kvoffload.protocol import ErrorCode, LeaseSlot, StoreSlot
+from kvoffload.protocol import LeaseSlot, StoreSlot
 
 from .metrics import Metrics
 from .ports import PolicyAPI, StoreAPI
@@ -49,15 +50,6 @@ class Peer:
     pid: int
     uid: int
     gids: tuple[int, ...]
-
-
-class Reject(Exception):
-    """A verb refused as a whole: becomes an error reply with ``code``."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class ByteBudget:
