@@ -403,3 +403,13 @@ def test_policy_is_read_only(tmp_path: Path) -> None:
         policy.tenants["evil"] = TenantPolicy()  # type: ignore[index]
     with pytest.raises(AttributeError):
         policy.defaults.encryption = False  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("text", ["500ms", "1.5h", "7d", "30 s"])
+def test_policy_ttls_read_as_every_other_duration(text: str) -> None:
+    """One units module: a ttl in the policy means what the same text means in the config."""
+    from kvoffload import units
+
+    policy = Policy.from_toml_text(f'version = 1\n[defaults]\nttl = "{text}"\n')
+    assert policy.defaults.ttl_s == units.parse_duration(text)
+    assert policy.defaults.ttl_s is not None and policy.defaults.ttl_s > 0

@@ -76,13 +76,13 @@ import stat
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar, Final, Literal, final
 
+from kvoffload import units
 from kvoffload.contract import TENANT_RE
-from kvoffload.errors import PolicyError
+from kvoffload.errors import ConfigError, PolicyError
 
 POLICY_VERSION: Final = 1
 WILDCARD: Final = "*"
@@ -91,15 +91,6 @@ ENCRYPTIONS: Final[Mapping[str, bool]] = MappingProxyType({"aes-256-gcm": True, 
 
 _UID_LIMIT: Final = 2**32 - 1  # (uid_t)-1 means "no change" to the kernel, never a real id
 
-_DURATION_RE: Final = re.compile(r"^(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[smhd])$")
-_DURATION_UNITS: Final[Mapping[str, int]] = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-_SIZE_RE: Final = re.compile(r"^(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[KMGTP]i?B|B)$")
-_SIZE_UNITS: Final[Mapping[str, int]] = {
-    "B": 1,
-    **{f"{p}iB": 1024 ** (i + 1) for i, p in enumerate("KMGTP")},
-    **{f"{p}B": 1000 ** (i + 1) for i, p in enumerate("KMGTP")},
-}
 
 _TOP_KEYS: Final = ("version", "defaults", "tenants", "grants")
 _DEFAULTS_KEYS: Final = ("encryption", "ttl", "quota")
@@ -565,35 +556,19 @@ class _Parser:
             raise self.fail(path, f"unknown group {value!r} (not in the group database)") from None
 
     def _duration(self, value: object, path: _Path) -> float | None:
-        if value == "none":
-            return None
-        m = _DURATION_RE.match(value) if isinstance(value, str) else None
-        if m is None:
-            raise self.fail(
-                path,
-                f"bad duration {_describe(value)} for ttl: write a number and a unit "
-                '(s, m, h, d), e.g. "30s", "12h", "7d", or "none"',
-            )
-        seconds = float(m["num"]) * _DURATION_UNITS[m["unit"]]
-        if seconds <= 0:
+        try:
+            seconds = units.parse_duration(value, require_unit=True, what="duration for ttl")
+        except ConfigError as exc:
+            raise self.fail(path, str(exc)) from None
+        if seconds is not None and seconds <= 0:
             raise self.fail(path, f'ttl must be positive, not {value!r}; use "none" for no ttl')
         return seconds
 
     def _size(self, value: object, path: _Path) -> int | None:
-        if value == "none":
-            return None
-        m = _SIZE_RE.match(value) if isinstance(value, str) else None
-        if m is None:
-            raise self.fail(
-                path,
-                f"bad size {_describe(value)} for quota: write a number and a unit "
-                '(B, KiB, MiB, GiB, TiB, PiB or KB, MB, GB, TB, PB), e.g. "200GiB", '
-                'or "none"',
-            )
-        size = Fraction(m["num"]) * _SIZE_UNITS[m["unit"]]
-        if size.denominator != 1:
-            raise self.fail(path, f"quota {value!r} is not a whole number of bytes")
-        return int(size)
+        try:
+            return units.parse_size(value, require_unit=True, whole=True, what="size for quota")
+        except ConfigError as exc:
+            raise self.fail(path, str(exc)) from None
 
     def _grant(self, raw: object, path: _Path) -> Grant:
         if not isinstance(raw, dict):
