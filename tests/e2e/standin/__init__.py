@@ -100,7 +100,12 @@ from .doubles import (
     TransferResults,
     WorkerConnector,
 )
-from .driver import VllmRequestResult, VllmSchedulerDriver, write_model_dir
+from .driver import (
+    VllmRequestResult,
+    VllmSchedulerDriver,
+    build_vllm_scheduler,
+    write_model_dir,
+)
 from .engine import engine_main
 from .kv import KVLayout, allocate_kv_layer, gather_kv, kv_block_views, scatter_kv, slot_mapping
 from .model import TinyLlamaSpec, make_batch_invariant
@@ -126,6 +131,7 @@ __all__ = [
     "VllmSchedulerDriver",
     "WorkerConnector",
     "allocate_kv_layer",
+    "build_vllm_scheduler",
     "engine_main",
     "gather_kv",
     "iter_layers",
