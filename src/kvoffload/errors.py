@@ -20,6 +20,7 @@
     │   ├── UnknownLayoutVersion            a version this build does not implement
     │   └── CorruptObject                   an object fails a structural or integrity check
     │       └── ObjectMismatch              valid, but not the object asked for
+    ├── JournalError                        a shared root's node journal or lease file is damaged
     ├── KeyringError                        wrong KEK, corrupt or unknown key file, key I/O
     ├── IndexFailure                        the LMDB index cannot be opened, read or written
     │   ├── IndexCorrupt                    it holds data it cannot decode (fsck rebuilds)
@@ -61,6 +62,7 @@ __all__ = [
     "IndexCorrupt",
     "IndexFailure",
     "IndexVersionError",
+    "JournalError",
     "KVOffloadConfigError",
     "KVOffloadError",
     "KeyDerivationError",
@@ -260,6 +262,13 @@ class CorruptObject(LayoutError):
 
 class ObjectMismatch(CorruptObject):
     """A structurally valid object that is not the one requested (e.g. swapped files)."""
+
+
+class JournalError(KVOffloadError):
+    """A shared root's node journal or evictor lease file is damaged or of an unknown version.
+
+    Journals are hints (shared-root-v1.md): a follower skips what it cannot read.
+    """
 
 
 # -- the daemon's lower layers ------------------------------------------------
