@@ -46,7 +46,9 @@ B = "b" * 32
 
 def test_every_op_round_trips() -> None:
     recs = [
-        JournalRecord.store("acme", key(1), NS, 123, expires_ns=99),
+        JournalRecord.store(
+            "acme", key(1), NS, 123, payload=100, key_epoch=3, num_layers=32, expires_ns=99
+        ),
         JournalRecord.touch("acme", key(1)),
         JournalRecord.remove("acme", key(1), Reason.EVICTED),
         JournalRecord.purge_tenant("t.b-c_d"),

@@ -116,6 +116,27 @@ REGISTRY: tuple[EnvVar, ...] = (
     ),
     _cfg("store", "io", "io mode", "auto", "[store] io (also KVOFFLOAD_IO)."),
     _cfg(
+        "store",
+        "shared",
+        "bool",
+        "false",
+        "[store] shared: several nodes share the root (journals, one evictor).",
+    ),
+    _cfg(
+        "store",
+        "journal_poll",
+        "duration",
+        "0.5s",
+        "[store] journal_poll: how often a shared root's journals are followed.",
+    ),
+    _cfg(
+        "store",
+        "evictor_lease",
+        "duration",
+        "15s",
+        "[store] evictor_lease: the shared root's evictor lease duration.",
+    ),
+    _cfg(
         "server",
         "socket",
         "path",

@@ -18,6 +18,9 @@ File format (every key optional; unknown keys are errors)::
     key_cache_ttl = "30s"                  # bound on how long a purge takes to reach other nodes
     io = "auto"                            # auto | posix | posix-direct | posix-buffered
                                            #   | kvikio | cufile  (env KVOFFLOAD_IO)
+    shared = false                         # the root is shared by several nodes
+    journal_poll = "0.5s"                  # how often other nodes' journals are read
+    evictor_lease = "15s"                  # the shared root's evictor lease
 
     [server]
     socket = "/run/kvoffload/kvoffload.sock"
@@ -120,6 +123,9 @@ class Config:
     durability: Durability = Durability.BATCH
     key_cache_ttl_s: float = 30.0
     io: IOMode = IOMode.AUTO
+    shared: bool = False
+    journal_poll_s: float = 0.5
+    evictor_lease_s: float = 15.0
     # [server]
     socket_path: Path = Path("/run/kvoffload/kvoffload.sock")
     socket_group: str | None = None
@@ -202,7 +208,22 @@ class Config:
             durability=self.durability,
             key_cache_ttl_s=self.key_cache_ttl_s,
             io=self.io,
+            shared=self.shared,
+            journal_poll_s=self.journal_poll_s,
+            evictor_lease_s=self.evictor_lease_s,
         )
+
+
+def parse_bool(raw: object) -> bool:
+    """A TOML boolean, or true/false/1/0/yes/no/on/off from the environment."""
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {raw!r} (true or false)")
 
 
 # (section, key) → (Config field, converter)
@@ -215,6 +236,9 @@ _KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("store", "durability"): ("durability", Durability),
     ("store", "key_cache_ttl"): ("key_cache_ttl_s", parse_duration),
     ("store", "io"): ("io", parse_mode),
+    ("store", "shared"): ("shared", parse_bool),
+    ("store", "journal_poll"): ("journal_poll_s", parse_duration),
+    ("store", "evictor_lease"): ("evictor_lease_s", parse_duration),
     ("server", "socket"): ("socket_path", Path),
     ("server", "socket_group"): ("socket_group", str),
     ("server", "workers"): ("workers", int),

@@ -57,7 +57,7 @@ _HEADER = struct.Struct("<4sHHQ12sI")
 HEADER_SIZE = _HEADER.size  # 32
 _FRAME = struct.Struct("<II")
 _BODY_HEAD = struct.Struct("<BBHQ")
-_STORE_TAIL = struct.Struct("<32s32sQQ")
+_STORE_TAIL = struct.Struct("<32s32sQQIIQ")
 MAX_BODY = 4096
 KEY_SIZE = 32
 DEFAULT_SEGMENT_BYTES = 8 << 20
@@ -96,12 +96,36 @@ class JournalRecord:
     size: int = 0
     expires_ns: int = 0
     reason: Reason = Reason.NONE
+    payload: int = 0
+    key_epoch: int = 0
+    num_layers: int = 0
 
     @classmethod
     def store(
-        cls, tenant: str, key: bytes, namespace: bytes, size: int, *, expires_ns: int = 0
+        cls,
+        tenant: str,
+        key: bytes,
+        namespace: bytes,
+        size: int,
+        *,
+        payload: int = 0,
+        key_epoch: int = 0,
+        num_layers: int = 0,
+        expires_ns: int = 0,
+        time_ns: int | None = None,
     ) -> JournalRecord:
-        return cls(Op.STORE, tenant, time.time_ns(), key, namespace, size, expires_ns)
+        return cls(
+            Op.STORE,
+            tenant,
+            time.time_ns() if time_ns is None else time_ns,
+            key,
+            namespace,
+            size,
+            expires_ns,
+            payload=payload,
+            key_epoch=key_epoch,
+            num_layers=num_layers,
+        )
 
     @classmethod
     def touch(cls, tenant: str, key: bytes) -> JournalRecord:
@@ -138,8 +162,16 @@ def encode_record(rec: JournalRecord) -> bytes:
     if rec.op is Op.STORE:
         if len(rec.namespace) != KEY_SIZE:
             raise ValueError(f"STORE needs a {KEY_SIZE}-byte namespace")
+        if not (0 <= rec.key_epoch < 1 << 32 and 0 <= rec.num_layers < 1 << 32):
+            raise ValueError("key epoch or layer count out of range")
         body += _STORE_TAIL.pack(
-            rec.key, rec.namespace, _u64("size", rec.size), _u64("expires", rec.expires_ns)
+            rec.key,
+            rec.namespace,
+            _u64("size", rec.size),
+            _u64("payload", rec.payload),
+            rec.key_epoch,
+            rec.num_layers,
+            _u64("expires", rec.expires_ns),
         )
     elif rec.op in (Op.TOUCH, Op.REMOVE):
         body += rec.key
@@ -171,8 +203,10 @@ def _decode_body(body: bytes) -> JournalRecord:
     if op is Op.STORE:
         if len(rest) != _STORE_TAIL.size:
             raise JournalError("STORE record of the wrong size")
-        key, ns, size, expires = _STORE_TAIL.unpack(rest)
-        return JournalRecord(op, tenant, time_ns, key, ns, size, expires, reason)
+        key, ns, size, payload, epoch, layers, expires = _STORE_TAIL.unpack(rest)
+        return JournalRecord(
+            op, tenant, time_ns, key, ns, size, expires, reason, payload, epoch, layers
+        )
     if op in (Op.TOUCH, Op.REMOVE):
         if len(rest) != KEY_SIZE:
             raise JournalError(f"{op.name} record of the wrong size")

@@ -210,6 +210,12 @@ class Keyring:
             self._emit("create_tenant", {"tenant": tenant, "epoch": 1, "kek_id": self.kek_id})
         return rec.keys
 
+    def forget(self, tenant: str) -> None:
+        """Drop the tenant's cached keys: the next use reads its key file again
+        (another node purged it: stop decrypting now, not at the cache bound)."""
+        with self._lock:
+            self._cache.pop(tenant, None)
+
     def tenants(self) -> list[str]:
         """Tenants that have a key file, sorted."""
         try:

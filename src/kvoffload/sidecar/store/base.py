@@ -29,10 +29,12 @@ from kvoffload.errors import IndexFailure, StoreKeyError
 from ...layouts import LayoutInfo, UnknownLayoutVersion, v1
 from ..errors import StoreIOError
 from ..fileio import Durability, ScratchBuffers
-from ..index import Index
+from ..index import ChunkRecord, Index
 from ..iobackend import IOBackend, IOMode, IOPlan
+from ..journal import JournalRecord
 from ..keyring import Keyring, KeyringError, TenantKeys
 from .audit import AuditLog
+from .shared import REMOVE_REASONS, SharedRoot
 
 log = logging.getLogger("kvoffload.store")
 
@@ -63,6 +65,11 @@ class StoreConfig:
     #: I/O backend (auto | posix | posix-direct | posix-buffered | kvikio | cufile);
     #: None: $KVOFFLOAD_IO, else auto. See sidecar/iobackend.py.
     io: str | IOMode | None = None
+    #: The root is shared by several nodes (shared-root-v1.md): journal this
+    #: node's stores and removals, follow the others', evict only under the lease.
+    shared: bool = False
+    journal_poll_s: float = 0.5
+    evictor_lease_s: float = 15.0
 
     def resolved_index_dir(self) -> Path:
         if self.index_dir is not None:
@@ -142,6 +149,7 @@ class StoreBase:
     _scratch: ScratchBuffers
     _scratch_alt: ScratchBuffers  # the second buffer of put_many/get_many_into
     _pipe: ThreadPoolExecutor | None
+    _shared: SharedRoot | None = None
 
     def _path(self, tenant: str, key: bytes) -> Path:
         return self.root / v1.object_relpath(tenant, key)
@@ -164,7 +172,30 @@ class StoreBase:
         if rec is not None:
             with self._mu:
                 self._used -= rec.size
+            if remove_file and self._shared is not None:
+                jr = REMOVE_REASONS.get(reason)
+                if jr is not None:
+                    self._shared.journal([JournalRecord.remove(tenant, key, jr)])
         return rec is not None
+
+    def _journal_stored(self, rec: ChunkRecord) -> None:
+        """Tell the other nodes of a shared root about a chunk this node published."""
+        if self._shared is not None:
+            self._shared.journal(
+                [
+                    JournalRecord.store(
+                        rec.tenant,
+                        rec.chunk_key,
+                        rec.namespace,
+                        rec.size,
+                        payload=rec.payload,
+                        key_epoch=rec.key_epoch,
+                        num_layers=rec.num_layers,
+                        expires_ns=rec.expires_ns,
+                        time_ns=rec.created_ns,
+                    )
+                ]
+            )
 
     # -------------------------------------------------------- access times
 

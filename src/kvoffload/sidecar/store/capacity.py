@@ -188,7 +188,14 @@ class Capacity(StoreBase):
                 evicted_nothing = not self._evictable(scope)
         raise scope.full(nbytes)
 
+    def _may_evict(self) -> bool:
+        """On a shared root only the evictor lease's holder removes, and only
+        while its lease is fenced in (shared-root-v1.md §4)."""
+        return self._shared is None or self._shared.lease.fence()
+
     def _evictable(self, scope: _Scope) -> bool:
+        if not self._may_evict():
+            return False
         for rec in scope.candidates():
             with self._mu:
                 if not self._pins.get((rec.tenant, rec.chunk_key)):
@@ -206,6 +213,8 @@ class Capacity(StoreBase):
             with self._mu:
                 if self._pins.get((rec.tenant, rec.chunk_key)):
                     continue
+            if not self._may_evict():
+                break
             if self._drop(rec.tenant, rec.chunk_key, reason=scope.reason):
                 freed += rec.size
                 self.counters.evictions += 1
@@ -213,7 +222,7 @@ class Capacity(StoreBase):
 
     def _after_write(self) -> None:
         cap = self.config.capacity_bytes
-        if cap is None:
+        if cap is None or not self._may_evict():
             return
         if self._used + self._reserved > cap * self.config.high_watermark:
             target = int(cap * self.config.low_watermark)

@@ -24,10 +24,12 @@ from ..errors import StoreError, StoreIOError, StoreLocked
 from ..fileio import Durability, ScratchBuffers, syncfs
 from ..index import ChunkRecord, Index, Usage
 from ..iobackend import select_backend
+from ..journal import JournalRecord, Op
 from ..keyring import Kek, Keyring, KeyringError
 from .audit import AuditLog
 from .base import Counters, StoreConfig, boundary, log, mapped_errors
 from .leases import Leases
+from .shared import POSITIONS_META, SharedRoot
 
 
 class Store(Leases):
@@ -73,6 +75,12 @@ class Store(Leases):
                 target=self._flush_loop, name="kvoffload-flush", daemon=True
             )
             self._flusher.start()
+        self._journal_thread: threading.Thread | None = None
+        if self._shared is not None:
+            self._journal_thread = threading.Thread(
+                target=self._journal_loop, name="kvoffload-journal", daemon=True
+            )
+            self._journal_thread.start()
 
     def _open_parts(
         self, index_dir: Path, kek: Kek, audit: Callable[[str, dict[str, Any]], None] | None
@@ -114,6 +122,15 @@ class Store(Leases):
             self._scratch_alt = ScratchBuffers()
             self._pipe = None
             sel = select_backend(config.io, self.root / "objects")
+            self._shared = None
+            if config.shared:
+                self._shared = SharedRoot(
+                    self.root,
+                    index_dir,
+                    durable=config.durability is not Durability.NONE,
+                    lease_ttl_s=config.evictor_lease_s,
+                )
+                self._shared.restore_positions(self.index.get_meta(POSITIONS_META))
         except BaseException:
             self.index.close()
             raise
@@ -126,6 +143,8 @@ class Store(Leases):
         if self._closed.is_set():
             return
         self._closed.set()
+        if self._journal_thread is not None:
+            self._journal_thread.join()
         self.wait_background()
         if self._pipe is not None:
             self._pipe.shutdown(wait=True)
@@ -142,6 +161,8 @@ class Store(Leases):
                         log.warning("final syncfs failed: %s", exc)
                 self.index.flush()
             finally:
+                if self._shared is not None:
+                    self._shared.close()
                 self.index.close()
                 os.close(self._lock_fd)
 
@@ -158,6 +179,79 @@ class Store(Leases):
                 self.index.flush()
             except OSError as exc:
                 log.warning("batched syncfs failed: %s", exc)
+
+    # ---------------------------------------------------------- shared root
+
+    def _journal_loop(self) -> None:
+        """Follow the other nodes' journals and keep the evictor lease, until closed."""
+        while not self._closed.wait(self.config.journal_poll_s):
+            try:
+                self.follow_journals()
+                self.evictor_tick()
+            except Exception as exc:  # never let the follower die
+                log.warning("following the shared root's journals: %s", exc)
+
+    @boundary
+    def follow_journals(self) -> int:
+        """Apply what the other nodes journaled since the last call; records applied."""
+        sh = self._shared
+        if sh is None:
+            return 0
+        followed = sh.follower.poll()
+        now = time.time_ns()
+        for _node, r in followed:
+            if r.op is Op.STORE:
+                if r.expires_ns and r.expires_ns <= now:
+                    continue
+                rec = ChunkRecord(
+                    tenant=r.tenant,
+                    chunk_key=r.key,
+                    namespace=r.namespace,
+                    key_epoch=r.key_epoch,
+                    size=r.size,
+                    payload=r.payload,
+                    num_layers=r.num_layers,
+                    created_ns=r.time_ns,
+                    last_access_ns=r.time_ns,
+                    expires_ns=r.expires_ns,
+                )
+                with self._mu:
+                    if self.index.put(rec):
+                        self._used += rec.size
+                        sh.stats.adopted += 1
+            elif r.op is Op.TOUCH:
+                self.index.touch(r.tenant, [r.key], r.time_ns)
+            elif r.op is Op.REMOVE:
+                sh.stats.dropped += self._drop(r.tenant, r.key, reason="journal", remove_file=False)
+            elif r.op is Op.PURGE_TENANT:
+                # Stop decrypting now, not at the key cache's bound.
+                self.keyring.forget(r.tenant)
+                sh.stats.tenant_purges += 1
+                for old in list(self.index.records(tenant=r.tenant)):
+                    self._drop(old.tenant, old.chunk_key, reason="journal", remove_file=False)
+            elif r.op is Op.PURGE_NAMESPACE:
+                for old in list(self.index.records(tenant=r.tenant, namespace=r.namespace)):
+                    self._drop(old.tenant, old.chunk_key, reason="journal", remove_file=False)
+        if followed:
+            sh.stats.followed += len(followed)
+            self.index.set_meta(POSITIONS_META, sh.positions_blob())
+        return len(followed)
+
+    @boundary
+    def evictor_tick(self) -> bool:
+        """Renew or take the evictor lease; as holder, evict the root down to its
+        low watermark. Whether this node holds the role."""
+        sh = self._shared
+        if sh is None:
+            return False
+        held = sh.lease.tick()
+        if held:
+            self._after_write()
+        return held
+
+    def shared_info(self) -> dict[str, Any] | None:
+        """This node's view of the shared root (None when the root is not shared)."""
+        return None if self._shared is None else self._shared.describe()
 
     def wait_background(self) -> None:
         """Wait for background work (purge file removal) to finish."""
@@ -225,6 +319,8 @@ class Store(Leases):
         index records scheduled for removal.
         """
         existed = self.keyring.destroy(tenant)
+        if self._shared is not None:
+            self._shared.journal([JournalRecord.purge_tenant(tenant)])
         recs = list(self.index.records(tenant=tenant))
         self._audit("purge_tenant", {"tenant": tenant, "had_keys": existed, "chunks": len(recs)})
 
@@ -244,6 +340,8 @@ class Store(Leases):
     def purge_namespace(self, tenant: str, namespace: bytes) -> int:
         """Remove a namespace's chunks (file removal, not a crypto erase: keys are per tenant)."""
         recs = list(self.index.records(tenant=tenant, namespace=namespace))
+        if self._shared is not None:
+            self._shared.journal([JournalRecord.purge_namespace(tenant, namespace)])
         for rec in recs:
             self._drop(rec.tenant, rec.chunk_key, reason="purge-namespace")
         self._audit(
@@ -292,6 +390,7 @@ class Store(Leases):
             "bytes_out": c.bytes_out,
             "durability": str(self.config.durability),
             "io": self.io.describe(),
+            "shared": self.shared_info(),
         }
 
 

@@ -159,6 +159,7 @@ class Leases(Pipeline):
             if inserted:
                 self.counters.puts += 1
                 self.counters.bytes_in += rec.payload
+                self._journal_stored(rec)
             else:
                 self.counters.put_exists += 1  # another writer indexed it meanwhile
         finally:

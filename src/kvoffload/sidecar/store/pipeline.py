@@ -260,6 +260,8 @@ class Pipeline(Maintenance):
                     res._commit_locked()
             self.counters.puts += 1
             self.counters.bytes_in += rec.payload
+            if inserted:
+                self._journal_stored(rec)
         finally:
             res.release()
         self._after_write()

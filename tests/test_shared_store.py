@@ -1,0 +1,182 @@
+"""Several Stores ("nodes") on one store root, each with its own index: the fast
+tier of the shared root (one local directory; the JuiceFS tier adds client caches).
+
+Real files, real LMDB indexes, real AES-GCM; the background follower threads
+are slowed down (journal_poll_s) and the tests call follow_journals() /
+evictor_tick() themselves, so each step is deterministic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvoffload.sidecar.errors import StoreFull
+from kvoffload.sidecar.keyring import Kek
+from kvoffload.sidecar.store import Store, StoreConfig
+
+NS = bytes(range(32))
+
+
+def key(i: int) -> bytes:
+    return hashlib.blake2b(f"k/{i}".encode(), digest_size=32).digest()
+
+
+def layers(seed: int, n: int = 3, size: int = 3000) -> list[bytes]:
+    rng = random.Random(seed)
+    return [rng.randbytes(size) for _ in range(n)]
+
+
+class Nodes:
+    def __init__(self, tmp: Path, kek_file: Path) -> None:
+        self.tmp = tmp
+        self.kek = Kek.from_file(kek_file)
+        self.open: list[Store] = []
+
+    def node(self, name: str, **kw: object) -> Store:
+        cfg = StoreConfig(
+            root=self.tmp / "root",
+            index_dir=self.tmp / f"index-{name}",
+            durability="none",  # type: ignore[arg-type]
+            shared=True,
+            journal_poll_s=3600,
+            probe_files_on_miss=False,  # prove that the journal, not a stat, finds it
+            **kw,  # type: ignore[arg-type]
+        )
+        s = Store(cfg, self.kek, create=True)
+        self.open.append(s)
+        return s
+
+    def close(self) -> None:
+        for s in self.open:
+            s.close()
+
+
+@pytest.fixture
+def nodes(tmp_path: Path, kek_file: Path) -> Iterator[Nodes]:
+    n = Nodes(tmp_path, kek_file)
+    yield n
+    n.close()
+
+
+def test_a_chunk_saved_on_one_node_is_a_hit_on_another_from_its_own_index(nodes: Nodes) -> None:
+    a, b = nodes.node("a"), nodes.node("b")
+    assert a.tenant_salt("acme") == b.tenant_salt("acme")  # one keyring in the root
+    for i in range(5):
+        assert a.put("acme", NS, key(i), layers(i))
+    assert b.lookup("acme", [key(i) for i in range(5)]) == 0
+    assert b.follow_journals() == 5
+    assert b.lookup("acme", [key(i) for i in range(5)]) == 5
+    assert b.get("acme", key(3)) == layers(3)
+    assert b.used_bytes == a.used_bytes
+    info = b.shared_info()
+    assert info is not None and info["followed"] == 5
+
+
+def test_removals_and_namespace_purges_reach_the_other_index(nodes: Nodes) -> None:
+    a, b = nodes.node("a"), nodes.node("b")
+    other_ns = bytes(32)
+    for i in range(4):
+        a.put("acme", NS, key(i), layers(i))
+    a.put("acme", other_ns, key(9), layers(9))
+    b.follow_journals()
+    assert a.delete("acme", key(0))
+    a.purge_namespace("acme", other_ns)
+    b.follow_journals()
+    assert b.lookup("acme", [key(0)]) == 0
+    assert b.lookup("acme", [key(9)]) == 0
+    assert b.lookup("acme", [key(1), key(2), key(3)]) == 3
+    assert b.used_bytes == a.used_bytes
+
+
+def test_a_tenant_purge_stops_decryption_on_the_other_node_at_once(nodes: Nodes) -> None:
+    a, b = nodes.node("a"), nodes.node("b", key_cache_ttl_s=3600.0)
+    a.put("acme", NS, key(1), layers(1))
+    a.put("beta", NS, key(1), layers(2))
+    b.follow_journals()
+    assert b.get("acme", key(1)) == layers(1)  # b now caches acme's keys for an hour
+    a.purge_tenant("acme", wait=True)
+    b.follow_journals()
+    assert b.get("acme", key(1)) is None
+    assert b.lookup("acme", [key(1)]) == 0
+    assert b.get("beta", key(1)) == layers(2)  # other tenants unaffected
+
+
+def test_a_follower_restart_resumes_from_its_saved_position(nodes: Nodes) -> None:
+    a, b = nodes.node("a"), nodes.node("b")
+    a.put("acme", NS, key(1), layers(1))
+    assert b.follow_journals() == 1
+    b.close()
+    nodes.open.remove(b)
+    a.put("acme", NS, key(2), layers(2))
+    b2 = nodes.node("b")
+    assert b2.follow_journals() == 1  # only the new record: the position was kept
+    assert b2.lookup("acme", [key(1), key(2)]) == 2
+
+
+def test_only_the_lease_holder_evicts_and_the_root_stays_under_capacity(nodes: Nodes) -> None:
+    size = len(b"".join(layers(0)))
+    cap = 10 * (size + 8192)
+    a = nodes.node("a", capacity_bytes=cap, evictor_lease_s=3600.0)
+    b = nodes.node("b", capacity_bytes=cap, evictor_lease_s=3600.0)
+    assert a.evictor_tick() is True
+    assert b.evictor_tick() is False
+    root_objects = nodes.tmp / "root" / "objects"
+
+    def on_disk() -> int:
+        return sum(p.stat().st_size for p in root_objects.rglob("*.kvo"))
+
+    # b alone fills the root: it may not evict, so what does not fit is refused.
+    refused = 0
+    for i in range(15):
+        try:
+            b.put("acme", NS, key(i), layers(i))
+        except StoreFull:
+            refused += 1
+        assert on_disk() <= cap
+    assert refused > 0
+    assert b.counters.evictions == 0
+    # The holder learns of b's chunks and evicts the root down to its low watermark.
+    a.follow_journals()
+    a.evictor_tick()
+    assert a.counters.evictions > 0
+    assert on_disk() <= cap * 0.85
+    b.follow_journals()
+    i = 15
+    for _ in range(20):  # with the holder keeping up, b's saves fit again
+        assert b.put("acme", NS, key(i), layers(i))
+        i += 1
+        a.follow_journals()
+        a.evictor_tick()
+        b.follow_journals()
+        assert on_disk() <= cap
+    assert b.counters.evictions == 0
+    # The holder's removals reached b's index: it never points at an evicted file.
+    present = {k for k in (key(j) for j in range(i)) if b.lookup("acme", [k])}
+    for k in present:
+        assert b.get("acme", k) is not None
+
+
+def test_a_root_that_is_not_shared_writes_no_journal(tmp_path: Path, kek_file: Path) -> None:
+    cfg = StoreConfig(root=tmp_path / "root", durability="none")  # type: ignore[arg-type]
+    with Store(cfg, Kek.from_file(kek_file), create=True) as s:
+        s.put("acme", NS, key(1), layers(1))
+        assert s.shared_info() is None
+    assert list((tmp_path / "root" / "journal").iterdir()) == []
+
+
+def test_the_config_turns_a_shared_root_on_and_refuses_a_bad_value(tmp_path: Path) -> None:
+    from kvoffload.errors import ConfigError
+    from kvoffload.sidecar.config import load_config
+
+    f = tmp_path / "c.toml"
+    f.write_text('[store]\nshared = true\njournal_poll = "250ms"\nevictor_lease = "20s"\n')
+    sc = load_config(f, env={}).store_config()
+    assert (sc.shared, sc.journal_poll_s, sc.evictor_lease_s) == (True, 0.25, 20.0)
+    assert load_config(None, env={"KVOFFLOAD_STORE_SHARED": "off"}).shared is False
+    with pytest.raises(ConfigError, match=r"\[store\] shared: not a boolean: 'maybe'"):
+        load_config(None, env={"KVOFFLOAD_STORE_SHARED": "maybe"})
