@@ -122,3 +122,194 @@ def test_a_holder_on_one_client_is_replaced_on_another_and_fenced(mounts: list[P
         time.sleep(0.1)
     assert la.fence() is False
     assert la.tick() is False
+
+
+def _node_config(base: Path, mount: Path, name: str, kek: Path, policy: Path) -> Path:
+    """A node's config: the store root on its own JuiceFS client, index and socket local."""
+    local = base / name
+    (local / "run").mkdir(parents=True, exist_ok=True)
+    cfg = local / "kvoffload.toml"
+    cfg.write_text(
+        f'[store]\nroot = "{mount}/store"\nindex_dir = "{local}/index"\n'
+        'durability = "object"\nshared = true\njournal_poll = "100ms"\n\n'
+        f'[server]\nsocket = "{local}/run/kvo.sock"\n\n'
+        f'[security]\nkek_file = "{kek}"\npolicy = "{policy}"\n'
+    )
+    return cfg
+
+
+def test_sidecars_on_three_clients_share_chunks_through_journals_and_by_name(
+    mounts: list[Path], tmp_path: Path
+) -> None:
+    import os
+
+    from kvoffload.client import SidecarClient
+
+    from .sidecar_proc import Sidecar, wait_until
+
+    kek = tmp_path / "kek"
+    kek.write_bytes(os.urandom(32))
+    kek.chmod(0o600)
+    kek.chmod(0o600)
+    policy = tmp_path / "policy.toml"
+    policy.write_text(f'version = 1\n\n[[grants]]\nuid = {os.getuid()}\ntenants = ["acme"]\n')
+    for m in mounts:
+        (m / "store").mkdir(exist_ok=True)
+    names = ["a", "b", "c"]
+    cfgs = [_node_config(tmp_path, m, n, kek, policy) for m, n in zip(mounts, names, strict=True)]
+
+    def start(i: int) -> Sidecar:
+        s = Sidecar(
+            tmp_path / names[i],
+            tmp_path / names[i] / "run" / "kvo.sock",
+            Sidecar.serve_argv("--config", str(cfgs[i]), "serve"),
+        )
+        s.start().wait_ready()
+        return s
+
+    nodes = [start(0)]
+    nodes += [start(1), start(2)]
+    clients = [SidecarClient(n.socket_path, "acme", staging_bytes=1 << 20) for n in nodes]
+    try:
+        salt = clients[0].salt
+        assert salt is not None and clients[1].salt == salt == clients[2].salt
+        ns = bytes(range(32))
+        keys = [os.urandom(32) for _ in range(12)]
+        data = {k: [os.urandom(4096 + j) for j in range(3)] for k in keys}
+        assert all(clients[0].save(ns, [(k, data[k]) for k in keys]))
+        # B learns of A's chunks from A's journal (its own index), then loads them.
+        wait_until(lambda: clients[1].lookup(keys) == len(keys), "B's lookup hits A's chunks")
+        got = clients[1].load(keys)
+        assert [c.key for c in got] == keys
+        assert all(c.ok and [bytes(x) for x in c.layers] == data[c.key] for c in got)
+        # C restarts and catches up from the journals.
+        clients[2].close()
+        nodes[2].stop()
+        more = [os.urandom(32) for _ in range(4)]
+        for k in more:
+            data[k] = [os.urandom(5000)]
+        assert all(clients[0].save(ns, [(k, data[k]) for k in more]))
+        nodes[2] = start(2)
+        clients[2] = SidecarClient(nodes[2].socket_path, "acme", staging_bytes=1 << 20)
+        wait_until(lambda: clients[2].lookup(keys + more) == 16, "C catches up after a restart")
+        got = clients[2].load(keys + more)
+        assert all(c.ok and [bytes(x) for x in c.layers] == data[c.key] for c in got)
+        assert len(got) == 16
+        stats = nodes[1].stats()
+        assert stats["shared"]["followed"] >= 12
+    finally:
+        for c in clients:
+            c.close()
+        for n in nodes:
+            n.stop()
+
+
+def _chunk(i: int) -> list[bytes]:
+    import random
+
+    rng = random.Random(i)
+    return [rng.randbytes(2000 + 7 * j) for j in range(3)]
+
+
+def _ckey(i: int) -> bytes:
+    import hashlib
+
+    return hashlib.blake2b(f"same/{i}".encode(), digest_size=32).digest()
+
+
+def _open(mount: Path, index: Path, kek: Path, sub: str = "concurrent") -> object:
+    from kvoffload.sidecar.keyring import Kek
+    from kvoffload.sidecar.store import Store, StoreConfig
+
+    cfg = StoreConfig(
+        root=mount / sub,
+        index_dir=index,
+        durability="none",  # type: ignore[arg-type]
+        shared=True,
+        journal_poll_s=3600,
+    )
+    return Store(cfg, Kek.from_file(kek), create=True)
+
+
+def _save_all(mount: str, index: str, kek: str, start: mp.synchronize.Event) -> None:  # type: ignore[type-arg]
+    s = _open(Path(mount), Path(index), Path(kek))
+    start.wait()
+    for i in range(200):
+        s.put("acme", NS, _ckey(i), _chunk(i))  # type: ignore[attr-defined]
+    s.close()  # type: ignore[attr-defined]
+
+
+def test_concurrent_saves_of_the_same_chunks_from_two_clients_never_tear(
+    mounts: list[Path], tmp_path: Path
+) -> None:
+    import os
+
+    kek = tmp_path / "kek"
+    kek.write_bytes(os.urandom(32))
+    kek.chmod(0o600)
+    s0 = _open(mounts[0], tmp_path / "i0", kek)
+    s0.tenant_salt("acme")  # type: ignore[attr-defined]
+    s0.close()  # type: ignore[attr-defined]
+    ctx = mp.get_context("spawn")
+    start = ctx.Event()
+    procs = [
+        ctx.Process(
+            target=_save_all, args=(str(mounts[i]), str(tmp_path / f"i{i}"), str(kek), start)
+        )
+        for i in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    start.set()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0
+    third = _open(mounts[2], tmp_path / "i2", kek)
+    try:
+        for i in range(200):
+            assert third.get("acme", _ckey(i)) == _chunk(i)  # type: ignore[attr-defined]
+        tmp_left = [
+            p for p in (mounts[2] / "concurrent" / "objects").rglob("*") if ".tmp" in p.name
+        ]
+        assert tmp_left == []
+    finally:
+        third.close()  # type: ignore[attr-defined]
+
+
+def test_a_chunk_deleted_by_another_client_is_a_miss_not_an_error(
+    mounts: list[Path], tmp_path: Path
+) -> None:
+    import os
+
+    kek = tmp_path / "kek"
+    kek.write_bytes(os.urandom(32))
+    kek.chmod(0o600)
+    a = _open(mounts[0], tmp_path / "da", kek, "deleted")
+    b = _open(mounts[1], tmp_path / "db", kek, "deleted")
+    try:
+        for i in range(5):
+            a.put("acme", NS, _ckey(1000 + i), _chunk(i))  # type: ignore[attr-defined]
+        seen = 0
+        deadline = time.monotonic() + 30
+        while seen < 5 and time.monotonic() < deadline:  # b's client caches for ~1 s
+            seen += b.follow_journals()  # type: ignore[attr-defined]
+            time.sleep(0.1)
+        assert seen >= 5
+        assert b.get("acme", _ckey(1000)) == _chunk(0)  # type: ignore[attr-defined]
+        for i in range(5):
+            assert a.delete("acme", _ckey(1000 + i))  # type: ignore[attr-defined]
+        # b has not followed the removals: its index still names the files. Its
+        # client may serve a file it had open from its cache for a while (NFS
+        # semantics): then the same verified bytes, else a miss; never an error.
+        deadline = time.monotonic() + 30
+        while True:
+            got = [b.get("acme", _ckey(1000 + i)) for i in range(5)]  # type: ignore[attr-defined]
+            assert all(g is None or g == _chunk(i) for i, g in enumerate(got))
+            if all(g is None for g in got) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert got == [None] * 5
+        assert b.lookup("acme", [_ckey(1000 + i) for i in range(5)]) == 0  # type: ignore[attr-defined]
+    finally:
+        a.close()  # type: ignore[attr-defined]
+        b.close()  # type: ignore[attr-defined]
