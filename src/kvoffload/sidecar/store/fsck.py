@@ -181,7 +181,7 @@ class Maintenance(Capacity):
             st = path.stat()
             head = read_prefix(path, v1.ALIGN)
             h = v1.decode_header(head)
-        except (OSError, LayoutError):
+        except Exception:  # absent, unreadable or damaged: not adopted, a miss
             return False
         if h.chunk_key != key or h.tenant != tenant or st.st_size != h.total_size:
             return False
