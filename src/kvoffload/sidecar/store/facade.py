@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ...layouts import create_root, read_layout, record_kek_id
+from ...layouts.store_root import ROOT_DIR_MODES
 from ..errors import StoreError, StoreIOError, StoreLocked
 from ..fileio import Durability, ScratchBuffers, syncfs
 from ..index import ChunkRecord, Index, Usage
@@ -47,8 +48,9 @@ class Store(Leases):
             self.layout = create_root(self.root, kek_id=kek.key_id)
         else:
             self.layout = read_layout(self.root)
+        _tighten_modes(self.root)
         index_dir = config.resolved_index_dir()
-        index_dir.mkdir(parents=True, exist_ok=True)
+        index_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lock_fd = os.open(index_dir / "kvoffload.lock", os.O_RDWR | os.O_CREAT, 0o640)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -328,6 +330,20 @@ class Store(Leases):
             "durability": str(self.config.durability),
             "io": self.io.describe(),
         }
+
+
+def _tighten_modes(root: Path) -> None:
+    """Set the modes of the root's directories (layout-v1.md §2), whatever the umask
+    they were made under; a directory that is not ours is left as it is."""
+    for sub, mode in ROOT_DIR_MODES.items():
+        d = root / sub
+        try:
+            if d.stat().st_mode & 0o7777 != mode:
+                d.chmod(mode)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            log.warning("cannot set mode %04o on %s: %s", mode, d, exc)
 
 
 def open_store(config: StoreConfig, kek: Kek, *, create: bool = False) -> Store:
