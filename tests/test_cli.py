@@ -130,7 +130,7 @@ def test_rotate_kek(dev_store: Path, tmp_path: Path) -> None:
     assert json.loads(r.stdout)["rewrapped_tenants"] == 1  # beta is plaintext: no keys made
     # The old (dev) KEK no longer opens the keys; the new one does.
     r = run(dev_store, "--dev", "fsck", "--verify-data", "--repair")
-    assert r.returncode == 1 and "KEK does not open" in r.stderr  # refused before any repair
+    assert r.returncode == 1 and "is not this store's KEK" in r.stderr  # refused before any repair
     r = run(
         dev_store,
         "--root", str(dev_store / ".kvoffload/store"),

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+import xxhash
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvoffload.layouts import (
@@ -124,6 +125,13 @@ def test_wrong_key_or_missing_epoch() -> None:
 def test_unknown_object_version_refused_with_clear_error() -> None:
     blob = bytearray((DATA / "plain.kvo").read_bytes())
     blob[8:10] = (2).to_bytes(2, "little")
+    # A flipped version with the old checksum is corruption (section 5: checksum first)…
+    with pytest.raises(CorruptObject, match="checksum") as info:
+        _open(blob)
+    assert not isinstance(info.value, UnknownLayoutVersion)
+    # …a header a newer writer checksummed is a version this reader does not know.
+    hl = int.from_bytes(blob[12:16], "little")
+    blob[hl - 16 : hl] = xxhash.xxh3_128_digest(bytes(blob[: hl - 16]))
     with pytest.raises(UnknownLayoutVersion, match="unknown layout version 2"):
         _open(blob)
 

@@ -62,6 +62,7 @@ def inspect(as_json: JsonOpt = False) -> None:
                 for t, u in sorted(tenants.items())
             },
             "tenants_with_keys": store.tenants(),
+            "tenants_with_unreadable_keys": store.key_problems(),
         }
     table = Table(title=f"store {data['store_id']} (layout v{data['layout_version']})")
     for col in ("tenant", "namespaces", "chunks", "bytes"):

@@ -23,6 +23,7 @@ from .store_root import (
     create_root,
     migrations,
     read_layout,
+    record_kek_id,
 )
 
 __all__ = [
@@ -39,4 +40,5 @@ __all__ = [
     "create_root",
     "migrations",
     "read_layout",
+    "record_kek_id",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ __all__ = [
     "fsync_dir",
     "migrations",
     "read_layout",
+    "record_kek_id",
 ]
 
 LAYOUT_FILE = "layout.json"
@@ -33,43 +35,88 @@ MAX_LAYOUT_VERSION = 1
 SUPPORTED_LAYOUT_VERSIONS = tuple(range(MIN_LAYOUT_VERSION, MAX_LAYOUT_VERSION + 1))
 
 
+#: Modes the sidecar sets on the store root's directories, whatever the umask
+#: (layout-v1.md §2): nothing below keys/ or objects/ is listable by other uids.
+#: objects/ may be traversed (0711): a direct-path tenant's group reaches its own
+#: directory (mode 2770) through it without seeing the other tenants' names.
+ROOT_DIR_MODES = {"keys": 0o700, "objects": 0o711, "journal": 0o700}
+
+_KEK_ID_RE = re.compile(r"[0-9a-f]{16}")
+
+
 @dataclass(frozen=True)
 class LayoutInfo:
     version: int
     store_id: str
     created: str
     params: dict[str, Any]
+    #: The KEK id (keys-v1.md §4) of the store's KEK; None in a root created
+    #: before it was recorded (the first open records it).
+    kek_id: str | None = None
+    #: During a KEK rotation: the id of the KEK being replaced, still accepted.
+    kek_id_previous: str | None = None
 
 
-def create_root(root: Path, version: int = MAX_LAYOUT_VERSION) -> LayoutInfo:
+def create_root(
+    root: Path, version: int = MAX_LAYOUT_VERSION, *, kek_id: str | None = None
+) -> LayoutInfo:
     """Create a store root (idempotent: an existing valid root is returned as is)."""
     if version not in SUPPORTED_LAYOUT_VERSIONS:
         raise UnknownLayoutVersion(version)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
+    for sub, mode in ROOT_DIR_MODES.items():
+        (root / sub).mkdir(mode=mode, exist_ok=True)
     if (root / LAYOUT_FILE).exists():
         return read_layout(root)
     from . import v1
 
-    info = {
+    info: dict[str, Any] = {
         "layout_version": version,
         "store_id": str(uuid.uuid4()),
         "created": datetime.now(UTC).isoformat(),
         "params": v1.default_params(),
     }
-    for sub in ("keys", "objects", "journal"):
-        (root / sub).mkdir(exist_ok=True)
+    if kek_id is not None:
+        info["kek_id"] = _checked_kek_id(kek_id)
     data = (json.dumps(info, indent=2, sort_keys=True) + "\n").encode("utf-8")
     try:
         # Linked, never replaced: if another creator won the race, theirs stands.
         atomic_create(
             root / LAYOUT_FILE,
             data,
-            mode=0o666,  # as open(): the umask decides
+            mode=0o644,
             tmp_name=f".{LAYOUT_FILE}.{uuid.uuid4().hex}.tmp",
         )
     except FileExistsError:
         fsync_dir(root)
+    return read_layout(root)
+
+
+def _checked_kek_id(kek_id: str) -> str:
+    if not _KEK_ID_RE.fullmatch(kek_id):
+        raise ValueError(f"a KEK id is 16 lower-case hex digits, not {kek_id!r}")
+    return kek_id
+
+
+def record_kek_id(root: Path, kek_id: str, previous: str | None = None) -> LayoutInfo:
+    """Record the store's KEK id in ``layout.json`` (and, during a rotation, the id
+    still accepted); replaced atomically (temp, fsync, rename, fsync dir)."""
+    path = Path(root) / LAYOUT_FILE
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise LayoutError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise LayoutError(f"{path}: not a JSON object")
+    raw["kek_id"] = _checked_kek_id(kek_id)
+    raw.pop("kek_id_previous", None)
+    if previous is not None and previous != kek_id:
+        raw["kek_id_previous"] = _checked_kek_id(previous)
+    data = (json.dumps(raw, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    atomic_create(
+        path, data, mode=0o644, replace=True, tmp_name=f".{LAYOUT_FILE}.{uuid.uuid4().hex}.tmp"
+    )
     return read_layout(root)
 
 
@@ -86,15 +133,23 @@ def read_layout(root: Path) -> LayoutInfo:
     version = raw.get("layout_version")
     if not isinstance(version, int) or version not in SUPPORTED_LAYOUT_VERSIONS:
         raise UnknownLayoutVersion(version, str(path))
+    ids: dict[str, str | None] = {}
+    for field in ("kek_id", "kek_id_previous"):
+        value = raw.get(field)
+        if value is not None and not (isinstance(value, str) and _KEK_ID_RE.fullmatch(value)):
+            raise LayoutError(f"{path}: {field} must be 16 lower-case hex digits, not {value!r}")
+        ids[field] = value
     try:
         return LayoutInfo(
             version=version,
             store_id=str(raw["store_id"]),
             created=str(raw["created"]),
             params=dict(raw.get("params", {})),
+            kek_id=ids["kek_id"],
+            kek_id_previous=ids["kek_id_previous"],
         )
-    except KeyError as exc:
-        raise LayoutError(f"{path}: field {exc.args[0]!r} is missing") from exc
+    except (KeyError, TypeError, ValueError) as exc:
+        raise LayoutError(f"{path}: field {exc.args[0]!r} is missing or invalid") from exc
 
 
 @dataclass(frozen=True)

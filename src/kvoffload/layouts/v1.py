@@ -199,10 +199,35 @@ def peek_version(buf: bytes | memoryview) -> int:
     return int(struct.unpack_from("<H", buf, 8)[0])
 
 
+#: Largest header_length any version may declare (v1's with 65,535 layers).
+MAX_HEADER_LENGTH = _FIXED.size + _LAYER.size * MAX_LAYERS + _CHECK_SIZE
+
+
+def check_header_checksum(buf: bytes | memoryview) -> None:
+    """The version-independent header check (section 5): ``header_length`` (u32 at
+    offset 12) is sane and the header's last 16 bytes are the XXH3-128 of the
+    bytes before them. Every layout version keeps magic, version, header_length
+    and this trailing checksum where v1 has them."""
+    mv = memoryview(buf)
+    if len(mv) < 16:
+        raise CorruptObject("truncated header")
+    (hl,) = struct.unpack_from("<I", mv, 12)
+    if not _FIXED.size + _CHECK_SIZE <= hl <= MAX_HEADER_LENGTH:
+        raise CorruptObject(f"header length {hl} out of range")
+    if len(mv) < hl:
+        raise CorruptObject("truncated header")
+    if xxhash.xxh3_128_digest(mv[: hl - _CHECK_SIZE]) != bytes(mv[hl - _CHECK_SIZE : hl]):
+        raise CorruptObject("header checksum mismatch")
+
+
 def decode_header(buf: bytes | memoryview) -> ObjectHeader:
     """Parse and check a header; refuses unknown versions and any inconsistency."""
     mv = memoryview(buf)
+    # Section 5's reading order: magic, then the header checksum, and only then
+    # the version. A flipped bit in the version field is corruption, never a
+    # "newer" object that this reader would have to leave in place.
     version = peek_version(mv)
+    check_header_checksum(mv)
     if version != VERSION:
         raise UnknownLayoutVersion(version, "object header")
     if len(mv) < _FIXED.size:
@@ -468,7 +493,9 @@ def open_into(
     if len(buf) != size:
         raise CorruptObject(f"object is {len(buf)} bytes, header says {size}")
     if len(out) < h.payload_size:
-        raise ValueError(f"output buffer too small: {len(out)} < {h.payload_size}")
+        # The caller sized ``out`` from what it expected of this chunk: the
+        # object is another one (relabelled, or from a store of other shapes).
+        raise ObjectMismatch(f"object holds {h.payload_size} bytes, {len(out)} expected")
     aead = aead_for_epoch(h.key_epoch) if h.sealed else None
     if h.sealed and aead is None:
         raise CorruptObject(f"no key for epoch {h.key_epoch} (purged or unknown)")

@@ -159,7 +159,7 @@ def _make_dirs(path: Path, *, durable: bool) -> None:
         p = p.parent
     for d in reversed(missing):
         try:
-            d.mkdir()
+            d.mkdir(mode=0o700)  # layout-v1.md §2: not listable by other uids
         except FileExistsError:
             continue
         if durable:

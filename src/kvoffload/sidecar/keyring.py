@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import logging
 import os
 import re
@@ -231,6 +232,36 @@ class Keyring:
                 if TENANT_RE.fullmatch(tenant):
                     out.append(tenant)
         return sorted(out)
+
+    def problems(self) -> dict[str, str]:
+        """Tenants whose key file cannot be read or unwrapped, with why (one line each).
+
+        A corrupt key file is that tenant's problem only: its chunks miss, every
+        other tenant is served; fsck and inspect report it here.
+        """
+        out: dict[str, str] = {}
+        for tenant in self.tenants():
+            try:
+                self.get(tenant)
+            except KeyringError as exc:
+                out[tenant] = str(exc)
+        return out
+
+    def kek_ids_on_disk(self) -> set[str]:
+        """The ``kek_id`` fields of the key files that parse (nothing is unwrapped):
+        which KEKs this store's keys were wrapped by, for a store whose root does
+        not record its KEK id yet. Unreadable or corrupt files are skipped."""
+        ids: set[str] = set()
+        for tenant in self.tenants():
+            try:
+                with open(self._path(tenant), "rb") as f:
+                    doc = json.loads(f.read(_MAX_KEY_FILE))
+            except (OSError, ValueError):
+                continue
+            kid = doc.get("kek_id") if isinstance(doc, dict) else None
+            if isinstance(kid, str):
+                ids.add(kid)
+        return ids
 
     def rotate_dek(self, tenant: str) -> int:
         """Add a new epoch with a fresh DEK and make it current; returns the new epoch.

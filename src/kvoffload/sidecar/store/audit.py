@@ -31,7 +31,11 @@ class AuditLog:
         entry = {"ts": time.time(), "event": event, **details}
         log.warning("audit: %s", entry)
         # Append-only, fsync'd: a purge or revocation must leave a trace even if we crash next.
-        with open(self.path, "a", encoding="utf-8") as f:
+        # 0600 whatever the umask: tenant names and their create/purge events.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        with open(fd, "a", encoding="utf-8") as f:
+            if os.fstat(fd).st_mode & 0o077:
+                os.fchmod(fd, 0o600)
             f.write(json.dumps(entry, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())

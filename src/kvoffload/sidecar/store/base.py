@@ -13,6 +13,7 @@ import contextlib
 import errno
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +45,10 @@ MAX_OBJECT_BYTES = 4 << 30
 #: count against it; we rotate the tenant's DEK well before.
 DEFAULT_MAX_SEGMENTS_PER_EPOCH = 2**31
 SEAL_COUNT_BLOCK = 1 << 16
+#: Objects that failed verification go here (below the store root), not away:
+#: the newest QUARANTINE_KEEP are kept for forensics.
+QUARANTINE_DIR = "quarantine"
+QUARANTINE_KEEP = 64
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -220,7 +225,12 @@ class StoreBase:
             by_tenant.setdefault(tenant, []).append(key)
             latest[tenant] = max(ts, latest.get(tenant, 0))
         for tenant, keys in by_tenant.items():
-            self.index.touch(tenant, keys, latest[tenant])
+            try:
+                self.index.touch(tenant, keys, latest[tenant])
+            except Exception as exc:
+                # Access times steer eviction only: a full disk or a failing
+                # index must never fail the read that recorded them.
+                log.warning("recording access times of %d chunks failed: %s", len(keys), exc)
 
     # ------------------------------------------------- hits and misses
 
@@ -231,18 +241,32 @@ class StoreBase:
 
     def _miss(self, tenant: str, key: bytes, reason: str, remove_file: bool) -> None:
         self.counters.misses += 1
-        self._drop(tenant, key, reason=reason, remove_file=remove_file)
+        try:
+            if remove_file:
+                self._quarantine(tenant, key, reason)
+            self._drop(tenant, key, reason=reason, remove_file=False)
+        except Exception as exc:  # a full or failing index: still only a miss
+            log.warning("chunk %s (%s): dropping its entry failed: %s", key.hex()[:16], reason, exc)
 
     def _unreadable(self, tenant: str, key: bytes, exc: OSError) -> None:
         # ENOENT (evicted/deleted elsewhere), ESTALE (NFS), EIO: all misses.
         log.info("chunk %s unreadable: %s", key.hex()[:16], exc)
         self._miss(tenant, key, errno.errorcode.get(exc.errno or 0, "oserror"), False)
 
-    def _read_failed(self, tenant: str, key: bytes, exc: Exception) -> None:
-        """A chunk that cannot be read or verified: a miss; its entry is dropped,
-        and its file too where the file is corrupt (not for an unknown version,
-        which a newer kvoffload may read)."""
-        if isinstance(exc, UnknownLayoutVersion):
+    def _read_failed(self, tenant: str, key: bytes, exc: BaseException) -> None:
+        """A chunk that cannot be read or verified: a miss (layout-v1.md §5).
+
+        Its index entry is dropped and, where the file itself failed
+        verification, the file leaves its name (quarantined) so that a re-save
+        can replace it. Not for an unknown version whose header checksum holds
+        (a newer kvoffload's object: left in place), nor for a key file that
+        cannot be read (the tenant's problem, not the object's: nothing dropped).
+        Every exception a damaged file can raise comes here; none escapes.
+        """
+        if isinstance(exc, KeyringError | StoreKeyError):
+            log.warning("chunk %s of %s: the tenant's keys: %s", key.hex()[:16], tenant, exc)
+            self.counters.misses += 1
+        elif isinstance(exc, UnknownLayoutVersion):
             log.warning("chunk %s: %s", key.hex()[:16], exc)
             self._miss(tenant, key, "unknown-version", remove_file=False)
         elif isinstance(exc, OSError):
@@ -251,6 +275,35 @@ class StoreBase:
             log.warning("chunk %s of %s failed verification: %s", key.hex()[:16], tenant, exc)
             self.counters.corrupt += 1
             self._miss(tenant, key, "corrupt", remove_file=True)
+
+    def _quarantine(self, tenant: str, key: bytes, reason: str) -> None:
+        """Move an object that failed verification out of its name, into
+        ``<root>/quarantine/`` (kept for forensics, the newest
+        :data:`QUARANTINE_KEEP`), or delete it where it cannot be moved."""
+        path = self._path(tenant, key)
+        qdir = self.root / QUARANTINE_DIR
+        dest = qdir / f"{tenant}.{key.hex()}.{time.time_ns()}.{reason}{v1.OBJECT_SUFFIX}"
+        try:
+            qdir.mkdir(mode=0o700, exist_ok=True)
+            os.rename(path, dest)
+        except FileNotFoundError:
+            if path.exists():  # the quarantine itself is missing: delete instead
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+            return
+        except OSError as exc:
+            log.warning("quarantining %s failed (%s); deleting it", path, exc)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            return
+        log.warning("chunk %s of %s quarantined as %s", key.hex()[:16], tenant, dest.name)
+        try:
+            kept = sorted(qdir.iterdir(), key=lambda p: p.name.rsplit(".", 3)[-3])
+        except OSError:
+            return
+        for old in kept[:-QUARANTINE_KEEP]:
+            with contextlib.suppress(OSError):
+                old.unlink()
 
 
 def aead_lookup(tk: TenantKeys | None) -> Callable[[int], AESGCM | None]:

@@ -19,13 +19,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ...layouts import create_root, read_layout
+from ...layouts import create_root, read_layout, record_kek_id
+from ...layouts.store_root import ROOT_DIR_MODES
 from ..errors import StoreError, StoreIOError, StoreLocked
 from ..fileio import Durability, ScratchBuffers, syncfs
 from ..index import ChunkRecord, Index, Usage
 from ..iobackend import select_backend
 from ..journal import JournalRecord, Op
-from ..keyring import Kek, Keyring, KeyringError
+from ..keyring import Kek, Keyring
 from .audit import AuditLog
 from .base import Counters, StoreConfig, boundary, log, mapped_errors
 from .leases import Leases
@@ -46,11 +47,12 @@ class Store(Leases):
         self.config = config
         self.root = config.root
         if create:
-            self.layout = create_root(self.root)
+            self.layout = create_root(self.root, kek_id=kek.key_id)
         else:
             self.layout = read_layout(self.root)
+        _tighten_modes(self.root)
         index_dir = config.resolved_index_dir()
-        index_dir.mkdir(parents=True, exist_ok=True)
+        index_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lock_fd = os.open(index_dir / "kvoffload.lock", os.O_RDWR | os.O_CREAT, 0o640)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -92,14 +94,7 @@ class Store(Leases):
         self.keyring = Keyring(
             self.root / "keys", kek, cache_ttl_s=config.key_cache_ttl_s, audit=self._audit
         )
-        tenants = self.keyring.tenants()
-        if tenants:
-            # A wrong KEK must stop us here: later, every object would look corrupt
-            # and fsck --repair would delete them all.
-            try:
-                self.keyring.get(tenants[0])
-            except KeyringError as exc:
-                raise StoreError(f"the KEK does not open this store's keys: {exc}") from exc
+        self._check_kek(kek)
         self.index = Index(index_dir / "lmdb")
         try:
             store_id = self.index.get_meta("store_id")
@@ -136,6 +131,35 @@ class Store(Leases):
             raise
         self.io = sel.backend
         self.io_plan = sel.plan
+
+    def _check_kek(self, kek: Kek) -> None:
+        """A wrong KEK stops us here (layout-v1.md §2): later, every object would
+        look corrupt. Checked against the KEK id the root records, never against
+        a key file, so one corrupt key file is its tenant's problem only. A root
+        without one (older stores) learns it now, from the ids the key files
+        name, refusing a KEK that none of them names."""
+        layout = self.layout
+        ours = kek.key_id
+        if layout.kek_id is None:
+            on_disk = self.keyring.kek_ids_on_disk()
+            if on_disk and ours not in on_disk:
+                raise StoreError(
+                    f"the KEK given (id {ours}) is not this store's KEK: its key files are "
+                    f"wrapped by KEK id {', '.join(sorted(on_disk))}; give the sidecar that KEK"
+                )
+            self.layout = record_kek_id(self.root, ours)
+            log.info("store %s: KEK id %s recorded in layout.json", layout.store_id, ours)
+        elif ours not in (layout.kek_id, layout.kek_id_previous):
+            raise StoreError(
+                f"the KEK given (id {ours}) is not this store's KEK (id {layout.kek_id}, "
+                f"recorded in {self.root / 'layout.json'}); give the sidecar that KEK"
+            )
+        elif ours != layout.kek_id:
+            log.warning(
+                "store %s: a KEK rotation to id %s is unfinished; opened with the previous "
+                "KEK %s: run `kvoffload keys rotate-kek` again to finish it",
+                layout.store_id, layout.kek_id, ours,
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ life
 
@@ -359,7 +383,20 @@ class Store(Leases):
 
     @boundary
     def rotate_kek(self, new_kek: Kek) -> int:
-        return self.keyring.rotate_kek(new_kek)  # the keyring writes the audit record
+        """Re-wrap every key file under ``new_kek``. The root records the new id
+        (keeping the old one accepted) before the first file is re-wrapped, and
+        drops the old one once every file is: a rotation killed half-way is
+        finished by running it again, with either KEK."""
+        old = self.keyring.kek_id
+        self.layout = record_kek_id(self.root, new_kek.key_id, previous=old)
+        n = self.keyring.rotate_kek(new_kek)  # the keyring writes the audit record
+        self.layout = record_kek_id(self.root, new_kek.key_id)
+        return n
+
+    def key_problems(self) -> dict[str, str]:
+        """Tenants whose key file cannot be read, with why: their chunks miss."""
+        with mapped_errors("key_problems"):
+            return self.keyring.problems()
 
     @boundary
     def maintain(self) -> dict[str, int]:
@@ -392,6 +429,20 @@ class Store(Leases):
             "io": self.io.describe(),
             "shared": self.shared_info(),
         }
+
+
+def _tighten_modes(root: Path) -> None:
+    """Set the modes of the root's directories (layout-v1.md §2), whatever the umask
+    they were made under; a directory that is not ours is left as it is."""
+    for sub, mode in ROOT_DIR_MODES.items():
+        d = root / sub
+        try:
+            if d.stat().st_mode & 0o7777 != mode:
+                d.chmod(mode)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            log.warning("cannot set mode %04o on %s: %s", mode, d, exc)
 
 
 def open_store(config: StoreConfig, kek: Kek, *, create: bool = False) -> Store:

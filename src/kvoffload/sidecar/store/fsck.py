@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...layouts import CorruptObject, LayoutError, v1
+from ...layouts import CorruptObject, v1
 from ..fileio import read_prefix
 from ..index import ChunkRecord
-from ..keyring import KeyringError
 from .base import MAX_OBJECT_BYTES, aead_lookup, boundary
 from .capacity import Capacity
 
@@ -32,6 +31,9 @@ class FsckReport:
     orphan_tmp_files: list[str] = field(default_factory=list)
     purged_tenant_files: list[str] = field(default_factory=list)
     mismatched_records: list[str] = field(default_factory=list)
+    #: "tenant: why" for key files that cannot be read: those tenants' chunks
+    #: miss, their objects are kept (the key file may be restored), others serve.
+    unreadable_key_files: list[str] = field(default_factory=list)
     repaired: bool = False
 
     @property
@@ -43,6 +45,7 @@ class FsckReport:
             or self.orphan_tmp_files
             or self.purged_tenant_files
             or self.mismatched_records
+            or self.unreadable_key_files
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -78,6 +81,8 @@ class Maintenance(Capacity):
         good: dict[tuple[str, bytes], ChunkRecord] = {}
         to_remove: list[Path] = []
         tenants_with_keys = set(self.keyring.tenants())
+        key_problems = self.keyring.problems()
+        rep.unreadable_key_files = [f"{t}: {why}" for t, why in sorted(key_problems.items())]
         corrupt_ids: set[tuple[str, bytes] | None] = set()
         for i, path in enumerate(self._walk_objects()):
             if progress is not None and i % 256 == 0:
@@ -104,7 +109,7 @@ class Maintenance(Capacity):
                     rep.purged_tenant_files.append(rel)
                     to_remove.append(path)
                     continue
-                if verify_data:
+                if verify_data and not (h.sealed and h.tenant in key_problems):
                     tk = self.keyring.get(h.tenant) if h.sealed else None
                     scratch = bytearray(h.payload_size)
                     v1.open_into(
@@ -115,7 +120,7 @@ class Maintenance(Capacity):
                         chunk_key=h.chunk_key,
                         aead_for_epoch=aead_lookup(tk),
                     )
-            except (LayoutError, OSError, KeyringError) as exc:
+            except Exception as exc:  # whatever a damaged file raises: it is corrupt
                 rep.corrupt_files.append(f"{rel}: {exc}")
                 to_remove.append(path)
                 corrupt_ids.add(_identity_from_path(rel))
@@ -181,7 +186,7 @@ class Maintenance(Capacity):
             st = path.stat()
             head = read_prefix(path, v1.ALIGN)
             h = v1.decode_header(head)
-        except (OSError, LayoutError):
+        except Exception:  # absent, unreadable or damaged: not adopted, a miss
             return False
         if h.chunk_key != key or h.tenant != tenant or st.st_size != h.total_size:
             return False

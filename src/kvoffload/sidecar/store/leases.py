@@ -19,7 +19,6 @@ from .. import fileio
 from ..errors import LeaseInvalid
 from ..fileio import Durability, read_prefix
 from ..index import ChunkRecord
-from ..keyring import KeyringError
 from .base import MAX_OBJECT_BYTES, boundary
 from .capacity import Reservation
 from .pipeline import Pipeline
@@ -191,7 +190,7 @@ class Leases(Pipeline):
                 raise CorruptObject("object belongs to another chunk key, tenant or namespace")
             if h.sealed or size != h.total_size:
                 raise CorruptObject(f"object is {size} bytes or sealed, header says otherwise")
-        except (LayoutError, KeyringError, OSError) as exc:
+        except Exception as exc:  # every failure of a damaged file is a miss
             self._read_failed(tenant, key, exc)
             return None
         self._hit(tenant, key, h.payload_size)
@@ -210,7 +209,7 @@ class Leases(Pipeline):
         try:
             buf = self.io.read_object(self._path(tenant, key), self._scratch.get, MAX_OBJECT_BYTES)
             v1.verify_plain(buf, tenant=tenant, namespace=rec.namespace, chunk_key=key)
-        except (LayoutError, OSError) as exc:
+        except Exception as exc:
             self._read_failed(tenant, key, exc)
             return True
         return False

@@ -23,10 +23,9 @@ from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ...layouts import LayoutError, v1
+from ...layouts import ObjectMismatch, v1
 from ..errors import StoreError
 from ..index import ChunkRecord
-from ..keyring import KeyringError
 from .base import MAX_OBJECT_BYTES, SEAL_COUNT_BLOCK, aead_lookup, boundary, log
 from .capacity import Reservation
 from .fsck import Maintenance
@@ -233,6 +232,11 @@ class Pipeline(Maintenance):
         try:
             path = self._path(job.tenant, job.chunk_key)
             written = self.io.write_object(path, buf, self.config.durability)
+            if not written and not self._existing_serves(job):
+                # "Exists" is success only for an object that verifies (§4): a
+                # damaged one leaves its name, and this write takes it.
+                self._quarantine(job.tenant, job.chunk_key, "publish")
+                written = self.io.write_object(path, buf, self.config.durability)
             if not written:
                 # Another writer (another node on a shared FS) got there first.
                 self._adopt(job.tenant, job.chunk_key)
@@ -326,8 +330,8 @@ class Pipeline(Maintenance):
             return None
         try:
             buf = self.io.read_object(self._path(tenant, key), self._scratch.get, MAX_OBJECT_BYTES)
-        except OSError as exc:
-            self._unreadable(tenant, key, exc)
+        except Exception as exc:
+            self._read_failed(tenant, key, exc)
             return None
         return self._open_into(tenant, key, rec, buf, out)
 
@@ -359,7 +363,15 @@ class Pipeline(Maintenance):
 
         def start(i: int) -> tuple[ChunkRecord | None, Future[memoryview] | None]:
             nonlocal turn
-            rec = self._record(tenant, keys[i])
+            try:
+                rec = self._record(tenant, keys[i])
+            except Exception as exc:
+                if i == 0:
+                    raise
+                # A failing index after chunk 0: a miss here, never the loss of
+                # the chunks already verified (layout-v1.md §5).
+                log.warning("chunk %s: looking it up failed: %s", keys[i].hex()[:16], exc)
+                return None, None
             if rec is None:
                 return None, None
             # Size the buffer here, in the caller's thread (scratch buffers are per thread).
@@ -383,8 +395,8 @@ class Pipeline(Maintenance):
                     continue
                 try:
                     buf = fut.result()
-                except OSError as exc:
-                    self._unreadable(tenant, keys[i], exc)
+                except Exception as exc:
+                    self._read_failed(tenant, keys[i], exc)
                     if stop_at_miss:
                         break
                     if i + 1 < len(keys):
@@ -407,7 +419,12 @@ class Pipeline(Maintenance):
     def _open_into(
         self, tenant: str, key: bytes, rec: ChunkRecord, buf: memoryview, out: memoryview
     ) -> list[int] | None:
-        """Verify and decrypt a read object into ``out``; None (and the entry dropped) if bad."""
+        """Verify and decrypt a read object into ``out``; None (and the entry dropped) if bad.
+
+        The object must also be the one the index describes (size, layers,
+        payload, key epoch): anything else is a relabelled or foreign object.
+        Every exception here is a miss of this chunk alone (layout-v1.md §5).
+        """
         try:
             tk = self.keyring.get(tenant) if rec.key_epoch else None
             h = v1.open_into(
@@ -418,11 +435,43 @@ class Pipeline(Maintenance):
                 chunk_key=key,
                 aead_for_epoch=aead_lookup(tk),
             )
-        except (LayoutError, KeyringError, OSError) as exc:
+            if (h.total_size, len(h.layers), h.payload_size, h.key_epoch) != (
+                rec.size, rec.num_layers, rec.payload, rec.key_epoch,
+            ):  # fmt: skip
+                raise ObjectMismatch("object differs from its index record (size or layers)")
+        except Exception as exc:
             self._read_failed(tenant, key, exc)
             return None
         self._hit(tenant, key, h.payload_size)
         return [le.length for le in h.layers]
+
+    def _existing_serves(self, job: _PutJob) -> bool:
+        """Whether the object already at a new chunk's name verifies in full and is
+        that chunk (namespace, layer lengths): only then is "exists" success."""
+        try:
+            buf = self.io.read_object(
+                self._path(job.tenant, job.chunk_key),
+                lambda n: memoryview(mmap.mmap(-1, v1.align_up(max(n, 1))))[:n],
+                MAX_OBJECT_BYTES,
+            )
+            tk = self.keyring.get(job.tenant) if job.aead is not None else None
+            h = v1.open_into(
+                buf,
+                memoryview(bytearray(sum(job.lengths))),
+                tenant=job.tenant,
+                namespace=job.namespace,
+                chunk_key=job.chunk_key,
+                aead_for_epoch=aead_lookup(tk),
+            )
+            return [le.length for le in h.layers] == job.lengths
+        except FileNotFoundError:
+            return False
+        except Exception as exc:
+            log.warning(
+                "chunk %s of %s: the object at its name fails verification (%s); replacing it",
+                job.chunk_key.hex()[:16], job.tenant, exc,
+            )  # fmt: skip
+            return False
 
     @boundary
     def get(self, tenant: str, key: bytes) -> list[bytes] | None:
