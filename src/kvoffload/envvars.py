@@ -116,6 +116,13 @@ REGISTRY: tuple[EnvVar, ...] = (
     ),
     _cfg("store", "io", "io mode", "auto", "[store] io (also KVOFFLOAD_IO)."),
     _cfg(
+        "store",
+        "io_streams",
+        "int",
+        "0",
+        "[store] io_streams: chunks of a batch read/written at once; 0 = one per core, >= 4.",
+    ),
+    _cfg(
         "server",
         "socket",
         "path",

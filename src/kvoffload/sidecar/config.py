@@ -18,6 +18,7 @@ File format (every key optional; unknown keys are errors)::
     key_cache_ttl = "30s"                  # bound on how long a purge takes to reach other nodes
     io = "auto"                            # auto | posix | posix-direct | posix-buffered
                                            #   | kvikio | cufile  (env KVOFFLOAD_IO)
+    io_streams = 0                         # chunks of a batch read/written at once; 0 = auto
 
     [server]
     socket = "/run/kvoffload/kvoffload.sock"
@@ -79,6 +80,7 @@ class StoreSection:
     durability: Durability
     key_cache_ttl_s: float
     io: IOMode
+    io_streams: int = 0
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ class Config:
     durability: Durability = Durability.BATCH
     key_cache_ttl_s: float = 30.0
     io: IOMode = IOMode.AUTO
+    io_streams: int = 0
     # [server]
     socket_path: Path = Path("/run/kvoffload/kvoffload.sock")
     socket_group: str | None = None
@@ -165,6 +168,7 @@ class Config:
             self.durability,
             self.key_cache_ttl_s,
             self.io,
+            self.io_streams,
         )
 
     @property
@@ -202,7 +206,17 @@ class Config:
             durability=self.durability,
             key_cache_ttl_s=self.key_cache_ttl_s,
             io=self.io,
+            io_streams=self.io_streams,
         )
+
+
+def _parse_streams(raw: object) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int | str):
+        raise ValueError(f"an integer, not {raw!r}")
+    n = int(raw)
+    if n < 0:
+        raise ValueError("must be >= 0 (0: one per core, at least 4)")
+    return n
 
 
 # (section, key) → (Config field, converter)
@@ -215,6 +229,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("store", "durability"): ("durability", Durability),
     ("store", "key_cache_ttl"): ("key_cache_ttl_s", parse_duration),
     ("store", "io"): ("io", parse_mode),
+    ("store", "io_streams"): ("io_streams", _parse_streams),
     ("server", "socket"): ("socket_path", Path),
     ("server", "socket_group"): ("socket_group", str),
     ("server", "workers"): ("workers", int),
