@@ -135,6 +135,24 @@ def test_lookup_counts_the_present_prefix(idx: Index) -> None:
     assert idx.lookup("t2", [key(0)]) == 0
     with pytest.raises(ValueError):
         idx.lookup("t1", [key(0), b"short"])
+    # The batch checks (in C, over the whole batch) refuse what _check_key refuses:
+    # any key of the wrong size or type, anywhere in the batch, present or not.
+    for bad in (key(0) + b"x", bytearray(key(0)), memoryview(key(0)), "k" * 32):
+        with pytest.raises(ValueError):
+            idx.lookup("t1", [key(0), key(1), bad])  # type: ignore[list-item]
+    with pytest.raises(ValueError):
+        idx.lookup("t1", [key(9), b""])
+
+
+def test_lookup_stops_at_an_expired_record(idx: Index) -> None:
+    idx.put(rec(0))
+    idx.put(rec(1, expires=500))
+    idx.put(rec(2))
+    keys = [key(0), key(1), key(2)]
+    assert idx.lookup("t1", keys) == 3  # no clock: expiry is not looked at
+    assert idx.lookup("t1", keys, now_ns=499) == 3
+    assert idx.lookup("t1", keys, now_ns=500) == 1
+    assert idx.lookup("t1", keys[::2], now_ns=10**18) == 2  # 0: never expires
 
 
 def test_tenants_are_isolated(idx: Index) -> None:

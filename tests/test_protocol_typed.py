@@ -139,3 +139,24 @@ def test_no_module_of_the_package_is_over_600_lines() -> None:
     pkg = Path(p.__file__).parent
     for f in pkg.glob("*.py"):
         assert len(f.read_text().splitlines()) <= 600, f.name
+
+
+def test_a_batch_of_keys_is_checked_whole_and_still_checks_every_number() -> None:
+    """Tuples of keys skip the per-element walk (encode and the u64 check): every
+    other tuple is still walked, and a key of the wrong type or size anywhere in
+    a batch is refused."""
+    keys = tuple(bytes([i]) * 32 for i in range(64))
+    msg = p.request_message(9, p.Lookup("acme", keys))
+    assert msg["keys"] == list(keys)
+    assert parse_request(msg) == (9, p.Lookup("acme", keys))
+    for bad in (b"\x00" * 31, "A" * 44, 7, None):
+        _bad_request({**msg, "keys": [*keys[:40], bad, *keys[41:]]})
+    # A tuple of numbers next to it is still bounded (layer sizes past u64).
+    store = {
+        "op": "prepare_store",
+        "id": 5,
+        "tenant": "acme",
+        "namespace": K,
+        "chunks": [{"key": K, "layers": [1, 2**64]}],
+    }
+    _bad_request(store)

@@ -137,6 +137,13 @@ REGISTRY: tuple[EnvVar, ...] = (
         "[store] evictor_lease: the shared root's evictor lease duration.",
     ),
     _cfg(
+        "store",
+        "io_streams",
+        "int",
+        "0",
+        "[store] io_streams: chunks of a batch read/written at once; 0 = one per core, >= 4.",
+    ),
+    _cfg(
         "server",
         "socket",
         "path",

@@ -21,6 +21,7 @@ File format (every key optional; unknown keys are errors)::
     shared = false                         # the root is shared by several nodes
     journal_poll = "0.5s"                  # how often other nodes' journals are read
     evictor_lease = "15s"                  # the shared root's evictor lease
+    io_streams = 0                         # chunks of a batch read/written at once; 0 = auto
 
     [server]
     socket = "/run/kvoffload/kvoffload.sock"
@@ -82,6 +83,7 @@ class StoreSection:
     durability: Durability
     key_cache_ttl_s: float
     io: IOMode
+    io_streams: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ class Config:
     shared: bool = False
     journal_poll_s: float = 0.5
     evictor_lease_s: float = 15.0
+    io_streams: int = 0
     # [server]
     socket_path: Path = Path("/run/kvoffload/kvoffload.sock")
     socket_group: str | None = None
@@ -171,6 +174,7 @@ class Config:
             self.durability,
             self.key_cache_ttl_s,
             self.io,
+            self.io_streams,
         )
 
     @property
@@ -211,6 +215,7 @@ class Config:
             shared=self.shared,
             journal_poll_s=self.journal_poll_s,
             evictor_lease_s=self.evictor_lease_s,
+            io_streams=self.io_streams,
         )
 
 
@@ -226,6 +231,15 @@ def parse_bool(raw: object) -> bool:
     raise ValueError(f"not a boolean: {raw!r} (true or false)")
 
 
+def _parse_streams(raw: object) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int | str):
+        raise ValueError(f"an integer, not {raw!r}")
+    n = int(raw)
+    if n < 0:
+        raise ValueError("must be >= 0 (0: one per core, at least 4)")
+    return n
+
+
 # (section, key) → (Config field, converter)
 _KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("store", "root"): ("store_root", Path),
@@ -239,6 +253,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("store", "shared"): ("shared", parse_bool),
     ("store", "journal_poll"): ("journal_poll_s", parse_duration),
     ("store", "evictor_lease"): ("evictor_lease_s", parse_duration),
+    ("store", "io_streams"): ("io_streams", _parse_streams),
     ("server", "socket"): ("socket_path", Path),
     ("server", "socket_group"): ("socket_group", str),
     ("server", "workers"): ("workers", int),

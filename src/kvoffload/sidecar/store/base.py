@@ -75,6 +75,9 @@ class StoreConfig:
     shared: bool = False
     journal_poll_s: float = 0.5
     evictor_lease_s: float = 15.0
+    #: Chunks of one batch sealed/written or read/verified at once (a pool of I/O
+    #: threads, shared by all requests); 0: :func:`default_io_streams`.
+    io_streams: int = 0
 
     def resolved_index_dir(self) -> Path:
         if self.index_dir is not None:
@@ -89,6 +92,18 @@ class StoreConfig:
             raise ValueError("watermarks must satisfy 0 < low <= high <= 1")
         if self.capacity_bytes is not None and self.capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
+        if self.io_streams < 0:
+            raise ValueError("io_streams must be >= 0 (0: one per core, at least 4)")
+
+
+#: The most I/O streams the default picks (more rarely helps one NVMe device).
+MAX_DEFAULT_IO_STREAMS = 16
+
+
+def default_io_streams() -> int:
+    """One I/O stream per core, at least 4 (a read or write in flight while a
+    core seals or verifies another chunk), at most :data:`MAX_DEFAULT_IO_STREAMS`."""
+    return min(MAX_DEFAULT_IO_STREAMS, max(4, os.cpu_count() or 1))
 
 
 @dataclass
@@ -152,7 +167,6 @@ class StoreBase:
     _touch_flushed: int
     _seal_budget: dict[tuple[str, int], int]
     _scratch: ScratchBuffers
-    _scratch_alt: ScratchBuffers  # the second buffer of put_many/get_many_into
     _pipe: ThreadPoolExecutor | None
     _shared: SharedRoot | None = None
 

@@ -114,7 +114,6 @@ class Store(Leases):
             self._touch_flushed = time.time_ns()
             self._seal_budget = {}
             self._scratch = ScratchBuffers()
-            self._scratch_alt = ScratchBuffers()
             self._pipe = None
             sel = select_backend(config.io, self.root / "objects")
             self._shared = None

@@ -6,17 +6,20 @@ verified (structure, zero padding, every tag or checksum). Any failure —
 missing file, torn or flipped bytes, another object's file, a purged key —
 is a miss, and the index entry (and a corrupt file) is dropped.
 
-``put_many`` and ``get_many_into`` pipeline a batch on a small thread pool:
-chunk n+1 is sealed while chunk n is written, and read while chunk n is
-verified and decrypted.
+``put_many`` and ``get_many_into`` run a batch on a pool of I/O threads
+(``StoreConfig.io_streams``, default :func:`default_io_streams`): up to that
+many chunks are sealed and written, or read, verified and decrypted, at once;
+``os.pwrite``/``preadv``, AES-GCM and XXH3 release the GIL. The index is
+read and written only by the calling thread, in chunk order, so the results
+(and what a failure leaves stored) are those of a one-at-a-time batch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
-import os
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,7 +29,14 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from ...layouts import ObjectMismatch, v1
 from ..errors import StoreError
 from ..index import ChunkRecord
-from .base import MAX_OBJECT_BYTES, SEAL_COUNT_BLOCK, aead_lookup, boundary, log
+from .base import (
+    MAX_OBJECT_BYTES,
+    SEAL_COUNT_BLOCK,
+    aead_lookup,
+    boundary,
+    default_io_streams,
+    log,
+)
 from .capacity import Reservation
 from .fsck import Maintenance
 
@@ -108,13 +118,15 @@ class Pipeline(Maintenance):
         ttl_s: float | None = None,
         reservations: Sequence[Reservation | None] | None = None,
     ) -> list[bool]:
-        """Store several chunks ``(chunk_key, layers)``, sealing chunk n+1 while chunk n
-        is written. Per chunk: True if written, False if already present.
+        """Store several chunks ``(chunk_key, layers)``, sealing and writing up to
+        :attr:`io_streams` of them at once. Per chunk: True if written, False if
+        already present.
 
         ``reservations[i]``, if given, is capacity already held for chunk i (the
         server reserves at prepare time); it is consumed or released.
         On an error (StoreFull, StoreIOError…) the chunks before the failing one
-        are stored, nothing after it is, and the error is raised.
+        are stored, nothing after it is (a later chunk's file already written
+        is removed again), and the error is raised.
         """
         results = [False] * len(chunks)
         held = list(reservations) if reservations is not None else [None] * len(chunks)
@@ -128,46 +140,78 @@ class Pipeline(Maintenance):
                 )  # fmt: skip
             return results
         pool = self._pipeline()
-        scratch = (self._scratch, self._scratch_alt)
-        turn = 0
-        inflight: tuple[int, Future[bool]] | None = None
+        streams = self.io_streams
+        # In order: (chunk index, job, its seal+write on the pool). The index
+        # entries are made here, in order, as the writes finish.
+        window: deque[tuple[int, _PutJob, Future[bool]]] = deque()
         try:
             for i, (key, layers) in enumerate(chunks):
-                job = self._begin_put(tenant, namespace, key, layers, encrypt, ttl_s, held[i])
+                try:
+                    job = self._begin_put(tenant, namespace, key, layers, encrypt, ttl_s, held[i])
+                except BaseException:
+                    while window:  # the chunks before this one are stored
+                        j, done, fut = window.popleft()
+                        results[j] = self._index_written(done, fut)
+                    raise
                 if job is None:
                     continue
-                try:
-                    # The other buffer may still be being written: seal into this one.
-                    buf = scratch[turn].get(job.size)
-                    turn ^= 1
-                    self._seal(job, buf)
-                    if inflight is not None:
-                        j, fut = inflight
-                        inflight = None
-                        results[j] = fut.result()
-                except BaseException:
-                    job.res.release()
-                    raise
-                inflight = (i, pool.submit(self._write_sealed, job, buf))
-            if inflight is not None:
-                j, fut = inflight
-                inflight = None
-                results[j] = fut.result()
+                window.append((i, job, pool.submit(self._seal_and_write, job)))
+                while len(window) >= streams:
+                    j, done, fut = window.popleft()
+                    results[j] = self._index_written(done, fut)
+            while window:
+                j, done, fut = window.popleft()
+                results[j] = self._index_written(done, fut)
         finally:
-            if inflight is not None:  # an error while a write was in flight: let it finish
-                try:
-                    inflight[1].result()
-                except Exception as exc:
-                    log.warning("put_many: in-flight write failed too: %s", exc)
+            # An error: the writes still in flight are after the failing chunk.
+            for _j, later, fut in window:
+                self._discard_written(later, fut)
         return results
+
+    @property
+    def io_streams(self) -> int:
+        """Chunks of one batch sealed/read and written/verified at once."""
+        return self.config.io_streams or default_io_streams()
 
     def _pipeline(self) -> ThreadPoolExecutor:
         with self._mu:
             if self._pipe is None:
                 self._pipe = ThreadPoolExecutor(
-                    max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="kvoffload-pipe"
+                    max_workers=self.io_streams, thread_name_prefix="kvoffload-io"
                 )
             return self._pipe
+
+    def _seal_and_write(self, job: _PutJob) -> bool:
+        """On a pool thread: seal into that thread's scratch buffer and write the
+        file. True if written, False if the object was already on disk. Releases
+        the reservation only on an error (the caller indexes and releases)."""
+        try:
+            buf = self._scratch.get(job.size)
+            self._seal(job, buf)
+            return self._write_verified(job, buf)
+        except BaseException:
+            job.res.release()
+            raise
+
+    def _index_written(self, job: _PutJob, fut: Future[bool]) -> bool:
+        """Wait for a chunk's write, then index it (see :meth:`_write_sealed`)."""
+        try:
+            written = fut.result()
+        except BaseException:
+            job.res.release()
+            raise
+        return self._finish_put(job, written)
+
+    def _discard_written(self, job: _PutJob, fut: Future[bool]) -> None:
+        """A write after a failed chunk: let it finish, remove its file, free its space."""
+        try:
+            if fut.result():
+                with contextlib.suppress(FileNotFoundError):
+                    self._path(job.tenant, job.chunk_key).unlink()
+        except Exception as exc:
+            log.warning("put_many: in-flight write failed too: %s", exc)
+        finally:
+            job.res.release()
 
     def _begin_put(
         self,
@@ -228,15 +272,30 @@ class Pipeline(Maintenance):
 
     def _write_sealed(self, job: _PutJob, buf: memoryview) -> bool:
         """Write a sealed object and index it; always releases the job's reservation."""
+        try:
+            written = self._write_verified(job, buf)
+        except BaseException:
+            job.res.release()
+            raise
+        return self._finish_put(job, written)
+
+    def _write_verified(self, job: _PutJob, buf: memoryview) -> bool:
+        """Write the object; True if written, False if a verifying one was there.
+
+        "Exists" is success only for an object that verifies (layout §4): a
+        damaged one leaves its name, and this write takes it."""
+        path = self._path(job.tenant, job.chunk_key)
+        written = self.io.write_object(path, buf, self.config.durability)
+        if not written and not self._existing_serves(job):
+            self._quarantine(job.tenant, job.chunk_key, "publish")
+            written = self.io.write_object(path, buf, self.config.durability)
+        return written
+
+    def _finish_put(self, job: _PutJob, written: bool) -> bool:
+        """Index a written object (or adopt the one another writer put there);
+        always releases the job's reservation."""
         res = job.res
         try:
-            path = self._path(job.tenant, job.chunk_key)
-            written = self.io.write_object(path, buf, self.config.durability)
-            if not written and not self._existing_serves(job):
-                # "Exists" is success only for an object that verifies (§4): a
-                # damaged one leaves its name, and this write takes it.
-                self._quarantine(job.tenant, job.chunk_key, "publish")
-                written = self.io.write_object(path, buf, self.config.durability)
             if not written:
                 # Another writer (another node on a shared FS) got there first.
                 self._adopt(job.tenant, job.chunk_key)
@@ -344,11 +403,16 @@ class Pipeline(Maintenance):
         *,
         stop_at_miss: bool = True,
     ) -> list[list[int] | None]:
-        """:meth:`get_into` for several chunks, reading chunk n+1 while chunk n is
-        verified and decrypted. Per chunk: its layer lengths, or None (a miss).
+        """:meth:`get_into` for several chunks, up to :attr:`io_streams` of them
+        read, verified and decrypted at once, each on a pool thread straight into
+        its ``outs[i]``. Per chunk: its layer lengths, or None (a miss).
 
         With ``stop_at_miss`` (the default: a prefix cache has no use for the
-        chunks after a hole) nothing after the first miss is read; those are None.
+        chunks after a hole) every chunk after the first miss is None: none is
+        started after it is known, and those already in flight (at most
+        ``io_streams - 1``) are waited for and disowned (``outs`` of a None
+        chunk hold garbage, as ever; a chunk that fails its checks there is
+        dropped as any failed read is).
         """
         if len(outs) != len(keys):
             raise ValueError("one output buffer per key")
@@ -358,63 +422,62 @@ class Pipeline(Maintenance):
                 results[i] = self.get_into(tenant, k, outs[i])
             return results
         pool = self._pipeline()
-        scratch = (self._scratch, self._scratch_alt)
-        turn = 0
-
-        def start(i: int) -> tuple[ChunkRecord | None, Future[memoryview] | None]:
-            nonlocal turn
-            try:
-                rec = self._record(tenant, keys[i])
-            except Exception as exc:
-                if i == 0:
-                    raise
-                # A failing index after chunk 0: a miss here, never the loss of
-                # the chunks already verified (layout-v1.md §5).
-                log.warning("chunk %s: looking it up failed: %s", keys[i].hex()[:16], exc)
-                return None, None
-            if rec is None:
-                return None, None
-            # Size the buffer here, in the caller's thread (scratch buffers are per thread).
-            buf = scratch[turn].get(v1.align_up(rec.size))
-            turn ^= 1
-            path = self._path(tenant, keys[i])
-            return rec, pool.submit(self.io.read_object, path, _Prealloc(buf), MAX_OBJECT_BYTES)
-
-        cur = start(0)
-        nxt: tuple[ChunkRecord | None, Future[memoryview] | None] = (None, None)
+        streams = self.io_streams
+        # In order: (chunk index, its read+verify on the pool). The index is
+        # consulted here, in order; each chunk is read, verified and decrypted
+        # on a pool thread, straight into its own ``outs[i]``.
+        window: deque[tuple[int, Future[list[int] | None]]] = deque()
+        nxt = 0
+        missed = False
         try:
-            for i in range(len(keys)):
-                rec, fut = cur
-                cur = (None, None)
-                if rec is None or fut is None:
-                    self.counters.misses += 1
-                    if stop_at_miss:
-                        break
-                    if i + 1 < len(keys):
-                        cur = start(i + 1)
-                    continue
-                try:
-                    buf = fut.result()
-                except Exception as exc:
-                    self._read_failed(tenant, keys[i], exc)
-                    if stop_at_miss:
-                        break
-                    if i + 1 < len(keys):
-                        cur = start(i + 1)
-                    continue
-                if i + 1 < len(keys):
-                    nxt = start(i + 1)  # read the next chunk while this one decrypts
-                results[i] = self._open_into(tenant, keys[i], rec, buf, outs[i])
-                del buf
-                cur, nxt = nxt, (None, None)
+            while True:
+                while not missed and nxt < len(keys) and len(window) < streams:
+                    try:
+                        rec = self._record(tenant, keys[nxt])
+                    except Exception as exc:
+                        if nxt == 0:
+                            raise
+                        # A failing index after chunk 0: a miss here, never the loss
+                        # of the chunks already verified (layout-v1.md §5).
+                        log.warning("chunk %s: looking it up failed: %s", keys[nxt].hex()[:16], exc)
+                        rec = None
+                    if rec is None:
+                        self.counters.misses += 1
+                        missed = stop_at_miss
+                    else:
+                        window.append((nxt, pool.submit(self._load_one, tenant, rec, outs[nxt])))
+                    nxt += 1
+                if not window:
+                    break
+                i, fut = window.popleft()
+                results[i] = fut.result()
                 if results[i] is None and stop_at_miss:
+                    missed = True
                     break
         finally:
-            for _rec, f in (cur, nxt):
-                if f is not None:  # a read we no longer want still owns a buffer: wait
-                    with contextlib.suppress(Exception):
-                        f.result()
+            for i, fut in window:  # read past a miss (or an error): wait, then disown
+                try:
+                    lengths = fut.result()
+                except Exception as exc:
+                    log.warning("get_many_into: read of a chunk past a miss failed: %s", exc)
+                    continue
+                if lengths is not None and missed:
+                    # Verified, but after the hole: not handed out, so not a hit.
+                    self.counters.hits -= 1
+                    self.counters.bytes_out -= sum(lengths)
+                results[i] = None
         return results
+
+    def _load_one(self, tenant: str, rec: ChunkRecord, out: memoryview) -> list[int] | None:
+        """On a pool thread: :meth:`get_into` of an indexed chunk, through that
+        thread's scratch buffer. Its layer lengths, or None (a miss, handled)."""
+        key = rec.chunk_key
+        try:
+            buf = self.io.read_object(self._path(tenant, key), self._scratch.get, MAX_OBJECT_BYTES)
+        except Exception as exc:  # every failure of a damaged file is a miss (§5)
+            self._read_failed(tenant, key, exc)
+            return None
+        return self._open_into(tenant, key, rec, buf, out)
 
     def _open_into(
         self, tenant: str, key: bytes, rec: ChunkRecord, buf: memoryview, out: memoryview
@@ -494,16 +557,3 @@ class Pipeline(Maintenance):
     def touch(self, tenant: str, keys: Sequence[bytes]) -> None:
         for k in keys:
             self._touch_later(tenant, k)  # the index ignores keys it does not hold
-
-
-class _Prealloc:
-    """An ``alloc`` for a read on another thread: the caller's buffer, sized beforehand
-    from the index record; a fresh mapping if the file turns out larger."""
-
-    def __init__(self, buf: memoryview) -> None:
-        self._buf = buf
-
-    def __call__(self, n: int) -> memoryview:
-        if n <= len(self._buf):
-            return self._buf[:n]
-        return memoryview(mmap.mmap(-1, v1.align_up(max(n, 1))))[:n]
