@@ -57,7 +57,7 @@ _HEADER = struct.Struct("<4sHHQ12sI")
 HEADER_SIZE = _HEADER.size  # 32
 _FRAME = struct.Struct("<II")
 _BODY_HEAD = struct.Struct("<BBHQ")
-_STORE_TAIL = struct.Struct("<32s32sQQIIQ")
+_STORE_TAIL = struct.Struct("<32s32sQQIIQQ")
 MAX_BODY = 4096
 KEY_SIZE = 32
 DEFAULT_SEGMENT_BYTES = 8 << 20
@@ -99,6 +99,7 @@ class JournalRecord:
     payload: int = 0
     key_epoch: int = 0
     num_layers: int = 0
+    grant_epoch: int = 0
 
     @classmethod
     def store(
@@ -113,6 +114,7 @@ class JournalRecord:
         num_layers: int = 0,
         expires_ns: int = 0,
         time_ns: int | None = None,
+        grant_epoch: int = 0,
     ) -> JournalRecord:
         return cls(
             Op.STORE,
@@ -125,6 +127,7 @@ class JournalRecord:
             payload=payload,
             key_epoch=key_epoch,
             num_layers=num_layers,
+            grant_epoch=grant_epoch,
         )
 
     @classmethod
@@ -172,6 +175,7 @@ def encode_record(rec: JournalRecord) -> bytes:
             rec.key_epoch,
             rec.num_layers,
             _u64("expires", rec.expires_ns),
+            _u64("grant epoch", rec.grant_epoch),
         )
     elif rec.op in (Op.TOUCH, Op.REMOVE):
         body += rec.key
@@ -203,9 +207,9 @@ def _decode_body(body: bytes) -> JournalRecord:
     if op is Op.STORE:
         if len(rest) != _STORE_TAIL.size:
             raise JournalError("STORE record of the wrong size")
-        key, ns, size, payload, epoch, layers, expires = _STORE_TAIL.unpack(rest)
+        key, ns, size, payload, epoch, layers, expires, grant = _STORE_TAIL.unpack(rest)
         return JournalRecord(
-            op, tenant, time_ns, key, ns, size, expires, reason, payload, epoch, layers
+            op, tenant, time_ns, key, ns, size, expires, reason, payload, epoch, layers, grant
         )
     if op in (Op.TOUCH, Op.REMOVE):
         if len(rest) != KEY_SIZE:

@@ -17,7 +17,7 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import JournalError
@@ -41,6 +41,8 @@ class LeaseState:
     renewal: int
     ttl_s: float
     released: bool
+    #: Cumulative bytes each node may write in this epoch (shared-root-v1.md §4.1).
+    grants: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         doc = {
@@ -51,6 +53,7 @@ class LeaseState:
             "renewal": self.renewal,
             "ttl_s": self.ttl_s,
             "released": self.released,
+            "grants": dict(sorted(self.grants.items())),
         }
         return (json.dumps(doc, sort_keys=True) + "\n").encode("utf-8")
 
@@ -75,12 +78,24 @@ class LeaseState:
                 renewal=int(doc["renewal"]),
                 ttl_s=float(doc["ttl_s"]),
                 released=bool(doc["released"]),
+                grants=_grants(doc.get("grants", {})),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise JournalError(f"lease epoch {epoch}: field {exc} missing or invalid") from exc
         if state.epoch != epoch or not state.ttl_s > 0:
             raise JournalError(f"lease epoch {epoch}: content names epoch {state.epoch}")
         return state
+
+
+def _grants(raw: object) -> dict[str, int]:
+    if not isinstance(raw, dict):
+        raise ValueError("grants is not an object")
+    out: dict[str, int] = {}
+    for node, n in raw.items():
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"grant of {node!r} is not a byte count")
+        out[str(node)] = n
+    return out
 
 
 def _name(epoch: int) -> str:
@@ -120,6 +135,13 @@ class EvictorLease:
         self._seen_at = 0.0
         self.takeovers = 0
         self.errors: list[str] = []
+        #: What the holder writes into its lease file at the next renewal.
+        self.grants: dict[str, int] = {}
+        #: The lease in force as last read by :meth:`tick` (None: none yet, or held).
+        self.last_seen: LeaseState | None = None
+        #: When this node took the role: the lease it replaced (its grants may
+        #: still be in use by nodes that have not seen the new epoch).
+        self.previous: LeaseState | None = None
 
     # -- reading -------------------------------------------------------------
 
@@ -163,6 +185,8 @@ class EvictorLease:
                 return True
             self._held = None
         cur = self.current()
+        self.last_seen = cur
+        self.previous = cur
         if cur is None:
             return self._take(1, now)
         # Our own lease that we stopped renewing in time (a pause, a failed
@@ -177,6 +201,7 @@ class EvictorLease:
 
     def _take(self, epoch: int, now: float) -> bool:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.grants = {}
         state = LeaseState(epoch, self.node_id, self.incarnation, 0, self.ttl_s, False)
         try:
             atomic_create(self.dir / _name(epoch), state.to_json(), mode=0o600)
@@ -204,6 +229,7 @@ class EvictorLease:
             self._held.renewal + 1,
             self.ttl_s,
             False,
+            dict(self.grants),
         )
         try:
             atomic_create(self.dir / _name(state.epoch), state.to_json(), mode=0o600, replace=True)
@@ -235,6 +261,7 @@ class EvictorLease:
             self._held.renewal + 1,
             self.ttl_s,
             True,
+            dict(self.grants),
         )
         held, self._held = self._held, None
         if self._higher_epoch_exists(held.epoch):

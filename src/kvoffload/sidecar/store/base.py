@@ -212,6 +212,7 @@ class StoreBase:
                         num_layers=rec.num_layers,
                         expires_ns=rec.expires_ns,
                         time_ns=rec.created_ns,
+                        grant_epoch=self._shared.view_epoch,
                     )
                 ]
             )

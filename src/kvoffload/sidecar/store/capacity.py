@@ -42,6 +42,8 @@ class Reservation:
         if not self._released:
             self._released = True
             self._store._unreserve_locked(self.tenant, self.nbytes)
+            if self._store._shared is not None:
+                self._store._shared.committed_locked(self.nbytes)
 
     def __enter__(self) -> Reservation:
         return self
@@ -62,6 +64,10 @@ class _Scope:
     def accounted_locked(self) -> int:
         s = self.store
         if self.tenant is None:
+            if s._shared is not None:
+                # A shared root's capacity is the root's: this node may write
+                # what the evictor granted it (shared-root-v1.md §4.1).
+                return self.limit - s._shared.remaining_locked() + s._reserved
             return s._used + s._reserved
         # The index's usage is read under the lock that every insert takes,
         # so two writers cannot both fit into the same room.
@@ -170,6 +176,20 @@ class Capacity(StoreBase):
         evicting the scope's LRU unpinned chunks to make room; else ``scope.full``."""
         if nbytes > scope.limit:
             raise scope.full(nbytes)
+        if scope.tenant is None and self._shared is not None:
+            # Within this node's grant or not at all: the root's evictor makes room.
+            for attempt in (0, 1):
+                with self._mu:
+                    if scope.accounted_locked() + nbytes > scope.limit:
+                        self._shared.refill_own_locked(self._used, scope.limit)
+                    if scope.accounted_locked() + nbytes <= scope.limit:
+                        scope.add_locked(nbytes)
+                        return
+                    excess = self._used + nbytes - int(scope.limit * self.config.low_watermark)
+                if attempt or self._shared.lease.held is None or excess <= 0:
+                    break
+                self._evict(scope, excess)  # the holder only; each removal fenced
+            raise scope.full(nbytes)
         evicted_nothing = False
         for _attempt in range(1000):
             with self._mu:
@@ -222,8 +242,8 @@ class Capacity(StoreBase):
 
     def _after_write(self) -> None:
         cap = self.config.capacity_bytes
-        if cap is None or not self._may_evict():
-            return
+        if cap is None or self._shared is not None:
+            return  # a shared root's evictor works from its tick (facade.evictor_tick)
         if self._used + self._reserved > cap * self.config.high_watermark:
             target = int(cap * self.config.low_watermark)
             self._evict(_Scope(self, cap), self._used + self._reserved - target)

@@ -29,6 +29,7 @@ from ..journal import JournalRecord, Op
 from ..keyring import Kek, Keyring
 from .audit import AuditLog
 from .base import Counters, StoreConfig, boundary, log, mapped_errors
+from .capacity import _Scope
 from .leases import Leases
 from .shared import POSITIONS_META, SharedRoot
 
@@ -79,6 +80,9 @@ class Store(Leases):
             self._flusher.start()
         self._journal_thread: threading.Thread | None = None
         if self._shared is not None:
+            with mapped_errors("open"):
+                self.follow_journals()
+                self.evictor_tick()  # a lone node holds the role and its grant at once
             self._journal_thread = threading.Thread(
                 target=self._journal_loop, name="kvoffload-journal", daemon=True
             )
@@ -222,8 +226,10 @@ class Store(Leases):
             return 0
         followed = sh.follower.poll()
         now = time.time_ns()
-        for _node, r in followed:
+        for node, r in followed:
             if r.op is Op.STORE:
+                with self._mu:
+                    sh.saw_store_locked(node, r.grant_epoch, r.size)
                 if r.expires_ns and r.expires_ns <= now:
                     continue
                 rec = ChunkRecord(
@@ -268,8 +274,24 @@ class Store(Leases):
         if sh is None:
             return False
         held = sh.lease.tick()
-        if held:
-            self._after_write()
+        cap = self.config.capacity_bytes
+        to_free = 0
+        with self._mu:
+            before = dict(sh.lease.grants)
+            if held and cap is not None:
+                to_free = sh.issue_locked(
+                    self._used,
+                    cap,
+                    self.config.high_watermark,
+                    self.config.low_watermark,
+                    now=time.monotonic(),
+                )
+            else:
+                sh.refresh_view_locked()
+        if held and sh.lease.grants != before:
+            held = sh.lease.tick()  # publish the new grants now (a renewal)
+        if to_free and cap is not None:
+            self._evict(_Scope(self, cap), to_free)  # each removal fenced
         return held
 
     def shared_info(self) -> dict[str, Any] | None:

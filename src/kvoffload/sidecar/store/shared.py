@@ -75,6 +75,12 @@ class SharedRoot:
         self.stats = SharedStats()
         self._mu = threading.Lock()
         self._last_error = 0.0
+        # Write grants (shared-root-v1.md §4.1). Guarded by the Store's lock.
+        self.seen: dict[tuple[str, int], int] = {}  # (node, grant epoch) -> bytes journaled
+        self.written: dict[int, int] = {}  # grant epoch -> bytes this node wrote
+        self.view_epoch = 0
+        self.view_grant = 0
+        self._old_until = 0.0
 
     def journal(self, records: Sequence[JournalRecord]) -> None:
         """Append to this node's journal; a failure is logged and counted, never raised."""
@@ -95,6 +101,94 @@ class SharedRoot:
                     )
                 return
             self.stats.journaled += len(records)
+
+    # -- write grants (§4.1): one capacity for the root ---------------------------
+
+    def remaining_locked(self) -> int:
+        """Bytes this node may still write under the grant it knows of."""
+        return self.view_grant - self.written.get(self.view_epoch, 0)
+
+    def committed_locked(self, nbytes: int) -> None:
+        self.written[self.view_epoch] = self.written.get(self.view_epoch, 0) + nbytes
+
+    def saw_store_locked(self, node: str, grant_epoch: int, nbytes: int) -> None:
+        k = (node, grant_epoch)
+        self.seen[k] = self.seen.get(k, 0) + nbytes
+
+    def _seen(self, node: str, epoch: int) -> int:
+        if node == self.node_id:
+            return self.written.get(epoch, 0)
+        return self.seen.get((node, epoch), 0)
+
+    def refresh_view_locked(self) -> None:
+        """Take this node's grant from the lease in force (its own, when held)."""
+        held = self.lease.held
+        if held is not None:
+            epoch, grant = held.epoch, self.lease.grants.get(self.node_id, 0)
+        elif self.lease.last_seen is not None and not self.lease.last_seen.released:
+            cur = self.lease.last_seen
+            epoch, grant = cur.epoch, cur.grants.get(self.node_id, 0)
+        else:
+            epoch, grant = self.view_epoch, 0  # no holder: write nothing more
+        self.view_epoch, self.view_grant = epoch, grant
+
+    def issue_locked(self, used: int, capacity: int, high: float, low: float, *, now: float) -> int:
+        """As the holder: raise the grants of every node from the room left under the
+        capacity; the bytes to evict (above the high watermark: down to the low), or 0.
+
+        The room is the capacity minus what this node's index holds (every node's
+        journaled chunks) minus every grant not yet seen used, this epoch's and,
+        for a settling time after a takeover, the previous holder's."""
+        held = self.lease.held
+        if held is None:
+            return 0
+        epoch = held.epoch
+        nodes = sorted({*self.follower.nodes(), self.node_id})
+        grants = self.lease.grants
+        unseen = sum(max(0, grants.get(n, 0) - self._seen(n, epoch)) for n in nodes)
+        prev = self.lease.previous
+        if prev is not None and prev.epoch < epoch:
+            if self._old_until == 0.0:
+                self._old_until = now + 3 * self.lease.ttl_s
+            if now < self._old_until:
+                unseen += sum(max(0, g - self._seen(n, prev.epoch)) for n, g in prev.grants.items())
+        bound = used + unseen
+        room = capacity - bound
+        if room > 0 and nodes:
+            per = min(room // len(nodes), self.grant_max(capacity))
+            for n in nodes:
+                have = grants.get(n, 0) - self._seen(n, epoch)
+                if have < per:
+                    grants[n] = self._seen(n, epoch) + per
+        self.refresh_view_locked()
+        return max(0, bound - int(capacity * low)) if bound > capacity * high else 0
+
+    def refill_own_locked(self, used: int, capacity: int) -> None:
+        """The holder's own grant ran out between ticks: raise it from the room now
+        (the others' grants are raised at the next tick, when they can see them)."""
+        held = self.lease.held
+        if held is None or not self.lease.fence():
+            return
+        epoch = held.epoch
+        nodes = sorted({*self.follower.nodes(), self.node_id})
+        grants = self.lease.grants
+        unseen = sum(max(0, grants.get(n, 0) - self._seen(n, epoch)) for n in nodes)
+        prev = self.lease.previous
+        if prev is not None and prev.epoch < epoch and self._old_until != 0.0:
+            unseen += sum(max(0, g - self._seen(n, prev.epoch)) for n, g in prev.grants.items())
+        room = capacity - used - unseen
+        if room > 0:
+            mine = self._seen(self.node_id, epoch)
+            grants[self.node_id] = grants.get(self.node_id, mine) + min(
+                room, self.grant_max(capacity)
+            )
+            self.refresh_view_locked()
+
+    @staticmethod
+    def grant_max(capacity: int) -> int:
+        """At most this much unused grant per node: what a node that dies holding
+        a grant keeps from the others until the next takeover."""
+        return max(min(capacity // 16, 4 << 30), min(capacity // 4, 256 << 20))
 
     def positions_blob(self) -> bytes:
         pos = self.follower.positions()
@@ -123,6 +217,11 @@ class SharedRoot:
             "journal_errors": self.stats.journal_errors,
             "followed": self.stats.followed,
             "damaged_segments": self.follower.stats.damaged_segments,
+            "grant": {
+                "epoch": self.view_epoch,
+                "bytes": self.view_grant,
+                "written": self.written.get(self.view_epoch, 0),
+            },
         }
 
     def close(self, *, release: bool = True) -> None:
