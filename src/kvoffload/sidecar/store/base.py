@@ -45,6 +45,9 @@ DEFAULT_MAX_SEGMENTS_PER_EPOCH = 2**31
 SEAL_COUNT_BLOCK = 1 << 16
 #: Objects that failed verification go here (below the store root), not away:
 #: the newest QUARANTINE_KEEP are kept for forensics.
+#: Index meta set when the index was rebuilt from the files: the persisted seal
+#: counts are gone, so each tenant's next seal starts a fresh DEK epoch.
+SEAL_COUNTS_LOST = "seal_counts_lost"
 QUARANTINE_DIR = "quarantine"
 QUARANTINE_KEEP = 64
 
@@ -68,6 +71,9 @@ class StoreConfig:
     #: I/O backend (auto | posix | posix-direct | posix-buffered | kvikio | cufile);
     #: None: $KVOFFLOAD_IO, else auto. See sidecar/iobackend.py.
     io: str | IOMode | None = None
+    #: At open, move a corrupt index aside and rebuild it from the files (the
+    #: index is a cache of them); False: refuse to open (StoreIOError).
+    rebuild_corrupt_index: bool = True
 
     def resolved_index_dir(self) -> Path:
         if self.index_dir is not None:

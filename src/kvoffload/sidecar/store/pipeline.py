@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from ...layouts import ObjectMismatch, v1
 from ..errors import StoreError
 from ..index import ChunkRecord
-from .base import MAX_OBJECT_BYTES, SEAL_COUNT_BLOCK, aead_lookup, boundary, log
+from .base import MAX_OBJECT_BYTES, SEAL_COUNT_BLOCK, SEAL_COUNTS_LOST, aead_lookup, boundary, log
 from .capacity import Reservation
 from .fsck import Maintenance
 
@@ -65,6 +65,12 @@ class Pipeline(Maintenance):
                     return epoch
                 name = f"seal_count/{tenant}/{epoch}"
                 raw = self.index.get_meta(name)
+                if raw is None and self.index.get_meta(SEAL_COUNTS_LOST) is not None:
+                    # The index was rebuilt: this epoch's count is unknown. A fresh
+                    # epoch's is not (it starts at 0).
+                    epoch = self.keyring.rotate_dek(tenant)
+                    self.index.set_meta(f"seal_count/{tenant}/{epoch}", b"0")
+                    continue
                 done = int(raw.decode()) if raw else 0
                 if done + block > limit:
                     epoch = self.keyring.rotate_dek(tenant)
