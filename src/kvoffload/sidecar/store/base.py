@@ -34,6 +34,7 @@ from ..index import Index
 from ..iobackend import IOBackend, IOMode, IOPlan
 from ..keyring import Keyring, KeyringError, TenantKeys
 from .audit import AuditLog
+from .retention import RetentionJournal
 
 log = logging.getLogger("kvoffload.store")
 
@@ -151,6 +152,7 @@ class StoreBase:
     _touch_flushed: int
     _seal_budget: dict[tuple[str, int], int]
     _scratch: ScratchBuffers
+    _retention: RetentionJournal
     _scratch_alt: ScratchBuffers  # the second buffer of put_many/get_many_into
     _pipe: ThreadPoolExecutor | None
 
@@ -176,6 +178,19 @@ class StoreBase:
             with self._mu:
                 self._used -= rec.size
         return rec is not None
+
+    def _retain(self, tenant: str, key: bytes, created_ns: int, expires_ns: int) -> None:
+        """Record a chunk's expiry where an index rebuild finds it (layout-v1.md
+        §4.2), before its object is written."""
+        try:
+            self._retention.record(
+                tenant, key, created_ns, expires_ns,
+                durable=self.config.durability is Durability.OBJECT,
+            )  # fmt: skip
+        except OSError as exc:
+            raise StoreIOError(
+                f"recording the retention of a chunk failed: {exc}", exc.errno
+            ) from exc
 
     # -------------------------------------------------------- access times
 

@@ -29,6 +29,7 @@ from ..keyring import Kek, Keyring
 from .audit import AuditLog
 from .base import SEAL_COUNTS_LOST, Counters, StoreConfig, boundary, log, mapped_errors
 from .leases import Leases
+from .retention import RetentionJournal
 
 
 class Store(Leases):
@@ -118,6 +119,11 @@ class Store(Leases):
             self._touch_flushed = time.time_ns()
             self._seal_budget = {}
             self._scratch = ScratchBuffers()
+            node = self.index.get_meta("node_id")
+            if node is None:
+                node = os.urandom(8).hex().encode()
+                self.index.set_meta("node_id", node)
+            self._retention = RetentionJournal(self.root, node.decode())
             self._scratch_alt = ScratchBuffers()
             self._pipe = None
             sel = select_backend(config.io, self.root / "objects")
@@ -302,6 +308,7 @@ class Store(Leases):
 
         def work() -> None:
             shutil.rmtree(self.root / "objects" / tenant, ignore_errors=True)
+            self._retention.drop_tenant(tenant)
             for rec in recs:
                 self._drop(rec.tenant, rec.chunk_key, reason="purge", remove_file=False)
 

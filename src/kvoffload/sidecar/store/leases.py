@@ -136,8 +136,15 @@ class Leases(Pipeline):
                 os.close(fd)
                 self.counters.corrupt += 1
                 raise LeaseInvalid(f"chunk {lease.chunk_key.hex()[:16]}: {exc}") from exc
-            fileio.publish_lease_file(lease.tmp, fd, lease.final, self.config.durability)
             now = time.time_ns()
+            expires = now + int(lease.ttl_s * 1e9) if lease.ttl_s else 0
+            if expires:
+                try:
+                    self._retain(lease.tenant, lease.chunk_key, h.created_ns, expires)
+                except BaseException:
+                    os.close(fd)
+                    raise
+            fileio.publish_lease_file(lease.tmp, fd, lease.final, self.config.durability)
             rec = ChunkRecord(
                 tenant=lease.tenant,
                 chunk_key=lease.chunk_key,
@@ -148,7 +155,7 @@ class Leases(Pipeline):
                 num_layers=len(h.layers),
                 created_ns=h.created_ns,
                 last_access_ns=now,
-                expires_ns=now + int(lease.ttl_s * 1e9) if lease.ttl_s else 0,
+                expires_ns=expires,
             )
             with self._mu:
                 inserted = self.index.put(rec)

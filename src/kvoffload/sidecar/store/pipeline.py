@@ -237,6 +237,9 @@ class Pipeline(Maintenance):
         res = job.res
         try:
             path = self._path(job.tenant, job.chunk_key)
+            expires = job.now + int(job.ttl_s * 1e9) if job.ttl_s else 0
+            if expires:
+                self._retain(job.tenant, job.chunk_key, job.now, expires)
             written = self.io.write_object(path, buf, self.config.durability)
             if not written and not self._existing_serves(job):
                 # "Exists" is success only for an object that verifies (§4): a
@@ -259,7 +262,7 @@ class Pipeline(Maintenance):
                 num_layers=len(job.lengths),
                 created_ns=now,
                 last_access_ns=now,
-                expires_ns=now + int(job.ttl_s * 1e9) if job.ttl_s else 0,
+                expires_ns=expires,
             )
             with self._mu:
                 # Turn the reservation into usage in one step: used + reserved
