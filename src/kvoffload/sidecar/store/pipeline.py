@@ -283,9 +283,16 @@ class Pipeline(Maintenance):
         if rec is None and self.config.probe_files_on_miss and self._adopt(tenant, key):
             rec = self.index.get(tenant, key)
         if rec is not None and rec.expires_ns and rec.expires_ns <= time.time_ns():
-            self._drop(tenant, key, reason="expired")
+            self._drop_quietly(tenant, key, "expired")
             return None
         return rec
+
+    def _drop_quietly(self, tenant: str, key: bytes, reason: str) -> None:
+        """Bookkeeping on the read path (an expired entry): never fails the read."""
+        try:
+            self._drop(tenant, key, reason=reason)
+        except Exception as exc:
+            log.warning("chunk %s (%s): dropping it failed: %s", key.hex()[:16], reason, exc)
 
     @boundary
     def lookup(self, tenant: str, keys: Sequence[bytes]) -> int:
@@ -297,7 +304,7 @@ class Pipeline(Maintenance):
         while n < len(keys):
             rec = self.index.get(tenant, keys[n])
             if rec is not None:  # present but expired
-                self._drop(tenant, keys[n], reason="expired")
+                self._drop_quietly(tenant, keys[n], "expired")
                 return n
             if not (self.config.probe_files_on_miss and self._adopt(tenant, keys[n])):
                 return n
