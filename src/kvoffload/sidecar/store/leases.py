@@ -82,6 +82,8 @@ class Leases(Pipeline):
             raise ValueError("chunk key and namespace must be 32 bytes")
         if not 1 <= len(lengths) <= v1.MAX_LAYERS or any(n < 1 for n in lengths):
             raise ValueError(f"1..{v1.MAX_LAYERS} layers of at least one byte expected")
+        if not v1.shape_ok(lengths, False):
+            raise ValueError("padding would exceed the bound of layout-v1.md §3.2")
         if self.index.get(tenant, chunk_key) is not None:
             self.counters.put_exists += 1
             return None

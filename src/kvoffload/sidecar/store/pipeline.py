@@ -194,6 +194,11 @@ class Pipeline(Maintenance):
                 reservation.release()
             return None
         lengths = [memoryview(x).nbytes for x in layers]
+        if not v1.shape_ok(lengths, encrypt):
+            raise ValueError(
+                f"{len(lengths)} layers of {sum(lengths)} bytes: padding would exceed the "
+                "bound of layout-v1.md §3.2"
+            )
         size = v1.object_size(lengths, encrypt)
         res = reservation
         if res is None or res.released or res.nbytes < size:
