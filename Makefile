@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	# systemd-analyze for the unit tests (they skip with a reason if this fails).
 	command -v systemd-analyze >/dev/null || { command -v apt-get >/dev/null && \
 	  (apt-get update -qq && apt-get install -y -qq systemd >/dev/null) || true; }
+	# strace for the fault suite's crash injection (tests/faults; it skips without).
+	command -v strace >/dev/null || { command -v apt-get >/dev/null && \
+	  (apt-get update -qq && apt-get install -y -qq strace >/dev/null) || true; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned to the local CPU build: an unpinned torch pulls a CUDA build

@@ -154,9 +154,8 @@ def test_lost_index_is_rebuilt_by_fsck_repair(tmp_path: Path, kek_file: Path) ->
     s2 = Store(s.config, Kek.from_file(kek_file))
     try:
         assert s2.lookup("acme", [key(1)]) == 1  # found by probing the file (shared-FS path)
-        report = s2.fsck()
-        assert not report.clean and len(report.unindexed_files) == 11
-        report = s2.fsck(repair=True, verify_data=True)
+        assert s2.fsck().clean  # a new index of a store with objects is rebuilt at open
+        s2.fsck(repair=True, verify_data=True)
         assert s2.fsck().clean
         got = sorted(
             (r.tenant, r.chunk_key, r.namespace, r.size, r.key_epoch) for r in s2.index.records()

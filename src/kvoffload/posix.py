@@ -202,14 +202,22 @@ def align_up(n: int, align: int = ALIGN) -> int:
 
 
 class ScratchBuffers:
-    """Per-thread page-aligned buffers (anonymous mappings) that only grow.
+    """Per-thread page-aligned buffers (anonymous mappings) that grow, and shrink.
 
     ``prefault``: touch every page when a buffer is mapped, so the hot path
     never faults (a fresh mapping per object costs a page fault per 4 KiB,
     ≈1 GB/s; a reused, touched one runs at memcpy speed). A buffer that is
-    outgrown is dropped, not closed: a view of it may still be in use, and it
-    unmaps when the last one goes.
+    outgrown or shrunk is dropped, not closed: a view of it may still be in
+    use, and it unmaps when the last one goes.
+
+    Shrinking: a buffer above :attr:`SHRINK_ABOVE` that served
+    :attr:`SHRINK_AFTER` requests in a row of at most a quarter of its size is
+    replaced by one of the size asked for, so one outsized object does not pin
+    its memory in every thread for the life of the process.
     """
+
+    SHRINK_ABOVE = 16 << 20
+    SHRINK_AFTER = 8
 
     def __init__(self, *, prefault: bool = True) -> None:
         self._local = threading.local()
@@ -217,7 +225,15 @@ class ScratchBuffers:
 
     def get(self, size: int) -> memoryview:
         buf: mmap.mmap | None = getattr(self._local, "buf", None)
+        if buf is not None and len(buf) > self.SHRINK_ABOVE and size <= len(buf) // 4:
+            small = getattr(self._local, "small", 0) + 1
+            self._local.small = small
+            if small >= self.SHRINK_AFTER:
+                buf = None
+        else:
+            self._local.small = 0
         if buf is None or len(buf) < size:
+            self._local.small = 0
             cap = align_up(max(size, 1 << 20), 1 << 20)
             buf = mmap.mmap(-1, cap)
             if self._prefault:

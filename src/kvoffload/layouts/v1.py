@@ -159,6 +159,20 @@ def object_size(lengths: Sequence[int], sealed: bool) -> int:
     return total_size(align_up(header_length(len(lengths))), lengths, sealed)
 
 
+#: Section 3.2: an object may exceed its payload by at most the payload plus this.
+MAX_OVERHEAD_BYTES = 1 << 20
+
+
+def shape_ok(lengths: Sequence[int], sealed: bool) -> bool:
+    """Whether a chunk of these layer lengths may be stored (section 3.2): its
+    object is at most ``2 × payload + MAX_OVERHEAD_BYTES`` bytes, which bounds
+    what header and 4 KiB padding can add (65,535 one-byte layers would put
+    256 MiB on disk for 64 KiB)."""
+    if not 1 <= len(lengths) <= MAX_LAYERS:
+        return False
+    return object_size(lengths, sealed) <= 2 * sum(lengths) + MAX_OVERHEAD_BYTES
+
+
 def _tenant_bytes(tenant: str) -> bytes:
     b = tenant.encode("utf-8")
     if not 1 <= len(b) <= MAX_TENANT:

@@ -40,6 +40,7 @@ from kvoffload.protocol import (
     FrameDecoder,
     Hello,
     Lookup,
+    Op,
     ProtocolError,
     RegisterStaging,
     Reply,
@@ -189,6 +190,8 @@ class Connection:
             if exc.fatal or exc.request_id is None:
                 raise
             await self._reply(exc.request_id, ErrorReply(exc.op or "error", exc.code, exc.message))
+            if self.session.version is None and exc.op != Op.HELLO.value:
+                self.closing = True  # §3.3 rule 1: anything but hello first closes
             return
         op = req.OP.value
         session = self.session
@@ -198,6 +201,8 @@ class Connection:
         if frame.fds and not isinstance(req, RegisterStaging):
             close_fds(frame.fds)
             await self._reply(rid, ErrorReply(op, ErrorCode.BAD_REQUEST, f"{op} takes no fds"))
+            if session.version is None and not isinstance(req, Hello):
+                self.closing = True  # §3.3 rule 1
             return
         if session.version is None:
             if not isinstance(req, Hello):

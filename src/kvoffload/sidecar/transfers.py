@@ -190,7 +190,10 @@ class Transfers:
         slots: list[_W] = []
         try:
             for i, c in enumerate(req.chunks):
-                if self.service.store.lookup(req.tenant, [c.key]) == 1:
+                if not v1.shape_ok(c.layers, encrypt):
+                    # §5.4: padding beyond the bound of layout-v1.md §3.2.
+                    slots.append(slot(StoreStatus.REJECTED, code=ErrorCode.TOO_LARGE))
+                elif self.service.store.lookup(req.tenant, [c.key]) == 1:
                     slots.append(slot(StoreStatus.EXISTS))
                 else:
                     slots.append(claim(h, i, c, settings))

@@ -35,6 +35,7 @@ from ..iobackend import IOBackend, IOMode, IOPlan
 from ..journal import JournalRecord
 from ..keyring import Keyring, KeyringError, TenantKeys
 from .audit import AuditLog
+from .retention import RetentionJournal
 from .shared import REMOVE_REASONS, SharedRoot
 
 log = logging.getLogger("kvoffload.store")
@@ -47,6 +48,9 @@ DEFAULT_MAX_SEGMENTS_PER_EPOCH = 2**31
 SEAL_COUNT_BLOCK = 1 << 16
 #: Objects that failed verification go here (below the store root), not away:
 #: the newest QUARANTINE_KEEP are kept for forensics.
+#: Index meta set when the index was rebuilt from the files: the persisted seal
+#: counts are gone, so each tenant's next seal starts a fresh DEK epoch.
+SEAL_COUNTS_LOST = "seal_counts_lost"
 QUARANTINE_DIR = "quarantine"
 QUARANTINE_KEEP = 64
 
@@ -78,6 +82,9 @@ class StoreConfig:
     #: Chunks of one batch sealed/written or read/verified at once (a pool of I/O
     #: threads, shared by all requests); 0: :func:`default_io_streams`.
     io_streams: int = 0
+    #: At open, move a corrupt index aside and rebuild it from the files (the
+    #: index is a cache of them); False: refuse to open (StoreIOError).
+    rebuild_corrupt_index: bool = True
 
     def resolved_index_dir(self) -> Path:
         if self.index_dir is not None:
@@ -167,6 +174,7 @@ class StoreBase:
     _touch_flushed: int
     _seal_budget: dict[tuple[str, int], int]
     _scratch: ScratchBuffers
+    _retention: RetentionJournal
     _pipe: ThreadPoolExecutor | None
     _shared: SharedRoot | None = None
 
@@ -216,6 +224,19 @@ class StoreBase:
                     )
                 ]
             )
+
+    def _retain(self, tenant: str, key: bytes, created_ns: int, expires_ns: int) -> None:
+        """Record a chunk's expiry where an index rebuild finds it (layout-v1.md
+        §4.2), before its object is written."""
+        try:
+            self._retention.record(
+                tenant, key, created_ns, expires_ns,
+                durable=self.config.durability is Durability.OBJECT,
+            )  # fmt: skip
+        except OSError as exc:
+            raise StoreIOError(
+                f"recording the retention of a chunk failed: {exc}", exc.errno
+            ) from exc
 
     # -------------------------------------------------------- access times
 

@@ -23,14 +23,15 @@ from ...layouts import create_root, read_layout, record_kek_id
 from ...layouts.store_root import ROOT_DIR_MODES
 from ..errors import StoreError, StoreIOError, StoreLocked
 from ..fileio import Durability, ScratchBuffers, syncfs
-from ..index import ChunkRecord, Index, Usage
+from ..index import ChunkRecord, Index, IndexCorrupt, IndexVersionError, Usage
 from ..iobackend import select_backend
 from ..journal import JournalRecord, Op
 from ..keyring import Kek, Keyring
 from .audit import AuditLog
-from .base import Counters, StoreConfig, boundary, log, mapped_errors
+from .base import SEAL_COUNTS_LOST, Counters, StoreConfig, boundary, log, mapped_errors
 from .capacity import _Scope
 from .leases import Leases
+from .retention import RetentionJournal
 from .shared import POSITIONS_META, SharedRoot
 
 
@@ -73,6 +74,13 @@ class Store(Leases):
         self._closed = threading.Event()
         self._bg: list[threading.Thread] = []
         self._flusher: threading.Thread | None = None
+        if self._rebuild_reason is not None:
+            try:
+                self._rebuild(self._rebuild_reason)
+            except BaseException:
+                self.index.close()
+                os.close(self._lock_fd)
+                raise
         if config.durability is Durability.BATCH:
             self._flusher = threading.Thread(
                 target=self._flush_loop, name="kvoffload-flush", daemon=True
@@ -99,11 +107,16 @@ class Store(Leases):
             self.root / "keys", kek, cache_ttl_s=config.key_cache_ttl_s, audit=self._audit
         )
         self._check_kek(kek)
-        self.index = Index(index_dir / "lmdb")
+        self._rebuild_reason: str | None = None
+        self.index = self._open_index(index_dir)
         try:
             store_id = self.index.get_meta("store_id")
             if store_id is None:
                 self.index.set_meta("store_id", self.layout.store_id.encode())
+                if self._rebuild_reason is None and any(self._walk_objects()):
+                    # A lost or deleted index of a store with objects: rebuilt
+                    # from the files, so nothing stored is forgotten.
+                    self._rebuild_reason = "the index is new but the store holds objects"
             elif store_id.decode() != self.layout.store_id:
                 raise StoreError(
                     f"index at {index_dir} belongs to store {store_id.decode()}, "
@@ -118,6 +131,11 @@ class Store(Leases):
             self._touch_flushed = time.time_ns()
             self._seal_budget = {}
             self._scratch = ScratchBuffers()
+            node = self.index.get_meta("node_id")
+            if node is None:
+                node = os.urandom(8).hex().encode()
+                self.index.set_meta("node_id", node)
+            self._retention = RetentionJournal(self.root, node.decode())
             self._pipe = None
             sel = select_backend(config.io, self.root / "objects")
             self._shared = None
@@ -134,6 +152,42 @@ class Store(Leases):
             raise
         self.io = sel.backend
         self.io_plan = sel.plan
+
+    def _open_index(self, index_dir: Path) -> Index:
+        """Open the index; a corrupt one (garbage ``data.mdb``, undecodable records,
+        an unknown schema) is moved aside to ``lmdb.corrupt-<time>`` (kept for
+        forensics) and a new one rebuilt from the files (layout-v1.md §1), when
+        ``rebuild_corrupt_index`` (the default); else the error stands."""
+        path = index_dir / "lmdb"
+        index: Index | None = None
+        try:
+            index = Index(path)
+            for _rec in index.records():  # every record decodes, every page is reachable
+                pass
+            index.usage()
+            return index
+        except (IndexCorrupt, IndexVersionError) as exc:
+            if index is not None:
+                index.close()
+            if not self.config.rebuild_corrupt_index:
+                raise
+            aside = index_dir / f"lmdb.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+            os.rename(path, aside)
+            log.error(
+                "the index at %s is unusable (%s): moved aside to %s; rebuilding it from the files",
+                path, exc, aside.name,
+            )  # fmt: skip
+            self._rebuild_reason = f"the index was unusable ({exc})"
+            return Index(path)
+
+    def _rebuild(self, reason: str) -> None:
+        log.warning("rebuilding the index from the files: %s", reason)
+        # What only the index knew is gone: the count of nonces drawn per DEK epoch
+        # (a fresh epoch per tenant bounds it again, base.SEAL_COUNT_BLOCK).
+        self.index.set_meta(SEAL_COUNTS_LOST, b"1")
+        rep = self.fsck(repair=True)
+        indexed = len(rep.unindexed_files) + rep.ok
+        log.warning("index rebuilt: %d objects, %d corrupt", indexed, len(rep.corrupt_files))
 
     def _check_kek(self, kek: Kek) -> None:
         """A wrong KEK stops us here (layout-v1.md §2): later, every object would
@@ -371,6 +425,7 @@ class Store(Leases):
 
         def work() -> None:
             shutil.rmtree(self.root / "objects" / tenant, ignore_errors=True)
+            self._retention.drop_tenant(tenant)
             for rec in recs:
                 self._drop(rec.tenant, rec.chunk_key, reason="purge", remove_file=False)
 
@@ -421,9 +476,10 @@ class Store(Leases):
 
     @boundary
     def maintain(self) -> dict[str, int]:
-        """Periodic upkeep the server runs: TTL expiry and orphaned temp files."""
+        """Periodic upkeep the server runs: TTL expiry, orphaned temp files and
+        unindexed objects (:meth:`sweep`)."""
         self._flush_touches()
-        return {"expired": self.expire(), "tmp_removed": self.collect_garbage()}
+        return {"expired": self.expire(), **self.sweep()}
 
     # ---------------------------------------------------------------- stats
 

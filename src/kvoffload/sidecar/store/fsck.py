@@ -16,8 +16,9 @@ from typing import Any
 from ...layouts import CorruptObject, v1
 from ..fileio import read_prefix
 from ..index import ChunkRecord
-from .base import MAX_OBJECT_BYTES, aead_lookup, boundary
+from .base import MAX_OBJECT_BYTES, aead_lookup, boundary, log
 from .capacity import Capacity
+from .retention import Retention
 
 
 @dataclass
@@ -38,9 +39,11 @@ class FsckReport:
 
     @property
     def clean(self) -> bool:
+        # Unindexed objects are not a problem: a crash between an object's
+        # rename and its index insert leaves one (layout-v1.md §4); fsck
+        # indexes those that verify.
         return not (
             self.missing_files
-            or self.unindexed_files
             or self.corrupt_files
             or self.orphan_tmp_files
             or self.purged_tenant_files
@@ -78,6 +81,7 @@ class Maintenance(Capacity):
         """
         rep = FsckReport(repaired=repair)
         now = time.time()
+        retention = self._retention.load()
         good: dict[tuple[str, bytes], ChunkRecord] = {}
         to_remove: list[Path] = []
         tenants_with_keys = set(self.keyring.tenants())
@@ -125,7 +129,12 @@ class Maintenance(Capacity):
                 to_remove.append(path)
                 corrupt_ids.add(_identity_from_path(rel))
                 continue
-            good[(h.tenant, h.chunk_key)] = self._record_from_header(h, st.st_size)
+            found = self._record_from_header(h, st.st_size, retention)
+            if found.expires_ns and found.expires_ns <= time.time_ns():
+                to_remove.append(path)  # past its TTL (§4.2): never revived
+                corrupt_ids.add((h.tenant, h.chunk_key))  # not "missing" either
+                continue
+            good[(h.tenant, h.chunk_key)] = found
         indexed = {(r.tenant, r.chunk_key): r for r in self.index.records()}
         rep.index_records = len(indexed)
         for k, r in indexed.items():
@@ -137,9 +146,10 @@ class Maintenance(Capacity):
                 rep.mismatched_records.append(v1.object_relpath(*k))
             else:
                 rep.ok += 1
-        for k in good:
-            if k not in indexed:
-                rep.unindexed_files.append(v1.object_relpath(*k))
+        unindexed = [g for k, g in good.items() if k not in indexed]
+        rep.unindexed_files = [v1.object_relpath(g.tenant, g.chunk_key) for g in unindexed]
+        if unindexed and not repair:
+            self._index_adopted(unindexed)
         if repair:
             for p in to_remove:
                 with contextlib.suppress(FileNotFoundError):
@@ -167,20 +177,60 @@ class Maintenance(Capacity):
     @boundary
     def collect_garbage(self) -> int:
         """Remove temp files older than ``tmp_max_age_s`` (cancelled or crashed writers)."""
-        n = 0
+        return self.sweep()["tmp_removed"]
+
+    @boundary
+    def sweep(self) -> dict[str, int]:
+        """One walk of the object tree: remove temp files older than ``tmp_max_age_s``
+        (cancelled or crashed writers) and index objects the index lacks (a crash
+        between an object's rename and its index insert, another node's write),
+        header-checked as on a miss."""
+        removed = adopted = 0
         now = time.time()
+        retention: Retention | None = None
         for path in self._walk_objects():
             if path.name.startswith(v1.TMP_PREFIX):
                 try:
                     if now - path.stat().st_mtime > self.config.tmp_max_age_s:
                         path.unlink()
-                        n += 1
+                        removed += 1
                 except FileNotFoundError:
                     pass
-        return n
+                continue
+            ident = _identity_from_path(str(path.relative_to(self.root)))
+            if ident is None or self.index.get(*ident) is not None:
+                continue
+            if retention is None:
+                retention = self._retention.load()
+            with contextlib.suppress(ValueError):  # a name no tenant or key can have
+                adopted += self._adopt(*ident, retention)
+        self._compact_retention()
+        return {"tmp_removed": removed, "adopted": adopted}
 
-    def _adopt(self, tenant: str, key: bytes) -> bool:
-        """Index an object another writer (node) put on disk. False if absent/invalid."""
+    def _compact_retention(self) -> None:
+        """Rewrite this node's retention files that have grown, keeping the
+        records of chunks the index holds and whose TTL has not passed."""
+        now = time.time_ns()
+        for tenant in self._retention.big_files():
+
+            def keep(key: bytes, created: int, expires: int, tenant: str = tenant) -> bool:
+                rec = self.index.get(tenant, key)
+                return rec is not None and rec.created_ns == created and expires > now
+
+            try:
+                self._retention.compact(tenant, keep)
+            except OSError as exc:
+                log.warning("compacting the retention journal of %s failed: %s", tenant, exc)
+
+    def _index_adopted(self, recs: list[ChunkRecord]) -> None:
+        with self._mu:
+            for rec in recs:
+                if self.index.put(rec):
+                    self._used += rec.size
+
+    def _adopt(self, tenant: str, key: bytes, retention: Retention | None = None) -> bool:
+        """Index an object another writer (node) put on disk, with its retention
+        (§4.2). False if absent/invalid, or past its TTL."""
         path = self._path(tenant, key)
         try:
             st = path.stat()
@@ -190,14 +240,23 @@ class Maintenance(Capacity):
             return False
         if h.chunk_key != key or h.tenant != tenant or st.st_size != h.total_size:
             return False
-        rec = self._record_from_header(h, st.st_size)
+        if retention is None:
+            try:
+                retention = self._retention.load([tenant])
+            except Exception:
+                retention = {}
+        rec = self._record_from_header(h, st.st_size, retention)
+        if rec.expires_ns and rec.expires_ns <= time.time_ns():
+            return False
         with self._mu:
             if self.index.put(rec):
                 self._used += rec.size
         return True
 
     @staticmethod
-    def _record_from_header(h: v1.ObjectHeader, size: int) -> ChunkRecord:
+    def _record_from_header(
+        h: v1.ObjectHeader, size: int, retention: Retention | None = None
+    ) -> ChunkRecord:
         now = time.time_ns()
         return ChunkRecord(
             tenant=h.tenant,
@@ -209,7 +268,7 @@ class Maintenance(Capacity):
             num_layers=len(h.layers),
             created_ns=h.created_ns,
             last_access_ns=now,
-            expires_ns=0,
+            expires_ns=(retention or {}).get((h.tenant, h.chunk_key, h.created_ns), 0),
         )
 
 

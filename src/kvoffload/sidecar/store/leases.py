@@ -82,6 +82,8 @@ class Leases(Pipeline):
             raise ValueError("chunk key and namespace must be 32 bytes")
         if not 1 <= len(lengths) <= v1.MAX_LAYERS or any(n < 1 for n in lengths):
             raise ValueError(f"1..{v1.MAX_LAYERS} layers of at least one byte expected")
+        if not v1.shape_ok(lengths, False):
+            raise ValueError("padding would exceed the bound of layout-v1.md §3.2")
         if self.index.get(tenant, chunk_key) is not None:
             self.counters.put_exists += 1
             return None
@@ -136,8 +138,15 @@ class Leases(Pipeline):
                 os.close(fd)
                 self.counters.corrupt += 1
                 raise LeaseInvalid(f"chunk {lease.chunk_key.hex()[:16]}: {exc}") from exc
-            fileio.publish_lease_file(lease.tmp, fd, lease.final, self.config.durability)
             now = time.time_ns()
+            expires = now + int(lease.ttl_s * 1e9) if lease.ttl_s else 0
+            if expires:
+                try:
+                    self._retain(lease.tenant, lease.chunk_key, h.created_ns, expires)
+                except BaseException:
+                    os.close(fd)
+                    raise
+            fileio.publish_lease_file(lease.tmp, fd, lease.final, self.config.durability)
             rec = ChunkRecord(
                 tenant=lease.tenant,
                 chunk_key=lease.chunk_key,
@@ -148,7 +157,7 @@ class Leases(Pipeline):
                 num_layers=len(h.layers),
                 created_ns=h.created_ns,
                 last_access_ns=now,
-                expires_ns=now + int(lease.ttl_s * 1e9) if lease.ttl_s else 0,
+                expires_ns=expires,
             )
             with self._mu:
                 inserted = self.index.put(rec)

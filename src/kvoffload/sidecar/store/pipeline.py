@@ -32,6 +32,7 @@ from ..index import ChunkRecord
 from .base import (
     MAX_OBJECT_BYTES,
     SEAL_COUNT_BLOCK,
+    SEAL_COUNTS_LOST,
     aead_lookup,
     boundary,
     default_io_streams,
@@ -75,6 +76,12 @@ class Pipeline(Maintenance):
                     return epoch
                 name = f"seal_count/{tenant}/{epoch}"
                 raw = self.index.get_meta(name)
+                if raw is None and self.index.get_meta(SEAL_COUNTS_LOST) is not None:
+                    # The index was rebuilt: this epoch's count is unknown. A fresh
+                    # epoch's is not (it starts at 0).
+                    epoch = self.keyring.rotate_dek(tenant)
+                    self.index.set_meta(f"seal_count/{tenant}/{epoch}", b"0")
+                    continue
                 done = int(raw.decode()) if raw else 0
                 if done + block > limit:
                     epoch = self.keyring.rotate_dek(tenant)
@@ -232,6 +239,11 @@ class Pipeline(Maintenance):
                 reservation.release()
             return None
         lengths = [memoryview(x).nbytes for x in layers]
+        if not v1.shape_ok(lengths, encrypt):
+            raise ValueError(
+                f"{len(lengths)} layers of {sum(lengths)} bytes: padding would exceed the "
+                "bound of layout-v1.md §3.2"
+            )
         size = v1.object_size(lengths, encrypt)
         res = reservation
         if res is None or res.released or res.nbytes < size:
@@ -283,8 +295,12 @@ class Pipeline(Maintenance):
         """Write the object; True if written, False if a verifying one was there.
 
         "Exists" is success only for an object that verifies (layout §4): a
-        damaged one leaves its name, and this write takes it."""
+        damaged one leaves its name, and this write takes it. A chunk with a TTL
+        has its expiry recorded first, where an index rebuild finds it (§4.2)."""
         path = self._path(job.tenant, job.chunk_key)
+        expires = job.now + int(job.ttl_s * 1e9) if job.ttl_s else 0
+        if expires:
+            self._retain(job.tenant, job.chunk_key, job.now, expires)
         written = self.io.write_object(path, buf, self.config.durability)
         if not written and not self._existing_serves(job):
             self._quarantine(job.tenant, job.chunk_key, "publish")
@@ -302,6 +318,7 @@ class Pipeline(Maintenance):
                 self.counters.put_exists += 1
                 return False
             now = job.now
+            expires = now + int(job.ttl_s * 1e9) if job.ttl_s else 0
             rec = ChunkRecord(
                 tenant=job.tenant,
                 chunk_key=job.chunk_key,
@@ -312,7 +329,7 @@ class Pipeline(Maintenance):
                 num_layers=len(job.lengths),
                 created_ns=now,
                 last_access_ns=now,
-                expires_ns=now + int(job.ttl_s * 1e9) if job.ttl_s else 0,
+                expires_ns=expires,
             )
             with self._mu:
                 # Turn the reservation into usage in one step: used + reserved
@@ -335,9 +352,16 @@ class Pipeline(Maintenance):
         if rec is None and self.config.probe_files_on_miss and self._adopt(tenant, key):
             rec = self.index.get(tenant, key)
         if rec is not None and rec.expires_ns and rec.expires_ns <= time.time_ns():
-            self._drop(tenant, key, reason="expired")
+            self._drop_quietly(tenant, key, "expired")
             return None
         return rec
+
+    def _drop_quietly(self, tenant: str, key: bytes, reason: str) -> None:
+        """Bookkeeping on the read path (an expired entry): never fails the read."""
+        try:
+            self._drop(tenant, key, reason=reason)
+        except Exception as exc:
+            log.warning("chunk %s (%s): dropping it failed: %s", key.hex()[:16], reason, exc)
 
     @boundary
     def lookup(self, tenant: str, keys: Sequence[bytes]) -> int:
@@ -349,7 +373,7 @@ class Pipeline(Maintenance):
         while n < len(keys):
             rec = self.index.get(tenant, keys[n])
             if rec is not None:  # present but expired
-                self._drop(tenant, keys[n], reason="expired")
+                self._drop_quietly(tenant, keys[n], "expired")
                 return n
             if not (self.config.probe_files_on_miss and self._adopt(tenant, keys[n])):
                 return n
