@@ -40,6 +40,15 @@ from .base import (
 from .capacity import Reservation
 from .fsck import Maintenance
 
+#: A batch of fewer bytes than this runs in the caller's thread, chunk by chunk:
+#: small chunks cost mostly Python (which holds the GIL), and the hop to a pool
+#: thread and back costs more than the overlap gains.
+PARALLEL_MIN_BYTES = 1 << 20
+
+
+def _small(nbytes: int) -> bool:
+    return nbytes < PARALLEL_MIN_BYTES
+
 
 @dataclass
 class _PutJob:
@@ -132,7 +141,7 @@ class Pipeline(Maintenance):
         held = list(reservations) if reservations is not None else [None] * len(chunks)
         if len(held) != len(chunks):
             raise ValueError("one reservation (or None) per chunk")
-        if len(chunks) < 2:
+        if len(chunks) < 2 or _small(sum(memoryview(x).nbytes for _k, ls in chunks for x in ls)):
             for i, (key, layers) in enumerate(chunks):
                 results[i] = self.put(
                     tenant, namespace, key, layers, encrypt=encrypt, ttl_s=ttl_s,
@@ -406,9 +415,11 @@ class Pipeline(Maintenance):
         if len(outs) != len(keys):
             raise ValueError("one output buffer per key")
         results: list[list[int] | None] = [None] * len(keys)
-        if len(keys) < 2:
+        if len(keys) < 2 or _small(sum(o.nbytes for o in outs)):
             for i, k in enumerate(keys):
                 results[i] = self.get_into(tenant, k, outs[i])
+                if results[i] is None and stop_at_miss:
+                    break
             return results
         pool = self._pipeline()
         streams = self.io_streams
