@@ -189,13 +189,16 @@ def test_a_small_batch_runs_inline(
         assert s.put_many("acme", NS, chunks) == [True] * N
         _flip(s, key(2))
         reads: list[Path] = []
-        real = fileio.read_file
 
-        def spy(path: Path, *a: Any, **kw: Any) -> Any:
-            reads.append(path)
-            return real(path, *a, **kw)
+        def spying(real: Any) -> Any:
+            def spy(path: Path, *a: Any, **kw: Any) -> Any:
+                reads.append(path)
+                return real(path, *a, **kw)
 
-        monkeypatch.setattr(fileio, "read_file", spy)
+            return spy
+
+        for name in ("read_file", "mapped_object"):  # the two ways a load reads an object
+            monkeypatch.setattr(fileio, name, spying(getattr(fileio, name)))
         outs = [memoryview(bytearray(sum(map(len, lay)))) for _, lay in chunks]
         got = s.get_many_into("acme", [k for k, _ in chunks], outs)
         assert got == [[len(x) for x in lay] for _, lay in chunks[:2]] + [None] * (N - 2)

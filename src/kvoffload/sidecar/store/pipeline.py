@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ...layouts import LayoutError, v1
+from .. import fileio
 from ..errors import StoreError
 from ..index import ChunkRecord
 from ..keyring import KeyringError
@@ -385,12 +386,7 @@ class Pipeline(Maintenance):
         if rec is None:
             self.counters.misses += 1
             return None
-        try:
-            buf = self.io.read_object(self._path(tenant, key), self._scratch.get, MAX_OBJECT_BYTES)
-        except OSError as exc:
-            self._unreadable(tenant, key, exc)
-            return None
-        return self._open_into(tenant, key, rec, buf, out)
+        return self._load_one(tenant, rec, out)
 
     @boundary
     def get_many_into(
@@ -461,11 +457,18 @@ class Pipeline(Maintenance):
         return results
 
     def _load_one(self, tenant: str, rec: ChunkRecord, out: memoryview) -> list[int] | None:
-        """On a pool thread: :meth:`get_into` of an indexed chunk, through that
+        """:meth:`get_into` of an indexed chunk (on a pool thread for a batch): from
+        its page-cache mapping where the backend maps reads, else through the
         thread's scratch buffer. Its layer lengths, or None (a miss, handled)."""
         key = rec.chunk_key
+        path = self._path(tenant, key)
         try:
-            buf = self.io.read_object(self._path(tenant, key), self._scratch.get, MAX_OBJECT_BYTES)
+            if getattr(self.io, "map_reads", False):
+                # One pass: verified and decrypted from the page cache into ``out``.
+                with fileio.mapped_object(path, MAX_OBJECT_BYTES) as mapped:
+                    if mapped is not None:
+                        return self._open_into(tenant, key, rec, mapped, out)
+            buf = self.io.read_object(path, self._scratch.get, MAX_OBJECT_BYTES)
         except OSError as exc:
             self._unreadable(tenant, key, exc)
             return None
