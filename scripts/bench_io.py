@@ -78,6 +78,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -95,6 +96,7 @@ from kvoffload.sidecar.fileio import O_DIRECT, Durability
 from kvoffload.sidecar.iobackend import IOMode, IOPlan, plan
 from kvoffload.sidecar.keyring import Kek
 from kvoffload.sidecar.store import Store, StoreConfig, StoreLease
+from kvoffload.sidecar.store.base import default_io_streams
 
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
@@ -213,33 +215,53 @@ def probe_backends(names: Sequence[str], d: Path) -> list[BackendSpec]:
 # --------------------------------------------------------------------------- raw I/O
 
 
+def fan_out(pool: ThreadPoolExecutor | None, fn: Callable[[int], None], n: int) -> None:
+    """``fn(j)`` for j in 0..n-1: in turn, or at once on ``pool`` (one I/O stream each)."""
+    if pool is None:
+        for j in range(n):
+            fn(j)
+        return
+    for f in [pool.submit(fn, j) for j in range(n)]:
+        f.result()
+
+
 def raw_writer(
-    d: Path, image: memoryview, durability: str, *, direct: bool, batch: int, tag: str
+    d: Path,
+    image: memoryview,
+    durability: str,
+    *,
+    direct: bool,
+    batch: int,
+    tag: str,
+    pool: ThreadPoolExecutor | None = None,
 ) -> Callable[[int], None]:
     """Op ``i`` writes ``batch`` copies of ``image`` the way the store does, minus its
-    bookkeeping: open(O_EXCL[, O_DIRECT]) + write + [fsync] + close + rename + [fsync(dir)]."""
+    bookkeeping: open(O_EXCL[, O_DIRECT]) + write + [fsync] + close + rename + [fsync(dir)];
+    with ``pool``, the files of a batch at once (the ceiling of as many streams)."""
     sync = durability == "object"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (O_DIRECT if direct else 0)
 
     def op(i: int) -> None:
-        for j in range(batch):
-            tmp = d / f".tmp-{tag}-{i}-{j}"
-            fd = os.open(tmp, flags, 0o640)
-            try:
-                done = 0
-                while done < len(image):
-                    done += os.write(fd, image[done:])
-                if sync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, raw_file(d, tag, i, j))
+        fan_out(pool, functools.partial(one, i), batch)
+
+    def one(i: int, j: int) -> None:
+        tmp = d / f".tmp-{tag}-{i}-{j}"
+        fd = os.open(tmp, flags, 0o640)
+        try:
+            done = 0
+            while done < len(image):
+                done += os.write(fd, image[done:])
             if sync:
-                dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, raw_file(d, tag, i, j))
+        if sync:
+            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
 
     return op
 
@@ -249,29 +271,39 @@ def raw_file(d: Path, tag: str, i: int, j: int) -> Path:
 
 
 def raw_reader(
-    files: Sequence[Sequence[Path]], buf: memoryview, *, direct: bool
+    files: Sequence[Sequence[Path]],
+    buf: memoryview,
+    *,
+    direct: bool,
+    pool: ThreadPoolExecutor | None = None,
+    slots: Sequence[memoryview] = (),
 ) -> Callable[[int], None]:
     """Op ``i`` reads every file of ``files[i]``: open[O_DIRECT] + fstat + readv + close.
 
     ``buf`` is page-aligned and at least the files' size rounded up to 4 KiB
-    (layout v1 objects are 4 KiB-padded, so O_DIRECT reads them whole).
+    (layout v1 objects are 4 KiB-padded, so O_DIRECT reads them whole). With
+    ``pool``, the files of a batch are read at once, file j into ``slots[j]``.
     """
     flags = os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0)
 
     def op(i: int) -> None:
-        for p in files[i]:
-            fd = os.open(p, flags)
-            try:
-                size = os.fstat(fd).st_size
-                want = v1.align_up(size) if direct else size
-                done = 0
-                while done < size:
-                    got = os.readv(fd, [buf[done:want]])
-                    if got == 0:
-                        raise OSError(f"{p}: short read")
-                    done += got
-            finally:
-                os.close(fd)
+        fan_out(pool, functools.partial(one, i), len(files[i]))
+
+    def one(i: int, j: int) -> None:
+        p = files[i][j]
+        buf_ = slots[j] if pool is not None else buf
+        fd = os.open(p, flags)
+        try:
+            size = os.fstat(fd).st_size
+            want = v1.align_up(size) if direct else size
+            done = 0
+            while done < size:
+                got = os.readv(fd, [buf_[done:want]])
+                if got == 0:
+                    raise OSError(f"{p}: short read")
+                done += got
+        finally:
+            os.close(fd)
 
     return op
 
@@ -300,6 +332,8 @@ class Bench:
     base: Path
     kek: Kek
     budget_s: float
+    #: The stores' io_streams; raw ceilings also run with min(streams, batch).
+    streams: int = 1
     results: list[Row] = field(default_factory=list)
     cpu_results: list[bs.Result] = field(default_factory=list)
     open_stores: list[Store] = field(default_factory=list)
@@ -388,11 +422,34 @@ class Bench:
         rdir: Path,
         stores: dict[str, Store],
     ) -> None:
-        s, b, budget = sh.shape, sh.batch, self.budget_s
-        image = sh.images["sealed"]  # the raw ceilings move the sealed object's bytes
+        b = sh.batch
         # The worker's direct path is posix here: its rows run with the posix backends only.
         fmts = FORMATS if spec.plan.get("backend") == "posix" else STAGED
         written: list[tuple[str, int]] = []  # (durability, batch) of every batch written
+        # The ceilings of as many I/O streams as the store runs a batch on.
+        nst = min(self.streams, b)
+        pool = ThreadPoolExecutor(nst, thread_name_prefix="bench-raw") if nst > 1 else None
+        try:
+            self._run_ops(sh, spec, durabilities, work, rdir, stores, fmts, written, nst, pool)
+        finally:
+            if pool is not None:
+                pool.shutdown()
+
+    def _run_ops(
+        self,
+        sh: Shaped,
+        spec: BackendSpec,
+        durabilities: Sequence[str],
+        work: Path,
+        rdir: Path,
+        stores: dict[str, Store],
+        fmts: Sequence[str],
+        written: list[tuple[str, int]],
+        nst: int,
+        pool: ThreadPoolExecutor | None,
+    ) -> None:
+        s, b, budget = sh.shape, sh.batch, self.budget_s
+        image = sh.images["sealed"]  # the raw ceilings move the sealed object's bytes
         for dur in durabilities:
             store = Store(
                 StoreConfig(
@@ -400,6 +457,7 @@ class Bench:
                     durability=Durability(dur),
                     capacity_bytes=None,
                     io=spec.name,
+                    io_streams=self.streams,
                 ),
                 self.kek,
                 create=True,
@@ -418,22 +476,40 @@ class Bench:
                     raise AssertionError("put_many found a chunk already present")
 
             raw = raw_writer(rdir, image, dur, direct=spec.direct_write, batch=b, tag=dur)
-            raw_t, *fmt_t = bs.interleaved(
-                [raw, *(functools.partial(save, fmt=fmt) for fmt in fmts)],
+            raws = [raw]
+            if pool is not None:
+                raws.append(
+                    raw_writer(rdir, image, dur, direct=spec.direct_write, batch=b,
+                               tag=f"{dur}-x{nst}", pool=pool)
+                )  # fmt: skip
+            timings = bs.interleaved(
+                [*raws, *(functools.partial(save, fmt=fmt) for fmt in fmts)],
                 n=sh.batches,
                 budget_s=budget,
                 min_ops=3,
             )
+            raw_ts, fmt_t = timings[: len(raws)], timings[len(raws) :]
             os.sync()  # untimed: the next rows start with no dirty pages
             sync = "+fsync" if dur == "object" else ""
-            ceil = self.add(
-                self.row("ceiling", f"raw write{sync} {spec.write_io}", sh, dur, spec.name,
-                         "sealed", raw_t)
-            )  # fmt: skip
+            ceils = [
+                self.add(
+                    self.row(
+                        "ceiling",
+                        f"raw write{sync} {spec.write_io}{sfx}",
+                        sh,
+                        dur,
+                        spec.name,
+                        "sealed",
+                        t,
+                    )
+                )
+                for sfx, t in zip(["", f" x{nst}"], raw_ts, strict=False)
+            ]
+            ceil = max(ceils, key=lambda c: c.gbps)
             for fmt, t in zip(fmts, fmt_t, strict=True):
                 row = self.add(self.row("kvoffload", f"save {fmt}", sh, dur, spec.name, fmt, t))
                 self.compare(row, ceil, self._stages(sh, fmt, "save"))
-            written += [(dur, i) for i in range(raw_t[0] + 1)]
+            written += [(dur, i) for i in range(raw_ts[0][0] + 1)]
 
         # -- loads: every batch written above (the files do not depend on durability)
         raw_files = [[raw_file(rdir, dur, i, j) for j in range(b)] for dur, i in written]
@@ -447,6 +523,14 @@ class Bench:
         }
         store_of = [stores[dur] for dur, _i in written]
         rbuf = bs._mv(bs.touched(v1.align_up(len(image))))
+        # The N-stream reads: cold, of the files the N-stream writer wrote; warm, of
+        # the single-stream files, which the cold row leaves cached (buffered).
+        par_files = [
+            [raw_file(rdir, f"{dur}-x{nst}", i, j) for j in range(b)] for dur, i in written
+        ]
+        stride = v1.align_up(len(image))
+        pbuf = bs._mv(bs.touched(stride * b)) if pool is not None else rbuf
+        slots = [pbuf[j * stride : (j + 1) * stride] for j in range(b)]
         outs = [bs._mv(bs.touched(s.payload)) for _ in range(b)]
         lb = s.layer_bytes
         dests = [[o[k * lb : (k + 1) * lb] for k in range(s.layers)] for o in outs]
@@ -467,6 +551,8 @@ class Bench:
 
         n = len(written) - 1
         flat = [p for batch in raw_files for p in batch]
+        if pool is not None:
+            flat += [p for batch in par_files for p in batch]
         for cache in ("cold", "warm") if not spec.direct_read else ("cold",):
             if cache == "cold":
                 bs.drop_cache(flat + [p for fmt in fmts for batch in obj_files[fmt] for p in batch])
@@ -476,20 +562,38 @@ class Bench:
                 fmt: self.mincore.resident([p for bt in obj_files[fmt][1 : n + 1] for p in bt])
                 for fmt in fmts
             }
-            raw_t, *fmt_t = bs.interleaved(
-                [
-                    raw_reader(raw_files, rbuf, direct=spec.direct_read),
-                    *(functools.partial(load, fmt=fmt) for fmt in fmts),
-                ],
+            readers = [raw_reader(raw_files, rbuf, direct=spec.direct_read)]
+            if pool is not None:
+                readers.append(
+                    raw_reader(par_files if cache == "cold" else raw_files, rbuf,
+                               direct=spec.direct_read, pool=pool, slots=slots)
+                )  # fmt: skip
+            timings = bs.interleaved(
+                [*readers, *(functools.partial(load, fmt=fmt) for fmt in fmts)],
                 n=n,
                 budget_s=budget,
                 min_ops=3,
             )
-            n = min(n, raw_t[0], *(t[0] for t in fmt_t))
-            ceil = self.add(
-                self.row("ceiling", f"raw read {cache} {spec.read_io}", sh, None, spec.name,
-                         "sealed", raw_t, raw_cached)
-            )  # fmt: skip
+            raw_ts, fmt_t = timings[: len(readers)], timings[len(readers) :]
+            n = min(n, *(t[0] for t in timings))
+            ceil = max(
+                (
+                    self.add(
+                        self.row(
+                            "ceiling",
+                            f"raw read {cache} {spec.read_io}{sfx}",
+                            sh,
+                            None,
+                            spec.name,
+                            "sealed",
+                            t,
+                            raw_cached,
+                        )
+                    )
+                    for sfx, t in zip(["", f" x{nst}"], raw_ts, strict=False)
+                ),
+                key=lambda c: c.gbps,
+            )
             for fmt, t in zip(fmts, fmt_t, strict=True):
                 row = self.add(
                     self.row("kvoffload", f"load {fmt} {cache}", sh, None, spec.name, fmt, t,
@@ -932,6 +1036,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--large-batch", type=int, default=None, help="chunks per batch (default 4)")
     p.add_argument("--small-batch", type=int, default=None, help="chunks per batch (default 32)")
     p.add_argument(
+        "--streams",
+        type=int,
+        default=default_io_streams(),
+        help="the stores' io_streams, and the raw ceilings' streams (min(streams, batch)); "
+        "default: the store's default here",
+    )
+    p.add_argument(
         "--row-budget-s",
         type=float,
         default=None,
@@ -1006,7 +1117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 os.write(fd, os.urandom(32))
             finally:
                 os.close(fd)
-            bench = Bench(base, Kek.from_file(kek_path), args.row_budget_s)
+            bench = Bench(base, Kek.from_file(kek_path), args.row_budget_s, args.streams)
             bench.progress = lambda m: err.print(m, highlight=False)
             t0 = time.perf_counter()
             prepared: list[Shaped] = []
@@ -1043,6 +1154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "quick": args.quick,
                 "durability": args.durability,
                 "backends": args.backend,
+                "streams": args.streams,
                 "row_budget_s": args.row_budget_s,
                 "shapes": [
                     asdict(sh.shape) | {"payload": sh.shape.payload, "batch": sh.batch}

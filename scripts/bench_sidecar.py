@@ -68,6 +68,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -89,6 +90,7 @@ from kvoffload.protocol import (
     reply_message,
     request_message,
 )
+from kvoffload.sidecar.store.base import default_io_streams
 
 if TYPE_CHECKING:
     import bench_store as bs
@@ -320,6 +322,20 @@ def batched_slots(ops: Sequence[Callable[[int], object]]) -> Callable[[int], Non
     return run
 
 
+def fanned(
+    ops: Sequence[Callable[[int], object]], pool: ThreadPoolExecutor
+) -> Callable[[int], None]:
+    """:func:`batched_slots` with the slots of a batch run at once on ``pool``: the raw
+    ceiling of as many I/O streams as the sidecar's (each slot its own file and buffer)."""
+
+    def run(i: int) -> None:
+        futs = [pool.submit(op, i * len(ops) + j) for j, op in enumerate(ops)]
+        for f in futs:
+            f.result()
+
+    return run
+
+
 def batched(op: Callable[[int], object], batch: int) -> Callable[[int], None]:
     """Op ``i`` runs ``op(i * batch + j)`` for each j of the batch."""
 
@@ -467,6 +483,7 @@ def run_sidecar(
     profile: Path | None,
     io_mode: str | None = None,
     ready_timeout_s: float = 60.0,
+    streams: int = 0,
 ) -> Iterator[Sidecar]:
     """Start a sidecar serving a fresh store under ``work``; stop it (SIGTERM) on exit."""
     with contextlib.ExitStack() as stack:
@@ -476,6 +493,8 @@ def run_sidecar(
         env = {"KVOFFLOAD_STORE_DURABILITY": durability}
         if io_mode is not None:
             env["KVOFFLOAD_IO"] = io_mode
+        if streams:
+            env["KVOFFLOAD_STORE_IO_STREAMS"] = str(streams)
         cli = ["--config", str(config), "serve"]
         if profile is None:
             cmd = testing.cli_argv(*cli)
@@ -560,6 +579,8 @@ class Bench:
     staging_bytes: int
     o_direct: bool
     lookups: int
+    #: The sidecar's I/O streams; raw ceilings run with min(streams, batch) too.
+    streams: int = 1
     results: list[bs.Result] = field(default_factory=list)
     latencies: list[Latency] = field(default_factory=list)
     mincore: bs.Mincore = field(default_factory=bs.Mincore)
@@ -569,6 +590,14 @@ class Bench:
         self.results.append(r)
         self.progress(f"  {r.id:<46} {r.gbps:8.3f} GB/s  ({r.ops} ops)")
         return r
+
+    def fan(self, batch: int) -> tuple[int, ThreadPoolExecutor | None]:
+        """(streams of a raw ceiling beside the single-stream one, its pool); (1, None)
+        when the sidecar runs a batch on one stream."""
+        n = min(self.streams, batch)
+        if n < 2:
+            return 1, None
+        return n, ThreadPoolExecutor(max_workers=n, thread_name_prefix="bench-raw")
 
     def add_cpu(self, data: ShapeData) -> None:
         for r in data.cpu.values():
@@ -646,6 +675,8 @@ class Bench:
         tenant = TENANTS[fmt]
         bdir = sc.work / f"raw-{fmt}-buffered"
         ddir = sc.work / f"raw-{fmt}-direct"
+        dirs = [bdir, ddir]
+        stack = contextlib.ExitStack()
         try:
             # -- save: raw write(s) and SidecarClient.save, interleaved op by op
             def save(i: int) -> None:
@@ -669,6 +700,26 @@ class Bench:
                 writers.append((f"raw write buffered {fmt}-obj", buffered_m, buffered_w))
             else:
                 writers.append((f"raw write {fmt}-obj", buffered_m, buffered_w))
+            nstreams, pool = self.fan(batch)
+            if pool is not None:
+                stack.callback(pool.shutdown)
+                pdir = sc.work / f"raw-{fmt}-streams"
+                pdir.mkdir()
+                dirs.append(pdir)
+                if self.o_direct:
+                    one: Callable[[int], None] = direct_writer(
+                        pdir, data.images[fmt], data.padded[fmt], dur
+                    )
+                    method = direct_m
+                else:
+                    one, method = bs.raw_writer(pdir, data.images[fmt], dur), buffered_m
+                writers.append(
+                    (
+                        f"raw write {fmt}-obj x{nstreams}",
+                        f"{method}, {nstreams} streams",
+                        fanned([one] * batch, pool),
+                    )
+                )
             timings = bs.interleaved(
                 [w[2] for w in writers] + [save], n=data.ops, budget_s=budget, min_ops=3
             )
@@ -692,6 +743,23 @@ class Bench:
             slots = [rbuf[j * stride : (j + 1) * stride] for j in range(batch)]
             buffered_r = batched_slots([bs.raw_reader(bpaths, sl) for sl in slots])
             direct_r = batched_slots([direct_reader(dpaths, sl) for sl in slots])
+            # The N-stream reads, each slot on its own thread: cold, of the files the
+            # N-stream writer wrote (the others' are read by their own rows); warm,
+            # of the buffered files, which the cold row leaves cached.
+            fan_r: dict[str, tuple[str, Callable[[int], None], list[Path]]] = {}
+            if pool is not None:
+                ppaths = [bs.raw_path(pdir, k) for k in range(nfiles)]
+                read_one = direct_reader if self.o_direct else bs.raw_reader
+                fan_r["cold"] = (
+                    "O_DIRECT read" if self.o_direct else "buffered read",
+                    fanned([read_one(ppaths, sl) for sl in slots], pool),
+                    ppaths,
+                )
+                fan_r["warm"] = (
+                    "buffered read",
+                    fanned([bs.raw_reader(bpaths, sl) for sl in slots], pool),
+                    bpaths,
+                )
 
             payload = shape.payload
             dst_arr = bs.touched(batch * payload)
@@ -733,7 +801,8 @@ class Bench:
             for cache in ("cold", "warm") if fmt != "direct" else ("cold",):
                 readers: list[tuple[str, str, Callable[[int], None], list[Path]]] = []
                 if cache == "cold":
-                    bs.drop_cache(bpaths + dpaths + sc.object_files())
+                    extra = fan_r["cold"][2] if "cold" in fan_r else []
+                    bs.drop_cache(bpaths + dpaths + extra + sc.object_files())
                     if self.o_direct:
                         readers.append(
                             (f"raw read cold {fmt}-obj", "O_DIRECT read", direct_r, dpaths)
@@ -754,6 +823,16 @@ class Bench:
                     readers.append(
                         (f"raw read warm {fmt}-obj", "buffered read", buffered_r, bpaths)
                     )
+                if cache in fan_r:
+                    method, op, paths = fan_r[cache]
+                    readers.append(
+                        (
+                            f"raw read {cache} {fmt}-obj x{nstreams}",
+                            f"{method}, {nstreams} streams",
+                            op,
+                            paths,
+                        )
+                    )
                 cached = [self.mincore.resident(r[3][batch : (n + 1) * batch]) for r in readers]
                 obj_cached = self.mincore.resident(obj_paths[batch : (n + 1) * batch])
                 timings = bs.interleaved(
@@ -772,7 +851,8 @@ class Bench:
             if not np.array_equal(dst_arr[: batch * payload], expect):
                 raise AssertionError(f"load {fmt}: the bytes loaded differ from the bytes saved")
         finally:
-            for d in (bdir, ddir):
+            stack.close()
+            for d in dirs:
                 shutil.rmtree(d, ignore_errors=True)
 
     def _finish(self, row: Row, ceil: bs.Result, data: ShapeData, fmt: str, op: str) -> None:
@@ -1031,6 +1111,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="KVOFFLOAD_IO for the sidecar (default: unset, the sidecar's own default)",
     )
     p.add_argument("--batch", type=int, default=4, help="chunks per save()/load() call")
+    p.add_argument(
+        "--streams",
+        type=int,
+        default=default_io_streams(),
+        help="the sidecar's [store] io_streams, and the raw ceilings' streams "
+        "(min(streams, batch)); default: the sidecar's default here",
+    )
     p.add_argument("--staging-mib", type=int, default=256, help="client staging buffer, MiB")
     p.add_argument(
         "--large-mib-per-row", type=int, default=1024, help="payload MiB per large-chunk row"
@@ -1056,6 +1143,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--shapes: a comma-separated list of large, small")
     if a.batch < 1:
         p.error("--batch must be at least 1")
+    if a.streams < 1:
+        p.error("--streams must be at least 1")
     if a.row_budget_s is None:
         a.row_budget_s = 0.2 if a.quick else 1.5
     if a.lookups is None:
@@ -1130,7 +1219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             facts["kvoffload source"] = _git_state()
             facts["load average 1/5/15 min (start)"] = bs.loadavg()
             o_direct = supports_o_direct(base)
-            bench = Bench(base, args.row_budget_s, staging, o_direct, args.lookups)
+            bench = Bench(base, args.row_budget_s, staging, o_direct, args.lookups, args.streams)
             bench.progress = lambda m: err.print(m, highlight=False)
             t0 = time.perf_counter()
             bench.progress("CPU ceilings and object images")
@@ -1140,7 +1229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             workers = max(2, os.cpu_count() or 2)
             command = ""
             for dur in args.durability:
-                with run_sidecar(base / dur, dur, args.profile, args.io) as sc:
+                with run_sidecar(
+                    base / dur, dur, args.profile, args.io, streams=args.streams
+                ) as sc:
                     pids.append(sc.proc.pid)
                     facts[f"sidecar ({dur}) reports"] = sc.describe()
                     if sc.stats.get("durability", dur) != dur:
@@ -1204,6 +1295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "quick": args.quick,
                 "durability": args.durability,
                 "batch": args.batch,
+                "streams": args.streams,
                 "staging_bytes": staging,
                 "row_budget_s": args.row_budget_s,
                 "lookups": args.lookups,

@@ -18,8 +18,9 @@ import pytest
 from kvoffload.layouts import v1
 from kvoffload.sidecar import fileio
 from kvoffload.sidecar.config import ConfigError, load_config
+from kvoffload.sidecar.errors import StoreFull, StoreIOError
 from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.sidecar.store import Store, StoreConfig, pipeline
 from kvoffload.sidecar.store.base import MAX_DEFAULT_IO_STREAMS, default_io_streams
 
 NS = bytes(range(32))
@@ -169,8 +170,99 @@ def test_io_streams_setting(tmp_path: Path) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _parallel_at_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These chunks are small: without this, their batches run inline."""
+    monkeypatch.setattr(pipeline, "PARALLEL_MIN_BYTES", 0)
+
+
+def test_a_small_batch_runs_inline(
+    tmp_path: Path,
+    kek_file: Path,
+    chunks: list[tuple[bytes, list[bytes]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Below PARALLEL_MIN_BYTES a batch never touches the pool (no thread hops),
+    and a miss still ends the prefix without reading what follows."""
+    monkeypatch.setattr(pipeline, "PARALLEL_MIN_BYTES", 1 << 20)
+    s = open_store(tmp_path / "s", kek_file, N)
+    try:
+        assert s.put_many("acme", NS, chunks) == [True] * N
+        _flip(s, key(2))
+        reads: list[Path] = []
+
+        def spying(real: Any) -> Any:
+            def spy(path: Path, *a: Any, **kw: Any) -> Any:
+                reads.append(path)
+                return real(path, *a, **kw)
+
+            return spy
+
+        for name in ("read_file", "mapped_object"):  # the two ways a load reads an object
+            monkeypatch.setattr(fileio, name, spying(getattr(fileio, name)))
+        outs = [memoryview(bytearray(sum(map(len, lay)))) for _, lay in chunks]
+        got = s.get_many_into("acme", [k for k, _ in chunks], outs)
+        assert got == [[len(x) for x in lay] for _, lay in chunks[:2]] + [None] * (N - 2)
+        assert reads == [s._path("acme", key(i)) for i in range(3)]
+        assert s._pipe is None  # the pool was never started
+    finally:
+        s.close()
+
+
+@pytest.fixture(autouse=True)
 def _no_leaked_threads() -> Iterator[None]:
     before = {t.ident for t in threading.enumerate()}
     yield
     left = [t for t in threading.enumerate() if t.ident not in before and t.is_alive()]
     assert not [t.name for t in left if t.name.startswith("kvoffload-io")]
+
+
+def test_a_failed_write_in_a_parallel_batch_stores_the_chunks_before_it_only(
+    tmp_path: Path,
+    kek_file: Path,
+    chunks: list[tuple[bytes, list[bytes]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    s = open_store(tmp_path / "s", kek_file, N)
+    real = fileio._write_all
+
+    def enospc_for_chunk_2(fd: int, data: memoryview) -> None:
+        if bytes(data[: v1.header_length(3)]).find(key(2)) >= 0:
+            raise OSError(28, "No space left on device")
+        real(fd, data)
+
+    monkeypatch.setattr(fileio, "_write_all", enospc_for_chunk_2)
+    try:
+        with pytest.raises(StoreIOError, match="permanent"):
+            s.put_many("acme", NS, chunks)
+        # Chunks 3.. were written at the same time: their files are removed
+        # again, or a lookup would adopt them.
+        assert [s.contains("acme", k) for k, _ in chunks] == [True, True] + [False] * (N - 2)
+        assert s.reserved_bytes == 0
+        assert s.used_bytes == sum(
+            v1.object_size(list(map(len, lay)), True) for _, lay in chunks[:2]
+        )
+        assert len(list((s.root / "objects").rglob("*" + v1.OBJECT_SUFFIX))) == 2
+        assert not list((s.root / "objects").rglob(v1.TMP_PREFIX + "*"))
+    finally:
+        s.close()
+
+
+def test_store_full_mid_batch_keeps_the_chunks_in_flight_before_it(
+    tmp_path: Path, kek_file: Path, chunks: list[tuple[bytes, list[bytes]]]
+) -> None:
+    sizes = [v1.object_size(list(map(len, lay)), True) for _, lay in chunks]
+    s = open_store(
+        tmp_path / "s",
+        kek_file,
+        N,
+        capacity_bytes=sum(sizes[:3]),
+        high_watermark=1.0,
+        low_watermark=1.0,
+    )
+    try:
+        with pytest.raises(StoreFull):
+            s.put_many("acme", NS, chunks)
+        assert [s.contains("acme", k) for k, _ in chunks] == [True] * 3 + [False] * (N - 3)
+        assert s.reserved_bytes == 0 and s.used_bytes == sum(sizes[:3])
+    finally:
+        s.close()

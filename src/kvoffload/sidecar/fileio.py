@@ -24,9 +24,10 @@ import ctypes.util
 import enum
 import errno
 import fcntl
+import mmap
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..layouts import v1
@@ -45,6 +46,7 @@ __all__ = [
     "create_lease_file",
     "direct_ok",
     "fsync_dir",
+    "mapped_object",
     "open_lease_file",
     "publish_lease_file",
     "read_fd",
@@ -52,6 +54,7 @@ __all__ = [
     "read_prefix",
     "read_range",
     "share_dirs",
+    "sidecar_written",
     "syncfs",
     "write_atomic",
 ]
@@ -291,6 +294,67 @@ def read_file(
         return buf[: min(done, size)]
     finally:
         os.close(fd)
+
+
+#: madvise(2), Linux 5.14+: fault a mapping in now, failing with an error (EIO,
+#: EFAULT) where a page cannot be read, instead of a SIGBUS at first touch.
+MADV_POPULATE_READ = 22
+#: Whether this kernel takes MADV_POPULATE_READ (cleared at the first EINVAL).
+_populate_ok = True
+
+
+def sidecar_written(st: os.stat_result) -> bool:
+    """Whether a file is one :func:`write_atomic` made: a regular file of this uid,
+    one link, writable by its owner only. No descriptor that could truncate it
+    outlives its rename; a direct-path object (written through a worker's
+    descriptor, published read-only) or anything else is not one."""
+    return (
+        stat.S_ISREG(st.st_mode)
+        and st.st_uid == os.geteuid()
+        and st.st_nlink == 1
+        and st.st_mode & 0o222 == 0o200
+    )
+
+
+@contextlib.contextmanager
+def mapped_object(path: Path, max_size: int) -> Iterator[memoryview | None]:
+    """The whole object as a read-only view of its page-cache pages, populated
+    (read from the device where cold) before it is handed out; None where the
+    file may not be mapped safely (:func:`sidecar_written`, an empty file, a
+    kernel without MADV_POPULATE_READ): the caller reads it instead.
+
+    A reader then verifies and decrypts straight from the page cache into its
+    destination, one pass instead of a copy and a pass. Raises OSError as
+    :func:`read_file` does (ENOENT, EFBIG, EIO while populating).
+    """
+    global _populate_ok
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if st.st_size > max_size:
+            raise OSError(errno.EFBIG, f"{path.name}: {st.st_size} bytes exceeds the object limit")
+        if not (_populate_ok and st.st_size and sidecar_written(st)):
+            yield None
+            return
+        m = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)  # the mapping keeps the file
+    try:
+        try:
+            m.madvise(MADV_POPULATE_READ)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            _populate_ok = False
+            yield None
+            return
+        with memoryview(m) as view:
+            yield view
+    finally:
+        # A view that outlives this (a traceback's frame) keeps the mapping
+        # until it goes: closing under it is refused, never unsafe.
+        with contextlib.suppress(BufferError):
+            m.close()
 
 
 def read_range(path: Path, offset: int, out: memoryview, *, direct: bool = False) -> int:

@@ -174,6 +174,23 @@ def mount_of(path: Path, mounts_file: Path = Path("/proc/self/mounts")) -> Mount
     return best
 
 
+#: File systems where another host may shrink a file under a mapping (a read
+#: then faults with SIGBUS): loads there read into a buffer instead.
+SHARED_FS = frozenset(
+    {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs",
+     "9p", "virtiofs", "afs", "ocfs2", "gfs2", "orangefs", "weka", "wekafs"}
+)  # fmt: skip
+
+
+def local_fs(path: Path, mounts_file: Path = Path("/proc/self/mounts")) -> bool:
+    """Whether ``path`` is on a node-local file system (not shared, not FUSE)."""
+    m = mount_of(path, mounts_file)
+    if m is None:
+        return False
+    t = m.fs_type
+    return t not in SHARED_FS and not t.startswith("fuse")
+
+
 @dataclass
 class DirectProbe:
     """Whether O_DIRECT works in one directory, and how we know."""
@@ -277,6 +294,10 @@ class PosixBackend:
         self.direct_read = direct_read and bool(O_DIRECT)
         self.direct_write_min = direct_write_min
         self.detail = detail
+        #: Loads verify and decrypt straight from the page cache
+        #: (:func:`~.fileio.mapped_object`); set by :func:`select_backend` where
+        #: reads go through the page cache and the file system is local.
+        self.map_reads = False
 
     def write_object(self, final: Path, data: memoryview, durability: Durability) -> bool:
         direct = self.direct_write and (
@@ -296,6 +317,7 @@ class PosixBackend:
             "o_direct_write": self.direct_write,
             "o_direct_read": self.direct_read,
             "o_direct_write_min": self.direct_write_min,
+            "mapped_reads": self.map_reads,
             "detail": self.detail,
         }
 
@@ -606,6 +628,8 @@ def select_backend(
     """Plan, open and log the backend for the store whose objects live in ``objects_dir``."""
     p = plan(mode, objects_dir, probe_env=probe_env)
     backend = open_backend(p)
+    if isinstance(backend, PosixBackend):
+        backend.map_reads = not backend.direct_read and local_fs(objects_dir)
     log.info(
         "I/O backend %s (requested %s): %s [decided in %.0f ms]",
         p.describe(),

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ...layouts import ObjectMismatch, v1
+from .. import fileio
 from ..errors import StoreError
 from ..index import ChunkRecord
 from .base import (
@@ -40,6 +41,15 @@ from .base import (
 )
 from .capacity import Reservation
 from .fsck import Maintenance
+
+#: A batch of fewer bytes than this runs in the caller's thread, chunk by chunk:
+#: small chunks cost mostly Python (which holds the GIL), and the hop to a pool
+#: thread and back costs more than the overlap gains.
+PARALLEL_MIN_BYTES = 1 << 20
+
+
+def _small(nbytes: int) -> bool:
+    return nbytes < PARALLEL_MIN_BYTES
 
 
 @dataclass
@@ -139,7 +149,7 @@ class Pipeline(Maintenance):
         held = list(reservations) if reservations is not None else [None] * len(chunks)
         if len(held) != len(chunks):
             raise ValueError("one reservation (or None) per chunk")
-        if len(chunks) < 2:
+        if len(chunks) < 2 or _small(sum(memoryview(x).nbytes for _k, ls in chunks for x in ls)):
             for i, (key, layers) in enumerate(chunks):
                 results[i] = self.put(
                     tenant, namespace, key, layers, encrypt=encrypt, ttl_s=ttl_s,
@@ -411,12 +421,7 @@ class Pipeline(Maintenance):
         if rec is None:
             self.counters.misses += 1
             return None
-        try:
-            buf = self.io.read_object(self._path(tenant, key), self._scratch.get, MAX_OBJECT_BYTES)
-        except Exception as exc:
-            self._read_failed(tenant, key, exc)
-            return None
-        return self._open_into(tenant, key, rec, buf, out)
+        return self._load_one(tenant, rec, out)
 
     @boundary
     def get_many_into(
@@ -441,9 +446,11 @@ class Pipeline(Maintenance):
         if len(outs) != len(keys):
             raise ValueError("one output buffer per key")
         results: list[list[int] | None] = [None] * len(keys)
-        if len(keys) < 2:
+        if len(keys) < 2 or _small(sum(o.nbytes for o in outs)):
             for i, k in enumerate(keys):
                 results[i] = self.get_into(tenant, k, outs[i])
+                if results[i] is None and stop_at_miss:
+                    break
             return results
         pool = self._pipeline()
         streams = self.io_streams
@@ -493,11 +500,18 @@ class Pipeline(Maintenance):
         return results
 
     def _load_one(self, tenant: str, rec: ChunkRecord, out: memoryview) -> list[int] | None:
-        """On a pool thread: :meth:`get_into` of an indexed chunk, through that
+        """:meth:`get_into` of an indexed chunk (on a pool thread for a batch): from
+        its page-cache mapping where the backend maps reads, else through the
         thread's scratch buffer. Its layer lengths, or None (a miss, handled)."""
         key = rec.chunk_key
+        path = self._path(tenant, key)
         try:
-            buf = self.io.read_object(self._path(tenant, key), self._scratch.get, MAX_OBJECT_BYTES)
+            if getattr(self.io, "map_reads", False):
+                # One pass: verified and decrypted from the page cache into ``out``.
+                with fileio.mapped_object(path, MAX_OBJECT_BYTES) as mapped:
+                    if mapped is not None:
+                        return self._open_into(tenant, key, rec, mapped, out)
+            buf = self.io.read_object(path, self._scratch.get, MAX_OBJECT_BYTES)
         except Exception as exc:  # every failure of a damaged file is a miss (§5)
             self._read_failed(tenant, key, exc)
             return None
