@@ -73,8 +73,8 @@ WORKER_TIMEOUT_S = 900.0
 SIDECAR_READY_TIMEOUT_S = 60.0
 
 TRANSFORMERS_MISSING = (
-    "the demo needs transformers: pip install 'kvoffload[demo]' (or .venv/bin/pip install "
-    "'transformers>=4.57')"
+    "the demo needs transformers, in the environment kvoffload runs from: "
+    f"{sys.executable} -m pip install 'kvoffload[demo]'"
 )
 
 

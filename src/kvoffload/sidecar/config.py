@@ -205,6 +205,16 @@ class Config:
         )
 
 
+def parse_port(raw: object) -> int:
+    """A TCP port: 1-65535, or 0 for off."""
+    if isinstance(raw, bool):
+        raise ValueError(f"{raw!r} is not a port number")
+    port: int = int(raw)  # type: ignore[call-overload]
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port {port} is out of range: 1-65535, or 0 for off")
+    return port
+
+
 # (section, key) → (Config field, converter)
 _KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("store", "root"): ("store_root", Path),
@@ -220,7 +230,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("server", "workers"): ("workers", int),
     ("server", "max_inflight"): ("max_inflight_bytes", parse_size),
     ("server", "idle_reservation_timeout"): ("idle_reservation_timeout_s", parse_duration),
-    ("metrics", "port"): ("metrics_port", int),
+    ("metrics", "port"): ("metrics_port", parse_port),
     ("metrics", "host"): ("metrics_host", str),
     ("security", "kek_file"): ("kek_file", Path),
     ("security", "policy"): ("policy_file", Path),

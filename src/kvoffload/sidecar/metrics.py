@@ -98,17 +98,20 @@ class Metrics:
 
     def summary(self) -> dict[str, Any]:
         """Request counts, mean latency per verb and errors by code, for the stats verb."""
-        requests: dict[str, dict[str, float]] = {}
-        errors: dict[str, float] = {}
+        requests: dict[str, dict[str, float | int]] = {}
+        errors: dict[str, int] = {}
+        connections = 0
         for metric in self.registry.collect():
             for sample in metric.samples:
                 if sample.name == "kvoffload_request_seconds_count":
-                    requests.setdefault(sample.labels["verb"], {})["count"] = sample.value
+                    requests.setdefault(sample.labels["verb"], {})["count"] = int(sample.value)
                 elif sample.name == "kvoffload_request_seconds_sum":
                     requests.setdefault(sample.labels["verb"], {})["seconds"] = sample.value
                 elif sample.name == "kvoffload_errors_total":
-                    errors[sample.labels["code"]] = sample.value
-        return {"requests": requests, "errors": errors}
+                    errors[sample.labels["code"]] = int(sample.value)
+                elif sample.name == "kvoffload_connections_total":
+                    connections = int(sample.value)
+        return {"requests": requests, "errors": errors, "connections_total": connections}
 
     def render(self) -> bytes:
         """The text exposition format (what `kvoffload stats` and /metrics return)."""
