@@ -176,7 +176,7 @@ def misplaced_global_option(argv: list[str]) -> str | None:
                 command = tok
         elif name in GLOBAL_FLAGS or name in GLOBAL_VALUED:
             return (
-                f"{name} is a global option: put it before the command, "
+                f"{name} is a global option: put {name} before the command, "
                 f"e.g. `kvoffload {name}{' …' if name in GLOBAL_VALUED else ''} {command}`"
             )
         i += 1

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
-import click
 import typer
 from rich.table import Table
 
@@ -149,7 +148,8 @@ def purge(
         if not yes:
             try:
                 ok = typer.confirm(f"Purge {what}?", default=False, err=True)
-            except click.exceptions.Abort:
+            except typer.Abort:
+                err.print()  # end the prompt's line: the reason gets its own
                 raise _Aborted(
                     f"nothing purged ({what}): no answer at the prompt; pass --yes "
                     "to purge without one"

@@ -29,10 +29,11 @@ class AuditLog:
 
     def __call__(self, event: str, details: dict[str, Any]) -> None:
         entry = {"ts": time.time(), "event": event, **details}
-        log.warning("audit: %s", entry)
+        line = json.dumps(entry, sort_keys=True)
+        log.info("audit: %s", line)
         # Append-only, fsync'd: a purge or revocation must leave a trace even if we crash next.
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(entry, sort_keys=True) + "\n")
+            f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
         if self._hook is not None:
