@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import sys
 
-from . import demo, doctor, serve, store_cmds
+from . import demo, doctor, serve, store_cmds, systemd_cmd
 from .app import app, err, fail_line, misplaced_global_option, state
 from .exits import (
     EXIT_ABORTED,
@@ -62,6 +62,7 @@ __all__ = [
     "serve",
     "state",
     "store_cmds",
+    "systemd_cmd",
 ]
 
 

@@ -100,7 +100,16 @@ def serve(
         )
     with open_store(cfg, create=True, banner=True) as store:
         index_dir = cfg.resolved_index_dir
-        metrics = Metrics(store.stats)
+
+        def tenant_usage() -> dict[str, tuple[int, int, int | None]]:
+            current = server.policy  # the reloaded one after a SIGHUP
+            return {
+                t: (u.count, u.bytes, current.tenant(t).quota_bytes)
+                for t, u in store.tenant_usage().items()
+            }
+
+        metrics = Metrics(store.stats, tenant_usage)
+        metrics.key_cache_ttl.set(cfg.key_cache_ttl_s)
         port = cfg.metrics_port if metrics_port is None else metrics_port
         if port:
             try:
@@ -128,6 +137,7 @@ def serve(
         where = f"fd {fd}" if fd is not None else str(cfg.socket_path)
 
         def listening() -> None:
+            metrics.ready = True
             err.print(f"kvoffload sidecar serving store {store.layout.store_id} on {where}")
 
         try:

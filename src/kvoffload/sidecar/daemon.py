@@ -142,6 +142,8 @@ def run(
         dog = asyncio.create_task(watchdog()) if interval else None
         reporter = asyncio.create_task(status())
         await stop.wait()
+        if server.metrics is not None:
+            server.metrics.ready = False  # /readyz: take this node out of rotation
         notify.stopping()
         notify.status("stopping: draining connections")
         reporter.cancel()
