@@ -297,3 +297,58 @@ def test_audit_record_is_one_json_line_at_info(dev_store: Path) -> None:
         json.loads(ln.split("audit: ", 1)[1])
     quiet = run(dev_store, "--dev", "purge", "--tenant", "acme", "--yes")
     assert "audit: " not in quiet.stderr  # INFO, not WARNING
+
+
+# -- config show / check, policy check ---------------------------------------------------------
+
+
+def test_config_show_names_each_source(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[store]\ncapacity = '1GiB'\n")
+    r = run(
+        tmp_path,
+        "--dev", "--config", str(cfg), "--root", str(tmp_path / "r"),
+        "config", "show", "--json",
+        env={"KVOFFLOAD_METRICS_PORT": "9400"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rows = {row["setting"]: row for row in json.loads(r.stdout)}
+    assert rows["[store] capacity"] == {
+        "setting": "[store] capacity",
+        "value": str(1 << 30),
+        "source": str(cfg),
+    }
+    assert rows["[metrics] port"]["source"] == "$KVOFFLOAD_METRICS_PORT"
+    assert rows["[metrics] port"]["value"] == "9400"
+    assert rows["[store] root"]["source"] == "--root"
+    assert rows["[server] workers"]["source"] == "dev default"
+
+
+def test_config_check(tmp_path: Path) -> None:
+    policy = tmp_path / "p.toml"
+    policy.write_text("version = 1\n[[grants]]\nuid = 0\ntenants = ['*']\nadmin = true\n")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[security]\npolicy = {json.dumps(str(policy))}\n")
+    r = run(tmp_path, "--dev", "--config", str(cfg), "config", "check")
+    assert r.returncode == 0, r.stderr
+    assert f"policy {policy}: ok (1 grants" in r.stdout
+    policy.write_text("version = 1\n[[grants]]\nuid = 'x'\n")
+    line = one_line(run(tmp_path, "--dev", "--config", str(cfg), "config", "check"), 1, "policy")
+    assert f"{policy}:3:" in line
+
+
+def test_policy_check_prints_who_may_do_what(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parents[1] / "systemd/policy.example.toml"
+    r = run(tmp_path, "policy", "check", str(example), "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    by = {g["principal"]: g for g in data["grants"]}
+    assert by["uid 1001"]["tenants"] == ["acme", "public-demo"] and not by["uid 1001"]["admin"]
+    assert by["uid 0"]["tenants"] == "*" and by["uid 0"]["admin"]
+    assert data["tenants"]["public-demo"]["encryption"] == "none"
+    human = run(tmp_path, "policy", "check", str(example))
+    assert "every tenant" in human.stdout and "acme, public-demo" in human.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text("version = 1\n[[grants]]\nuid = 1\ntenants = ['ok', '../x']\n")
+    line = one_line(run(tmp_path, "policy", "check", str(bad)), 1, "policy")
+    assert str(bad) in line and "Traceback" not in line

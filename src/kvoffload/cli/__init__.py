@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import sys
 
-from . import demo, doctor, serve, store_cmds, systemd_cmd
+from . import config_cmds, demo, doctor, serve, store_cmds, systemd_cmd
 from .app import app, err, fail_line, misplaced_global_option, state
 from .exits import (
     EXIT_ABORTED,
@@ -55,6 +55,7 @@ __all__ = [
     "EXIT_USAGE",
     "ExitCode",
     "app",
+    "config_cmds",
     "demo",
     "doctor",
     "exit_for",

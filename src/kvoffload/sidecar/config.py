@@ -259,8 +259,22 @@ def load_config(
     env: Mapping[str, str] | None = None,
     dev: bool = False,
 ) -> Config:
+    return load_config_sources(path, env=env, dev=dev)[0]
+
+
+def load_config_sources(
+    path: Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    dev: bool = False,
+) -> tuple[Config, dict[str, str]]:
+    """:func:`load_config`, and where each setting came from: ``Config`` field →
+    ``"default"``, ``"dev default"``, the file's path or ``$VARIABLE``."""
     env = os.environ if env is None else env
-    cfg = Config.dev_default() if dev or env.get("KVOFFLOAD_DEV") == "1" else Config()
+    is_dev = dev or env.get("KVOFFLOAD_DEV") == "1"
+    cfg = Config.dev_default() if is_dev else Config()
+    base = "dev default" if is_dev else "default"
+    sources = {name: base for name in config_fields()}
     path = path or (Path(env["KVOFFLOAD_CONFIG"]) if env.get("KVOFFLOAD_CONFIG") else None)
     if path is not None:
         try:
@@ -274,12 +288,14 @@ def load_config(
                 raise ConfigError(f"{path}: [{section}] must be a table")
             for key, raw in table.items():
                 cfg = _apply(cfg, section, key, raw, str(path))
+                sources[_KEYS[(section, key)][0]] = str(path)
     for var, value in env.items():
         if var in _ENV_KEYS:
             cfg = _apply(cfg, *_ENV_KEYS[var], value, f"${var}")
+            sources[_KEYS[_ENV_KEYS[var]][0]] = f"${var}"
     if not 0 < cfg.low_watermark <= cfg.high_watermark <= 1:
         raise ConfigError("watermarks must satisfy 0 < low_watermark <= high_watermark <= 1")
-    return cfg
+    return cfg, sources
 
 
 def config_keys() -> list[tuple[str, str]]:
