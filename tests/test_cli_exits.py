@@ -65,7 +65,8 @@ def test_global_option_after_the_command_is_one_line_exit_2(tmp_path: Path) -> N
     assert r.returncode == ExitCode.USAGE
     assert r.stdout == ""
     assert r.stderr.strip().splitlines() == [
-        "usage: --dev is a global option: put it before the command, e.g. `kvoffload --dev serve`"
+        "usage: --dev is a global option: put --dev before the command, "
+        "e.g. `kvoffload --dev serve`"
     ]
     assert misplaced_global_option(["--root", "/x", "ls", "--root", "/y"]) is not None
     assert misplaced_global_option(["--root", "/x", "ls", "--json"]) is None

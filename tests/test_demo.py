@@ -81,6 +81,20 @@ def test_demo_json_reuses_across_processes_and_stops_its_sidecar(tmp_path: Path)
     assert not Path(f"/proc/{sidecar['pid']}").exists(), "the demo's sidecar still runs"
     assert _sidecars_in(tmp_path) == []
     assert (tmp_path / ".kvoffload" / "store").is_dir()
+    assert a["chunks_new"] == 2 and a["chunks_already_present"] == 0
+
+    # A second run finds A's chunks there: "already present", not "saved" again.
+    again = subprocess.run(
+        [sys.executable, "-m", "kvoffload.cli", "demo",
+         "--prompt-tokens", "512", "--layers", "2", "--hidden", "128", "--repeats", "1"],
+        cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=DEMO_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
+    assert "0 new, 2 already present of 2 chunks" in again.stdout
+    assert "cold start" in again.stdout
+    assert "kvoffload --dev inspect" in again.stdout.split("What next:", 1)[1]
+    assert "[green]" not in again.stdout and "yes: max |reuse" in again.stdout
 
 
 def test_demo_refuses_a_bad_shape(tmp_path: Path) -> None:
@@ -146,3 +160,32 @@ def test_contract_names_the_revision_and_the_layout() -> None:
         c0.fingerprint()
         == kd.demo_contract(kd.llama_config(shape), 0, chunk_tokens=64).fingerprint()
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("--prompt-tokens", "100"), "shorter than one chunk"),
+        (("--prompt-tokens", "300", "--chunk-tokens", "512"), "shorter than one chunk"),
+    ],
+)
+def test_demo_refuses_a_prompt_shorter_than_a_chunk(
+    tmp_path: Path, args: tuple[str, ...], says: str
+) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoffload.cli", "demo", *args],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert says in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / ".kvoffload").exists()
+
+
+def test_demo_refuses_options_it_would_ignore(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoffload.cli", "--root", str(tmp_path / "r"), "demo"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "drop --root" in proc.stderr
+    assert not (tmp_path / ".kvoffload").exists() and not (tmp_path / "r").exists()

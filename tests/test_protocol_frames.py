@@ -86,6 +86,12 @@ CATALOGUE: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
     "purge_namespace": ("request", _req(12, p.Purge("acme", NS))),
     "fsck": ("request", _req(13, p.Fsck())),
     "fsck_repair": ("request", _req(13, p.Fsck(repair=True))),
+    "fsck_verify_data": ("request", _req(13, p.Fsck(repair=False, verify_data=True))),
+    "inspect": ("request", _req(16, p.Inspect())),
+    "ls": ("request", _req(17, p.Ls())),
+    "ls_filtered": ("request", _req(17, p.Ls("acme", NS, 3600.0, 60.5, 100, 200))),
+    "purge_older": ("request", _req(18, p.PurgeOlder(86400.0))),
+    "purge_older_tenant": ("request", _req(18, p.PurgeOlder(0.5, "acme"))),
     "bye": ("request", _req(14, p.Bye())),
     "lease_store": (
         "request",
@@ -209,6 +215,15 @@ CATALOGUE: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
         ),
     ),
     "purge_reply": ("reply", _rep(12, p.PurgeReply(12))),
+    "inspect_reply": (
+        "reply",
+        _rep(16, p.InspectReply({"store_id": "s", "chunks": 2, "tenants": {"acme": {}}})),
+    ),
+    "ls_reply": (
+        "reply",
+        _rep(17, p.LsReply({"chunks": [{"tenant": "acme", "bytes": 5}], "more": False})),
+    ),
+    "purge_older_reply": ("reply", _rep(18, p.PurgeOlderReply(3))),
     "fsck_reply": ("reply", _rep(13, p.FsckReply({"ok": True, "problems": [], "checked": 7}))),
     "lease_store_reply": (
         "reply",

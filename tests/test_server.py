@@ -24,6 +24,7 @@ import pytest
 
 from kvoffload import protocol as p
 from kvoffload.client import SidecarClient
+from kvoffload.errors import ListenError
 from kvoffload.protocol import CLIENT_MAGIC, SERVER_MAGIC, ErrorCode, StoreStatus
 from kvoffload.sidecar.errors import StoreFull
 from kvoffload.sidecar.policy import Grant, Policy
@@ -601,7 +602,9 @@ def test_admin_verbs_need_the_admin_right(sock_dir: Path, fake_store: FakeStore)
     assert raw.call(p.Purge("acme")) == p.PurgeReply(1)
     assert not fake_store.data
     fsck = raw.call(p.Fsck(repair=True))
-    assert fsck == p.FsckReply({"clean": True, "repaired": True, "where": "/x"})
+    assert fsck == p.FsckReply(
+        {"clean": True, "repaired": True, "where": "/x", "verified_data": False}
+    )
     stats = raw.call(p.Stats())
     assert isinstance(stats, p.StatsReply) and stats.stats["tenants"] == 7
     raw.close()
@@ -628,7 +631,7 @@ def test_shutdown_tells_clients_and_they_degrade_to_misses(
 
 
 def test_refuses_to_steal_a_live_socket(server: ServerThread, sock_dir: Path) -> None:
-    with pytest.raises(RuntimeError, match="already serving"):
+    with pytest.raises(ListenError, match="already serving"):
         start(sock_dir, FakeStore())
 
 

@@ -210,3 +210,55 @@ def test_a_lone_shared_node_with_a_capacity_keeps_saving_by_evicting(nodes: Node
         assert a.used_bytes <= cap
     assert a.counters.evictions >= 28
     assert a.lookup("acme", [key(39)]) == 1
+
+
+def test_inspect_shows_the_shared_root(tmp_path: Path, kek_file: Path) -> None:
+    import json
+    import os
+    import subprocess
+
+    from kvoffload.testing import cli_argv, sidecar_env
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        f'[store]\nroot = "{tmp_path}/root"\nindex_dir = "{tmp_path}/idx"\nshared = true\n'
+        f'[server]\nsocket = "{tmp_path}/s.sock"\n[security]\nkek_file = "{kek_file}"\n'
+    )
+    other = other_node_journal(tmp_path / "root")
+    r = subprocess.run(
+        cli_argv("--config", str(cfg), "inspect", "--json"),
+        capture_output=True,
+        text=True,
+        env=sidecar_env(),
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    shared = json.loads(r.stdout)["shared"]
+    assert shared["evictor_here"] is True
+    assert list(shared["nodes_followed"]) == [other]
+    r = subprocess.run(
+        cli_argv("--config", str(cfg), "inspect"),
+        capture_output=True,
+        text=True,
+        env={**sidecar_env(), "COLUMNS": "200"},
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    assert f"following {other[:8]}@" in r.stdout
+    assert os.path.isdir(tmp_path / "root" / "journal" / "nodes")
+
+
+def other_node_journal(root: Path) -> str:
+    """Another node's journal in ``root`` (as if a second sidecar had opened it)."""
+    from kvoffload.layouts import create_root
+    from kvoffload.sidecar.journal import JournalRecord, JournalWriter
+
+    create_root(root)
+    node = "c" * 32
+    w = JournalWriter(root, node, durable=False)
+    w.open()
+    w.append([JournalRecord.purge_tenant("nobody")])
+    w.close()
+    return node

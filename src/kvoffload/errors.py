@@ -35,6 +35,7 @@
     │   ├── UnknownTenant                   no keys for this tenant (never created, or purged)
     │   ├── StoreKeyError                   a tenant's key file is corrupt, unreadable or unwritable
     │   └── IOBackendUnavailable            a requested I/O backend cannot work on this node
+    ├── ListenError           (OSError)     the sidecar cannot listen on its socket
     └── SidecarStartError     (RuntimeError) a development sidecar did not come up
 
 Where a class also derives from a builtin (in brackets), code that catches the
@@ -71,6 +72,7 @@ __all__ = [
     "KeyringError",
     "LayoutError",
     "LeaseInvalid",
+    "ListenError",
     "ObjectMismatch",
     "PolicyError",
     "ProtocolError",
@@ -364,6 +366,10 @@ class IOBackendUnavailable(StoreError):
             f"{env_var}={mode} cannot be used here: {reason} "
             f"(set {env_var}=auto to use the best backend that works)"
         )
+
+
+class ListenError(KVOffloadError, OSError):
+    """The sidecar cannot listen on its socket (in use, bad path, not a socket…)."""
 
 
 # -- tools --------------------------------------------------------------------

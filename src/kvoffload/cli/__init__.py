@@ -1,17 +1,19 @@
 """The ``kvoffload`` command line (typer + rich).
 
-Store commands open the store in-process and so need the index to be free:
-while a sidecar runs, they exit with code 4 and say so.
+The store commands (inspect, ls, purge, fsck) go through the running
+sidecar's admin verbs when one serves the configured socket, and open the
+store in-process only when none does (:mod:`.admin`).
 
 Exit codes:
   0  success
   1  error (I/O, invalid store, invalid config)
   2  usage error
   3  no store at that location (run `kvoffload init`)
-  4  the store's index is held by another process (a running sidecar)
+  4  the store's index is held by another process (a sidecar on another socket)
   5  fsck found problems (without --repair)
   6  aborted at a confirmation prompt
   7  the sidecar is not reachable (stats, demo)
+  8  nothing to do: purge of a tenant with no keys or data (a typo?)
 
 One module per command group: :mod:`.app` (the typer app, global options,
 config and store helpers), :mod:`.store_cmds` (init, inspect, ls, purge, fsck,
@@ -23,16 +25,15 @@ from __future__ import annotations
 
 import sys
 
-from rich.markup import escape
-
-from . import demo, doctor, serve, store_cmds
-from .app import app, err, misplaced_global_option, state
+from . import config_cmds, demo, doctor, serve, store_cmds, systemd_cmd
+from .app import app, err, fail_line, misplaced_global_option, state
 from .exits import (
     EXIT_ABORTED,
     EXIT_ERROR,
     EXIT_FSCK_PROBLEMS,
     EXIT_LOCKED,
     EXIT_NO_STORE,
+    EXIT_NOTHING,
     EXIT_OK,
     EXIT_TABLE,
     EXIT_UNREACHABLE,
@@ -46,6 +47,7 @@ __all__ = [
     "EXIT_ERROR",
     "EXIT_FSCK_PROBLEMS",
     "EXIT_LOCKED",
+    "EXIT_NOTHING",
     "EXIT_NO_STORE",
     "EXIT_OK",
     "EXIT_TABLE",
@@ -53,6 +55,7 @@ __all__ = [
     "EXIT_USAGE",
     "ExitCode",
     "app",
+    "config_cmds",
     "demo",
     "doctor",
     "exit_for",
@@ -60,6 +63,7 @@ __all__ = [
     "serve",
     "state",
     "store_cmds",
+    "systemd_cmd",
 ]
 
 
@@ -68,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     misplaced = misplaced_global_option(args)
     if misplaced is not None:
-        err.print(f"[red]usage:[/red] {escape(misplaced)}")
+        err.print(fail_line("usage", misplaced))
         sys.exit(ExitCode.USAGE)
     try:
         app(args=args, prog_name="kvoffload")
@@ -77,5 +81,5 @@ def main(argv: list[str] | None = None) -> None:
         if mapped is None:
             raise
         code, label = mapped
-        err.print(f"[red]{escape(label)}:[/red] {escape(str(exc))}")
+        err.print(fail_line(label, str(exc)))
         sys.exit(code)

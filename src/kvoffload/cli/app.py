@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .exits import _CliUsageError, _NoStore
 
@@ -25,26 +26,41 @@ EPILOG = """Exit codes:
   1  error (I/O, invalid store, invalid config)
   2  usage error
   3  no store at that location (run `kvoffload init`)
-  4  the store's index is held by another process (a running sidecar)
+  4  the store's index is held by another process (a sidecar on another socket)
   5  fsck found problems (without --repair)
   6  aborted at a confirmation prompt
   7  the sidecar is not reachable (stats, demo)
+  8  nothing to do: purge of a tenant with no keys or data (a typo?)
+"""
+
+HELP = """KV-cache offload sidecar and its store.
+
+Global options (--dev, --config, --root, --index-dir, --kek-file, -v) go
+before the command: `kvoffload --dev serve`, `kvoffload --dev inspect`.
 """
 
 app = typer.Typer(
     name="kvoffload",
-    help="KV-cache offload sidecar and its store.",
-    epilog=EPILOG.split("Exit codes:", 1)[1].replace("\n", "\n\n"),
+    help=HELP,
+    # "\b" keeps click from re-wrapping the table into one paragraph.
+    epilog=EPILOG.replace("Exit codes:\n", "Exit codes:\n\n\b\n", 1),
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
 )
 keys_app = typer.Typer(help="Key management.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 
-out = Console()
-err = Console(stderr=True, soft_wrap=True)
+# Markup off: messages and user-supplied strings (tenants, paths, "[store] foo",
+# "kvoffload[demo]") are printed as they are; styling goes through rich.text.Text.
+out = Console(soft_wrap=True, markup=False, highlight=False)
+err = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)
+
+
+def fail_line(label: str, message: str) -> Text:
+    """``<label>: <message>`` with the label in red; nothing in either is markup."""
+    return Text.assemble((f"{label}:", "red"), " ", message)
 
 
 class _State:
@@ -61,6 +77,14 @@ state = _State()
 #: The global options (before the command); none of them is a command's option.
 GLOBAL_FLAGS = ("--dev", "--verbose", "-v")
 GLOBAL_VALUED = ("--config", "-c", "--root", "--index-dir", "--kek-file")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        sys.stdout.write(f"kvoffload {__version__}\n")
+        raise typer.Exit(0)
 
 
 @app.callback()
@@ -82,14 +106,57 @@ def _main(
     kek_file: Annotated[
         Path | None, typer.Option("--kek-file", help="KEK credential file.")
     ] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Log at INFO level (serve always does).")
+    ] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", help="Print the version and exit.", callback=_version, is_eager=True
+        ),
+    ] = False,
 ) -> None:
     state.config_path, state.dev, state.root = config, dev, root
     state.index_dir, state.kek_file, state.verbose = index_dir, kek_file, verbose
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(logging.INFO if verbose else logging.WARNING)
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg (and exc when there is one)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        data: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            data["exc"] = self.formatException(record.exc_info)
+        return json.dumps(data, ensure_ascii=False, default=str)
+
+
+def setup_logging(level: int, fmt: str = "plain", *, daemon: bool = False) -> None:
+    """The CLI's one log handler on stderr.
+
+    ``plain``: ``LEVEL logger: message``; the daemon (``serve``) puts a
+    timestamp in front unless journald already stamps every line
+    (``$JOURNAL_STREAM`` is set under systemd). ``json``: :class:`JsonLogFormatter`.
+    """
+    import os
+
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        handler.setFormatter(JsonLogFormatter())
+    else:
+        stamped = daemon and not os.environ.get("JOURNAL_STREAM")
+        stamp = "%(asctime)s " if stamped else ""
+        handler.setFormatter(logging.Formatter(stamp + "%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level)
 
 
 def misplaced_global_option(argv: list[str]) -> str | None:
@@ -109,7 +176,7 @@ def misplaced_global_option(argv: list[str]) -> str | None:
                 command = tok
         elif name in GLOBAL_FLAGS or name in GLOBAL_VALUED:
             return (
-                f"{name} is a global option: put it before the command, "
+                f"{name} is a global option: put {name} before the command, "
                 f"e.g. `kvoffload {name}{' …' if name in GLOBAL_VALUED else ''} {command}`"
             )
         i += 1
@@ -118,8 +185,10 @@ def misplaced_global_option(argv: list[str]) -> str | None:
 
 def config() -> Config:
     """The configuration: file/environment/defaults, then the global options."""
+    from .. import envvars
     from ..sidecar.config import load_config
 
+    envvars.check_environment()
     cfg = load_config(state.config_path, dev=state.dev)
     if state.root is not None:
         cfg.store_root = state.root
@@ -130,7 +199,12 @@ def config() -> Config:
     return cfg
 
 
-def load_kek(cfg: Config) -> Any:
+def load_kek(cfg: Config, *, banner: bool = False) -> Any:
+    """The KEK; in dev mode the development KEK (created on first use).
+
+    ``banner``: the loud development-KEK warning (``serve``); other commands
+    log a one-line reminder.
+    """
     from ..errors import KeyringError
     from ..sidecar.keyring import Kek
 
@@ -140,17 +214,27 @@ def load_kek(cfg: Config) -> Any:
             "kek_file, or use --dev for the embedded development store"
         )
     if cfg.dev:
+        keys = cfg.store_root / "keys"
+        if not cfg.kek_file.exists() and keys.is_dir() and any(keys.iterdir()):
+            # A new KEK cannot open the keys the lost one wrapped.
+            raise KeyringError(
+                f"the development KEK {cfg.kek_file} is gone, so the tenants' keys in "
+                f"{keys} cannot be opened; the development store is only a cache: "
+                f"delete {cfg.store_root.parent} and start again"
+            )
         cfg.kek_file.parent.mkdir(parents=True, exist_ok=True)
-        return Kek.generate_dev(cfg.kek_file)
+        return Kek.generate_dev(cfg.kek_file, banner=banner)
     return Kek.from_file(cfg.kek_file)
 
 
 @contextmanager
-def open_store(cfg: Config, *, create: bool = False) -> Iterator[Store]:
+def open_store(cfg: Config, *, create: bool = False, banner: bool = False) -> Iterator[Store]:
     from ..errors import LayoutError
     from ..sidecar.store import Store
 
-    kek = load_kek(cfg)
+    if create and cfg.store_root.exists() and not cfg.store_root.is_dir():
+        raise LayoutError(f"store root {cfg.store_root} is a file, not a directory")
+    kek = load_kek(cfg, banner=banner)
     try:
         store = Store(cfg.store_config(), kek, create=create)
     except LayoutError as exc:
@@ -180,6 +264,19 @@ def human_bytes(n: int | None) -> str:
     from ..units import format_size
 
     return format_size(n)
+
+
+def check_tenant(tenant: str | None) -> str | None:
+    """A usage error (exit 2) for a malformed tenant id, before anything is opened."""
+    from ..contract import validate_tenant
+    from ..errors import ContractError
+
+    if tenant is None:
+        return None
+    try:
+        return validate_tenant(tenant)
+    except ContractError as exc:
+        raise _CliUsageError(f"--tenant: {exc}") from exc
 
 
 def parse_ns(namespace: str | None) -> bytes | None:

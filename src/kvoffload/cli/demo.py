@@ -6,9 +6,10 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from ..errors import SidecarStartError
-from .app import JsonOpt, app, emit, err, human_bytes, out
+from .app import JsonOpt, app, emit, err, human_bytes, out, state
 from .exits import _CliUsageError, _DemoFailed
 
 
@@ -51,6 +52,21 @@ def demo(
     """
     from ..integrations import demo_model as kd
 
+    given = [
+        flag
+        for flag, value in (
+            ("--root", state.root),
+            ("--config", state.config_path),
+            ("--index-dir", state.index_dir),
+            ("--kek-file", state.kek_file),
+        )
+        if value is not None
+    ]
+    if given:
+        raise _CliUsageError(
+            f"demo always uses the embedded development store under ./.kvoffload; "
+            f"drop {', '.join(given)}"
+        )
     if not kd.transformers_available():
         raise _DemoFailed(kd.TRANSFORMERS_MISSING)
     try:
@@ -83,7 +99,7 @@ def demo(
         emit(True, data)
         return
     a, b, c, sc = data["a"], data["b"], data["c"], data["sidecar"]
-    yes_no = {True: "[green]yes[/green]", False: "[red]NO[/red]"}
+    yes_no = {True: ("yes", "green"), False: ("NO", "red")}
     table = Table(title="kvoffload demo: one prefix, three worker processes", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("result")
@@ -100,10 +116,18 @@ def demo(
         f"{cfg.prompt_tokens} shared tokens + {cfg.suffix_tokens} of each worker's own; "
         f"chunks of {cfg.chunk_tokens} tokens; torch threads {cfg.threads} per worker",
     )
+    present = a.get("chunks_already_present", 0)
+    new = a.get("chunks_new", a["chunks_saved"])
     table.add_row(
         "A: saved",
-        f"{a['chunks_saved']} of {a['full_chunks']} chunks, {human_bytes(a['bytes_saved'])} "
-        f"({a['model_revision']}, prefill {_ms(a['prefill_s'])}, save {_ms(a['save_s'])})",
+        (f"{new} new" + (f", {present} already present" if present else ""))
+        + f" of {a['full_chunks']} chunks, {human_bytes(a['bytes_saved'])} "
+        f"({a['model_revision']}; save {_ms(a['save_s'])})",
+    )
+    table.add_row(
+        "A: own prefill",
+        f"{_ms(a['prefill_s'])} (a cold start: first forward pass of a fresh process; "
+        "not comparable with B's TTFT below)",
     )
     table.add_row(
         "B: reused",
@@ -125,14 +149,19 @@ def demo(
     table.add_row("speed-up", f"{speedup:.1f}x" if speedup else "-")
     table.add_row(
         "logits match",
-        f"{yes_no[b['logits_match']]}: max |reuse - recompute| = {b['logits_max_abs_diff']:.3g} "
-        f"(tolerance {b['logits_tolerance']:.3g}); prefix KV max diff "
-        f"{b['prefix_kv_max_abs_diff']:.3g}",
+        Text.assemble(
+            yes_no[b["logits_match"]],
+            f": max |reuse - recompute| = {b['logits_max_abs_diff']:.3g} "
+            f"(tolerance {b['logits_tolerance']:.3g}); prefix KV max diff "
+            f"{b['prefix_kv_max_abs_diff']:.3g}",
+        ),
     )
     table.add_row(
         "greedy next token",
-        f"{yes_no[b['greedy_match']]}: {b['next_token']} with reuse, "
-        f"{b['recompute_next_token']} recomputed",
+        Text.assemble(
+            yes_no[b["greedy_match"]],
+            f": {b['next_token']} with reuse, {b['recompute_next_token']} recomputed",
+        ),
     )
     table.add_row(
         "C: other revision",
@@ -140,3 +169,8 @@ def demo(
         f"reused; recomputed {c['tokens_computed']} tokens in {_ms(c['ttft_reuse_s'])}",
     )
     out.print(table)
+    out.print("What next:")
+    out.print("  kvoffload --dev inspect     what the demo left in the store (tenant demo)")
+    out.print("  kvoffload --dev ls          its chunks; kvoffload --dev purge --tenant demo")
+    out.print("  make serve                  a sidecar for your own worker (README.md)")
+    out.print("  vLLM: src/kvoffload/integrations/vllm/README.md (the connector, set-up)")

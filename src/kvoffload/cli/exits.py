@@ -17,6 +17,7 @@ from ..errors import (
     KeyringError,
     KVOffloadError,
     LayoutError,
+    ListenError,
     PolicyError,
     ProtocolError,
     SidecarStartError,
@@ -30,6 +31,7 @@ __all__ = [
     "EXIT_ERROR",
     "EXIT_FSCK_PROBLEMS",
     "EXIT_LOCKED",
+    "EXIT_NOTHING",
     "EXIT_NO_STORE",
     "EXIT_OK",
     "EXIT_TABLE",
@@ -51,6 +53,7 @@ class ExitCode(IntEnum):
     FSCK_PROBLEMS = 5  # fsck found problems (without --repair)
     ABORTED = 6  # aborted at a confirmation prompt
     UNREACHABLE = 7  # the sidecar is not reachable (stats, demo)
+    NOTHING = 8  # nothing to do: purge of a tenant with no keys or data (a typo?)
 
 
 EXIT_OK = ExitCode.OK
@@ -61,6 +64,7 @@ EXIT_LOCKED = ExitCode.LOCKED
 EXIT_FSCK_PROBLEMS = ExitCode.FSCK_PROBLEMS
 EXIT_ABORTED = ExitCode.ABORTED
 EXIT_UNREACHABLE = ExitCode.UNREACHABLE
+EXIT_NOTHING = ExitCode.NOTHING
 
 
 # -- outcomes only the CLI has (not library errors) ----------------------------
@@ -90,8 +94,16 @@ class _Aborted(_CliOutcome):
     """The user said no at a confirmation prompt."""
 
 
+class _NothingToDo(_CliOutcome):
+    """What the command would act on does not exist (purge of an unknown tenant)."""
+
+
 class _SidecarUnreachable(_CliOutcome):
     """No sidecar answered on the socket."""
+
+
+class _Forbidden(_CliOutcome):
+    """The sidecar refused an admin verb: this user lacks the policy's admin right."""
 
 
 class _DemoFailed(_CliOutcome):
@@ -104,6 +116,7 @@ EXIT_TABLE: tuple[tuple[type[BaseException], ExitCode, str], ...] = (
     (_CliUsageError, ExitCode.USAGE, "usage"),
     (_Aborted, ExitCode.ABORTED, "aborted"),
     (_FsckProblems, ExitCode.FSCK_PROBLEMS, "fsck"),
+    (_NothingToDo, ExitCode.NOTHING, "nothing to do"),
     (_NoStore, ExitCode.NO_STORE, "no store"),
     (StoreLocked, ExitCode.LOCKED, "locked"),
     (_SidecarUnreachable, ExitCode.UNREACHABLE, "unreachable"),
@@ -111,6 +124,8 @@ EXIT_TABLE: tuple[tuple[type[BaseException], ExitCode, str], ...] = (
     (TransportError, ExitCode.UNREACHABLE, "unreachable"),
     (ProtocolError, ExitCode.UNREACHABLE, "unreachable"),
     (_DemoFailed, ExitCode.ERROR, "demo failed"),
+    (_Forbidden, ExitCode.ERROR, "forbidden"),
+    (ListenError, ExitCode.ERROR, "cannot serve"),
     (ConfigError, ExitCode.ERROR, "config error"),
     (PolicyError, ExitCode.ERROR, "policy"),
     (KeyringError, ExitCode.ERROR, "KEK"),

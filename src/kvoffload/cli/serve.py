@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import logging
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
+from rich.text import Text
 
-from .app import JsonOpt, app, config, emit, err, open_store
+from .admin import sidecar_listening
+from .app import (
+    JsonOpt,
+    app,
+    config,
+    emit,
+    err,
+    human_bytes,
+    open_store,
+    out,
+    setup_logging,
+    state,
+)
 from .exits import _CliUsageError, _SidecarUnreachable
 
 
@@ -18,28 +32,50 @@ def serve(
         typer.Option("--fd", help="Serve an inherited listening socket (socket activation)."),
     ] = None,
     metrics_port: Annotated[
-        int | None, typer.Option("--metrics-port", help="Prometheus /metrics port (0 = off).")
+        int | None,
+        typer.Option(
+            "--metrics-port",
+            min=0,
+            max=65535,
+            help="Prometheus /metrics port (0 = off; default: [metrics] port).",
+        ),
     ] = None,
+    log_format: Annotated[
+        str,
+        typer.Option(
+            "--log-format",
+            help="plain (no timestamp under journald, which stamps lines) or json (one "
+            "object per line).",
+        ),
+    ] = "plain",
 ) -> None:
     """Run the sidecar: serve the store on its Unix socket until SIGTERM.
 
-    An unknown KVOFFLOAD_* variable in the environment is an error (as an
-    unknown key in the config file is): one line naming it and the closest known one.
+    SIGHUP reloads the policy file. An unknown KVOFFLOAD_* variable in the
+    environment is an error (as an unknown key in the config file is): one
+    line naming it and the closest known one.
     """
-    from .. import envvars
-    from ..errors import ConfigError
+    from ..errors import ConfigError, ListenError
     from ..sidecar import notify
     from ..sidecar.metrics import Metrics
     from ..sidecar.policy import Policy, load_policy
     from ..sidecar.server import Server, ServerConfig, load_or_create_secret, run
 
-    envvars.check_environment()
+    if log_format not in ("plain", "json"):
+        raise _CliUsageError(f"--log-format: {log_format!r} is not plain or json")
+    setup_logging(logging.DEBUG if state.verbose else logging.INFO, log_format, daemon=True)
     cfg = config()
-    logging.getLogger().setLevel(logging.INFO)
     if cfg.policy_file is not None:
-        policy = load_policy(cfg.policy_file)
+        policy_file = cfg.policy_file
+        policy = load_policy(policy_file)
+
+        def reload() -> Policy:
+            return load_policy(policy_file)
+
+        reloader: Callable[[], Policy] | None = reload
     elif cfg.dev:
         policy = Policy.default_dev()
+        reloader = None
     else:
         raise ConfigError("no policy: set [security] policy or KVOFFLOAD_POLICY (or use --dev)")
     if fd is None:
@@ -47,18 +83,41 @@ def serve(
         if len(inherited) > 1:
             raise _CliUsageError(f"socket activation: expected one socket, got {len(inherited)}")
         fd = inherited[0] if inherited else None
+    if fd is None and sidecar_listening(cfg.socket_path):
+        # Said before the store is opened: its lock would only say "in use".
+        raise ListenError(
+            f"cannot listen on {cfg.socket_path}: another sidecar is already serving it "
+            "(stop that one, or give this one another [server] socket)"
+        )
     if cfg.dev:
         err.print(
-            "[bold yellow]DEVELOPMENT MODE[/bold yellow]: embedded store under "
-            f"{cfg.store_root.parent}, a development KEK in a plain file, a policy that lets "
-            "root and you use every tenant. Not for production."
+            Text.assemble(
+                ("DEVELOPMENT MODE", "bold yellow"),
+                f": embedded store under {cfg.store_root.parent}, a development KEK in a "
+                "plain file, a policy that lets root and you use every tenant. Not for "
+                "production.",
+            )
         )
-    with open_store(cfg, create=True) as store:
+    with open_store(cfg, create=True, banner=True) as store:
         index_dir = cfg.resolved_index_dir
-        metrics = Metrics(store.stats)
+
+        def tenant_usage() -> dict[str, tuple[int, int, int | None]]:
+            current = server.policy  # the reloaded one after a SIGHUP
+            return {
+                t: (u.count, u.bytes, current.tenant(t).quota_bytes)
+                for t, u in store.tenant_usage().items()
+            }
+
+        metrics = Metrics(store.stats, tenant_usage)
+        metrics.key_cache_ttl.set(cfg.key_cache_ttl_s)
         port = cfg.metrics_port if metrics_port is None else metrics_port
         if port:
-            bound = metrics.start_http(cfg.metrics_host, port)
+            try:
+                bound = metrics.start_http(cfg.metrics_host, port)
+            except OSError as exc:
+                raise ListenError(
+                    f"metrics: cannot listen on {cfg.metrics_host}:{port}: {exc.strerror or exc}"
+                ) from exc
             err.print(f"metrics on http://{cfg.metrics_host}:{bound}/metrics")
         server = Server(
             store,
@@ -76,9 +135,13 @@ def serve(
             metrics=metrics,
         )
         where = f"fd {fd}" if fd is not None else str(cfg.socket_path)
-        err.print(f"kvoffload sidecar serving store {store.layout.store_id} on {where}")
+
+        def listening() -> None:
+            metrics.ready = True
+            err.print(f"kvoffload sidecar serving store {store.layout.store_id} on {where}")
+
         try:
-            run(server)
+            run(server, on_listening=listening, load_policy=reloader)
         finally:
             metrics.stop_http()
 
@@ -94,4 +157,55 @@ def stats(as_json: JsonOpt = False) -> None:
         data = fetch_stats(cfg.socket_path)
     except (TransportError, ProtocolError, OSError) as exc:
         raise _SidecarUnreachable(f"no sidecar answered on {cfg.socket_path}: {exc}") from exc
-    emit(as_json, data)
+    if as_json:
+        emit(True, data)
+    else:
+        for line in stats_lines(data):
+            out.print(line)
+
+
+def stats_lines(s: dict[str, Any]) -> list[str]:
+    """``stats`` for people: sizes in units, counts as integers, one topic per line."""
+
+    def n(key: str) -> int:
+        v = s.get(key, 0)
+        return int(v) if isinstance(v, int | float) else 0
+
+    io: dict[str, Any] = s["io"] if isinstance(s.get("io"), dict) else {}
+    server: dict[str, Any] = s["server"] if isinstance(s.get("server"), dict) else {}
+    lines = [
+        f"store {s.get('store_id', '?')} (layout v{s.get('layout_version', '?')}): "
+        f"{n('chunks')} chunks, {human_bytes(n('used_bytes'))} of "
+        f"{human_bytes(s.get('capacity_bytes'))}"
+        + (f", {human_bytes(n('reserved_bytes'))} reserved" if n("reserved_bytes") else "")
+        + (f", {n('tenants')} tenants" if "tenants" in s else ""),
+        f"chunks: {n('hits')} hits, {n('misses')} misses, {n('puts')} stored, "
+        f"{n('put_exists')} already present, {n('evictions')} evicted, {n('corrupt')} corrupt",
+        f"bytes: {human_bytes(n('bytes_in'))} in, {human_bytes(n('bytes_out'))} out",
+        f"durability: {s.get('durability', '?')}; I/O: {io.get('backend', '?')} "
+        "(`kvoffload doctor` says why)",
+        f"server {server.get('server_id', '?')}: protocol v{server.get('protocol_version', '?')}, "
+        f"{server.get('connections', 0)} open connections, "
+        f"{n('connections_total')} since start",
+    ]
+    usage = s.get("tenant_usage")
+    if isinstance(usage, dict) and usage:
+        lines.append(
+            "tenants: "
+            + ", ".join(
+                f"{t} {u.get('chunks', 0)} chunks / {human_bytes(u.get('bytes', 0))}"
+                for t, u in usage.items()
+            )
+        )
+    requests = s.get("requests")
+    if isinstance(requests, dict) and requests:
+        parts = []
+        for verb, r in sorted(requests.items()):
+            count = int(r.get("count", 0))
+            mean = r.get("seconds", 0.0) / count * 1e3 if count else 0.0
+            parts.append(f"{verb} {count} ({mean:.2f} ms mean)")
+        lines.append("requests: " + ", ".join(parts))
+    errors = s.get("errors")
+    if isinstance(errors, dict) and errors:
+        lines.append("errors: " + ", ".join(f"{c} {int(v)}" for c, v in sorted(errors.items())))
+    return lines

@@ -1,26 +1,28 @@
-"""Commands that open the store in-process: init, inspect, ls, purge, fsck, keys."""
+"""The store commands: init, inspect, ls, purge, fsck, keys (:mod:`.admin`: where they act)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
+from .admin import admin_target
 from .app import (
     JsonOpt,
     app,
+    check_tenant,
     config,
     emit,
     err,
     human_bytes,
     keys_app,
     open_store,
+    out,
     parse_ns,
 )
-from .exits import _Aborted, _CliUsageError, _FsckProblems
+from .exits import _Aborted, _CliUsageError, _FsckProblems, _NothingToDo
 
 
 @app.command()
@@ -39,31 +41,13 @@ def init(as_json: JsonOpt = False) -> None:
 
 @app.command()
 def inspect(as_json: JsonOpt = False) -> None:
-    """Store id, layout version, tenants, namespaces, chunks, bytes, capacity."""
+    """Store id, layout version, tenants, namespaces, chunks, bytes, capacity.
+
+    Asks the running sidecar when one serves the socket, else opens the store.
+    """
     cfg = config()
-    with open_store(cfg) as store:
-        tenants = store.tenant_usage()
-        data: dict[str, Any] = {
-            "store_root": str(cfg.store_root),
-            "store_id": store.layout.store_id,
-            "layout_version": store.layout.version,
-            "capacity_bytes": store.config.capacity_bytes,
-            "used_bytes": store.used_bytes,
-            "chunks": store.chunk_count(),
-            "tenants": {
-                t: {
-                    "chunks": u.count,
-                    "bytes": u.bytes,
-                    "namespaces": {
-                        ns.hex(): {"chunks": nu.count, "bytes": nu.bytes}
-                        for ns, nu in store.namespace_usage(t).items()
-                    },
-                }
-                for t, u in sorted(tenants.items())
-            },
-            "tenants_with_keys": store.tenants(),
-            "tenants_with_unreadable_keys": store.key_problems(),
-        }
+    with admin_target(cfg) as target:
+        data = target.inspect()
     table = Table(title=f"store {data['store_id']} (layout v{data['layout_version']})")
     for col in ("tenant", "namespaces", "chunks", "bytes"):
         table.add_column(col)
@@ -75,13 +59,26 @@ def inspect(as_json: JsonOpt = False) -> None:
         f"{data['chunks']} chunks, {human_bytes(data['used_bytes'])} of "
         f"{human_bytes(data['capacity_bytes'])}"
     )
+    shared = data.get("shared")
+    if shared:
+        ev = shared.get("evictor") or {}
+        followed = ", ".join(
+            f"{n[:8]}@{seg}:{off}" for n, (seg, off) in sorted(shared["nodes_followed"].items())
+        )
+        table.caption += (
+            f"\nshared root: this node {shared['node_id'][:8]} (journal segment "
+            f"{shared['journal_segment']}), following {followed or 'no other node'}; "
+            f"evictor {str(ev.get('holder', 'none'))[:8]} (epoch {ev.get('epoch', '-')})"
+        )
     emit(as_json, data, table)
 
 
-def _duration(text: str, option: str) -> float:
+def _duration(text: str | None, option: str) -> float | None:
     from ..errors import ConfigError
     from ..units import parse_duration
 
+    if text is None:
+        return None
     try:
         return parse_duration(text, allow_none=False, what=option) or 0.0
     except ConfigError as exc:
@@ -98,35 +95,19 @@ def ls_(
         str | None, typer.Option("--older-than", help="Only chunks created before, e.g. 7d.")
     ] = None,
     newer_than: Annotated[str | None, typer.Option("--newer-than")] = None,
-    limit: Annotated[int, typer.Option("--limit")] = 100,
+    limit: Annotated[
+        int, typer.Option("--limit", min=0, help="Most rows to print (0 = all).")
+    ] = 100,
     as_json: JsonOpt = False,
 ) -> None:
     """List chunks, filtered by tenant, namespace and age."""
-    cfg = config()
+    check_tenant(tenant)
     ns = parse_ns(namespace)
-    now = time.time_ns()
-    old_cut = now - int(_duration(older_than, "--older-than") * 1e9) if older_than else None
-    new_cut = now - int(_duration(newer_than, "--newer-than") * 1e9) if newer_than else None
-    rows: list[dict[str, Any]] = []
-    with open_store(cfg) as store:
-        for rec in store.chunks(tenant=tenant, namespace=ns):
-            if old_cut is not None and rec.created_ns >= old_cut:
-                continue
-            if new_cut is not None and rec.created_ns < new_cut:
-                continue
-            rows.append(
-                {
-                    "tenant": rec.tenant,
-                    "key": rec.chunk_key.hex(),
-                    "namespace": rec.namespace.hex(),
-                    "bytes": rec.size,
-                    "layers": rec.num_layers,
-                    "sealed": rec.key_epoch > 0,
-                    "age_s": round((now - rec.created_ns) / 1e9, 1),
-                }
-            )
-            if len(rows) >= limit:
-                break
+    old = _duration(older_than, "--older-than")
+    new = _duration(newer_than, "--newer-than")
+    cfg = config()
+    with admin_target(cfg) as target:
+        rows = target.ls(tenant, ns, old, new, limit)
     table = Table()
     for col in ("tenant", "key", "namespace", "bytes", "layers", "sealed", "age_s"):
         table.add_column(col)
@@ -146,39 +127,104 @@ def purge(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Remove data. --tenant alone is a crypto-erase: its keys are destroyed first."""
+    """Remove data. --tenant alone is a crypto-erase: its keys are destroyed first.
+
+    Through the running sidecar when one serves the socket, else offline. A
+    tenant with neither keys nor data is exit 8 (a typo?), nothing asked.
+    """
     if tenant is None and namespace is None and older_than is None:
         raise _CliUsageError(
             "say what to purge: --tenant, --namespace (with --tenant) or --older-than"
         )
     if namespace is not None and tenant is None:
         raise _CliUsageError("--namespace needs --tenant")
+    if namespace is not None and older_than is not None:
+        raise _CliUsageError("--namespace and --older-than do not combine")
+    check_tenant(tenant)
     ns = parse_ns(namespace)
-    age = _duration(older_than, "--older-than") if older_than is not None else None
+    age = _duration(older_than, "--older-than")
     cfg = config()
     what = (
         f"tenant {tenant} (crypto-erase: keys destroyed, irreversible)"
-        if tenant and ns is None and older_than is None
+        if tenant and ns is None and age is None
         else f"namespace {namespace} of tenant {tenant}"
         if ns is not None
         else f"chunks older than {older_than}" + (f" of tenant {tenant}" if tenant else "")
     )
-    if not yes and not typer.confirm(f"Purge {what}?", default=False, err=True):
-        raise _Aborted(f"nothing purged ({what})")
-    with open_store(cfg) as store:
+    with admin_target(cfg) as target:
+        if tenant is not None:
+            info = target.inspect()
+            if tenant not in info["tenants"] and tenant not in info["tenants_with_keys"]:
+                raise _NothingToDo(f"tenant {tenant} has no keys or data in {target.where}")
+        if not yes:
+            try:
+                ok = typer.confirm(f"Purge {what}?", default=False, err=True)
+            except typer.Abort:
+                err.print()  # end the prompt's line: the reason gets its own
+                raise _Aborted(
+                    f"nothing purged ({what}): no answer at the prompt; pass --yes "
+                    "to purge without one"
+                ) from None
+            if not ok:
+                raise _Aborted(f"nothing purged ({what})")
         if age is not None:
-            n = store.purge_older_than(age, tenant)
+            n = target.purge_older(age, tenant)
             kind = "age"
         elif ns is not None:
             assert tenant is not None
-            n = store.purge_namespace(tenant, ns)
+            n = target.purge_namespace(tenant, ns)
             kind = "namespace"
         else:
             assert tenant is not None
             with err.status(f"erasing tenant {tenant}…"):
-                n = store.purge_tenant(tenant, wait=True)
+                n = target.purge_tenant(tenant)
             kind = "tenant"
     emit(as_json, {"purged": kind, "tenant": tenant, "namespace": namespace, "chunks": n})
+
+
+#: fsck report key → (what it lists, what --repair did about it)
+_FSCK_FINDINGS: dict[str, tuple[str, str]] = {
+    "missing_files": ("index records without a file", "dropped from the index"),
+    "mismatched_records": ("index records that differ from their file", "re-read from the file"),
+    "unindexed_files": ("files without an index record", "indexed"),
+    "corrupt_files": ("corrupt objects", "removed"),
+    "purged_tenant_files": ("objects of purged tenants", "removed"),
+    "orphan_tmp_files": ("stale temp files", "removed"),
+}
+
+
+def _print_fsck(report: dict[str, Any], repair: bool) -> None:
+    out.print(
+        f"objects on disk: {report['objects_on_disk']}, index records: "
+        f"{report['index_records']}, ok: {report['ok']}"
+    )
+    for key, (label, action) in _FSCK_FINDINGS.items():
+        items = report.get(key) or []
+        if not items:
+            continue
+        head = f"{label}: {len(items)}" + (f" ({action})" if repair else "")
+        out.print(head)
+        for item in items[:20]:
+            out.print(f"  {item}")
+        if len(items) > 20:
+            out.print(f"  … and {len(items) - 20} more (--json lists all)")
+    if report["clean"]:
+        out.print("clean: no problems found")
+    elif repair:
+        out.print("repaired: " + _repair_summary(report))
+    else:
+        out.print("problems found: run `kvoffload fsck --repair`")
+
+
+def _repair_summary(report: dict[str, Any]) -> str:
+    def n(*keys: str) -> int:
+        return sum(len(report.get(k) or []) for k in keys)
+
+    return (
+        f"removed {n('corrupt_files', 'purged_tenant_files', 'orphan_tmp_files')} files, "
+        f"dropped {n('missing_files')} index records, "
+        f"re-indexed {n('unindexed_files', 'mismatched_records')} objects"
+    )
 
 
 @app.command()
@@ -191,21 +237,26 @@ def fsck(
     ] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Compare the index with the files; --repair rebuilds the index from the files alone."""
+    """Compare the index with the files; --repair rebuilds the index from the files alone.
+
+    Through the running sidecar when one serves the socket, else offline.
+    """
     cfg = config()
-    with open_store(cfg) as store:
+    with admin_target(cfg) as target:
         if as_json:
-            report = store.fsck(repair, verify_data=verify_data)
+            data = target.fsck(repair, verify_data, None)
         else:
             with err.status("checking objects…") as status:
-                report = store.fsck(
-                    repair,
-                    verify_data=verify_data,
-                    progress=lambda n: status.update(f"checked {n} objects…"),
+                data = target.fsck(
+                    repair, verify_data, lambda n: status.update(f"checked {n} objects…")
                 )
-    data = report.to_dict()
-    emit(as_json, data)
-    if not report.clean and not repair:
+    if repair:
+        data["summary"] = _repair_summary(data)
+    if as_json:
+        emit(True, data)
+    else:
+        _print_fsck(data, repair)
+    if not data["clean"] and not repair:
         raise _FsckProblems("the store has problems: run `kvoffload fsck --repair`")
 
 

@@ -34,8 +34,8 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvoffload.errors import ChunkTooLarge
 
@@ -80,12 +80,16 @@ from .session import (
     RateLimitedLog,
     Session,
     _Unavailable,
+    call_tenantless,
     expect,
     fetch_stats,
     log,
     read_reply,
 )
 from .staged import StagedPath
+
+if TYPE_CHECKING:
+    from ..contract import CompatContract
 
 __all__ = [
     "DEFAULT_SOCKET_PATH",
@@ -98,6 +102,7 @@ __all__ = [
     "LoadedChunk",
     "SidecarClient",
     "as_byte_view",
+    "call_tenantless",
     "fetch_stats",
 ]
 
@@ -181,6 +186,27 @@ class SidecarClient:
         with self._lock:
             s = self._ensure_session()
             return s.salt if s is not None else None
+
+    def chunk_keys(
+        self,
+        contract: CompatContract,
+        tokens: Sequence[int] | Any,
+        extra_keys: Sequence[Iterable[bytes]] | None = None,
+    ) -> list[bytes]:
+        """:func:`kvoffload.chunk_keys` under this tenant's salt; ``[]`` without a sidecar.
+
+        The documented pattern (``keys = client.chunk_keys(...)``, then
+        ``lookup``/``save``/``load`` of ``keys``) is therefore safe when the
+        sidecar is down, restarting or refuses this peer: no keys is a miss
+        for ``lookup`` and ``load`` and nothing for ``save``; the next call
+        reconnects (with backoff) and gets keys again.
+        """
+        salt = self.salt
+        if salt is None:
+            return []
+        from ..keys import chunk_keys
+
+        return chunk_keys(contract, salt, tokens, extra_keys)
 
     @property
     def server_info(self) -> HelloReply | None:

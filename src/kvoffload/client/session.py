@@ -157,21 +157,30 @@ class Session:
             )
 
 
-def fetch_stats(socket_path: str | os.PathLike[str], timeout_s: float = 5.0) -> dict[str, Any]:
-    """The sidecar's counters, over a connection that names no tenant.
+def call_tenantless(
+    socket_path: str | os.PathLike[str],
+    requests: Sequence[Request],
+    *,
+    client: str = "kvoffload",
+    timeout_s: float = 5.0,
+) -> tuple[HelloReply, list[Reply]]:
+    """``requests`` on one connection that names no tenant: the ``hello`` reply and
+    the requests' replies, in order.
 
-    Unlike ``SidecarClient.stats`` this neither creates a tenant's keys nor
-    registers a staging buffer, so an operator's `kvoffload stats` has no side
-    effects. Raises ``TransportError``/``ProtocolError`` if the sidecar is unreachable.
+    What the operator's commands use (``stats``, and the admin verbs of
+    ``inspect``, ``ls``, ``purge``, ``fsck``): no tenant's keys are created and
+    no staging buffer is registered. Raises ``TransportError`` if the sidecar
+    is unreachable and ``ProtocolError`` (with the reply's code) if it refuses
+    a request.
     """
     transport = UnixTransport.connect(os.fspath(socket_path), timeout_s=timeout_s)
     try:
-        exchanges: list[tuple[int, Request]] = [
-            (1, Hello(MIN_PROTOCOL_VERSION, MAX_PROTOCOL_VERSION, "kvoffload stats", ())),
-            (2, Stats()),
+        exchanges: list[Request] = [
+            Hello(MIN_PROTOCOL_VERSION, MAX_PROTOCOL_VERSION, client[:128], ()),
+            *requests,
         ]
-        result: dict[str, Any] = {}
-        for rid, req in exchanges:
+        replies: list[Reply] = []
+        for rid, req in enumerate(exchanges, start=1):
             transport.send(request_message(rid, req))
             frame = transport.recv()
             close_fds(frame.fds)
@@ -180,10 +189,22 @@ def fetch_stats(socket_path: str | os.PathLike[str], timeout_s: float = 5.0) -> 
                 raise ProtocolError(reply.code, f"{req.OP.value} refused: {reply.message}")
             if got != rid:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"reply to {got}, expected {rid}")
-            if isinstance(reply, StatsReply):
-                result = dict(reply.stats)
+            replies.append(reply)
         with contextlib.suppress(*CONNECTION_ERRORS):
-            transport.send(request_message(3, Bye()))
-        return result
+            transport.send(request_message(len(exchanges) + 1, Bye()))
+        return expect(replies[0], HelloReply), replies[1:]
     finally:
         transport.close()
+
+
+def fetch_stats(socket_path: str | os.PathLike[str], timeout_s: float = 5.0) -> dict[str, Any]:
+    """The sidecar's counters, over a connection that names no tenant.
+
+    Unlike ``SidecarClient.stats`` this neither creates a tenant's keys nor
+    registers a staging buffer, so an operator's `kvoffload stats` has no side
+    effects. Raises ``TransportError``/``ProtocolError`` if the sidecar is unreachable.
+    """
+    _, (reply,) = call_tenantless(
+        socket_path, [Stats()], client="kvoffload stats", timeout_s=timeout_s
+    )
+    return dict(expect(reply, StatsReply).stats)

@@ -73,8 +73,8 @@ WORKER_TIMEOUT_S = 900.0
 SIDECAR_READY_TIMEOUT_S = 60.0
 
 TRANSFORMERS_MISSING = (
-    "the demo needs transformers: pip install 'kvoffload[demo]' (or .venv/bin/pip install "
-    "'transformers>=4.57')"
+    "the demo needs transformers, in the environment kvoffload runs from: "
+    f"{sys.executable} -m pip install 'kvoffload[demo]'"
 )
 
 
@@ -622,6 +622,7 @@ def run_worker(job: WorkerJob) -> dict[str, Any]:
             t1 = time.perf_counter()
             keys = chunk_keys(contract, client.salt, job.tokens)
             chunks = pack_chunks(full.keys, full.values, job.chunk_tokens)
+            present = client.lookup(keys)  # an earlier run's chunks: not "saved" again
             saved = client.save(contract.fingerprint(), list(zip(keys, chunks, strict=True)))
             t2 = time.perf_counter()
             layer_bytes = chunk_layer_bytes(contract.layer_layout, job.chunk_tokens, torch.float32)
@@ -629,6 +630,8 @@ def run_worker(job: WorkerJob) -> dict[str, Any]:
                 "prefill_s": t1 - t0,
                 "save_s": t2 - t1,
                 "chunks_saved": sum(saved),
+                "chunks_already_present": present,
+                "chunks_new": max(0, sum(saved) - present),
                 "bytes_saved": sum(saved) * layer_bytes * contract.layer_layout.num_layers,
                 "next_token": int(full.logits.argmax()),
             }
@@ -748,6 +751,12 @@ class DemoConfig:
             raise ValueError("--prompt-tokens and --suffix-tokens must be at least 1")
         if self.chunk_tokens < DEFAULT_BLOCK_SIZE or self.chunk_tokens % DEFAULT_BLOCK_SIZE:
             raise ValueError(f"chunk tokens must be a multiple of {DEFAULT_BLOCK_SIZE}")
+        if self.prompt_tokens < self.chunk_tokens:
+            raise ValueError(
+                f"--prompt-tokens {self.prompt_tokens} is shorter than one chunk "
+                f"({self.chunk_tokens} tokens): nothing could be saved or reused; "
+                f"use at least {self.chunk_tokens}"
+            )
         if self.repeats < 1 or self.threads < 1:
             raise ValueError("--repeats and --threads must be at least 1")
         if self.seed == self.other_seed:

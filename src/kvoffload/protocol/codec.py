@@ -23,11 +23,14 @@ from .replies import (
     ErrorReply,
     FsckReply,
     HelloReply,
+    InspectReply,
     LeaseLoadReply,
     LeaseStoreReply,
     LookupReply,
+    LsReply,
     PrepareLoadReply,
     PrepareStoreReply,
+    PurgeOlderReply,
     PurgeReply,
     Reply,
     StatsReply,
@@ -45,7 +48,10 @@ _REPLY_TYPES: dict[
     | type[PurgeReply]
     | type[FsckReply]
     | type[LeaseStoreReply]
-    | type[LeaseLoadReply],
+    | type[LeaseLoadReply]
+    | type[InspectReply]
+    | type[LsReply]
+    | type[PurgeOlderReply],
 ] = {
     Op.HELLO: HelloReply,
     Op.LOOKUP: LookupReply,
@@ -57,6 +63,9 @@ _REPLY_TYPES: dict[
     Op.FSCK: FsckReply,
     Op.LEASE_STORE: LeaseStoreReply,
     Op.LEASE_LOAD: LeaseLoadReply,
+    Op.INSPECT: InspectReply,
+    Op.LS: LsReply,
+    Op.PURGE_OLDER: PurgeOlderReply,
 }
 ACK_OPS = frozenset({Op.REGISTER_STAGING, Op.ABORT, Op.COMPLETE_LOAD, Op.TOUCH, Op.BYE})
 

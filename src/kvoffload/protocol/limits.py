@@ -48,6 +48,9 @@ class Op(StrEnum):
     BYE = "bye"
     LEASE_STORE = "lease_store"
     LEASE_LOAD = "lease_load"
+    INSPECT = "inspect"
+    LS = "ls"
+    PURGE_OLDER = "purge_older"
     #: Server-initiated fatal error frame (id 0).
     ERROR = "error"
 

@@ -151,6 +151,34 @@ class FsckReply(ReplyMessage, frozen=True):
         return cls(free_form(m, "report", "fsck reply"))
 
 
+class _ReportReply(ReplyMessage, frozen=True):
+    """A reply whose one key is the free-form map ``report``."""
+
+    report: Mapping[str, Any]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"report": dict(self.report)}
+
+    @classmethod
+    def from_wire(cls, m: Mapping[str, Any]) -> Self:
+        return cls(free_form(m, "report", f"{cls.OP.value} reply"))
+
+
+class InspectReply(_ReportReply, frozen=True):
+    OP: ClassVar[Op] = Op.INSPECT
+
+
+class LsReply(_ReportReply, frozen=True):
+    """``report``: ``chunks`` (a list of maps) and ``more`` (bool: a next page exists)."""
+
+    OP: ClassVar[Op] = Op.LS
+
+
+class PurgeOlderReply(ReplyMessage, frozen=True):
+    OP: ClassVar[Op] = Op.PURGE_OLDER
+    removed: UInt
+
+
 # -- prepare_store, lease_store: one entry per chunk, by status ---------------
 
 
@@ -478,6 +506,9 @@ Reply = (
     | StatsReply
     | PurgeReply
     | FsckReply
+    | InspectReply
+    | LsReply
+    | PurgeOlderReply
     | LeaseStoreReply
     | LeaseLoadReply
     | ErrorReply
@@ -489,14 +520,17 @@ __all__ = [
     "ErrorReply",
     "FsckReply",
     "HelloReply",
+    "InspectReply",
     "LayerExtent",
     "LeaseLoadReply",
     "LeaseSlot",
     "LeaseStoreReply",
     "LoadSlot",
     "LookupReply",
+    "LsReply",
     "PrepareLoadReply",
     "PrepareStoreReply",
+    "PurgeOlderReply",
     "PurgeReply",
     "ReadSlot",
     "Reply",

@@ -21,6 +21,7 @@ from .fields import (
     Namespace,
     Seconds,
     Tenant,
+    UInt,
     decode,
     distinct,
 )
@@ -164,6 +165,43 @@ class Fsck(RequestMessage, frozen=True):
     OP: ClassVar[Op] = Op.FSCK
     WIRE_REQUIRED: ClassVar[tuple[str, ...]] = ("repair",)
     repair: bool = False
+    #: Revision 3, optional: also decrypt/checksum every layer (sent only when true).
+    verify_data: bool = False
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"repair": self.repair}
+        if self.verify_data:
+            d["verify_data"] = True
+        return d
+
+
+class Inspect(RequestMessage, frozen=True):
+    """§5.16 (admin): the store's summary, per tenant and namespace."""
+
+    OP: ClassVar[Op] = Op.INSPECT
+
+
+class Ls(RequestMessage, frozen=True):
+    """§5.17 (admin): index records, filtered, one page at a time."""
+
+    OP: ClassVar[Op] = Op.LS
+    tenant: Tenant | None = None
+    namespace: Namespace | None = None
+    older_than_s: Seconds | None = None
+    newer_than_s: Seconds | None = None
+    #: Rows of this page (0 = as many as fit: the server's page size).
+    limit: UInt = 0
+    #: Matching rows to skip (the rows of earlier pages).
+    skip: UInt = 0
+
+
+class PurgeOlder(RequestMessage, frozen=True):
+    """§5.18 (admin): remove chunks created more than ``older_than_s`` ago."""
+
+    OP: ClassVar[Op] = Op.PURGE_OLDER
+    WIRE_REQUIRED: ClassVar[tuple[str, ...]] = ("older_than_s",)
+    older_than_s: Seconds
+    tenant: Tenant | None = None
 
 
 Request = (
@@ -182,6 +220,9 @@ Request = (
     | Bye
     | LeaseStore
     | LeaseLoad
+    | Inspect
+    | Ls
+    | PurgeOlder
 )
 
 REQUEST_TYPES: dict[Op, type[Request]] = {
@@ -202,6 +243,9 @@ REQUEST_TYPES: dict[Op, type[Request]] = {
         Bye,
         LeaseStore,
         LeaseLoad,
+        Inspect,
+        Ls,
+        PurgeOlder,
     )
 }
 
@@ -214,12 +258,15 @@ __all__ = [
     "CompleteStore",
     "Fsck",
     "Hello",
+    "Inspect",
     "LeaseLoad",
     "LeaseStore",
     "Lookup",
+    "Ls",
     "PrepareLoad",
     "PrepareStore",
     "Purge",
+    "PurgeOlder",
     "RegisterStaging",
     "Request",
     "RequestMessage",

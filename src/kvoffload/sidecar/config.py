@@ -240,6 +240,16 @@ def _parse_streams(raw: object) -> int:
     return n
 
 
+def parse_port(raw: object) -> int:
+    """A TCP port: 1-65535, or 0 for off."""
+    if isinstance(raw, bool):
+        raise ValueError(f"{raw!r} is not a port number")
+    port: int = int(raw)  # type: ignore[call-overload]
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port {port} is out of range: 1-65535, or 0 for off")
+    return port
+
+
 # (section, key) → (Config field, converter)
 _KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("store", "root"): ("store_root", Path),
@@ -259,7 +269,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("server", "workers"): ("workers", int),
     ("server", "max_inflight"): ("max_inflight_bytes", parse_size),
     ("server", "idle_reservation_timeout"): ("idle_reservation_timeout_s", parse_duration),
-    ("metrics", "port"): ("metrics_port", int),
+    ("metrics", "port"): ("metrics_port", parse_port),
     ("metrics", "host"): ("metrics_host", str),
     ("security", "kek_file"): ("kek_file", Path),
     ("security", "policy"): ("policy_file", Path),
@@ -288,8 +298,22 @@ def load_config(
     env: Mapping[str, str] | None = None,
     dev: bool = False,
 ) -> Config:
+    return load_config_sources(path, env=env, dev=dev)[0]
+
+
+def load_config_sources(
+    path: Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    dev: bool = False,
+) -> tuple[Config, dict[str, str]]:
+    """:func:`load_config`, and where each setting came from: ``Config`` field →
+    ``"default"``, ``"dev default"``, the file's path or ``$VARIABLE``."""
     env = os.environ if env is None else env
-    cfg = Config.dev_default() if dev or env.get("KVOFFLOAD_DEV") == "1" else Config()
+    is_dev = dev or env.get("KVOFFLOAD_DEV") == "1"
+    cfg = Config.dev_default() if is_dev else Config()
+    base = "dev default" if is_dev else "default"
+    sources = {name: base for name in config_fields()}
     path = path or (Path(env["KVOFFLOAD_CONFIG"]) if env.get("KVOFFLOAD_CONFIG") else None)
     if path is not None:
         try:
@@ -303,12 +327,14 @@ def load_config(
                 raise ConfigError(f"{path}: [{section}] must be a table")
             for key, raw in table.items():
                 cfg = _apply(cfg, section, key, raw, str(path))
+                sources[_KEYS[(section, key)][0]] = str(path)
     for var, value in env.items():
         if var in _ENV_KEYS:
             cfg = _apply(cfg, *_ENV_KEYS[var], value, f"${var}")
+            sources[_KEYS[_ENV_KEYS[var]][0]] = f"${var}"
     if not 0 < cfg.low_watermark <= cfg.high_watermark <= 1:
         raise ConfigError("watermarks must satisfy 0 < low_watermark <= high_watermark <= 1")
-    return cfg
+    return cfg, sources
 
 
 def config_keys() -> list[tuple[str, str]]:

@@ -631,10 +631,20 @@ def select_backend(
     if isinstance(backend, PosixBackend):
         backend.map_reads = not backend.direct_read and local_fs(objects_dir)
     log.info(
-        "I/O backend %s (requested %s): %s [decided in %.0f ms]",
-        p.describe(),
+        "I/O backend %s (requested %s): %s (`kvoffload doctor` says why)",
+        p.backend,
         p.requested,
-        p.reason,
-        p.gpu.elapsed_s * 1e3,
+        short_reason(p.reason),
+    )
+    log.debug(
+        "I/O backend %s: %s [decided in %.0f ms]", p.describe(), p.reason, p.gpu.elapsed_s * 1e3
     )
     return IOSelection(backend, p)
+
+
+def short_reason(reason: str, limit: int = 80) -> str:
+    """The first clause of a backend choice's reason, at most ``limit`` characters."""
+    first = reason.split(";", 1)[0].strip()
+    if len(first) <= limit:
+        return first
+    return first[: limit - 1].rsplit(" ", 1)[0] + "…"

@@ -113,11 +113,13 @@ class Kek:
         return cls(_parse_kek(data, p), source=p)
 
     @classmethod
-    def generate_dev(cls, path: str | os.PathLike[str]) -> Kek:
+    def generate_dev(cls, path: str | os.PathLike[str], *, banner: bool = True) -> Kek:
         """Create a random KEK file (mode 0600) for development, or load the existing one.
 
         Safe against a concurrent creator: the file is written under a temp name
         and linked into place, so a loser loads the winner's complete file.
+        ``banner``: the loud multi-line warning (the sidecar, once at start);
+        without it a one-line reminder (the short-lived CLI commands).
         """
         p = Path(path)
         try:
@@ -133,6 +135,14 @@ class Kek:
         if not created:
             _fsync_dir(p.parent)  # the winner's name, durable before we rely on it
         kek = cls.from_file(p)
+        if not banner:
+            log.warning(
+                "development KEK %s (id %s) %s: not for production",
+                p,
+                kek.key_id,
+                "was just generated" if created else "in use",
+            )
+            return kek
         log.warning(
             "\n%s\nDEVELOPMENT KEK %s (id %s) %s. It sits in a plain file on this machine: "
             "anyone who can read it can decrypt every tenant's cached KV. NEVER use it in "

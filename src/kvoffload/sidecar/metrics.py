@@ -6,20 +6,43 @@ the store's counters at scrape time by a custom collector, so the hot path
 pays for one histogram observation per request and nothing else.
 
 The HTTP endpoint is optional and binds to 127.0.0.1 unless told otherwise:
-metrics name tenants' usage and must not leak off the node by default.
+metrics name tenants' usage and must not leak off the node by default. It
+serves ``/metrics`` (the text exposition), ``/healthz`` (200 while the
+process answers), ``/readyz`` (200 once the socket is served, 503 before and
+while draining) and 404 for every other path.
+
+Names: counters end in ``_total`` and a unit comes before it
+(``kvoffload_in_bytes_total``); gauges end in their unit
+(``kvoffload_used_bytes``). Per-tenant usage is labelled by ``tenant``:
+``kvoffload_tenant_used_bytes``, ``kvoffload_tenant_chunks``,
+``kvoffload_tenant_quota_bytes`` (absent for a tenant without a quota).
+``kvoffload_build_info`` (value 1) carries the version, and the process
+collector adds ``process_*`` (CPU, memory, open fds).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+
+#: tenant → (chunks, bytes, quota bytes or None)
+TenantUsage = Callable[[], Mapping[str, tuple[int, int, int | None]]]
 
 # Lookups are sub-millisecond; 32 MiB loads take tens of milliseconds.
 _BUCKETS = (
@@ -34,12 +57,38 @@ _STORE_METRICS: dict[str, tuple[str, str, str]] = {
     "put_exists": ("kvoffload_chunks_already_present", "Writes of present chunks", "counter"),
     "evictions": ("kvoffload_evictions", "Chunks evicted for capacity", "counter"),
     "corrupt": ("kvoffload_corrupt_objects", "Objects that failed verification", "counter"),
-    "bytes_in": ("kvoffload_bytes_in", "Payload bytes stored", "counter"),
-    "bytes_out": ("kvoffload_bytes_out", "Payload bytes loaded", "counter"),
+    "bytes_in": ("kvoffload_in_bytes", "Payload bytes stored", "counter"),
+    "bytes_out": ("kvoffload_out_bytes", "Payload bytes loaded", "counter"),
     "used_bytes": ("kvoffload_used_bytes", "Bytes of objects on disk", "gauge"),
     "reserved_bytes": ("kvoffload_reserved_bytes", "Bytes reserved by writes", "gauge"),
     "chunks": ("kvoffload_chunks", "Chunks in the index", "gauge"),
 }
+
+
+class _TenantCollector(Collector):
+    def __init__(self, usage: TenantUsage) -> None:
+        self._usage = usage
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            usage = self._usage()
+        except Exception:  # a closing store must not break the scrape
+            return []
+        used = GaugeMetricFamily(
+            "kvoffload_tenant_used_bytes", "Bytes of the tenant's chunks", labels=["tenant"]
+        )
+        chunks = GaugeMetricFamily(
+            "kvoffload_tenant_chunks", "Chunks of the tenant", labels=["tenant"]
+        )
+        quota = GaugeMetricFamily(
+            "kvoffload_tenant_quota_bytes", "The tenant's quota (policy)", labels=["tenant"]
+        )
+        for tenant, (n, nbytes, q) in sorted(usage.items()):
+            used.add_metric([tenant], nbytes)
+            chunks.add_metric([tenant], n)
+            if q is not None:
+                quota.add_metric([tenant], q)
+        return [used, chunks, quota]
 
 
 class _StoreCollector(Collector):
@@ -61,14 +110,40 @@ class _StoreCollector(Collector):
             else:
                 out.append(GaugeMetricFamily(name, doc, value=value))
         cap = stats.get("capacity_bytes")
-        if isinstance(cap, int):
-            out.append(GaugeMetricFamily("kvoffload_capacity_bytes", "Byte limit", value=cap))
+        out.append(
+            GaugeMetricFamily(
+                "kvoffload_capacity_bytes",
+                "Byte limit of the store (0: none)",
+                value=cap if isinstance(cap, int) else 0,
+            )
+        )
         return out
 
 
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
 class Metrics:
-    def __init__(self, store_stats: Callable[[], Mapping[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        store_stats: Callable[[], Mapping[str, Any]] | None = None,
+        tenant_usage: TenantUsage | None = None,
+    ) -> None:
+        from .. import __version__
+
         self.registry = CollectorRegistry(auto_describe=True)
+        #: /readyz answers 200 while this is True (set by the daemon).
+        self.ready = False
+        Info("kvoffload_build", "kvoffload version", registry=self.registry).info(
+            {"version": __version__}
+        )
+        ProcessCollector(registry=self.registry)
         self.latency = Histogram(
             "kvoffload_request_seconds",
             "Time from a request's arrival to its reply, per verb",
@@ -87,6 +162,13 @@ class Metrics:
         )
         if store_stats is not None:
             self.registry.register(_StoreCollector(store_stats))
+        if tenant_usage is not None:
+            self.registry.register(_TenantCollector(tenant_usage))
+        self.key_cache_ttl = Gauge(
+            "kvoffload_key_cache_ttl_seconds",
+            "Bound on how long another node may use a purged tenant's cached keys",
+            registry=self.registry,
+        )
         self._http: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -98,27 +180,60 @@ class Metrics:
 
     def summary(self) -> dict[str, Any]:
         """Request counts, mean latency per verb and errors by code, for the stats verb."""
-        requests: dict[str, dict[str, float]] = {}
-        errors: dict[str, float] = {}
+        requests: dict[str, dict[str, float | int]] = {}
+        errors: dict[str, int] = {}
+        connections = 0
         for metric in self.registry.collect():
             for sample in metric.samples:
                 if sample.name == "kvoffload_request_seconds_count":
-                    requests.setdefault(sample.labels["verb"], {})["count"] = sample.value
+                    requests.setdefault(sample.labels["verb"], {})["count"] = int(sample.value)
                 elif sample.name == "kvoffload_request_seconds_sum":
                     requests.setdefault(sample.labels["verb"], {})["seconds"] = sample.value
                 elif sample.name == "kvoffload_errors_total":
-                    errors[sample.labels["code"]] = sample.value
-        return {"requests": requests, "errors": errors}
+                    errors[sample.labels["code"]] = int(sample.value)
+                elif sample.name == "kvoffload_connections_total":
+                    connections = int(sample.value)
+        return {"requests": requests, "errors": errors, "connections_total": connections}
 
     def render(self) -> bytes:
         """The text exposition format (what `kvoffload stats` and /metrics return)."""
         return bytes(generate_latest(self.registry))
 
+    def wsgi_app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        """``/metrics``, ``/healthz``, ``/readyz``; 404 elsewhere; GET and HEAD only."""
+        path = environ.get("PATH_INFO", "")
+        method = environ.get("REQUEST_METHOD", "GET")
+        if method not in ("GET", "HEAD"):
+            start_response("405 Method Not Allowed", [("Content-Type", "text/plain")])
+            return [b"GET only\n"]
+        if path == "/metrics":
+            body = self.render()
+            start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST)])
+        elif path == "/healthz":
+            body = b"ok\n"
+            start_response("200 OK", [("Content-Type", "text/plain")])
+        elif path == "/readyz":
+            body = b"ready\n" if self.ready else b"not ready\n"
+            status = "200 OK" if self.ready else "503 Service Unavailable"
+            start_response(status, [("Content-Type", "text/plain")])
+        else:
+            body = b"not found: /metrics, /healthz, /readyz\n"
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b""] if method == "HEAD" else [body]
+
     def start_http(self, host: str, port: int) -> int:
-        """Serve /metrics; returns the bound port (``port=0`` is refused: 0 means off)."""
-        if port <= 0:
-            raise ValueError("metrics port must be positive")
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        """Serve the endpoints; returns the bound port (``port=0`` is refused: 0 means off).
+
+        Raises OSError when the address cannot be bound."""
+        if not 0 < port <= 65535:
+            raise ValueError(f"metrics port {port} is not in 1-65535")
+        server = make_server(
+            host, port, self.wsgi_app, _ThreadingWSGIServer, handler_class=_QuietHandler
+        )
+        thread = threading.Thread(
+            target=server.serve_forever, name="kvoffload-metrics", daemon=True
+        )
+        thread.start()
         self._http, self._thread = server, thread
         return int(server.server_port)
 

@@ -13,12 +13,13 @@ the server) does not import the store's dependencies (LMDB, cryptography).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from .index import ChunkRecord
-    from .store import FsckReport, ReadLease, Reservation, StoreLease
+    from ..layouts.store_root import LayoutInfo
+    from .index import ChunkRecord, Usage
+    from .store import FsckReport, ReadLease, Reservation, StoreConfig, StoreLease
 
 
 class ReservationAPI(Protocol):
@@ -105,6 +106,49 @@ class StoreAPI(Protocol):
     def check_reported(self, tenant: str, key: bytes) -> bool: ...
 
 
+@runtime_checkable
+class StoreViewsAPI(Protocol):
+    """What the admin verbs inspect, ls and purge_older (protocol-v1.md §5.16-5.18) need,
+    beyond :class:`StoreAPI`; the real store has it, a double may not (then: UNSUPPORTED)."""
+
+    @property
+    def layout(self) -> LayoutInfo: ...
+
+    @property
+    def config(self) -> StoreConfig: ...
+
+    @property
+    def used_bytes(self) -> int: ...
+
+    def chunks(
+        self, tenant: str | None = ..., namespace: bytes | None = ...
+    ) -> Iterator[ChunkRecord]: ...
+
+    def chunk_count(self) -> int: ...
+
+    def tenant_usage(self) -> dict[str, Usage]: ...
+
+    def namespace_usage(self, tenant: str) -> dict[bytes, Usage]: ...
+
+    def tenants(self) -> list[str]: ...
+
+    def key_problems(self) -> dict[str, str]: ...
+
+    def shared_info(self) -> dict[str, Any] | None: ...
+
+    def purge_tenant(self, tenant: str, *, wait: bool = ...) -> int: ...
+
+    def purge_older_than(self, age_s: float, tenant: str | None = ...) -> int: ...
+
+    def fsck(
+        self,
+        repair: bool = ...,
+        *,
+        verify_data: bool = ...,
+        progress: Callable[[int], None] | None = ...,
+    ) -> FsckReport: ...
+
+
 class TenantSettings(Protocol):
     """One tenant's effective policy (``kvoffload.sidecar.policy.TenantPolicy``)."""
 
@@ -132,4 +176,4 @@ class PolicyAPI(Protocol):
     def tenant(self, tenant: str) -> TenantSettings: ...
 
 
-__all__ = ["PolicyAPI", "ReservationAPI", "StoreAPI", "TenantSettings"]
+__all__ = ["PolicyAPI", "ReservationAPI", "StoreAPI", "StoreViewsAPI", "TenantSettings"]

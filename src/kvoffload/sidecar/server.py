@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvoffload.errors import ListenError
 from kvoffload.protocol import ALIGNMENT, MAX_BATCH, ErrorCode, encode_frame, error_message
 
 from .connection import Connection
@@ -42,6 +43,8 @@ log = logging.getLogger("kvoffload.server")
 
 #: Linux SO_PEERGROUPS (4.13+); Python's socket module has no name for it.
 _SO_PEERGROUPS = 59
+#: sun_path holds 108 bytes, the terminating NUL included.
+MAX_SUN_PATH = 108
 _UCRED = struct.Struct("iII")
 
 
@@ -173,15 +176,32 @@ class Server:
         log.info("serving on %s (server id %s)", self.address, self.config.server_id)
 
     def _listen(self) -> socket.socket:
+        """The listening socket; :class:`ListenError` (one line) when there can be none."""
         cfg = self.config
         if cfg.socket_fd is not None:
             sock = socket.socket(fileno=cfg.socket_fd)
             if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
-                raise ValueError("the inherited socket is not a Unix stream socket")
+                raise ListenError("the inherited socket is not a Unix stream socket")
             return sock
         if cfg.socket_path is None:
             raise ValueError("ServerConfig needs socket_path or socket_fd")
         path = Path(cfg.socket_path)
+        if len(os.fsencode(path)) >= MAX_SUN_PATH:
+            raise ListenError(
+                f"socket path {path} is {len(os.fsencode(path))} bytes long; a Unix socket "
+                f"path must be shorter than {MAX_SUN_PATH} bytes: choose a shorter [server] socket"
+            )
+        try:
+            return self._bind(path)
+        except ListenError:
+            raise
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {path}: {exc.strerror or exc}") from exc
+
+    def _bind(self, path: Path) -> socket.socket:
+        cfg = self.config
+        if path.parent.exists() and not path.parent.is_dir():
+            raise ListenError(f"cannot listen on {path}: {path.parent} is not a directory")
         path.parent.mkdir(parents=True, exist_ok=True)
         self._remove_stale(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -197,7 +217,14 @@ class Server:
         if cfg.socket_group is not None:
             import grp
 
-            os.chown(path, -1, grp.getgrnam(cfg.socket_group).gr_gid)
+            try:
+                gid = grp.getgrnam(cfg.socket_group).gr_gid
+            except KeyError:
+                sock.close()
+                raise ListenError(
+                    f"[server] socket_group {cfg.socket_group!r}: no such group"
+                ) from None
+            os.chown(path, -1, gid)
         sock.listen(128)
         return sock
 
@@ -208,7 +235,10 @@ class Server:
         except FileNotFoundError:
             return
         if not stat.S_ISSOCK(st.st_mode):
-            raise FileExistsError(f"{path} exists and is not a socket")
+            raise ListenError(
+                f"cannot listen on {path}: it exists and is not a socket (remove it, "
+                "or choose another [server] socket)"
+            )
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(os.fspath(path))
@@ -217,7 +247,10 @@ class Server:
             return
         finally:
             probe.close()
-        raise RuntimeError(f"another sidecar is already serving {path}")
+        raise ListenError(
+            f"cannot listen on {path}: another sidecar is already serving it "
+            "(stop that one, or give this one another [server] socket)"
+        )
 
     async def serve_forever(self) -> None:
         await self._stopped.wait()
@@ -244,6 +277,8 @@ class Server:
                 continue
             conn = Connection(self.service, self.pool, sock, peer, self.connections.discard)
             self.connections.add(conn)
+            if self.metrics is not None:
+                self.metrics.connections.inc()
             task = asyncio.create_task(conn.run())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)

@@ -38,15 +38,21 @@ from kvoffload.protocol import (
     FsckReply,
     Hello,
     HelloReply,
+    Inspect,
+    InspectReply,
     LeaseLoad,
     LeaseStore,
     Lookup,
     LookupReply,
+    Ls,
+    LsReply,
     Op,
     PrepareLoad,
     PrepareStore,
     ProtocolError,
     Purge,
+    PurgeOlder,
+    PurgeOlderReply,
     PurgeReply,
     RegisterStaging,
     Reply,
@@ -60,6 +66,8 @@ from kvoffload.protocol import (
 )
 from kvoffload.staging import RegionAllocator, StagingBuffer, StagingError
 
+from .admin import LS_PAGE, inspect_report, ls_rows
+from .ports import StoreViewsAPI
 from .service import (
     Handle,
     LoadHandle,
@@ -256,6 +264,12 @@ class Session(Transfers):
                     return self.purge(req)
                 case Fsck():
                     return self.fsck(req)
+                case Inspect():
+                    return self.inspect()
+                case Ls():
+                    return self.ls(req)
+                case PurgeOlder():
+                    return self.purge_older(req)
                 case _:
                     raise Reject(ErrorCode.UNSUPPORTED, f"{op} is not served here")
         except Reject as exc:
@@ -296,8 +310,17 @@ class Session(Transfers):
         """§5.10: the tenant count is about other tenants, so for admins only."""
         svc = self.service
         stats = dict(svc.store.stats())
-        if not self.is_admin():
+        admin = self.is_admin()
+        if not admin:
             stats.pop("tenants", None)
+        store = svc.store
+        if isinstance(store, StoreViewsAPI):
+            # §5.10: usage of the tenants this connection may use (an admin: all).
+            stats["tenant_usage"] = {
+                t: {"chunks": u.count, "bytes": u.bytes}
+                for t, u in sorted(store.tenant_usage().items())
+                if admin or self.may_use(t)
+            }
         stats["server"] = {
             "server_id": svc.config.server_id,
             "connections": svc.session_count(),
@@ -309,21 +332,70 @@ class Session(Transfers):
 
     # -- admin verbs (§5.11, §5.12) ------------------------------------------------------
 
-    def purge(self, req: Purge) -> Reply:
-        """§5.11 (admin); the tenant need not be named in ``hello``."""
+    def _admin(self, verb: str) -> None:
         if not self.is_admin():
-            raise Reject(ErrorCode.FORBIDDEN, "purge needs the admin right")
+            raise Reject(ErrorCode.FORBIDDEN, f"{verb} needs the admin right")
+
+    def _views(self, verb: str) -> StoreViewsAPI:
+        store = self.service.store
+        if not isinstance(store, StoreViewsAPI):
+            raise Reject(ErrorCode.UNSUPPORTED, f"{verb}: this store has no views")
+        return store
+
+    def purge(self, req: Purge) -> Reply:
+        """§5.11 (admin); the tenant need not be named in ``hello``.
+
+        A whole-tenant purge replies once the tenant's chunks are out of the
+        index too (its keys are destroyed first), so that the next answer of
+        this sidecar no longer counts them.
+        """
+        self._admin("purge")
         store = self.service.store
         if req.namespace is not None:
             return PurgeReply(store.purge_namespace(req.tenant, req.namespace))
+        if isinstance(store, StoreViewsAPI):
+            return PurgeReply(store.purge_tenant(req.tenant, wait=True))
         return PurgeReply(store.purge_tenant(req.tenant))
 
     def fsck(self, req: Fsck) -> Reply:
         """§5.12 (admin)."""
-        if not self.is_admin():
-            raise Reject(ErrorCode.FORBIDDEN, "fsck needs the admin right")
-        report = self.service.store.fsck(repair=req.repair)
-        return FsckReply(plainify(report.to_dict()))
+        self._admin("fsck")
+        store = self.service.store
+        if req.verify_data and isinstance(store, StoreViewsAPI):
+            report = store.fsck(req.repair, verify_data=True)
+        else:
+            report = store.fsck(repair=req.repair)
+        out = plainify(report.to_dict())
+        out["verified_data"] = bool(req.verify_data and isinstance(store, StoreViewsAPI))
+        return FsckReply(out)
+
+    def inspect(self) -> Reply:
+        """§5.16 (admin): what ``kvoffload inspect`` prints."""
+        self._admin("inspect")
+        store = self._views("inspect")
+        return InspectReply(plainify(inspect_report(store, store.config.root)))
+
+    def ls(self, req: Ls) -> Reply:
+        """§5.17 (admin): one page of what ``kvoffload ls`` prints."""
+        self._admin("ls")
+        store = self._views("ls")
+        limit = LS_PAGE if req.limit == 0 else min(req.limit, LS_PAGE)
+        rows, more = ls_rows(
+            store,
+            tenant=req.tenant,
+            namespace=req.namespace,
+            older_than_s=req.older_than_s,
+            newer_than_s=req.newer_than_s,
+            skip=req.skip,
+            limit=limit,
+        )
+        return LsReply({"chunks": plainify(rows), "more": more})
+
+    def purge_older(self, req: PurgeOlder) -> Reply:
+        """§5.18 (admin): remove chunks older than ``older_than_s``, of one tenant or all."""
+        self._admin("purge_older")
+        store = self._views("purge_older")
+        return PurgeOlderReply(store.purge_older_than(req.older_than_s, req.tenant))
 
     # -- handles (§7) -------------------------------------------------------------------
 

@@ -29,14 +29,15 @@ class AuditLog:
 
     def __call__(self, event: str, details: dict[str, Any]) -> None:
         entry = {"ts": time.time(), "event": event, **details}
-        log.warning("audit: %s", entry)
+        line = json.dumps(entry, sort_keys=True)
+        log.info("audit: %s", line)
         # Append-only, fsync'd: a purge or revocation must leave a trace even if we crash next.
         # 0600 whatever the umask: tenant names and their create/purge events.
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         with open(fd, "a", encoding="utf-8") as f:
             if os.fstat(fd).st_mode & 0o077:
                 os.fchmod(fd, 0o600)
-            f.write(json.dumps(entry, sort_keys=True) + "\n")
+            f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
         if self._hook is not None:

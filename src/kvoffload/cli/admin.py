@@ -1,0 +1,241 @@
+"""Where ``inspect``, ``ls``, ``purge`` and ``fsck`` act: the running sidecar, or the store.
+
+While a sidecar serves the configured socket, the commands go through its
+admin verbs (protocol-v1.md §5.11, §5.12, §5.16-§5.18; the policy's admin
+right), because the sidecar holds the store's index. Only when nothing
+listens there do they open the store in-process. Both targets compute the
+same views (:mod:`kvoffload.sidecar.admin`), so the output and ``--json``
+are the same either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .app import open_store
+
+if TYPE_CHECKING:
+    from ..protocol import Reply, Request
+    from ..sidecar.config import Config
+    from ..sidecar.store import Store
+
+#: An admin request may walk the whole store (fsck, a tenant's purge).
+ADMIN_TIMEOUT_S = 3600.0
+
+
+class Target(Protocol):
+    #: Where the command acts, for messages: "the sidecar on PATH" or "the store at ROOT".
+    where: str
+
+    def inspect(self) -> dict[str, Any]: ...
+
+    def ls(
+        self,
+        tenant: str | None,
+        namespace: bytes | None,
+        older_than_s: float | None,
+        newer_than_s: float | None,
+        limit: int,
+    ) -> list[dict[str, Any]]: ...
+
+    def purge_tenant(self, tenant: str) -> int: ...
+
+    def purge_namespace(self, tenant: str, namespace: bytes) -> int: ...
+
+    def purge_older(self, age_s: float, tenant: str | None) -> int: ...
+
+    def fsck(
+        self, repair: bool, verify_data: bool, progress: Callable[[int], None] | None
+    ) -> dict[str, Any]: ...
+
+
+class LocalTarget:
+    """The store opened in-process (no sidecar runs)."""
+
+    def __init__(self, store: Store, cfg: Config) -> None:
+        self.store, self.cfg = store, cfg
+        self.where = f"the store at {cfg.store_root}"
+
+    def inspect(self) -> dict[str, Any]:
+        from ..sidecar.admin import inspect_report
+
+        return inspect_report(self.store, self.cfg.store_root)
+
+    def ls(
+        self,
+        tenant: str | None,
+        namespace: bytes | None,
+        older_than_s: float | None,
+        newer_than_s: float | None,
+        limit: int,
+    ) -> list[dict[str, Any]]:
+        from ..sidecar.admin import ls_rows
+
+        rows, _ = ls_rows(
+            self.store,
+            tenant=tenant,
+            namespace=namespace,
+            older_than_s=older_than_s,
+            newer_than_s=newer_than_s,
+            limit=limit,
+        )
+        return rows
+
+    def purge_tenant(self, tenant: str) -> int:
+        return self.store.purge_tenant(tenant, wait=True)
+
+    def purge_namespace(self, tenant: str, namespace: bytes) -> int:
+        return self.store.purge_namespace(tenant, namespace)
+
+    def purge_older(self, age_s: float, tenant: str | None) -> int:
+        return self.store.purge_older_than(age_s, tenant)
+
+    def fsck(
+        self, repair: bool, verify_data: bool, progress: Callable[[int], None] | None
+    ) -> dict[str, Any]:
+        report = self.store.fsck(repair, verify_data=verify_data, progress=progress)
+        return report.to_dict()
+
+
+class SidecarTarget:
+    """The running sidecar, through its admin verbs."""
+
+    def __init__(self, socket_path: Path) -> None:
+        self.socket_path = socket_path
+        self.where = f"the sidecar on {socket_path}"
+        self.store_id: str | None = None
+
+    def call(self, req: Request) -> Reply:
+        from ..client import call_tenantless
+        from ..errors import ErrorCode, ProtocolError
+        from .exits import _Forbidden
+
+        try:
+            hello, (reply,) = call_tenantless(
+                self.socket_path,
+                [req],
+                client=f"kvoffload {req.OP.value}",
+                timeout_s=ADMIN_TIMEOUT_S,
+            )
+        except ProtocolError as exc:
+            if exc.code is ErrorCode.FORBIDDEN:
+                raise _Forbidden(
+                    f"{self.where} refused {req.OP.value}: it needs the admin right "
+                    f"(admin_uids / admin_gids in the policy); uid {os.getuid()} has not"
+                ) from exc
+            if exc.code is ErrorCode.UNSUPPORTED:
+                raise ProtocolError(
+                    exc.code,
+                    f"{self.where} does not serve {req.OP.value} (an older sidecar?): "
+                    "stop it to run the command offline",
+                ) from exc
+            raise
+        self.store_id = hello.store_id
+        return reply
+
+    def check_store(self, cfg: Config) -> None:
+        """Refuse when the sidecar serves another store than the one configured."""
+        from ..errors import ConfigError
+        from ..layouts.store_root import read_layout
+        from ..protocol import Stats, StatsReply
+
+        try:
+            local = read_layout(cfg.store_root).store_id
+        except Exception:  # no readable layout here: the sidecar's store is the one
+            return
+        reply = self.call(Stats())
+        served = self.store_id if isinstance(reply, StatsReply) else None
+        if served is not None and served != local:
+            raise ConfigError(
+                f"{self.where} serves store {served}, not the store at {cfg.store_root} "
+                f"({local}): point --config/--root at the sidecar's store, or stop it"
+            )
+
+    def inspect(self) -> dict[str, Any]:
+        from ..client.session import expect
+        from ..protocol import Inspect, InspectReply
+
+        return dict(expect(self.call(Inspect()), InspectReply).report)
+
+    def ls(
+        self,
+        tenant: str | None,
+        namespace: bytes | None,
+        older_than_s: float | None,
+        newer_than_s: float | None,
+        limit: int,
+    ) -> list[dict[str, Any]]:
+        from ..client.session import expect
+        from ..protocol import Ls, LsReply
+
+        rows: list[dict[str, Any]] = []
+        while True:
+            want = 0 if limit == 0 else limit - len(rows)
+            req = Ls(tenant, namespace, older_than_s, newer_than_s, want, len(rows))
+            page = expect(self.call(req), LsReply).report
+            rows.extend(page.get("chunks", []))
+            if not page.get("more") or (limit and len(rows) >= limit):
+                return rows[:limit] if limit else rows
+
+    def purge_tenant(self, tenant: str) -> int:
+        from ..client.session import expect
+        from ..protocol import Purge, PurgeReply
+
+        return expect(self.call(Purge(tenant)), PurgeReply).removed
+
+    def purge_namespace(self, tenant: str, namespace: bytes) -> int:
+        from ..client.session import expect
+        from ..protocol import Purge, PurgeReply
+
+        return expect(self.call(Purge(tenant, namespace)), PurgeReply).removed
+
+    def purge_older(self, age_s: float, tenant: str | None) -> int:
+        from ..client.session import expect
+        from ..protocol import PurgeOlder, PurgeOlderReply
+
+        return expect(self.call(PurgeOlder(age_s, tenant)), PurgeOlderReply).removed
+
+    def fsck(
+        self, repair: bool, verify_data: bool, progress: Callable[[int], None] | None
+    ) -> dict[str, Any]:
+        from ..client.session import expect
+        from ..protocol import Fsck, FsckReply
+
+        report = dict(expect(self.call(Fsck(repair, verify_data)), FsckReply).report)
+        report.pop("verified_data", None)
+        return report
+
+
+def sidecar_listening(path: Path) -> bool:
+    """Whether something accepts connections on the Unix socket ``path``."""
+    if not os.path.exists(path):
+        return False
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(2.0)
+    try:
+        sock.connect(os.fspath(path))
+    except OSError:
+        return False
+    finally:
+        sock.close()
+    return True
+
+
+@contextlib.contextmanager
+def admin_target(cfg: Config) -> Iterator[Target]:
+    """The running sidecar if one listens on the configured socket, else the store."""
+    if sidecar_listening(cfg.socket_path):
+        target = SidecarTarget(cfg.socket_path)
+        target.check_store(cfg)
+        yield target
+        return
+    with open_store(cfg) as store:
+        yield LocalTarget(store, cfg)
+
+
+__all__ = ["LocalTarget", "SidecarTarget", "Target", "admin_target", "sidecar_listening"]

@@ -1,0 +1,164 @@
+"""``kvoffload config show|check`` and ``kvoffload policy check FILE``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from .app import JsonOpt, app, emit, human_bytes, out, state
+
+config_app = typer.Typer(help="The effective configuration.", no_args_is_help=True)
+policy_app = typer.Typer(help="Policy files.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+app.add_typer(policy_app, name="policy")
+
+
+def _effective() -> tuple[Any, dict[str, str]]:
+    """The configuration as every command sees it, and each setting's source."""
+    from .. import envvars
+    from ..sidecar.config import load_config_sources
+
+    envvars.check_environment()
+    cfg, sources = load_config_sources(state.config_path, dev=state.dev)
+    for flag, name in (("--root", "store_root"), ("--index-dir", "index_dir")):
+        value = state.root if name == "store_root" else state.index_dir
+        if value is not None:
+            setattr(cfg, name, value)
+            sources[name] = flag
+    if state.kek_file is not None:
+        cfg.kek_file = state.kek_file
+        sources["kek_file"] = "--kek-file"
+    return cfg, sources
+
+
+@config_app.command("show")
+def show(as_json: JsonOpt = False) -> None:
+    """Every setting's effective value and where it came from (default, file, env, flag)."""
+    from ..sidecar.config import _KEYS
+
+    cfg, sources = _effective()
+    rows: list[dict[str, Any]] = []
+    for (section, key), (name, _) in _KEYS.items():
+        value = getattr(cfg, name)
+        if name == "index_dir" and value is None:
+            value = cfg.resolved_index_dir
+            src = sources[name] + " (next to the store root)"
+        else:
+            src = sources[name]
+        rows.append(
+            {
+                "setting": f"[{section}] {key}",
+                "value": None if value is None else str(value),
+                "source": src,
+            }
+        )
+    if as_json:
+        emit(True, rows)
+        return
+    table = Table(title="kvoffload configuration" + (" (--dev)" if cfg.dev else ""))
+    for col in ("setting", "value", "source"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["setting"], "-" if r["value"] is None else r["value"], r["source"])
+    out.print(table)
+
+
+@config_app.command("check")
+def check() -> None:
+    """Validate the configuration and the policy it names; one line each, exit 1 on error."""
+    from ..sidecar.policy import load_policy
+
+    cfg, _ = _effective()
+    out.print(
+        f"config: ok (store {cfg.store_root}, socket {cfg.socket_path}, "
+        f"capacity {human_bytes(cfg.capacity_bytes)})"
+    )
+    if cfg.policy_file is not None:
+        policy = load_policy(cfg.policy_file)
+        out.print(
+            f"policy {cfg.policy_file}: ok ({len(policy.grants)} grants, "
+            f"{len(policy.tenants)} tenant tables)"
+        )
+    elif cfg.dev:
+        out.print("policy: the development policy (root and you: every tenant, admin)")
+    else:
+        out.print("policy: none set ([security] policy or KVOFFLOAD_POLICY): serve will refuse")
+    if not cfg.dev:
+        if cfg.kek_file is None:
+            out.print(
+                "KEK: none set ([security] kek_file or KVOFFLOAD_KEK_FILE): serve will refuse"
+            )
+        else:
+            from ..sidecar.keyring import Kek
+
+            kek = Kek.from_file(cfg.kek_file)
+            out.print(f"KEK {cfg.kek_file}: ok (id {kek.key_id})")
+
+
+def _tenant_settings(t: Any) -> dict[str, Any]:
+    return {
+        "encryption": "aes-256-gcm" if t.encryption else "none",
+        "ttl_s": t.ttl_s,
+        "quota_bytes": t.quota_bytes,
+        "direct": t.direct,
+        "direct_gid": t.direct_gid,
+        "trust_group": t.trust_group,
+    }
+
+
+@policy_app.command("check")
+def policy_check(
+    file: Annotated[Path, typer.Argument(help="The policy file (TOML).")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Validate a policy file and print what each uid and gid may do.
+
+    Check an edited file before `systemctl reload kvoffload` (SIGHUP): an
+    invalid file is one line naming the file and line, exit 1.
+    """
+    from ..sidecar.policy import AllTenants, load_policy
+
+    policy = load_policy(file)
+    grants: list[dict[str, Any]] = [
+        {
+            "principal": f"{g.principal} {g.id}",
+            "named": g.label,
+            "tenants": "*" if isinstance(g.tenants, AllTenants) else sorted(g.tenants),
+            "admin": g.admin,
+        }
+        for g in policy.grants
+    ]
+    tenants = {n: _tenant_settings(t) for n, t in sorted(policy.tenants.items())}
+    defaults = _tenant_settings(policy.defaults)
+    data: dict[str, Any] = {
+        "file": str(file),
+        "grants": grants,
+        "defaults": defaults,
+        "tenants": tenants,
+    }
+    if as_json:
+        emit(True, data)
+        return
+    out.print(f"{file}: ok")
+    table = Table(title="who may do what")
+    for col in ("principal", "as written", "tenants", "admin verbs"):
+        table.add_column(col)
+    for g in grants:
+        who = "every tenant" if g["tenants"] == "*" else ", ".join(g["tenants"]) or "none"
+        table.add_row(g["principal"], g["named"], who, "yes" if g["admin"] else "no")
+    out.print(table)
+    settings = Table(title="tenant settings")
+    for col in ("tenant", "encryption", "ttl", "quota", "direct"):
+        settings.add_column(col)
+    for name, s in [("(defaults)", defaults), *tenants.items()]:
+        settings.add_row(
+            name,
+            s["encryption"],
+            "none" if s["ttl_s"] is None else f"{s['ttl_s']:g} s",
+            human_bytes(s["quota_bytes"]),
+            "yes" if s["direct"] else "no",
+        )
+    out.print(settings)
