@@ -9,6 +9,7 @@
     ├── PolicyError           (ValueError)  a bad policy file; reads ``<file>:<line>: <reason>``
     ├── ConnectorConfigError  (ValueError)  a bad vLLM connector config (KVOffloadConfigError)
     ├── ProtocolError                       peer input that breaks protocol v1
+    ├── EventDecodeError      (ValueError)  a KV-event frame or batch that breaks events-v1
     ├── Reject                              a verb the sidecar refuses as a whole (an error reply)
     ├── TransportError                      the connection failed and is closed
     │   ├── TransportClosed                 the peer closed or reset it, or this end did
@@ -57,6 +58,7 @@ __all__ = [
     "CorruptObject",
     "DirectIOError",
     "ErrorCode",
+    "EventDecodeError",
     "IOBackendUnavailable",
     "IndexCorrupt",
     "IndexFailure",
@@ -100,6 +102,10 @@ class ContractError(KVOffloadError, ValueError):
 
 class KeyDerivationError(KVOffloadError, ValueError):
     """Invalid input to the key derivation."""
+
+
+class EventDecodeError(KVOffloadError, ValueError):
+    """A KV-event frame, batch or event that does not decode (docs/spec/events-v1.md)."""
 
 
 class ConfigError(KVOffloadError, ValueError):
