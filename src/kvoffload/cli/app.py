@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ..router.cli import register as register_router
 from .exits import _CliUsageError, _NoStore
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ app = typer.Typer(
 )
 keys_app = typer.Typer(help="Key management.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
+register_router(app)  # `kvoffload router` lives with the router (kvoffload.router.cli)
 
 out = Console()
 err = Console(stderr=True, soft_wrap=True)
