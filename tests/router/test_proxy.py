@@ -227,3 +227,32 @@ def test_bad_requests_get_one_clear_answer(tmp_path: Path) -> None:
         status, _, body = router.post("/v1/kv/query", {"prompt": "text, no tokenizer"})
         assert status == 400 and b"tokenize" in body
         assert all(w.received() == [] for w in workers)
+
+
+def test_chat_is_tokenized_with_the_models_template_and_matched(tmp_path: Path) -> None:
+    from .tokenizer_dir import make_tokenizer
+
+    folder = make_tokenizer(tmp_path / "tok")
+    system = " ".join(f"w{i % 400}" for i in range(600))  # a long shared system prompt
+    with cluster(tmp_path, n=3, extra=f'[model]\ntokenizer = "{folder}"\n') as (router, _):
+
+        def chat(user: str) -> dict[str, Any]:
+            return {
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": user},
+                ],
+            }
+
+        _, h, _ = router.post("/v1/chat/completions", chat("hello"))
+        holder = worker_of(h)
+        for user in ("world", "w7 w8", "hello world"):
+            _, h, _ = router.post("/v1/chat/completions", chat(user))
+            assert worker_of(h) == holder
+        status, _, body = router.post("/v1/kv/query", {"prompt": system})
+        assert status == 200
+        # The completion form adds <s>, the chat form does not: no shared first block.
+        assert json.loads(body)["workers"][holder]["longest_matched"] == 0
+        status, _, body = router.post("/v1/kv/query", chat("w9"))
+        assert json.loads(body)["workers"][holder]["longest_matched"] >= 592
