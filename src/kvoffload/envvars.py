@@ -41,7 +41,8 @@ class EnvVar:
     type: str
     default: str
     doc: str
-    #: Who reads it: "sidecar" (the daemon and the store commands), "worker", "both".
+    #: Who reads it: "sidecar" (the daemon and the store commands), "worker", "both",
+    #: "router" (``kvoffload router``).
     scope: str = "sidecar"
     #: The config file key it overrides, ``(section, key)``, if any.
     config_key: tuple[str, str] | None = None
@@ -176,6 +177,31 @@ REGISTRY: tuple[EnvVar, ...] = (
     _cfg("metrics", "host", "host", "127.0.0.1", "[metrics] host."),
     _cfg("security", "kek_file", "path", "(none)", "[security] kek_file (or KVOFFLOAD_KEK_FILE)."),
     _cfg("security", "policy", "path", "(none)", "[security] policy (also KVOFFLOAD_POLICY)."),
+    # `kvoffload router` (kvoffload.router.config): its own file, its own [router] keys.
+    EnvVar("KVOFFLOAD_ROUTER_CONFIG", "path", "(none)", "The router's config file.", "router"),
+    EnvVar("KVOFFLOAD_ROUTER_HOST", "host", "127.0.0.1", "[router] host.", "router"),
+    EnvVar("KVOFFLOAD_ROUTER_PORT", "int", "8100", "[router] port.", "router"),
+    EnvVar(
+        "KVOFFLOAD_ROUTER_ON_DEADLINE_MISS",
+        "shed|fastest",
+        "shed",
+        "[router] on_deadline_miss: 429 or route to the fastest.",
+        "router",
+    ),
+    EnvVar(
+        "KVOFFLOAD_ROUTER_DEFAULT_DEADLINE",
+        "duration",
+        "none",
+        "[router] default_deadline: TTFT deadline of tenants without one.",
+        "router",
+    ),
+    EnvVar(
+        "KVOFFLOAD_ROUTER_LOG_DECISIONS",
+        "bool",
+        "false",
+        "[router] log_decisions: every decision and its terms.",
+        "router",
+    ),
 )
 
 _BY_NAME = {v.name: v for v in REGISTRY}

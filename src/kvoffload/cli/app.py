@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ..router.cli import register as register_router
 from .exits import _CliUsageError, _NoStore
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ app = typer.Typer(
 )
 keys_app = typer.Typer(help="Key management.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
+register_router(app)  # `kvoffload router` lives with the router (kvoffload.router.cli)
 
 # Markup off: messages and user-supplied strings (tenants, paths, "[store] foo",
 # "kvoffload[demo]") are printed as they are; styling goes through rich.text.Text.

@@ -1,0 +1,632 @@
+"""``kvoffload router``: an OpenAI-compatible HTTP proxy in front of vLLM workers.
+
+aiohttp serves and forwards: one package that is both the server and a
+streaming client, already a dependency of vLLM (so the vLLM tier has it), whose
+``StreamResponse`` and ``content.iter_any()`` pass SSE through byte for byte
+with no re-framing.
+
+Routes:
+
+- ``POST /v1/completions``, ``POST /v1/chat/completions``: tokenized and hashed
+  as the engine does, under the tenant's ``cache_salt`` (set on the forwarded
+  body); sent to the worker with the lowest estimated TTFT; streamed back as
+  received. 429 with ``Retry-After`` when no worker can meet the deadline
+  (policy ``shed``); a worker that fails before the first byte (connection
+  refused or reset, a 5xx) is marked and the request is retried once on the
+  next best worker.
+- ``GET /v1/models``: the first healthy worker's answer.
+- ``GET /health``: 200 while a worker is healthy, else 503; the mode and each
+  worker's state.
+- ``GET /metrics``: Prometheus text (decisions by mode, requests by worker and
+  outcome, sheds, retries, estimated vs observed TTFT and their error).
+- ``POST /v1/kv/query``: per worker the matched tokens per tier and the
+  estimate with its terms. ``POST /v1/kv/select``: the choice, optionally
+  reserved (``"reserve": true``), settled by ``POST /v1/kv/release``.
+
+The deadline of a request: the ``X-KVOffload-Deadline-Ms`` header, else its
+tenant's ``deadline``, else ``[router] default_deadline``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from .config import RouterConfig, TenantSpec
+from .core import Decision, Router, Ticket
+from .index import SourceState
+from .tokenize import Tokenizer, request_tokens
+
+__all__ = ["RouterService", "parse_worker_metrics"]
+
+log = logging.getLogger("kvoffload.router")
+decisions_log = logging.getLogger("kvoffload.router.decisions")
+
+TENANT_HEADER = "X-KVOffload-Tenant"
+DEADLINE_HEADER = "X-KVOffload-Deadline-Ms"
+WORKER_HEADER = "X-KVOffload-Worker"
+_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+    "content-encoding",
+    "host",
+    "authorization",
+}
+
+
+def _error(
+    status: int, message: str, kind: str, headers: Mapping[str, str] | None = None
+) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "code": status}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def parse_worker_metrics(text: str) -> dict[str, float]:
+    """vLLM's ``/metrics``: requests waiting and running, KV-cache usage (summed over labels)."""
+    want = {
+        "vllm:num_requests_waiting": "waiting",
+        "vllm:num_requests_running": "running",
+        "vllm:kv_cache_usage_perc": "kv_usage",
+        "vllm:gpu_cache_usage_perc": "kv_usage",
+    }
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            key = want.get(sample.name)
+            if key is not None:
+                out[key] = out.get(key, 0.0) + float(sample.value)
+    return out
+
+
+@dataclass
+class _Reservation:
+    ticket: Ticket
+    expires: float
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter(
+            "kvoffload_router_decisions", "Routing decisions, by mode.", ["mode"], registry=r
+        )
+        self.requests = Counter(
+            "kvoffload_router_requests",
+            "Proxied requests, by worker and outcome.",
+            ["worker", "outcome"],
+            registry=r,
+        )
+        self.shed = Counter("kvoffload_router_shed", "Requests refused with 429.", registry=r)
+        self.retries = Counter(
+            "kvoffload_router_retries", "Requests retried on another worker.", registry=r
+        )
+        buckets = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
+        self.estimated = Histogram(
+            "kvoffload_router_estimated_ttft_seconds",
+            "The chosen worker's estimated TTFT.",
+            buckets=buckets,
+            registry=r,
+        )
+        self.observed = Histogram(
+            "kvoffload_router_observed_ttft_seconds",
+            "Observed TTFT (streamed responses: first byte from the worker).",
+            buckets=buckets,
+            registry=r,
+        )
+        self.error = Histogram(
+            "kvoffload_router_ttft_estimate_error_ratio",
+            "(estimated − observed) / observed TTFT.",
+            buckets=(-0.9, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 2, 5),
+            registry=r,
+        )
+        self.cached = Counter(
+            "kvoffload_router_cached_tokens",
+            "Prompt tokens the chosen worker was credited with, by tier.",
+            ["tier"],
+            registry=r,
+        )
+        self.healthy = Gauge(
+            "kvoffload_router_worker_healthy",
+            "1 if the worker passes health checks.",
+            ["worker"],
+            registry=r,
+        )
+        self.queue = Gauge(
+            "kvoffload_router_worker_queue_seconds",
+            "The router's estimate of each worker's queue.",
+            ["worker"],
+            registry=r,
+        )
+
+
+class RouterService:
+    """The proxy around one :class:`~kvoffload.router.core.Router`."""
+
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        tokenizer: Tokenizer | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.clock = clock
+        self.router = Router(
+            cfg.topology(),
+            priors=cfg.priors,
+            block_tokens=cfg.block_size,
+            on_deadline_miss=cfg.on_deadline_miss,
+            work_weight=cfg.work_weight,
+        )
+        self.hasher = cfg.hasher()
+        self.workers = {w.name: w for w in cfg.workers}
+        self.salts = cfg.tenant_salts()
+        self.by_key = {k: t for t in cfg.tenants for k in t.api_keys}
+        self.by_name = {t.name: t for t in cfg.tenants}
+        self.metrics = _Metrics()
+        self.reservations: dict[int, _Reservation] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        # A worker with no event stream configured is read from the routing history.
+        for w in cfg.workers:
+            if w.events is None:
+                self.router.set_worker_source(w.name, SourceState.STALE)
+        for s in cfg.stores:
+            if s.events is None:
+                self.router.set_store_source(s.name, SourceState.STALE)
+        for name in self.workers:
+            self.metrics.healthy.labels(name).set(1)
+
+    # -- application ----------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/v1/kv/query", self._query)
+        app.router.add_post("/v1/kv/select", self._select)
+        app.router.add_post("/v1/kv/release", self._release)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _app: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(
+            total=self.cfg.request_timeout_s, sock_connect=self.cfg.connect_timeout_s
+        )
+        self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        self._tasks = [
+            asyncio.create_task(self._every(self.cfg.health_interval_s, self._check_health)),
+            asyncio.create_task(self._every(self.cfg.metrics_interval_s, self._scrape_metrics)),
+        ]
+
+    async def _stop(self, _app: web.Application) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the router service is not started")
+        return self._session
+
+    async def _every(self, interval: float, fn: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            try:
+                await fn()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a background probe must never stop the proxy
+                log.exception("background check failed")
+            await asyncio.sleep(interval)
+
+    # -- workers: health and load ---------------------------------------------------
+
+    async def _probe(self, name: str) -> None:
+        url = self.workers[name].url + "/health"
+        ok = False
+        try:
+            async with self.session.get(
+                url, timeout=aiohttp.ClientTimeout(total=self.cfg.connect_timeout_s)
+            ) as resp:
+                ok = resp.status == 200
+                await resp.read()
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            ok = False
+        if ok != self.router.healthy[name]:
+            log.warning("worker %s is %s", name, "healthy again" if ok else "failing health checks")
+        self.mark(name, ok)
+
+    def mark(self, name: str, healthy: bool) -> None:
+        self.router.healthy[name] = healthy
+        self.metrics.healthy.labels(name).set(1 if healthy else 0)
+
+    async def _check_health(self) -> None:
+        await asyncio.gather(*(self._probe(n) for n in self.workers))
+
+    async def _scrape(self, name: str) -> None:
+        try:
+            async with self.session.get(
+                self.workers[name].metrics,
+                timeout=aiohttp.ClientTimeout(total=self.cfg.connect_timeout_s),
+            ) as resp:
+                if resp.status != 200:
+                    return
+                text = await resp.text()
+        except (TimeoutError, aiohttp.ClientError, OSError, UnicodeDecodeError):
+            return
+        try:
+            m = parse_worker_metrics(text)
+        except ValueError:
+            log.warning("worker %s: unreadable /metrics", name)
+            return
+        now = self.clock()
+        load = self.router.loads[name]
+        self.router.model.refresh(
+            load,
+            waiting=int(m.get("waiting", 0)),
+            running=int(m.get("running", 0)),
+            kv_usage=float(m.get("kv_usage", 0.0)),
+            now=now,
+        )
+        self.metrics.queue.labels(name).set(load.queue_s(now))
+
+    async def _scrape_metrics(self) -> None:
+        await asyncio.gather(*(self._scrape(n) for n in self.workers))
+
+    # -- tenants --------------------------------------------------------------------
+
+    def tenant(self, request: web.Request) -> TenantSpec | web.Response | None:
+        """The request's tenant; None when the router has no tenants; a 401 response if unknown."""
+        if not self.cfg.tenants:
+            return None
+        auth = request.headers.get("Authorization", "")
+        if auth.startswith("Bearer "):
+            t = self.by_key.get(auth[7:].strip())
+            if t is not None:
+                return t
+        if self.cfg.trust_tenant_header:
+            t = self.by_name.get(request.headers.get(TENANT_HEADER, ""))
+            if t is not None:
+                return t
+        return _error(401, "unknown or missing API key", "authentication_error")
+
+    def salt(self, tenant: TenantSpec | None, client_salt: object) -> str | None:
+        """The cache_salt forwarded to the engine (and hashed by the router)."""
+        own = client_salt if isinstance(client_salt, str) and client_salt else None
+        if tenant is None:
+            return own
+        base = self.salts[tenant.name]
+        return base if own is None else f"{base}:{own}"
+
+    def deadline(
+        self, request: web.Request, tenant: TenantSpec | None
+    ) -> float | web.Response | None:
+        raw = request.headers.get(DEADLINE_HEADER)
+        if raw is not None:
+            try:
+                ms = float(raw)
+                if not ms > 0:
+                    raise ValueError
+            except ValueError:
+                return _error(
+                    400,
+                    f"{DEADLINE_HEADER} must be a positive number of milliseconds",
+                    "invalid_request_error",
+                )
+            return ms / 1000.0
+        if tenant is not None and tenant.deadline_s is not None:
+            return tenant.deadline_s
+        return self.cfg.default_deadline_s
+
+    # -- the prompt -----------------------------------------------------------------
+
+    async def _body(self, request: web.Request) -> dict[str, Any] | web.Response:
+        try:
+            body = await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "the request body is not valid JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object", "invalid_request_error")
+        return body
+
+    async def hashes(
+        self, body: Mapping[str, Any], chat: bool, salt: str | None
+    ) -> tuple[list[int], int]:
+        """The engine block hashes (64-bit) of a request and its prompt length in tokens."""
+        try:
+            tokens = await asyncio.to_thread(request_tokens, body, chat, self.tokenizer)
+        except Exception as exc:  # a template or tokenizer failure: route on load alone
+            log.warning("cannot tokenize a request (%s): routed as cold", exc)
+            tokens = None
+        if tokens is None:
+            return [], 0
+        lora = self.cfg.lora(body.get("model"))
+        return self.hasher.external_hashes(tokens, cache_salt=salt, lora=lora), len(tokens)
+
+    def _log(self, decision: Decision) -> None:
+        self.metrics.decisions.labels(decision.mode.value).inc()
+        level = logging.INFO if self.cfg.log_decisions else logging.DEBUG
+        if decisions_log.isEnabledFor(level):
+            decisions_log.log(level, "%s", json.dumps(decision.as_dict(self.cfg.block_size)))
+
+    # -- proxying -------------------------------------------------------------------
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, chat=True)
+
+    async def _proxy(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        tenant = self.tenant(request)
+        if isinstance(tenant, web.Response):
+            return tenant
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        deadline = self.deadline(request, tenant)
+        if isinstance(deadline, web.Response):
+            return deadline
+        salt = self.salt(tenant, body.get("cache_salt"))
+        if salt is not None:
+            body["cache_salt"] = salt
+        hashes, n_tokens = await self.hashes(body, chat, salt)
+        payload = json.dumps(body).encode()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        headers.pop(TENANT_HEADER, None)
+        tried: list[str] = []
+        last_error = "no healthy worker"
+        for attempt in range(2):
+            decision = self.router.decide(
+                hashes, max(n_tokens, 1), now=self.clock(), deadline_s=deadline, exclude=tried
+            )
+            self._log(decision)
+            if decision.worker is None:
+                if decision.shed:
+                    self.metrics.shed.inc()
+                    retry = int(decision.retry_after_s or 1)
+                    return _error(
+                        429,
+                        f"no worker can answer within the deadline of {deadline:.3f}s",
+                        "rate_limit_error",
+                        {"Retry-After": str(retry)},
+                    )
+                return _error(503, f"no worker available ({last_error})", "service_unavailable")
+            name = decision.worker
+            if attempt:
+                self.metrics.retries.inc()
+            chosen = decision.chosen
+            if chosen is not None:
+                self.metrics.estimated.observe(chosen.estimate.ttft_s)
+                for tier, n in chosen.estimate.cached_tokens.items():
+                    if n:
+                        self.metrics.cached.labels(tier).inc(n)
+            ticket = self.router.dispatch(decision, self.clock())
+            tried.append(name)
+            url = self.workers[name].url + request.path
+            try:
+                upstream = await self.session.post(url, data=payload, headers=headers)
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                self.router.failed(ticket, self.clock())
+                self.mark(name, False)
+                self.metrics.requests.labels(name, "connect_error").inc()
+                last_error = f"{name}: {type(exc).__name__}"
+                log.warning(
+                    "worker %s failed before the first byte (%s): retrying elsewhere", name, exc
+                )
+                continue
+            if upstream.status >= 500:
+                await upstream.read()
+                upstream.release()
+                self.router.failed(ticket, self.clock())
+                self.metrics.requests.labels(name, f"http_{upstream.status}").inc()
+                last_error = f"{name}: HTTP {upstream.status}"
+                log.warning("worker %s answered %s: retrying elsewhere", name, upstream.status)
+                continue
+            return await self._relay(request, upstream, ticket)
+        return _error(502, f"the workers failed ({last_error})", "bad_gateway")
+
+    async def _relay(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, ticket: Ticket
+    ) -> web.StreamResponse:
+        name = ticket.worker
+        out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        for k, v in upstream.headers.items():
+            if k.lower() not in _HOP:
+                out.headers[k] = v
+        out.headers[WORKER_HEADER] = name
+        streaming = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+        first = True
+        outcome = "ok" if upstream.status < 400 else f"http_{upstream.status}"
+        try:
+            async for chunk in upstream.content.iter_any():
+                if first:
+                    first = False
+                    now = self.clock()
+                    if streaming:
+                        self._first_token(ticket, now)
+                    await out.prepare(request)
+                await out.write(chunk)
+            if first:
+                await out.prepare(request)
+            if not streaming:
+                self._first_token(ticket, self.clock(), observed=False)
+            await out.write_eof()
+        except (TimeoutError, aiohttp.ClientError, ConnectionResetError) as exc:
+            outcome = "broken"
+            log.warning("worker %s: the response broke off (%s)", name, exc)
+        finally:
+            upstream.release()
+            if not ticket.settled:
+                self.router.failed(ticket, self.clock())
+            else:
+                self.router.finished(ticket)
+            self.metrics.requests.labels(name, outcome).inc()
+        return out
+
+    def _first_token(self, ticket: Ticket, now: float, *, observed: bool = True) -> None:
+        self.router.first_token(ticket, now)
+        if observed:
+            took = now - ticket.sent_at
+            self.metrics.observed.observe(took)
+            if took > 0:
+                self.metrics.error.observe((ticket.estimate.ttft_s - took) / took)
+
+    # -- other routes ---------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        for name, spec in self.workers.items():
+            if not self.router.healthy[name]:
+                continue
+            try:
+                async with self.session.get(spec.url + "/v1/models") as resp:
+                    data = await resp.read()
+                    if resp.status == 200:
+                        return web.Response(body=data, content_type="application/json")
+            except (TimeoutError, aiohttp.ClientError, OSError):
+                continue
+        return _error(503, "no worker answered /v1/models", "service_unavailable")
+
+    async def _health(self, request: web.Request) -> web.Response:
+        healthy = {n: self.router.healthy[n] for n in self.workers}
+        mode = self.router.mode([n for n, ok in healthy.items() if ok])
+        body = {
+            "status": "ok" if any(healthy.values()) else "unavailable",
+            "mode": mode.value,
+            "workers": healthy,
+        }
+        return web.json_response(body, status=200 if any(healthy.values()) else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
+    async def _kv_request(
+        self, request: web.Request
+    ) -> tuple[dict[str, Any], list[int], int, float | None] | web.Response:
+        tenant = self.tenant(request)
+        if isinstance(tenant, web.Response):
+            return tenant
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        deadline = self.deadline(request, tenant)
+        if isinstance(deadline, web.Response):
+            return deadline
+        salt = self.salt(tenant, body.get("cache_salt"))
+        tokens = body.get("tokens")
+        if tokens is not None:
+            if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in tokens
+            ):
+                return _error(400, "tokens must be a list of token ids", "invalid_request_error")
+            lora = self.cfg.lora(body.get("model"))
+            return (
+                body,
+                self.hasher.external_hashes(tokens, cache_salt=salt, lora=lora),
+                len(tokens),
+                deadline,
+            )
+        chat = "messages" in body
+        hashes, n = await self.hashes(body, chat, salt)
+        if n == 0:
+            return _error(
+                400,
+                "give tokens, or a prompt or messages the router can tokenize",
+                "invalid_request_error",
+            )
+        return body, hashes, n, deadline
+
+    async def _query(self, request: web.Request) -> web.Response:
+        got = await self._kv_request(request)
+        if isinstance(got, web.Response):
+            return got
+        _, hashes, n, _deadline = got
+        mode, cands = self.router.candidates(hashes, n, self.clock())
+        bt = self.cfg.block_size
+        return web.json_response(
+            {"mode": mode.value, "n_tokens": n, "workers": {c.worker: c.as_dict(bt) for c in cands}}
+        )
+
+    async def _select(self, request: web.Request) -> web.Response:
+        got = await self._kv_request(request)
+        if isinstance(got, web.Response):
+            return got
+        body, hashes, n, deadline = got
+        now = self.clock()
+        decision = self.router.decide(hashes, n, now=now, deadline_s=deadline)
+        self._log(decision)
+        out = decision.as_dict(self.cfg.block_size)
+        if decision.worker is not None:
+            out["url"] = self.workers[decision.worker].url
+            if body.get("reserve") is True:
+                ticket = self.router.reserve(decision, now)
+                self._expire(now)
+                self.reservations[ticket.id] = _Reservation(
+                    ticket, now + self.cfg.request_timeout_s
+                )
+                out["reservation"] = ticket.id
+        status = 429 if decision.shed else 200 if decision.worker else 503
+        headers = {"Retry-After": str(int(decision.retry_after_s or 1))} if decision.shed else None
+        return web.json_response(out, status=status, headers=headers)
+
+    def _expire(self, now: float) -> None:
+        for rid, res in list(self.reservations.items()):
+            if res.expires < now:
+                del self.reservations[rid]
+                self.router.failed(res.ticket, now)
+
+    async def _release(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        rid, outcome = body.get("reservation"), body.get("outcome")
+        if outcome not in ("first_token", "finished", "failed"):
+            return _error(
+                400, "outcome must be first_token, finished or failed", "invalid_request_error"
+            )
+        res = self.reservations.get(rid) if isinstance(rid, int) else None
+        if res is None:
+            return _error(404, "no such reservation", "not_found_error")
+        now = self.clock()
+        if outcome == "first_token":
+            self._first_token(res.ticket, now)
+        elif outcome == "failed":
+            self.router.failed(res.ticket, now)
+            del self.reservations[rid]  # type: ignore[arg-type]
+        else:
+            self.router.first_token(res.ticket, now)
+            self.router.finished(res.ticket)
+            del self.reservations[rid]  # type: ignore[arg-type]
+        return web.json_response({"reservation": rid, "outcome": outcome})
