@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	# torch first, pinned to the local CPU build: an unpinned torch pulls a CUDA build
 	# (torch is not a base dependency: the test and demo extras bring it for workers).
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,demo]' 'transformers==5.20.2'
+	$(BIN)/pip install -q -e '.[test,demo,router]' 'transformers==5.20.2'
 	touch $(STAMP)
 
 # vLLM's normal install replaces torch with a 4 GB CUDA build; its Python code
