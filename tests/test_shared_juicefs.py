@@ -152,7 +152,9 @@ def test_sidecars_on_three_clients_share_chunks_through_journals_and_by_name(
     kek.chmod(0o600)
     kek.chmod(0o600)
     policy = tmp_path / "policy.toml"
-    policy.write_text(f'version = 1\n\n[[grants]]\nuid = {os.getuid()}\ntenants = ["acme"]\n')
+    policy.write_text(
+        f'version = 1\n\n[[grants]]\nuid = {os.getuid()}\ntenants = ["acme"]\nadmin = true\n'
+    )
     for m in mounts:
         (m / "store").mkdir(exist_ok=True)
     names = ["a", "b", "c"]
@@ -197,6 +199,38 @@ def test_sidecars_on_three_clients_share_chunks_through_journals_and_by_name(
         assert len(got) == 16
         stats = nodes[1].stats()
         assert stats["shared"]["followed"] >= 12
+        # A purge on A, through A's running sidecar, reaches B and C: no load of the
+        # tenant succeeds there afterwards. The reach time per node is printed.
+        import subprocess
+
+        from kvoffload.testing import cli_argv, sidecar_env
+
+        t_start = time.monotonic()
+        r = subprocess.run(
+            cli_argv("--config", str(cfgs[0]), "purge", "--tenant", "acme", "--yes"),
+            capture_output=True,
+            text=True,
+            env=sidecar_env(),
+            timeout=120,
+            check=False,
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        t0 = time.monotonic()  # the purge has returned on A
+        reach: dict[str, float] = {}
+        for i in (1, 2):
+            wait_until(
+                lambda i=i: not any(c.ok for c in clients[i].load(keys[:4])),
+                f"node {names[i]} stops serving the purged tenant",
+                timeout_s=60,
+            )
+            reach[names[i]] = time.monotonic() - t0
+        print(
+            f"purge reach after the command returned on a: "
+            f"{', '.join(f'{n} {t:.2f} s' for n, t in reach.items())} "
+            f"(the command itself ran {t0 - t_start:.2f} s)"
+        )
+        for i in (1, 2):
+            assert not any(c.ok for c in clients[i].load(keys + more))
     finally:
         for c in clients:
             c.close()
