@@ -9,9 +9,11 @@ is a miss, and the index entry (and a corrupt file) is dropped.
 ``put_many`` and ``get_many_into`` run a batch on a pool of I/O threads
 (``StoreConfig.io_streams``, default :func:`default_io_streams`): up to that
 many chunks are sealed and written, or read, verified and decrypted, at once;
-``os.pwrite``/``preadv``, AES-GCM and XXH3 release the GIL. The index is
-read and written only by the calling thread, in chunk order, so the results
-(and what a failure leaves stored) are those of a one-at-a-time batch.
+``os.pwrite``/``preadv``, AES-GCM and XXH3 release the GIL. The calling
+thread looks chunks up and indexes saved ones, in chunk order, so the results
+(and what a failure leaves stored) are those of a one-at-a-time batch; a
+chunk that fails its read or its checks is dropped on the pool thread that
+found it, exactly as :meth:`get_into` drops it.
 """
 
 from __future__ import annotations
