@@ -60,6 +60,12 @@ class MapSpy:
         monkeypatch.setattr(fileio, "read_file", spy_read)
 
 
+@pytest.fixture(autouse=True)
+def _map_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These objects are small: without this, they are read, never mapped."""
+    monkeypatch.setattr(fileio, "MAP_MIN_BYTES", 1)
+
+
 @pytest.fixture
 def mapped_store(tmp_path: Path, kek_file: Path) -> Any:
     if not local_fs(tmp_path):
@@ -104,7 +110,7 @@ def test_a_truncated_object_is_a_miss_not_a_crash(
     spy = MapSpy(monkeypatch)
     p0, p1 = s._path("acme", key(0)), s._path("acme", key(1))
     os.truncate(p0, v1.ALIGN + 100)  # shorter than its header says: mapped, then refused
-    os.truncate(p1, 0)  # nothing to map: read, then refused
+    os.truncate(p1, 0)  # nothing to map (under MAP_MIN_BYTES): read, then refused
     assert s.get("acme", key(0)) is None and s.get("acme", key(1)) is None
     assert spy.mapped == [p0] and spy.read == [p1]
     assert not p0.exists() and not p1.exists()
@@ -125,6 +131,20 @@ def test_only_files_no_other_descriptor_can_shrink_are_mapped(
     for i in range(4):
         assert s.get("acme", key(i)) == layers(i)
     assert spy.mapped == [p[3]] and spy.read == p[:3]
+
+
+def test_small_objects_are_read_not_mapped(
+    mapped_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = mapped_store
+    assert s.put("acme", NS, key(0), layers(0))
+    size = s._path("acme", key(0)).stat().st_size
+    monkeypatch.setattr(fileio, "MAP_MIN_BYTES", size + 1)
+    spy = MapSpy(monkeypatch)
+    assert s.get("acme", key(0)) == layers(0)
+    monkeypatch.setattr(fileio, "MAP_MIN_BYTES", size)
+    assert s.get("acme", key(0)) == layers(0)
+    assert spy.read == [s._path("acme", key(0))] == spy.mapped
 
 
 def test_a_kernel_without_populate_read_falls_back_to_reads(

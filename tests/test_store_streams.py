@@ -175,35 +175,39 @@ def _parallel_at_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pipeline, "PARALLEL_MIN_BYTES", 0)
 
 
-def test_a_small_batch_runs_inline(
+def test_a_small_unsynced_save_runs_inline_and_the_rest_on_the_streams(
     tmp_path: Path,
     kek_file: Path,
     chunks: list[tuple[bytes, list[bytes]]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Below PARALLEL_MIN_BYTES a batch never touches the pool (no thread hops),
-    and a miss still ends the prefix without reading what follows."""
+    """Below PARALLEL_MIN_BYTES a save without fsync never touches the pool (no
+    thread hops for Python-bound work); a fsync'd save and every load of more
+    than one chunk (a cold read waits on the device) run on the streams."""
     monkeypatch.setattr(pipeline, "PARALLEL_MIN_BYTES", 1 << 20)
+    threads: set[str] = set()
+    real = fileio._write_all
+
+    def spy(fd: int, data: memoryview) -> None:
+        threads.add(threading.current_thread().name)
+        real(fd, data)
+
+    monkeypatch.setattr(fileio, "_write_all", spy)
     s = open_store(tmp_path / "s", kek_file, N)
     try:
-        assert s.put_many("acme", NS, chunks) == [True] * N
-        _flip(s, key(2))
-        reads: list[Path] = []
-
-        def spying(real: Any) -> Any:
-            def spy(path: Path, *a: Any, **kw: Any) -> Any:
-                reads.append(path)
-                return real(path, *a, **kw)
-
-            return spy
-
-        for name in ("read_file", "mapped_object"):  # the two ways a load reads an object
-            monkeypatch.setattr(fileio, name, spying(getattr(fileio, name)))
-        outs = [memoryview(bytearray(sum(map(len, lay)))) for _, lay in chunks]
-        got = s.get_many_into("acme", [k for k, _ in chunks], outs)
-        assert got == [[len(x) for x in lay] for _, lay in chunks[:2]] + [None] * (N - 2)
-        assert reads == [s._path("acme", key(i)) for i in range(3)]
-        assert s._pipe is None  # the pool was never started
+        assert s.put_many("acme", NS, chunks[:4]) == [True] * 4
+        assert threads == {threading.current_thread().name} and s._pipe is None
+        outs = [memoryview(bytearray(sum(map(len, lay)))) for _, lay in chunks[:4]]
+        got = s.get_many_into("acme", [k for k, _ in chunks[:4]], outs)
+        assert got == [[len(x) for x in lay] for _, lay in chunks[:4]]
+        assert s._pipe is not None  # loads: on the streams
+    finally:
+        s.close()
+    threads.clear()
+    s = open_store(tmp_path / "o", kek_file, N, durability="object")
+    try:
+        assert s.put_many("acme", NS, chunks[:4]) == [True] * 4
+        assert threads and all(t.startswith("kvoffload-io") for t in threads)
     finally:
         s.close()
 

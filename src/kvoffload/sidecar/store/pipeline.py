@@ -9,9 +9,11 @@ is a miss, and the index entry (and a corrupt file) is dropped.
 ``put_many`` and ``get_many_into`` run a batch on a pool of I/O threads
 (``StoreConfig.io_streams``, default :func:`default_io_streams`): up to that
 many chunks are sealed and written, or read, verified and decrypted, at once;
-``os.pwrite``/``preadv``, AES-GCM and XXH3 release the GIL. The index is
-read and written only by the calling thread, in chunk order, so the results
-(and what a failure leaves stored) are those of a one-at-a-time batch.
+``os.pwrite``/``preadv``, AES-GCM and XXH3 release the GIL. The calling
+thread looks chunks up and indexes saved ones, in chunk order, so the results
+(and what a failure leaves stored) are those of a one-at-a-time batch; a
+chunk that fails its read or its checks is dropped on the pool thread that
+found it, exactly as :meth:`get_into` drops it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from ...layouts import ObjectMismatch, v1
 from .. import fileio
 from ..errors import StoreError
+from ..fileio import Durability
 from ..index import ChunkRecord
 from .base import (
     MAX_OBJECT_BYTES,
@@ -42,9 +45,11 @@ from .base import (
 from .capacity import Reservation
 from .fsck import Maintenance
 
-#: A batch of fewer bytes than this runs in the caller's thread, chunk by chunk:
-#: small chunks cost mostly Python (which holds the GIL), and the hop to a pool
-#: thread and back costs more than the overlap gains.
+#: A batch saved without fsync (durability batch or none) of fewer bytes than
+#: this runs in the caller's thread, chunk by chunk: writing small objects to
+#: the page cache costs mostly Python (which holds the GIL), and the hop to a
+#: pool thread and back costs more than the overlap gains. Loads (a cold read
+#: waits on the device) and fsync'd saves always use the streams.
 PARALLEL_MIN_BYTES = 1 << 20
 
 
@@ -149,7 +154,10 @@ class Pipeline(Maintenance):
         held = list(reservations) if reservations is not None else [None] * len(chunks)
         if len(held) != len(chunks):
             raise ValueError("one reservation (or None) per chunk")
-        if len(chunks) < 2 or _small(sum(memoryview(x).nbytes for _k, ls in chunks for x in ls)):
+        if len(chunks) < 2 or (
+            self.config.durability is not Durability.OBJECT
+            and _small(sum(memoryview(x).nbytes for _k, ls in chunks for x in ls))
+        ):
             for i, (key, layers) in enumerate(chunks):
                 results[i] = self.put(
                     tenant, namespace, key, layers, encrypt=encrypt, ttl_s=ttl_s,
@@ -446,11 +454,9 @@ class Pipeline(Maintenance):
         if len(outs) != len(keys):
             raise ValueError("one output buffer per key")
         results: list[list[int] | None] = [None] * len(keys)
-        if len(keys) < 2 or _small(sum(o.nbytes for o in outs)):
+        if len(keys) < 2:
             for i, k in enumerate(keys):
                 results[i] = self.get_into(tenant, k, outs[i])
-                if results[i] is None and stop_at_miss:
-                    break
             return results
         pool = self._pipeline()
         streams = self.io_streams
