@@ -347,3 +347,36 @@ def test_a_chunk_deleted_by_another_client_is_a_miss_not_an_error(
     finally:
         a.close()  # type: ignore[attr-defined]
         b.close()  # type: ignore[attr-defined]
+
+
+def test_doctor_recognises_a_juicefs_root_and_an_index_on_it(
+    mounts: list[Path], tmp_path: Path
+) -> None:
+    import json
+    import os
+    import subprocess
+
+    from kvoffload.testing import cli_argv, sidecar_env
+
+    kek = tmp_path / "kek"
+    kek.write_bytes(os.urandom(32))
+    kek.chmod(0o600)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        f'[store]\nroot = "{mounts[0]}/doc"\nindex_dir = "{mounts[0]}/doc.index"\n'
+        f'[security]\nkek_file = "{kek}"\n'
+    )
+    r = subprocess.run(
+        cli_argv("--config", str(cfg), "doctor", "--json"),
+        capture_output=True,
+        text=True,
+        env=sidecar_env(),
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    sh = json.loads(r.stdout)["sharing"]
+    assert sh["family"] == "JuiceFS" and sh["looks_shared"] is True
+    warnings = " | ".join(sh["warnings"])
+    assert "LMDB must live on node-local disk" in warnings
+    assert "[store] shared is off" in warnings

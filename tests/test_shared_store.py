@@ -262,3 +262,60 @@ def other_node_journal(root: Path) -> str:
     w.append([JournalRecord.purge_tenant("nobody")])
     w.close()
     return node
+
+
+def test_filesystem_types_are_classified_for_sharing() -> None:
+    from kvoffload.sidecar.fstypes import classify
+
+    assert classify("nfs").network is True and "lookupcache" in classify("nfs").advice
+    assert classify("fuseblk", "fuse.juicefs").family == "JuiceFS"
+    assert classify("fuseblk", "fuse.sshfs").network is None
+    assert classify("ext2/ext3").network is False
+    assert classify(None).family == "unknown"
+
+
+def _doctor(tmp_path: Path, kek_file: Path, root: Path, shared: bool) -> dict[str, object]:
+    import json
+    import subprocess
+
+    from kvoffload.testing import cli_argv, sidecar_env
+
+    cfg = tmp_path / "doctor.toml"
+    cfg.write_text(
+        f'[store]\nroot = "{root}"\nindex_dir = "{tmp_path}/idx"\n'
+        f"shared = {'true' if shared else 'false'}\n"
+        f'[security]\nkek_file = "{kek_file}"\n'
+    )
+    r = subprocess.run(
+        cli_argv("--config", str(cfg), "doctor", "--json"),
+        capture_output=True,
+        text=True,
+        env=sidecar_env(),
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    sharing: dict[str, object] = json.loads(r.stdout)["sharing"]
+    return sharing
+
+
+def test_doctor_says_a_shared_flag_on_a_local_root_reaches_only_this_node(
+    tmp_path: Path, kek_file: Path
+) -> None:
+    sh = _doctor(tmp_path, kek_file, tmp_path / "root", shared=True)
+    assert sh["looks_shared"] is False
+    assert any("local filesystem" in str(w) for w in sh["warnings"])  # type: ignore[attr-defined]
+    sh = _doctor(tmp_path, kek_file, tmp_path / "root", shared=False)
+    assert sh["warnings"] == []
+
+
+def test_with_its_follower_stopped_a_node_still_finds_another_nodes_chunk_by_name(
+    nodes: Nodes,
+) -> None:
+    a = nodes.node("a")
+    b = nodes.node("b", probe_files_on_miss=True)  # follows only every hour
+    for i in range(3):
+        a.put("acme", NS, key(i), layers(i))
+    assert b.shared_info()["followed"] == 0  # type: ignore[index]
+    assert b.lookup("acme", [key(0), key(1), key(2), key(3)]) == 3  # existence checks
+    assert b.get("acme", key(2)) == layers(2)
