@@ -38,13 +38,14 @@ class Nodes:
         self.open: list[Store] = []
 
     def node(self, name: str, **kw: object) -> Store:
+        # No probing by default: prove that the journal, not a stat, finds a chunk.
+        kw.setdefault("probe_files_on_miss", False)
         cfg = StoreConfig(
             root=self.tmp / "root",
             index_dir=self.tmp / f"index-{name}",
             durability="none",  # type: ignore[arg-type]
             shared=True,
             journal_poll_s=3600,
-            probe_files_on_miss=False,  # prove that the journal, not a stat, finds it
             **kw,  # type: ignore[arg-type]
         )
         s = Store(cfg, self.kek, create=True)
