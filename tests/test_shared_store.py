@@ -320,3 +320,21 @@ def test_with_its_follower_stopped_a_node_still_finds_another_nodes_chunk_by_nam
     assert b.shared_info()["followed"] == 0  # type: ignore[index]
     assert b.lookup("acme", [key(0), key(1), key(2), key(3)]) == 3  # existence checks
     assert b.get("acme", key(2)) == layers(2)
+
+
+def test_a_new_node_catches_up_from_the_journals_without_walking_the_tree(
+    nodes: Nodes, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO)
+    a = nodes.node("a")
+    for i in range(6):
+        a.put("acme", NS, key(i), layers(i))
+    a.delete("acme", key(5))
+    b = nodes.node("b")  # a fresh index on a root full of objects
+    assert b.lookup("acme", [key(i) for i in range(5)]) == 5  # from a's journal
+    assert b.lookup("acme", [key(5)]) == 0
+    info = b.shared_info()
+    assert info is not None and info["followed"] == 7
+    assert not [r for r in caplog.records if "rebuil" in r.getMessage()]

@@ -113,9 +113,11 @@ class Store(Leases):
             store_id = self.index.get_meta("store_id")
             if store_id is None:
                 self.index.set_meta("store_id", self.layout.store_id.encode())
-                if self._rebuild_reason is None and any(self._walk_objects()):
+                if self._rebuild_reason is None and not config.shared and any(self._walk_objects()):
                     # A lost or deleted index of a store with objects: rebuilt
-                    # from the files, so nothing stored is forgotten.
+                    # from the files, so nothing stored is forgotten. Not on a
+                    # shared root: a new node catches up from the journals and
+                    # finds the rest by name, never by walking the object tree.
                     self._rebuild_reason = "the index is new but the store holds objects"
             elif store_id.decode() != self.layout.store_id:
                 raise StoreError(
