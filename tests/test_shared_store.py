@@ -338,3 +338,30 @@ def test_a_new_node_catches_up_from_the_journals_without_walking_the_tree(
     info = b.shared_info()
     assert info is not None and info["followed"] == 7
     assert not [r for r in caplog.records if "rebuil" in r.getMessage()]
+
+
+def test_after_a_takeover_the_old_epochs_grants_still_count_against_the_capacity(
+    nodes: Nodes,
+) -> None:
+    import time
+
+    size = len(b"".join(layers(0)))
+    cap = 12 * (size + 8192)
+    a = nodes.node("a", capacity_bytes=cap, evictor_lease_s=3.0)
+    b = nodes.node("b", capacity_bytes=cap, evictor_lease_s=3.0)
+    nodes.node("c", capacity_bytes=cap, evictor_lease_s=3.0)
+    assert a.evictor_tick() is True  # grants a, b and c in epoch 1
+    b.evictor_tick()
+    old_b = b.shared_info()["grant"]  # type: ignore[index]
+    assert old_b["epoch"] == 1 and old_b["bytes"] > 0
+    # a goes silent; b sees epoch 1 unchanged for the ttl and takes epoch 2.
+    b.evictor_tick()
+    time.sleep(3.1)
+    assert b.evictor_tick() is True
+    new = b.shared_info()
+    assert new is not None and new["grant"]["epoch"] == 2
+    lease = b._shared.lease  # type: ignore[union-attr]
+    assert lease.previous is not None and lease.previous.epoch == 1
+    # Everything any node may still write, under either epoch, fits the capacity.
+    may_write = sum(lease.grants.values()) + sum(lease.previous.grants.values())
+    assert b.used_bytes + may_write <= cap

@@ -81,6 +81,7 @@ class SharedRoot:
         self.view_epoch = 0
         self.view_grant = 0
         self._old_until = 0.0
+        self._settle_epoch = 0
 
     def journal(self, records: Sequence[JournalRecord]) -> None:
         """Append to this node's journal; a failure is logged and counted, never raised."""
@@ -132,33 +133,40 @@ class SharedRoot:
             epoch, grant = self.view_epoch, 0  # no holder: write nothing more
         self.view_epoch, self.view_grant = epoch, grant
 
+    def _unseen_locked(self, epoch: int, nodes: list[str], now: float) -> int:
+        """Grants not yet seen used: this epoch's for every node and, for a settling
+        time after this node took the role, the previous holder's."""
+        grants = self.lease.grants
+        unseen = sum(max(0, grants.get(n, 0) - self._seen(n, epoch)) for n in nodes)
+        prev = self.lease.previous
+        if prev is not None and prev.epoch < epoch:
+            if self._settle_epoch != epoch:
+                self._settle_epoch, self._old_until = epoch, now + 3 * self.lease.ttl_s
+            if now < self._old_until:
+                unseen += sum(max(0, g - self._seen(n, prev.epoch)) for n, g in prev.grants.items())
+        return unseen
+
+    def _nodes(self) -> list[str]:
+        return sorted({*self.follower.nodes(), self.node_id})
+
     def issue_locked(self, used: int, capacity: int, high: float, low: float, *, now: float) -> int:
         """As the holder: raise the grants of every node from the room left under the
         capacity; the bytes to evict (above the high watermark: down to the low), or 0.
 
         The room is the capacity minus what this node's index holds (every node's
-        journaled chunks) minus every grant not yet seen used, this epoch's and,
-        for a settling time after a takeover, the previous holder's."""
+        journaled chunks) minus every grant not yet seen used (:meth:`_unseen_locked`)."""
         held = self.lease.held
         if held is None:
             return 0
         epoch = held.epoch
-        nodes = sorted({*self.follower.nodes(), self.node_id})
+        nodes = self._nodes()
         grants = self.lease.grants
-        unseen = sum(max(0, grants.get(n, 0) - self._seen(n, epoch)) for n in nodes)
-        prev = self.lease.previous
-        if prev is not None and prev.epoch < epoch:
-            if self._old_until == 0.0:
-                self._old_until = now + 3 * self.lease.ttl_s
-            if now < self._old_until:
-                unseen += sum(max(0, g - self._seen(n, prev.epoch)) for n, g in prev.grants.items())
-        bound = used + unseen
+        bound = used + self._unseen_locked(epoch, nodes, now)
         room = capacity - bound
-        if room > 0 and nodes:
+        if room > 0:
             per = min(room // len(nodes), self.grant_max(capacity))
             for n in nodes:
-                have = grants.get(n, 0) - self._seen(n, epoch)
-                if have < per:
+                if grants.get(n, 0) - self._seen(n, epoch) < per:
                     grants[n] = self._seen(n, epoch) + per
         self.refresh_view_locked()
         return max(0, bound - int(capacity * low)) if bound > capacity * high else 0
@@ -169,16 +177,10 @@ class SharedRoot:
         held = self.lease.held
         if held is None or not self.lease.fence():
             return
-        epoch = held.epoch
-        nodes = sorted({*self.follower.nodes(), self.node_id})
-        grants = self.lease.grants
-        unseen = sum(max(0, grants.get(n, 0) - self._seen(n, epoch)) for n in nodes)
-        prev = self.lease.previous
-        if prev is not None and prev.epoch < epoch and self._old_until != 0.0:
-            unseen += sum(max(0, g - self._seen(n, prev.epoch)) for n, g in prev.grants.items())
-        room = capacity - used - unseen
+        room = capacity - used - self._unseen_locked(held.epoch, self._nodes(), time.monotonic())
         if room > 0:
-            mine = self._seen(self.node_id, epoch)
+            grants = self.lease.grants
+            mine = self._seen(self.node_id, held.epoch)
             grants[self.node_id] = grants.get(self.node_id, mine) + min(
                 room, self.grant_max(capacity)
             )
