@@ -16,7 +16,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from ..journal import (
     JournalFollower,
     JournalRecord,
     JournalWriter,
+    Op,
     Reason,
     load_or_create_node_id,
 )
@@ -66,9 +67,12 @@ class SharedRoot:
         *,
         durable: bool,
         lease_ttl_s: float,
+        segment_bytes: int = 8 << 20,
     ) -> None:
         self.node_id = load_or_create_node_id(state_dir)
-        self.writer = JournalWriter(root, self.node_id, durable=durable)
+        self.writer = JournalWriter(
+            root, self.node_id, durable=durable, segment_bytes=segment_bytes
+        )
         self.writer.open()
         self.follower = JournalFollower(root, own_node_id=self.node_id)
         self.lease = EvictorLease(root, self.node_id, self.writer.incarnation, ttl_s=lease_ttl_s)
@@ -191,6 +195,34 @@ class SharedRoot:
         """At most this much unused grant per node: what a node that dies holding
         a grant keeps from the others until the next takeover."""
         return max(min(capacity // 16, 4 << 30), min(capacity // 4, 256 << 20))
+
+    def maybe_compact(
+        self, present: Callable[[str, bytes], bool], *, max_segments: int = 8
+    ) -> int | None:
+        """Compact this node's journal once it holds more than ``max_segments``
+        segments: replay its own records, keep the chunks it stored that are still
+        present, write them as a checkpoint, remove the older segments. The number
+        of chunks kept, or None when nothing was done (shared-root-v1.md §3.4)."""
+        with self._mu:
+            if self.writer.segment_count() <= max_segments:
+                return None
+            live: dict[tuple[str, bytes], JournalRecord] = {}
+            for r in self.writer.own_records():
+                if r.op is Op.STORE:
+                    live[(r.tenant, r.key)] = r
+                elif r.op is Op.REMOVE:
+                    live.pop((r.tenant, r.key), None)
+                elif r.op is Op.PURGE_TENANT:
+                    live = {k: v for k, v in live.items() if k[0] != r.tenant}
+                elif r.op is Op.PURGE_NAMESPACE:
+                    live = {
+                        k: v
+                        for k, v in live.items()
+                        if not (k[0] == r.tenant and v.namespace == r.namespace)
+                    }
+            keep = [r for (t, k), r in live.items() if present(t, k)]
+            self.writer.compact(keep)
+            return len(keep)
 
     def positions_blob(self) -> bytes:
         pos = self.follower.positions()
