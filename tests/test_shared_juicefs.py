@@ -7,10 +7,12 @@ own mount. Skipped, with the reason, where FUSE or juicefs is absent.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -347,3 +349,156 @@ def test_a_chunk_deleted_by_another_client_is_a_miss_not_an_error(
     finally:
         a.close()  # type: ignore[attr-defined]
         b.close()  # type: ignore[attr-defined]
+
+
+def test_doctor_recognises_a_juicefs_root_and_an_index_on_it(
+    mounts: list[Path], tmp_path: Path
+) -> None:
+    import json
+    import os
+    import subprocess
+
+    from kvoffload.testing import cli_argv, sidecar_env
+
+    kek = tmp_path / "kek"
+    kek.write_bytes(os.urandom(32))
+    kek.chmod(0o600)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        f'[store]\nroot = "{mounts[0]}/doc"\nindex_dir = "{mounts[0]}/doc.index"\n'
+        f'[security]\nkek_file = "{kek}"\n'
+    )
+    r = subprocess.run(
+        cli_argv("--config", str(cfg), "doctor", "--json"),
+        capture_output=True,
+        text=True,
+        env=sidecar_env(),
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    sh = json.loads(r.stdout)["sharing"]
+    assert sh["family"] == "JuiceFS" and sh["looks_shared"] is True
+    warnings = " | ".join(sh["warnings"])
+    assert "LMDB must live on node-local disk" in warnings
+    assert "[store] shared is off" in warnings
+
+
+def _cap_writer(mount: str, index: str, kek: str, cap: int, name: str, stop: Any) -> None:
+    import hashlib
+
+    from kvoffload.sidecar.errors import StoreFull
+    from kvoffload.sidecar.keyring import Kek
+    from kvoffload.sidecar.store import Store, StoreConfig
+
+    cfg = StoreConfig(
+        root=Path(mount) / "cap",
+        index_dir=Path(index),
+        durability="none",  # type: ignore[arg-type]
+        shared=True,
+        capacity_bytes=cap,
+        journal_poll_s=0.2,
+        evictor_lease_s=3.0,
+    )
+    s = Store(cfg, Kek.from_file(Path(kek)), create=True)
+    layers = [bytes([len(name)]) * 4000 for _ in range(3)]
+    i = 0
+    while not stop.is_set():
+        key = hashlib.blake2b(f"{name}/{i}".encode(), digest_size=32).digest()
+        try:
+            s.put("acme", NS, key, layers)
+        except StoreFull:
+            time.sleep(0.05)
+        i += 1
+    s.close()
+
+
+def test_three_clients_writing_three_times_the_capacity_never_exceed_it(
+    mounts: list[Path], tmp_path: Path
+) -> None:
+    import os
+    import signal
+
+    from kvoffload.sidecar.journal import JournalFollower, Reason
+
+    kek = tmp_path / "kek"
+    kek.write_bytes(os.urandom(32))
+    kek.chmod(0o600)
+    cap = 64 * (3 * 4096 + 4096)
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    procs = {
+        n: ctx.Process(
+            target=_cap_writer,
+            args=(str(mounts[i]), str(tmp_path / f"idx-{n}"), str(kek), cap, n, stop),
+        )
+        for i, n in enumerate(("a", "b", "c"))
+    }
+    procs["a"].start()  # a first: it takes the evictor lease
+    objects = mounts[0] / "cap" / "objects"
+
+    def holder() -> tuple[int, str] | None:
+        lease = EvictorLease(mounts[0] / "cap", "0" * 32, "observer")
+        cur = lease.current()
+        return None if cur is None or cur.released else (cur.epoch, cur.holder)
+
+    def on_disk() -> int:
+        total = 0
+        for dirpath, _d, files in os.walk(objects):
+            for f in files:
+                if f.endswith(".kvo"):
+                    with contextlib.suppress(FileNotFoundError):
+                        total += os.stat(os.path.join(dirpath, f)).st_size
+        return total
+
+    deadline = time.monotonic() + 60
+    while holder() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    first = holder()
+    assert first is not None
+    procs["b"].start()
+    procs["c"].start()
+    holders = [first]
+    peak = 0
+    try:
+        t_end = time.monotonic() + 12
+        while time.monotonic() < t_end:
+            used = on_disk()
+            peak = max(peak, used)
+            assert used <= cap, f"{used} bytes on disk, capacity {cap}"
+            time.sleep(0.2)
+        # Pause the holder; another client takes over after the lease expires.
+        a_pid = procs["a"].pid
+        assert a_pid is not None
+        os.kill(a_pid, signal.SIGSTOP)
+        paused_at = time.time_ns()
+        deadline = time.monotonic() + 60
+        while (h := holder()) is not None and h[0] == first[0] and time.monotonic() < deadline:
+            assert on_disk() <= cap
+            time.sleep(0.2)
+        taken = holder()
+        assert taken is not None and taken[0] > first[0] and taken[1] != first[1]
+        holders.append(taken)
+        taken_at = time.time_ns()
+        os.kill(a_pid, signal.SIGCONT)  # the old holder resumes: it must not evict
+        t_end = time.monotonic() + 6
+        while time.monotonic() < t_end:
+            assert on_disk() <= cap
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for p in procs.values():
+            with contextlib.suppress(Exception):
+                os.kill(p.pid or 0, signal.SIGCONT)
+            p.join(timeout=60)
+    assert all(p.exitcode == 0 for p in procs.values())
+    print(f"evictor holders (epoch, node): {holders}; peak {peak} of {cap} bytes")
+    # Who removed what, from every node's journal.
+    records = JournalFollower(mounts[1] / "cap").poll()
+    evicted = [(n, r) for n, r in records if r.reason is Reason.EVICTED]
+    assert evicted, "the root was never evicted"
+    assert {n for n, _ in evicted} <= {first[1], taken[1]}
+    # What the old holder removed after its lease ended: at most the one removal
+    # in flight when it was paused (the spec's window), nothing once resumed.
+    late = [r for n, r in evicted if n == first[1] and r.time_ns > taken_at]
+    assert len(late) <= 1, (len(late), paused_at, taken_at)

@@ -38,13 +38,14 @@ class Nodes:
         self.open: list[Store] = []
 
     def node(self, name: str, **kw: object) -> Store:
+        # No probing by default: prove that the journal, not a stat, finds a chunk.
+        kw.setdefault("probe_files_on_miss", False)
         cfg = StoreConfig(
             root=self.tmp / "root",
             index_dir=self.tmp / f"index-{name}",
             durability="none",  # type: ignore[arg-type]
             shared=True,
             journal_poll_s=3600,
-            probe_files_on_miss=False,  # prove that the journal, not a stat, finds it
             **kw,  # type: ignore[arg-type]
         )
         s = Store(cfg, self.kek, create=True)
@@ -262,3 +263,131 @@ def other_node_journal(root: Path) -> str:
     w.append([JournalRecord.purge_tenant("nobody")])
     w.close()
     return node
+
+
+def test_filesystem_types_are_classified_for_sharing() -> None:
+    from kvoffload.sidecar.fstypes import classify
+
+    assert classify("nfs").network is True and "lookupcache" in classify("nfs").advice
+    assert classify("fuseblk", "fuse.juicefs").family == "JuiceFS"
+    assert classify("fuseblk", "fuse.sshfs").network is None
+    assert classify("ext2/ext3").network is False
+    assert classify(None).family == "unknown"
+
+
+def _doctor(tmp_path: Path, kek_file: Path, root: Path, shared: bool) -> dict[str, object]:
+    import json
+    import subprocess
+
+    from kvoffload.testing import cli_argv, sidecar_env
+
+    cfg = tmp_path / "doctor.toml"
+    cfg.write_text(
+        f'[store]\nroot = "{root}"\nindex_dir = "{tmp_path}/idx"\n'
+        f"shared = {'true' if shared else 'false'}\n"
+        f'[security]\nkek_file = "{kek_file}"\n'
+    )
+    r = subprocess.run(
+        cli_argv("--config", str(cfg), "doctor", "--json"),
+        capture_output=True,
+        text=True,
+        env=sidecar_env(),
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    sharing: dict[str, object] = json.loads(r.stdout)["sharing"]
+    return sharing
+
+
+def test_doctor_says_a_shared_flag_on_a_local_root_reaches_only_this_node(
+    tmp_path: Path, kek_file: Path
+) -> None:
+    sh = _doctor(tmp_path, kek_file, tmp_path / "root", shared=True)
+    assert sh["looks_shared"] is False
+    assert any("local filesystem" in str(w) for w in sh["warnings"])  # type: ignore[attr-defined]
+    sh = _doctor(tmp_path, kek_file, tmp_path / "root", shared=False)
+    assert sh["warnings"] == []
+
+
+def test_with_its_follower_stopped_a_node_still_finds_another_nodes_chunk_by_name(
+    nodes: Nodes,
+) -> None:
+    a = nodes.node("a")
+    b = nodes.node("b", probe_files_on_miss=True)  # follows only every hour
+    for i in range(3):
+        a.put("acme", NS, key(i), layers(i))
+    assert b.shared_info()["followed"] == 0  # type: ignore[index]
+    assert b.lookup("acme", [key(0), key(1), key(2), key(3)]) == 3  # existence checks
+    assert b.get("acme", key(2)) == layers(2)
+
+
+def test_a_new_node_catches_up_from_the_journals_without_walking_the_tree(
+    nodes: Nodes, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO)
+    a = nodes.node("a")
+    for i in range(6):
+        a.put("acme", NS, key(i), layers(i))
+    a.delete("acme", key(5))
+    b = nodes.node("b")  # a fresh index on a root full of objects
+    assert b.lookup("acme", [key(i) for i in range(5)]) == 5  # from a's journal
+    assert b.lookup("acme", [key(5)]) == 0
+    info = b.shared_info()
+    assert info is not None and info["followed"] == 7
+    assert not [r for r in caplog.records if "rebuil" in r.getMessage()]
+
+
+def test_after_a_takeover_the_old_epochs_grants_still_count_against_the_capacity(
+    nodes: Nodes,
+) -> None:
+    import time
+
+    size = len(b"".join(layers(0)))
+    cap = 12 * (size + 8192)
+    a = nodes.node("a", capacity_bytes=cap, evictor_lease_s=3.0)
+    b = nodes.node("b", capacity_bytes=cap, evictor_lease_s=3.0)
+    nodes.node("c", capacity_bytes=cap, evictor_lease_s=3.0)
+    assert a.evictor_tick() is True  # grants a, b and c in epoch 1
+    b.evictor_tick()
+    old_b = b.shared_info()["grant"]  # type: ignore[index]
+    assert old_b["epoch"] == 1 and old_b["bytes"] > 0
+    # a goes silent; b sees epoch 1 unchanged for the ttl and takes epoch 2.
+    b.evictor_tick()
+    time.sleep(3.1)
+    assert b.evictor_tick() is True
+    new = b.shared_info()
+    assert new is not None and new["grant"]["epoch"] == 2
+    lease = b._shared.lease  # type: ignore[union-attr]
+    assert lease.previous is not None and lease.previous.epoch == 1
+    # Everything any node may still write, under either epoch, fits the capacity.
+    may_write = sum(lease.grants.values()) + sum(lease.previous.grants.values())
+    assert b.used_bytes + may_write <= cap
+
+
+def test_a_compacted_journal_restates_what_is_still_present(nodes: Nodes) -> None:
+    a = nodes.node("a", journal_segment_bytes=600)  # a few records per segment
+    c = nodes.node("c")
+    for i in range(12):
+        a.put("acme", NS, key(i), layers(i))
+    c.follow_journals()
+    for i in range(4):
+        a.delete("acme", key(i))
+    a.put("beta", NS, key(50), layers(50))
+    a.purge_tenant("beta", wait=True)
+    segs = a._shared.writer.segment_count()  # type: ignore[union-attr]
+    assert segs > 3
+    assert a.compact_journal(max_segments=2) == 8  # chunks 4..11 are still present
+    assert a._shared.writer.segment_count() < segs  # type: ignore[union-attr]
+    # A node that starts now learns exactly what is present from the checkpoint.
+    b = nodes.node("b")
+    assert b.lookup("acme", [key(i) for i in range(4, 12)]) == 8
+    assert b.lookup("acme", [key(0)]) == 0
+    # A node that had followed before converges too, and sees what comes after.
+    a.put("acme", NS, key(99), layers(99))
+    c.follow_journals()
+    assert c.lookup("acme", [key(99)]) == 1
+    assert c.lookup("acme", [key(i) for i in range(4, 12)]) == 8
+    assert a.compact_journal(max_segments=100) is None  # below the bound: nothing

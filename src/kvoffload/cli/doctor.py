@@ -38,6 +38,7 @@ def doctor(as_json: JsonOpt = False) -> None:
             "fs_type": dp.fs_type,
             "mount_point": dp.mount_point,
             "mount_source": m.source if m else None,
+            "mount_fs_type": m.fs_type if m else None,
             "o_direct": dp.supported,
             "o_direct_detail": dp.detail,
         }
@@ -57,6 +58,7 @@ def doctor(as_json: JsonOpt = False) -> None:
     }
     direct_backend, direct_why = decide_direct(gpu)
     data["direct_path"] = {"backend": direct_backend, "reason": direct_why}
+    data["sharing"] = _sharing(cfg.shared, paths)
     if cfg.io is not IOMode.AUTO:
         conf = plan(cfg.io, objects_dir, gpu_report=gpu)
         data["configured"] = {
@@ -103,4 +105,40 @@ def doctor(as_json: JsonOpt = False) -> None:
         c = data["configured"]
         table.add_row(f"configured ({cfg.io})", c["summary"] or f"UNAVAILABLE: {c['error']}")
     table.add_row("direct path (workers)", f"{direct_backend}: {direct_why}")
+    sh = data["sharing"]
+    table.add_row("store root", f"{sh['family']}: {sh['advice']}")
+    for warning in sh["warnings"]:
+        table.add_row("warning", warning)
     out.print(table)
+
+
+def _sharing(configured_shared: bool, paths: dict[str, Any]) -> dict[str, Any]:
+    """Whether the store root looks shared, what that implies, and what is amiss."""
+    from ..sidecar.fstypes import classify
+
+    root = classify(paths["objects"]["fs_type"], paths["objects"].get("mount_fs_type"))
+    index = classify(paths["index"]["fs_type"], paths["index"].get("mount_fs_type"))
+    warnings = []
+    if index.network is not False and index.family != "unknown":
+        warnings.append(
+            f"the index is on {index.family}: LMDB must live on node-local disk "
+            "(set [store] index_dir)"
+        )
+    if root.network and not configured_shared:
+        warnings.append(
+            f"the store root is on {root.family} but [store] shared is off: if other "
+            "nodes use this root, set shared = true on every node"
+        )
+    if root.network is False and configured_shared:
+        warnings.append(
+            "[store] shared is on, but the root is on a local filesystem: only this "
+            "node can reach it"
+        )
+    return {
+        "fs_type": root.fs_type,
+        "family": root.family,
+        "looks_shared": root.network,
+        "configured_shared": configured_shared,
+        "advice": root.advice,
+        "warnings": warnings,
+    }

@@ -422,6 +422,14 @@ class JournalWriter:
         # The next append goes to a fresh, non-checkpoint segment.
         self._start_segment(self.segment + 1, 0)
 
+    def segment_count(self) -> int:
+        return len(_segments(self.dir))
+
+    def own_records(self) -> list[JournalRecord]:
+        """Every record of this node's journal, oldest first (damage skipped, as a
+        follower skips it): what :meth:`compact`'s caller replays."""
+        return [r for _, r in JournalFollower(self.root).read_node(self.node_id)]
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
@@ -496,6 +504,10 @@ class JournalFollower:
                 out.append((node, rec))
         self.stats.records += len(out)
         return out
+
+    def read_node(self, node: str) -> list[tuple[str, JournalRecord]]:
+        """The new records of one node's journal (any node, this one's included)."""
+        return [(node, r) for r in self._follow(node)]
 
     def _note(self, message: str) -> None:
         if len(self.stats.messages) < 100:

@@ -79,6 +79,7 @@ class StoreConfig:
     shared: bool = False
     journal_poll_s: float = 0.5
     evictor_lease_s: float = 15.0
+    journal_segment_bytes: int = 8 << 20
     #: Chunks of one batch sealed/written or read/verified at once (a pool of I/O
     #: threads, shared by all requests); 0: :func:`default_io_streams`.
     io_streams: int = 0

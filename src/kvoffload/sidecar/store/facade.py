@@ -113,9 +113,11 @@ class Store(Leases):
             store_id = self.index.get_meta("store_id")
             if store_id is None:
                 self.index.set_meta("store_id", self.layout.store_id.encode())
-                if self._rebuild_reason is None and any(self._walk_objects()):
+                if self._rebuild_reason is None and not config.shared and any(self._walk_objects()):
                     # A lost or deleted index of a store with objects: rebuilt
-                    # from the files, so nothing stored is forgotten.
+                    # from the files, so nothing stored is forgotten. Not on a
+                    # shared root: a new node catches up from the journals and
+                    # finds the rest by name, never by walking the object tree.
                     self._rebuild_reason = "the index is new but the store holds objects"
             elif store_id.decode() != self.layout.store_id:
                 raise StoreError(
@@ -145,6 +147,7 @@ class Store(Leases):
                     index_dir,
                     durable=config.durability is not Durability.NONE,
                     lease_ttl_s=config.evictor_lease_s,
+                    segment_bytes=config.journal_segment_bytes,
                 )
                 self._shared.restore_positions(self.index.get_meta(POSITIONS_META))
         except BaseException:
@@ -265,10 +268,14 @@ class Store(Leases):
 
     def _journal_loop(self) -> None:
         """Follow the other nodes' journals and keep the evictor lease, until closed."""
+        rounds = 0
         while not self._closed.wait(self.config.journal_poll_s):
             try:
                 self.follow_journals()
                 self.evictor_tick()
+                rounds += 1
+                if rounds % 120 == 0:
+                    self.compact_journal()
             except Exception as exc:  # never let the follower die
                 log.warning("following the shared root's journals: %s", exc)
 
@@ -347,6 +354,19 @@ class Store(Leases):
         if to_free and cap is not None:
             self._evict(_Scope(self, cap), to_free)  # each removal fenced
         return held
+
+    @boundary
+    def compact_journal(self, *, max_segments: int = 8) -> int | None:
+        """Compact this node's journal when it has grown past ``max_segments``."""
+        sh = self._shared
+        if sh is None:
+            return None
+        kept = sh.maybe_compact(
+            lambda t, k: self.index.get(t, k) is not None, max_segments=max_segments
+        )
+        if kept is not None:
+            log.info("journal compacted: %d chunks of this node still present", kept)
+        return kept
 
     def shared_info(self) -> dict[str, Any] | None:
         """This node's view of the shared root (None when the root is not shared)."""

@@ -16,7 +16,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from ..journal import (
     JournalFollower,
     JournalRecord,
     JournalWriter,
+    Op,
     Reason,
     load_or_create_node_id,
 )
@@ -66,9 +67,12 @@ class SharedRoot:
         *,
         durable: bool,
         lease_ttl_s: float,
+        segment_bytes: int = 8 << 20,
     ) -> None:
         self.node_id = load_or_create_node_id(state_dir)
-        self.writer = JournalWriter(root, self.node_id, durable=durable)
+        self.writer = JournalWriter(
+            root, self.node_id, durable=durable, segment_bytes=segment_bytes
+        )
         self.writer.open()
         self.follower = JournalFollower(root, own_node_id=self.node_id)
         self.lease = EvictorLease(root, self.node_id, self.writer.incarnation, ttl_s=lease_ttl_s)
@@ -81,6 +85,7 @@ class SharedRoot:
         self.view_epoch = 0
         self.view_grant = 0
         self._old_until = 0.0
+        self._settle_epoch = 0
 
     def journal(self, records: Sequence[JournalRecord]) -> None:
         """Append to this node's journal; a failure is logged and counted, never raised."""
@@ -132,33 +137,40 @@ class SharedRoot:
             epoch, grant = self.view_epoch, 0  # no holder: write nothing more
         self.view_epoch, self.view_grant = epoch, grant
 
+    def _unseen_locked(self, epoch: int, nodes: list[str], now: float) -> int:
+        """Grants not yet seen used: this epoch's for every node and, for a settling
+        time after this node took the role, the previous holder's."""
+        grants = self.lease.grants
+        unseen = sum(max(0, grants.get(n, 0) - self._seen(n, epoch)) for n in nodes)
+        prev = self.lease.previous
+        if prev is not None and prev.epoch < epoch:
+            if self._settle_epoch != epoch:
+                self._settle_epoch, self._old_until = epoch, now + 3 * self.lease.ttl_s
+            if now < self._old_until:
+                unseen += sum(max(0, g - self._seen(n, prev.epoch)) for n, g in prev.grants.items())
+        return unseen
+
+    def _nodes(self) -> list[str]:
+        return sorted({*self.follower.nodes(), self.node_id})
+
     def issue_locked(self, used: int, capacity: int, high: float, low: float, *, now: float) -> int:
         """As the holder: raise the grants of every node from the room left under the
         capacity; the bytes to evict (above the high watermark: down to the low), or 0.
 
         The room is the capacity minus what this node's index holds (every node's
-        journaled chunks) minus every grant not yet seen used, this epoch's and,
-        for a settling time after a takeover, the previous holder's."""
+        journaled chunks) minus every grant not yet seen used (:meth:`_unseen_locked`)."""
         held = self.lease.held
         if held is None:
             return 0
         epoch = held.epoch
-        nodes = sorted({*self.follower.nodes(), self.node_id})
+        nodes = self._nodes()
         grants = self.lease.grants
-        unseen = sum(max(0, grants.get(n, 0) - self._seen(n, epoch)) for n in nodes)
-        prev = self.lease.previous
-        if prev is not None and prev.epoch < epoch:
-            if self._old_until == 0.0:
-                self._old_until = now + 3 * self.lease.ttl_s
-            if now < self._old_until:
-                unseen += sum(max(0, g - self._seen(n, prev.epoch)) for n, g in prev.grants.items())
-        bound = used + unseen
+        bound = used + self._unseen_locked(epoch, nodes, now)
         room = capacity - bound
-        if room > 0 and nodes:
+        if room > 0:
             per = min(room // len(nodes), self.grant_max(capacity))
             for n in nodes:
-                have = grants.get(n, 0) - self._seen(n, epoch)
-                if have < per:
+                if grants.get(n, 0) - self._seen(n, epoch) < per:
                     grants[n] = self._seen(n, epoch) + per
         self.refresh_view_locked()
         return max(0, bound - int(capacity * low)) if bound > capacity * high else 0
@@ -169,16 +181,10 @@ class SharedRoot:
         held = self.lease.held
         if held is None or not self.lease.fence():
             return
-        epoch = held.epoch
-        nodes = sorted({*self.follower.nodes(), self.node_id})
-        grants = self.lease.grants
-        unseen = sum(max(0, grants.get(n, 0) - self._seen(n, epoch)) for n in nodes)
-        prev = self.lease.previous
-        if prev is not None and prev.epoch < epoch and self._old_until != 0.0:
-            unseen += sum(max(0, g - self._seen(n, prev.epoch)) for n, g in prev.grants.items())
-        room = capacity - used - unseen
+        room = capacity - used - self._unseen_locked(held.epoch, self._nodes(), time.monotonic())
         if room > 0:
-            mine = self._seen(self.node_id, epoch)
+            grants = self.lease.grants
+            mine = self._seen(self.node_id, held.epoch)
             grants[self.node_id] = grants.get(self.node_id, mine) + min(
                 room, self.grant_max(capacity)
             )
@@ -189,6 +195,34 @@ class SharedRoot:
         """At most this much unused grant per node: what a node that dies holding
         a grant keeps from the others until the next takeover."""
         return max(min(capacity // 16, 4 << 30), min(capacity // 4, 256 << 20))
+
+    def maybe_compact(
+        self, present: Callable[[str, bytes], bool], *, max_segments: int = 8
+    ) -> int | None:
+        """Compact this node's journal once it holds more than ``max_segments``
+        segments: replay its own records, keep the chunks it stored that are still
+        present, write them as a checkpoint, remove the older segments. The number
+        of chunks kept, or None when nothing was done (shared-root-v1.md §3.4)."""
+        with self._mu:
+            if self.writer.segment_count() <= max_segments:
+                return None
+            live: dict[tuple[str, bytes], JournalRecord] = {}
+            for r in self.writer.own_records():
+                if r.op is Op.STORE:
+                    live[(r.tenant, r.key)] = r
+                elif r.op is Op.REMOVE:
+                    live.pop((r.tenant, r.key), None)
+                elif r.op is Op.PURGE_TENANT:
+                    live = {k: v for k, v in live.items() if k[0] != r.tenant}
+                elif r.op is Op.PURGE_NAMESPACE:
+                    live = {
+                        k: v
+                        for k, v in live.items()
+                        if not (k[0] == r.tenant and v.namespace == r.namespace)
+                    }
+            keep = [r for (t, k), r in live.items() if present(t, k)]
+            self.writer.compact(keep)
+            return len(keep)
 
     def positions_blob(self) -> bytes:
         pos = self.follower.positions()

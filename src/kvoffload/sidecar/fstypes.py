@@ -1,0 +1,69 @@
+"""What a filesystem type says about sharing a store root (``kvoffload doctor``).
+
+``statfs`` names the type (``stat -f -c %T``; FUSE filesystems report
+``fuseblk``/``fuse`` and their name in ``/proc/mounts``, e.g. ``fuse.juicefs``).
+A network or cluster filesystem is what several nodes share a root on; it is
+also where the index must never live (LMDB needs a local filesystem).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["FsKind", "classify"]
+
+#: type → (family, what it implies for a shared root)
+_NETWORK: dict[str, tuple[str, str]] = {
+    "nfs": (
+        "NFS",
+        "mount with lookupcache=positive (or none) and actimeo=1: by default "
+        "'no such file' is cached for up to a minute, hiding other nodes' new objects",
+    ),
+    "nfs4": (
+        "NFS",
+        "mount with lookupcache=positive (or none) and actimeo=1: by default "
+        "'no such file' is cached for up to a minute, hiding other nodes' new objects",
+    ),
+    "lustre": ("Lustre", "mount with flock (tenant creation serializes with flock)"),
+    "gpfs": ("GPFS / Storage Scale", "coherent across nodes; defaults are fine"),
+    "ceph": ("CephFS", "coherent across clients; ESTALE is handled as a miss"),
+    "wekafs": ("WekaFS", "coherent across clients"),
+    "beegfs": ("BeeGFS", "enable tuneUseGlobalFileLocks for flock across nodes"),
+    "glusterfs": ("GlusterFS", "attribute caching delays other nodes' journal records"),
+    "cifs": ("SMB/CIFS", "not recommended: weak rename and link semantics"),
+    "smb2": ("SMB", "not recommended: weak rename and link semantics"),
+    "smb3": ("SMB", "not recommended: weak rename and link semantics"),
+    "fuse.juicefs": (
+        "JuiceFS",
+        "--attr-cache/--entry-cache (1 s by default) bound how "
+        "soon other nodes' journal records are seen",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class FsKind:
+    fs_type: str
+    #: True: a network/cluster filesystem; False: local; None: FUSE of unknown kind.
+    network: bool | None
+    family: str
+    advice: str
+
+
+def classify(fs_type: str | None, mount_source_type: str | None = None) -> FsKind:
+    """Classify ``fs_type`` (statfs), refined by the type in /proc/mounts for FUSE."""
+    t = (fs_type or "").lower()
+    m = (mount_source_type or "").lower()
+    for key in (m, t):
+        if key in _NETWORK:
+            fam, advice = _NETWORK[key]
+            return FsKind(key, True, fam, advice)
+    if t.startswith("fuse") or m.startswith("fuse"):
+        return FsKind(
+            m or t, None, "FUSE",
+            "a FUSE filesystem: shared if its backend is (no inotify across clients; "
+            "followers poll the journal directories)",
+        )  # fmt: skip
+    if not t:
+        return FsKind("", None, "unknown", "the filesystem type could not be read")
+    return FsKind(t, False, t, "a local filesystem: one node's store")
