@@ -68,7 +68,7 @@ class Topology:
         return Location("gpu", worker.name), Location("cpu", worker.name), local, remote
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Candidate:
     worker: str
     match: TierMatch
@@ -158,6 +158,7 @@ class Router:
                 self.index.bit(loc)
         self.decisions = 0
         self._tickets = 0
+        self._mode_cache: tuple[tuple[int, tuple[str, ...], bool], Mode] | None = None
 
     # -- sources --------------------------------------------------------------------
 
@@ -174,6 +175,16 @@ class Router:
         self.index.set_state(Location("store", root), state)
 
     def mode(self, workers: Iterable[str]) -> Mode:
+        names = tuple(workers)
+        key = (self.index.version, names, self.index.has_history())
+        cached = self._mode_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        mode = self._mode(names)
+        self._mode_cache = (key, mode)
+        return mode
+
+    def _mode(self, workers: tuple[str, ...]) -> Mode:
         locs = {
             loc
             for w in workers

@@ -90,7 +90,10 @@ def apply_batch(router: Router, source: Source, batch: EventBatch) -> int:
                 continue
             hashes = [external_hash(h) for h in ev.block_hashes]
             if isinstance(ev, BlockStored):
-                router.index.apply_stored(loc, hashes)
+                parent = ev.parent_block_hash
+                router.index.apply_stored(
+                    loc, hashes, None if parent is None else external_hash(parent)
+                )
             else:
                 router.index.apply_removed(loc, hashes)
             applied += 1

@@ -113,27 +113,23 @@ class WorkerLoad:
         return max(0.0, rest + head_left) + self.external_s
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Estimate:
-    """One worker's estimated TTFT and its terms (seconds)."""
+    """One worker's estimated TTFT and its terms (seconds); treated as immutable."""
 
     queue_s: float
     prefill_s: float
     read_s: dict[str, float]
     missing_tokens: int
     cached_tokens: dict[str, int]
+    read_total_s: float = field(init=False)
+    service_s: float = field(init=False)
+    ttft_s: float = field(init=False)
 
-    @property
-    def read_total_s(self) -> float:
-        return sum(self.read_s.values())
-
-    @property
-    def service_s(self) -> float:
-        return self.prefill_s + self.read_total_s
-
-    @property
-    def ttft_s(self) -> float:
-        return self.queue_s + self.service_s
+    def __post_init__(self) -> None:
+        self.read_total_s = sum(self.read_s.values())
+        self.service_s = self.prefill_s + self.read_total_s
+        self.ttft_s = self.queue_s + self.service_s
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -153,31 +149,48 @@ class TTFTModel:
     errors: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     _bandwidth_scale: dict[Tier, float] = field(default_factory=dict)
     mean_service_s: float = 0.1
+    _costs: tuple[tuple[float, float], ...] | None = None
 
     def bandwidth(self, tier: Tier) -> float:
         return self.priors.bandwidth(tier) * self._bandwidth_scale.get(tier, 1.0)
 
+    def _read_costs(self) -> tuple[tuple[float, float], ...]:
+        """Per read tier (CPU, local, remote): (latency, seconds per token)."""
+        costs = self._costs
+        if costs is None:
+            bpt = self.priors.bytes_per_token
+            costs = self._costs = tuple(
+                (self.priors.latency(t), bpt / self.bandwidth(t)) for t in _READ_TIERS
+            )
+        return costs
+
     def estimate(self, n_tokens: int, match: TierMatch, load: WorkerLoad, now: float) -> Estimate:
         bt = self.block_tokens
-        cached: dict[str, int] = {}
-        reach = 0
-        read: dict[str, float] = {}
-        for tier in (Tier.GPU, *_READ_TIERS):
-            k = min(match.blocks(tier) * bt, max(0, n_tokens - reach))
-            reach += k
-            cached[tier.value] = k
-            if tier is not Tier.GPU:
-                read[tier.value] = (
-                    self.priors.latency(tier)
-                    + k * self.priors.bytes_per_token / self.bandwidth(tier)
-                    if k
-                    else 0.0
-                )
+        (lc, pc), (ll, pl), (lr, pr) = self._read_costs()
+        gpu, cpu, local, remote = match
+        g = min(gpu * bt, n_tokens)
+        c = min(cpu * bt, n_tokens - g)
+        sl = min(local * bt, n_tokens - g - c)
+        sr = min(remote * bt, n_tokens - g - c - sl)
         # The engine always computes the prompt's last token, even on a full hit.
-        missing = max(1, n_tokens - reach)
-        slowdown = 1.0 + self.priors.decode_slowdown * load.decoding
-        prefill = self.priors.prefill_s(missing) * load.prefill_scale * slowdown
-        return Estimate(load.queue_s(now), prefill, read, missing, cached)
+        missing = max(1, n_tokens - g - c - sl - sr)
+        pri = self.priors
+        prefill = (
+            (pri.prefill_a_s + pri.prefill_b_s * missing + pri.prefill_c_s * missing * missing)
+            * load.prefill_scale
+            * (1.0 + pri.decode_slowdown * load.decoding)
+        )
+        return Estimate(
+            load.queue_s(now),
+            prefill,
+            {
+                "cpu": lc + c * pc if c else 0.0,
+                "storage_local": ll + sl * pl if sl else 0.0,
+                "storage_remote": lr + sr * pr if sr else 0.0,
+            },
+            missing,
+            {"gpu": g, "cpu": c, "storage_local": sl, "storage_remote": sr},
+        )
 
     # -- accounting -----------------------------------------------------------------
 
@@ -264,6 +277,7 @@ class TTFTModel:
         cur = self._bandwidth_scale.get(tier, 1.0)
         new = math.exp((1 - a) * math.log(cur) + a * math.log(ratio))
         self._bandwidth_scale[tier] = min(4.0, max(0.25, new))
+        self._costs = None
 
     def error_summary(self) -> dict[str, float]:
         """Relative estimate error (estimate − observed)/observed: mean, p50, p90 of |error|."""
