@@ -270,7 +270,7 @@ class Router:
         n = len(cands)
         busy = sum(c.estimate.queue_s > 0 for c in cands) / n
         depth = sum(c.estimate.queue_s for c in cands) / n / max(self.model.mean_service_s, 1e-3)
-        weight = min(16.0, self.work_weight * busy * (1.0 + depth))
+        weight = min(64.0, self.work_weight * busy * (1.0 + depth))
         loads = self.loads
 
         def key(c: Candidate) -> tuple[float, int]:
