@@ -83,7 +83,7 @@ def test_events_steer_routing_and_a_lost_stream_degrades_then_recovers(
 
         def w1_holds() -> bool:
             pub.publish([gpu_stored(HASHES)])  # again until the SUB socket has joined
-            return query(router)["workers"]["w1"]["gpu"] == len(PROMPT) // 16 * 16
+            return bool(query(router)["workers"]["w1"]["gpu"] == len(PROMPT) // 16 * 16)
 
         wait_until(w1_holds, "the router to learn w1's blocks from its events")
         wait_until(lambda: source_health(router) == "live", "the source to be live")
