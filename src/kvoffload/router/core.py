@@ -294,12 +294,18 @@ class Router:
         self.index.add_inflight(gpu, decision.hashes)
         return Ticket(name, cand.estimate, now, expected, self._tickets, decision.hashes)
 
-    def first_token(self, ticket: Ticket, now: float) -> None:
+    def first_token(self, ticket: Ticket, now: float, *, observed: bool = True) -> None:
+        """The request's first token (``observed=False``: its answer, not timed by token)."""
         if ticket.settled:
             return
         ticket.settled = True
         self.model.first_token(
-            self.loads[ticket.worker], ticket.id, ticket.estimate, ticket.sent_at, now
+            self.loads[ticket.worker],
+            ticket.id,
+            ticket.estimate,
+            ticket.sent_at,
+            now,
+            observed=observed,
         )
 
     def finished(self, ticket: Ticket) -> None:

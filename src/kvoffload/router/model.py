@@ -221,14 +221,27 @@ class TTFTModel:
         return observed
 
     def first_token(
-        self, load: WorkerLoad, ticket_id: int, est: Estimate, sent_at: float, now: float
+        self,
+        load: WorkerLoad,
+        ticket_id: int,
+        est: Estimate,
+        sent_at: float,
+        now: float,
+        *,
+        observed: bool = True,
     ) -> None:
-        """The first token came back: settle the booking and calibrate."""
+        """The first token came back: settle the booking and calibrate.
+
+        ``observed=False`` when ``now`` is not the first token's time (a
+        non-streamed answer, seen whole): settle, learn nothing.
+        """
         service = self._unbook(load, ticket_id, est, now)
         load.decoding += 1
-        observed = now - sent_at
-        if observed > 0:
-            self.errors.append((est.ttft_s - observed) / observed)
+        if not observed:
+            return
+        took = now - sent_at
+        if took > 0:
+            self.errors.append((est.ttft_s - took) / took)
         if service is None:
             return
         a = self.priors.ewma

@@ -506,7 +506,7 @@ class RouterService:
         return out
 
     def _first_token(self, ticket: Ticket, now: float, *, observed: bool = True) -> None:
-        self.router.first_token(ticket, now)
+        self.router.first_token(ticket, now, observed=observed)
         if observed:
             took = now - ticket.sent_at
             self.metrics.observed.observe(took)
