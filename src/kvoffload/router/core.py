@@ -263,14 +263,15 @@ class Router:
         On an idle cluster the key is the TTFT. When workers are busy, the service
         a request adds on a worker delays the requests that will queue behind it
         there, about as many as the queue is deep in service times: its weight is
-        ``work_weight × busy share × (1 + queue depth)``, capped at 16. Under
-        overload this favours the worker that does the least work (its cache),
-        where pure TTFT would spread load evenly and lose cache affinity.
+        ``work_weight × busy share × queue depth`` (mean queue / mean service),
+        capped at 64. Under overload this favours the worker that does the least
+        work (its cache), where pure TTFT would spread load evenly and lose cache
+        affinity; at light load the weight is ~0 and the fastest answer wins.
         """
         n = len(cands)
         busy = sum(c.estimate.queue_s > 0 for c in cands) / n
         depth = sum(c.estimate.queue_s for c in cands) / n / max(self.model.mean_service_s, 1e-3)
-        weight = min(64.0, self.work_weight * busy * (1.0 + depth))
+        weight = min(64.0, self.work_weight * busy * depth)
         loads = self.loads
 
         def key(c: Candidate) -> tuple[float, int]:
