@@ -8,7 +8,6 @@ from kvoffload.router.index import TierMatch
 from kvoffload.router.model import Priors, WorkerLoad
 from kvoffload.router.peers import PeerView, make_peer
 
-
 NONE = TierMatch()
 
 
