@@ -538,14 +538,19 @@ def decision_microbench(
     }
 
 
-def tokenize_bench(tokenizer_path: str, prompt_tokens: int = 32_768) -> float | None:
+def tokenize_bench(tokenizer_path: str, prompt_tokens: int = 32_768) -> tuple[int, float]:
+    """Tokenize a text of about ``prompt_tokens`` tokens: (tokens, CPU milliseconds)."""
     from kvoffload.router.tokenize import Tokenizer
 
     tok = Tokenizer.load(Path(tokenizer_path))
-    text = " ".join(f"word{i % 977}" for i in range(prompt_tokens))
+    sample = " ".join(f"word{i % 977} the quick brown fox" for i in range(1000))
+    per_word = len(tok.encode_prompt(sample)) / 1000
+    text = " ".join(
+        f"word{i % 977} the quick brown fox" for i in range(int(prompt_tokens / per_word))
+    )
     t0 = time.process_time()
-    tok.encode_prompt(text)
-    return (time.process_time() - t0) * 1000
+    n = len(tok.encode_prompt(text))
+    return n, (time.process_time() - t0) * 1000
 
 
 COLUMNS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
@@ -636,9 +641,10 @@ def main(argv: list[str] | None = None) -> int:
             f"hashing that prompt: {micro['hash_prompt_ms']:.1f} ms"
         )
         if args.tokenizer:
-            ms = tokenize_bench(args.tokenizer)
-            micro["tokenize_prompt_ms"] = ms or math.nan
-            print(f"tokenizing a 32k-token prompt: {ms:.1f} ms")
+            n_tok, ms = tokenize_bench(args.tokenizer)
+            micro["tokenize_prompt_ms"] = ms
+            micro["tokenize_prompt_tokens"] = n_tok
+            print(f"tokenizing a {n_tok}-token prompt ({args.tokenizer}): {ms:.1f} ms")
     if args.json:
         out = {
             "params": {
