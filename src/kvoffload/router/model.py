@@ -113,23 +113,50 @@ class WorkerLoad:
         return max(0.0, rest + head_left) + self.external_s
 
 
-@dataclass(slots=True)
 class Estimate:
-    """One worker's estimated TTFT and its terms (seconds); treated as immutable."""
+    """One worker's estimated TTFT and its terms (seconds); immutable by convention.
 
-    queue_s: float
-    prefill_s: float
-    read_s: dict[str, float]
-    missing_tokens: int
-    cached_tokens: dict[str, int]
-    read_total_s: float = field(init=False)
-    service_s: float = field(init=False)
-    ttft_s: float = field(init=False)
+    ``reads`` are the CPU, local-store and shared-store read times; ``cached``
+    the tokens credited to GPU, CPU, local store and shared store.
+    """
 
-    def __post_init__(self) -> None:
-        self.read_total_s = sum(self.read_s.values())
-        self.service_s = self.prefill_s + self.read_total_s
-        self.ttft_s = self.queue_s + self.service_s
+    __slots__ = (
+        "cached",
+        "missing_tokens",
+        "prefill_s",
+        "queue_s",
+        "read_total_s",
+        "reads",
+        "service_s",
+        "ttft_s",
+    )
+
+    def __init__(
+        self,
+        queue_s: float,
+        prefill_s: float,
+        reads: tuple[float, float, float],
+        missing_tokens: int,
+        cached: tuple[int, int, int, int],
+    ) -> None:
+        self.queue_s = queue_s
+        self.prefill_s = prefill_s
+        self.reads = reads
+        self.missing_tokens = missing_tokens
+        self.cached = cached
+        self.read_total_s = reads[0] + reads[1] + reads[2]
+        self.service_s = prefill_s + self.read_total_s
+        self.ttft_s = queue_s + self.service_s
+
+    @property
+    def read_s(self) -> dict[str, float]:
+        return dict(zip(("cpu", "storage_local", "storage_remote"), self.reads, strict=True))
+
+    @property
+    def cached_tokens(self) -> dict[str, int]:
+        return dict(
+            zip(("gpu", "cpu", "storage_local", "storage_remote"), self.cached, strict=True)
+        )
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -138,7 +165,7 @@ class Estimate:
             "prefill_s": round(self.prefill_s, 6),
             "read_s": {k: round(v, 6) for k, v in self.read_s.items()},
             "missing_tokens": self.missing_tokens,
-            "cached_tokens": dict(self.cached_tokens),
+            "cached_tokens": self.cached_tokens,
         }
 
 
@@ -183,13 +210,9 @@ class TTFTModel:
         return Estimate(
             load.queue_s(now),
             prefill,
-            {
-                "cpu": lc + c * pc if c else 0.0,
-                "storage_local": ll + sl * pl if sl else 0.0,
-                "storage_remote": lr + sr * pr if sr else 0.0,
-            },
+            (lc + c * pc if c else 0.0, ll + sl * pl if sl else 0.0, lr + sr * pr if sr else 0.0),
             missing,
-            {"gpu": g, "cpu": c, "storage_local": sl, "storage_remote": sr},
+            (g, c, sl, sr),
         )
 
     # -- accounting -----------------------------------------------------------------
