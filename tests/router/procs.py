@@ -35,17 +35,23 @@ def free_port() -> int:
 class Worker:
     """A stand-in worker process (tests/router/standin_worker.py)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        module: str = "tests.router.standin_worker",
+        args: tuple[str, ...] = (),
+        start_timeout_s: float = 30,
+    ) -> None:
         self.name = name
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.router.standin_worker", "--name", name],
+            [sys.executable, "-m", module, "--name", name, *args],
             cwd=ROOT,
             env=env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
         )
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], 30)
+        ready, _, _ = select.select([self.proc.stdout], [], [], start_timeout_s)
         line = self.proc.stdout.readline() if ready else b""
         if not line.strip():
             self.stop()

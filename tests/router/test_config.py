@@ -141,7 +141,7 @@ def test_the_cli_says_one_line_and_exits_1_on_a_bad_config(tmp_path: Path) -> No
     assert run.returncode == 1
     assert run.stderr.strip().count("\n") == 0 and "Traceback" not in run.stderr
     assert "[router] port" in run.stderr
-    good = _write(tmp_path, BASE)
+    good = _write(tmp_path, BASE.replace('events = "tcp://10.0.0.1:5557"\n', ""))
     ok = subprocess.run(
         [sys.executable, "-m", "kvoffload.cli", "--config", str(good), "router", "--check"],
         cwd=ROOT,
@@ -161,3 +161,15 @@ def test_the_cli_says_one_line_and_exits_1_on_a_bad_config(tmp_path: Path) -> No
     )
     assert missing.returncode == 1 and "cannot read config" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_a_missing_optional_package_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from kvoffload.router import cli
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(
+        ConfigError, match=r"needs the Python package 'aiohttp'.*kvoffload\[router\]"
+    ):
+        cli._need("aiohttp", "kvoffload router")

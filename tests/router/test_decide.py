@@ -183,3 +183,12 @@ def test_failure_before_the_first_token_unbooks_the_request() -> None:
     r.failed(t, 0.1)
     assert r.loads["w0"].inflight == 0 and r.loads["w0"].queue_s(0.1) == 0.0
     assert r.index.prefix_lengths([1, 2]).get(Location("gpu", "w0"), 0) == 0
+
+
+def test_an_answer_seen_whole_settles_without_calibrating() -> None:
+    r = router(1)
+    t = r.dispatch(r.decide([], 10_000, now=0.0), 0.0)
+    r.first_token(t, 30.0, observed=False)  # 30 s: the whole answer, decode included
+    assert r.loads["w0"].inflight == 0
+    assert r.loads["w0"].prefill_scale == 1.0 and r.loads["w0"].service_ratio == 1.0
+    assert r.model.error_summary()["count"] == 0

@@ -33,7 +33,7 @@ def test_removed_and_cleared_blocks_stop_matching() -> None:
     assert ix.prefix_lengths([1, 2, 3]) == {GPU: 1, CPU: 3}
     ix.cleared(CPU)
     assert ix.prefix_lengths([1, 2, 3]) == {GPU: 1}
-    assert ix.size(CPU) == 0 and ix.size(GPU) == 2
+    assert ix.size(CPU) == 0 and ix.size(GPU) == 1  # 3 went with its parent 2
 
 
 def test_compose_credits_each_tier_only_past_the_previous_reach() -> None:

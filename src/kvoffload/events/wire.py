@@ -45,6 +45,7 @@ __all__ = [
     "MEDIUM_CPU",
     "MEDIUM_GPU",
     "MEDIUM_STORAGE",
+    "SNAPSHOT_REQUEST",
     "AllBlocksCleared",
     "BlockHash",
     "BlockRemoved",
@@ -80,6 +81,9 @@ _SEQ_LEN: Final = 8
 #: The replay stream's end marker: seq -1 as a signed 8-byte integer.
 END_SEQ_BYTES: Final = (-1).to_bytes(_SEQ_LEN, "big", signed=True)
 END_SEQ: Final = int.from_bytes(END_SEQ_BYTES, "big")
+
+#: The one frame that asks a kvoffload sidecar's ROUTER for a snapshot (events-v1 §6).
+SNAPSHOT_REQUEST: Final = b"snapshot/1"
 
 #: Bits of a kvoffload seq that hold the publisher's incarnation (the top
 #: bits below the sign bit, so a signed 64-bit reader sees it positive too).

@@ -16,6 +16,20 @@ import typer
 
 __all__ = ["register"]
 
+_PIP = {"aiohttp": "kvoffload[router]", "transformers": "kvoffload[router]", "zmq": "pyzmq"}
+
+
+def _need(module: str, what: str) -> None:
+    """One line, not a traceback, when an optional dependency is missing."""
+    import importlib.util
+
+    from kvoffload.errors import ConfigError
+
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(
+            f"{what} needs the Python package {module!r}: pip install '{_PIP[module]}'"
+        )
+
 
 def register(app: typer.Typer) -> None:
     @app.command("router")
@@ -43,17 +57,21 @@ def register(app: typer.Typer) -> None:
             cfg = replace(cfg, port=port)
         tokenizer = None
         if cfg.tokenizer is not None:
+            _need("transformers", "[model] tokenizer")
             from .tokenize import Tokenizer
 
             try:
                 tokenizer = Tokenizer.load(cfg.tokenizer)
             except ValueError as exc:
                 raise ConfigError(f"[model] tokenizer: {exc}") from exc
+        if any(w.events for w in cfg.workers) or any(s.events for s in cfg.stores):
+            _need("zmq", "an events endpoint")
         elif not check:
             err.print(
                 "[yellow]warning:[/yellow] no [model] tokenizer: text prompts are routed on "
                 "load alone (token-id prompts still match the cache)"
             )
+        _need("aiohttp", "kvoffload router")
         if check:
             typer.echo(f"router config OK: {len(cfg.workers)} workers, {len(cfg.tenants)} tenants")
             return

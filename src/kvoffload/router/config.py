@@ -11,7 +11,6 @@ errors that name the file and the key, like the sidecar's config::
     default_deadline = "none"        # a TTFT deadline for tenants without one
     health_interval = "2s"           # GET <worker>/health
     metrics_interval = "1s"          # GET <worker>/metrics (queue, running, KV usage)
-    event_stale_after = "10s"        # an event source silent this long is stale (DEGRADED)
     request_timeout = "600s"
     connect_timeout = "5s"
     log_decisions = false            # every decision, with each candidate's terms, at INFO
@@ -41,6 +40,7 @@ errors that name the file and the key, like the sidecar's config::
     url = "http://10.0.0.1:8000"
     node = "node0"
     events = "tcp://10.0.0.1:5557"   # the engine's KV-event publisher (optional)
+    events_replay = "tcp://10.0.0.1:5558"   # its replay socket (gaps are refilled)
     metrics_url = "http://10.0.0.1:8000/metrics"   # default: <url>/metrics
 
     [[stores]]                       # the sidecar stores workers read
@@ -48,6 +48,7 @@ errors that name the file and the key, like the sidecar's config::
     nodes = ["node0"]                # the nodes whose workers read it
     shared = false                   # true: a root shared by several nodes (STORAGE REMOTE)
     events = "ipc:///run/kvoffload/events.sock"
+    events_replay = "ipc:///run/kvoffload/events-replay.sock"
 
     [[lora]]                         # adapters: a request's "model" naming one hashes with it
     name = "sql"
@@ -110,6 +111,7 @@ class WorkerSpec:
     node: str
     events: str | None = None
     metrics_url: str | None = None
+    events_replay: str | None = None
 
     @property
     def metrics(self) -> str:
@@ -122,6 +124,7 @@ class StoreSpec:
     nodes: tuple[str, ...]
     shared: bool = False
     events: str | None = None
+    events_replay: str | None = None
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,6 @@ class RouterConfig:
     default_deadline_s: float | None = None
     health_interval_s: float = 2.0
     metrics_interval_s: float = 1.0
-    event_stale_after_s: float = 10.0
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
     log_decisions: bool = False
@@ -278,7 +280,6 @@ _ROUTER_KEYS: dict[str, tuple[str, Any]] = {
     "default_deadline": ("default_deadline_s", _deadline),
     "health_interval": ("health_interval_s", _positive_duration),
     "metrics_interval": ("metrics_interval_s", _positive_duration),
-    "event_stale_after": ("event_stale_after_s", _positive_duration),
     "request_timeout": ("request_timeout_s", _positive_duration),
     "connect_timeout": ("connect_timeout_s", _positive_duration),
     "log_decisions": ("log_decisions", _bool),
@@ -374,7 +375,9 @@ def _fields(
 
 def _worker(source: str, i: int, raw: object) -> WorkerSpec:
     where = f"[[workers]] #{i + 1}"
-    t = _fields(source, where, raw, ("name", "url"), ("node", "events", "metrics_url"))
+    t = _fields(
+        source, where, raw, ("name", "url"), ("node", "events", "events_replay", "metrics_url")
+    )
     try:
         name, url = _str(t["name"]), _str(t["url"])
         u = urlparse(url)
@@ -383,14 +386,15 @@ def _worker(source: str, i: int, raw: object) -> WorkerSpec:
         node = _str(t.get("node", name))
         events = _str(t["events"]) if "events" in t else None
         metrics = _str(t["metrics_url"]) if "metrics_url" in t else None
+        replay = _str(t["events_replay"]) if "events_replay" in t else None
     except ValueError as exc:
         raise ConfigError(f"{source}: {where}: {exc}") from exc
-    return WorkerSpec(name, url.rstrip("/"), node, events, metrics)
+    return WorkerSpec(name, url.rstrip("/"), node, events, metrics, replay)
 
 
 def _store(source: str, i: int, raw: object) -> StoreSpec:
     where = f"[[stores]] #{i + 1}"
-    t = _fields(source, where, raw, ("name", "nodes"), ("shared", "events"))
+    t = _fields(source, where, raw, ("name", "nodes"), ("shared", "events", "events_replay"))
     try:
         nodes = t["nodes"]
         if not isinstance(nodes, list) or not nodes:
@@ -400,6 +404,7 @@ def _store(source: str, i: int, raw: object) -> StoreSpec:
             tuple(_str(n) for n in nodes),
             _bool(t.get("shared", False)),
             _str(t["events"]) if "events" in t else None,
+            _str(t["events_replay"]) if "events_replay" in t else None,
         )
     except ValueError as exc:
         raise ConfigError(f"{source}: {where}: {exc}") from exc

@@ -68,7 +68,7 @@ class Topology:
         return Location("gpu", worker.name), Location("cpu", worker.name), local, remote
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Candidate:
     worker: str
     match: TierMatch
@@ -158,6 +158,7 @@ class Router:
                 self.index.bit(loc)
         self.decisions = 0
         self._tickets = 0
+        self._mode_cache: tuple[tuple[int, tuple[str, ...], bool], Mode] | None = None
 
     # -- sources --------------------------------------------------------------------
 
@@ -174,6 +175,16 @@ class Router:
         self.index.set_state(Location("store", root), state)
 
     def mode(self, workers: Iterable[str]) -> Mode:
+        names = tuple(workers)
+        key = (self.index.version, names, self.index.has_history())
+        cached = self._mode_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        mode = self._mode(names)
+        self._mode_cache = (key, mode)
+        return mode
+
+    def _mode(self, workers: tuple[str, ...]) -> Mode:
         locs = {
             loc
             for w in workers
@@ -252,14 +263,15 @@ class Router:
         On an idle cluster the key is the TTFT. When workers are busy, the service
         a request adds on a worker delays the requests that will queue behind it
         there, about as many as the queue is deep in service times: its weight is
-        ``work_weight × busy share × (1 + queue depth)``, capped at 16. Under
-        overload this favours the worker that does the least work (its cache),
-        where pure TTFT would spread load evenly and lose cache affinity.
+        ``work_weight × busy share × queue depth`` (mean queue / mean service),
+        capped at 64. Under overload this favours the worker that does the least
+        work (its cache), where pure TTFT would spread load evenly and lose cache
+        affinity; at light load the weight is ~0 and the fastest answer wins.
         """
         n = len(cands)
         busy = sum(c.estimate.queue_s > 0 for c in cands) / n
         depth = sum(c.estimate.queue_s for c in cands) / n / max(self.model.mean_service_s, 1e-3)
-        weight = min(16.0, self.work_weight * busy * (1.0 + depth))
+        weight = min(64.0, self.work_weight * busy * depth)
         loads = self.loads
 
         def key(c: Candidate) -> tuple[float, int]:
@@ -283,12 +295,18 @@ class Router:
         self.index.add_inflight(gpu, decision.hashes)
         return Ticket(name, cand.estimate, now, expected, self._tickets, decision.hashes)
 
-    def first_token(self, ticket: Ticket, now: float) -> None:
+    def first_token(self, ticket: Ticket, now: float, *, observed: bool = True) -> None:
+        """The request's first token (``observed=False``: its answer, not timed by token)."""
         if ticket.settled:
             return
         ticket.settled = True
         self.model.first_token(
-            self.loads[ticket.worker], ticket.id, ticket.estimate, ticket.sent_at, now
+            self.loads[ticket.worker],
+            ticket.id,
+            ticket.estimate,
+            ticket.sent_at,
+            now,
+            observed=observed,
         )
 
     def finished(self, ticket: Ticket) -> None:

@@ -43,7 +43,7 @@ from .core import Router
 from .hashing import external_hash
 from .index import Location
 
-__all__ = ["Source", "apply_batch", "source_locations"]
+__all__ = ["Source", "apply_batch", "location_of", "source_locations"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def source_locations(router: Router, source: Source) -> list[Location]:
     return [gpu, cpu, *local, *remote]
 
 
-def _location(
+def location_of(
     router: Router, source: Source, medium: str | None, locality: str | None
 ) -> Location | None:
     if source.kind == "store":
@@ -85,12 +85,15 @@ def apply_batch(router: Router, source: Source, batch: EventBatch) -> int:
         if isinstance(ev, BlockStored | BlockRemoved):
             if ev.group_idx not in (None, 0):
                 continue
-            loc = _location(router, source, ev.medium, ev.locality)
+            loc = location_of(router, source, ev.medium, ev.locality)
             if loc is None:
                 continue
             hashes = [external_hash(h) for h in ev.block_hashes]
             if isinstance(ev, BlockStored):
-                router.index.apply_stored(loc, hashes)
+                parent = ev.parent_block_hash
+                router.index.apply_stored(
+                    loc, hashes, None if parent is None else external_hash(parent)
+                )
             else:
                 router.index.apply_removed(loc, hashes)
             applied += 1

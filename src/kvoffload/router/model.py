@@ -113,27 +113,50 @@ class WorkerLoad:
         return max(0.0, rest + head_left) + self.external_s
 
 
-@dataclass(frozen=True)
 class Estimate:
-    """One worker's estimated TTFT and its terms (seconds)."""
+    """One worker's estimated TTFT and its terms (seconds); immutable by convention.
 
-    queue_s: float
-    prefill_s: float
-    read_s: dict[str, float]
-    missing_tokens: int
-    cached_tokens: dict[str, int]
+    ``reads`` are the CPU, local-store and shared-store read times; ``cached``
+    the tokens credited to GPU, CPU, local store and shared store.
+    """
+
+    __slots__ = (
+        "cached",
+        "missing_tokens",
+        "prefill_s",
+        "queue_s",
+        "read_total_s",
+        "reads",
+        "service_s",
+        "ttft_s",
+    )
+
+    def __init__(
+        self,
+        queue_s: float,
+        prefill_s: float,
+        reads: tuple[float, float, float],
+        missing_tokens: int,
+        cached: tuple[int, int, int, int],
+    ) -> None:
+        self.queue_s = queue_s
+        self.prefill_s = prefill_s
+        self.reads = reads
+        self.missing_tokens = missing_tokens
+        self.cached = cached
+        self.read_total_s = reads[0] + reads[1] + reads[2]
+        self.service_s = prefill_s + self.read_total_s
+        self.ttft_s = queue_s + self.service_s
 
     @property
-    def read_total_s(self) -> float:
-        return sum(self.read_s.values())
+    def read_s(self) -> dict[str, float]:
+        return dict(zip(("cpu", "storage_local", "storage_remote"), self.reads, strict=True))
 
     @property
-    def service_s(self) -> float:
-        return self.prefill_s + self.read_total_s
-
-    @property
-    def ttft_s(self) -> float:
-        return self.queue_s + self.service_s
+    def cached_tokens(self) -> dict[str, int]:
+        return dict(
+            zip(("gpu", "cpu", "storage_local", "storage_remote"), self.cached, strict=True)
+        )
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -142,7 +165,7 @@ class Estimate:
             "prefill_s": round(self.prefill_s, 6),
             "read_s": {k: round(v, 6) for k, v in self.read_s.items()},
             "missing_tokens": self.missing_tokens,
-            "cached_tokens": dict(self.cached_tokens),
+            "cached_tokens": self.cached_tokens,
         }
 
 
@@ -153,31 +176,44 @@ class TTFTModel:
     errors: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     _bandwidth_scale: dict[Tier, float] = field(default_factory=dict)
     mean_service_s: float = 0.1
+    _costs: tuple[tuple[float, float], ...] | None = None
 
     def bandwidth(self, tier: Tier) -> float:
         return self.priors.bandwidth(tier) * self._bandwidth_scale.get(tier, 1.0)
 
+    def _read_costs(self) -> tuple[tuple[float, float], ...]:
+        """Per read tier (CPU, local, remote): (latency, seconds per token)."""
+        costs = self._costs
+        if costs is None:
+            bpt = self.priors.bytes_per_token
+            costs = self._costs = tuple(
+                (self.priors.latency(t), bpt / self.bandwidth(t)) for t in _READ_TIERS
+            )
+        return costs
+
     def estimate(self, n_tokens: int, match: TierMatch, load: WorkerLoad, now: float) -> Estimate:
         bt = self.block_tokens
-        cached: dict[str, int] = {}
-        reach = 0
-        read: dict[str, float] = {}
-        for tier in (Tier.GPU, *_READ_TIERS):
-            k = min(match.blocks(tier) * bt, max(0, n_tokens - reach))
-            reach += k
-            cached[tier.value] = k
-            if tier is not Tier.GPU:
-                read[tier.value] = (
-                    self.priors.latency(tier)
-                    + k * self.priors.bytes_per_token / self.bandwidth(tier)
-                    if k
-                    else 0.0
-                )
+        (lc, pc), (ll, pl), (lr, pr) = self._read_costs()
+        gpu, cpu, local, remote = match
+        g = min(gpu * bt, n_tokens)
+        c = min(cpu * bt, n_tokens - g)
+        sl = min(local * bt, n_tokens - g - c)
+        sr = min(remote * bt, n_tokens - g - c - sl)
         # The engine always computes the prompt's last token, even on a full hit.
-        missing = max(1, n_tokens - reach)
-        slowdown = 1.0 + self.priors.decode_slowdown * load.decoding
-        prefill = self.priors.prefill_s(missing) * load.prefill_scale * slowdown
-        return Estimate(load.queue_s(now), prefill, read, missing, cached)
+        missing = max(1, n_tokens - g - c - sl - sr)
+        pri = self.priors
+        prefill = (
+            (pri.prefill_a_s + pri.prefill_b_s * missing + pri.prefill_c_s * missing * missing)
+            * load.prefill_scale
+            * (1.0 + pri.decode_slowdown * load.decoding)
+        )
+        return Estimate(
+            load.queue_s(now),
+            prefill,
+            (lc + c * pc if c else 0.0, ll + sl * pl if sl else 0.0, lr + sr * pr if sr else 0.0),
+            missing,
+            (g, c, sl, sr),
+        )
 
     # -- accounting -----------------------------------------------------------------
 
@@ -208,14 +244,27 @@ class TTFTModel:
         return observed
 
     def first_token(
-        self, load: WorkerLoad, ticket_id: int, est: Estimate, sent_at: float, now: float
+        self,
+        load: WorkerLoad,
+        ticket_id: int,
+        est: Estimate,
+        sent_at: float,
+        now: float,
+        *,
+        observed: bool = True,
     ) -> None:
-        """The first token came back: settle the booking and calibrate."""
+        """The first token came back: settle the booking and calibrate.
+
+        ``observed=False`` when ``now`` is not the first token's time (a
+        non-streamed answer, seen whole): settle, learn nothing.
+        """
         service = self._unbook(load, ticket_id, est, now)
         load.decoding += 1
-        observed = now - sent_at
-        if observed > 0:
-            self.errors.append((est.ttft_s - observed) / observed)
+        if not observed:
+            return
+        took = now - sent_at
+        if took > 0:
+            self.errors.append((est.ttft_s - took) / took)
         if service is None:
             return
         a = self.priors.ewma
@@ -264,6 +313,7 @@ class TTFTModel:
         cur = self._bandwidth_scale.get(tier, 1.0)
         new = math.exp((1 - a) * math.log(cur) + a * math.log(ratio))
         self._bandwidth_scale[tier] = min(4.0, max(0.25, new))
+        self._costs = None
 
     def error_summary(self) -> dict[str, float]:
         """Relative estimate error (estimate − observed)/observed: mean, p50, p90 of |error|."""

@@ -187,13 +187,21 @@ class RouterService:
         self.reservations: dict[int, _Reservation] = {}
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        # A worker with no event stream configured is read from the routing history.
+        self._bridge: Any = None
+        # A worker with no event stream configured is read from the routing history;
+        # one with a stream, from the stream once the consumer has it live.
         for w in cfg.workers:
             if w.events is None:
                 self.router.set_worker_source(w.name, SourceState.STALE)
         for s in cfg.stores:
             if s.events is None:
                 self.router.set_store_source(s.name, SourceState.STALE)
+        if any(w.events for w in cfg.workers) or any(s.events for s in cfg.stores):
+            from .events import EventBridge, bridge_specs
+
+            self._bridge = EventBridge(
+                self.router, bridge_specs(cfg), request_timeout_s=cfg.connect_timeout_s
+            )
         for name in self.workers:
             self.metrics.healthy.labels(name).set(1)
 
@@ -218,6 +226,8 @@ class RouterService:
             total=self.cfg.request_timeout_s, sock_connect=self.cfg.connect_timeout_s
         )
         self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        if self._bridge is not None:
+            self._bridge.start()
         self._tasks = [
             asyncio.create_task(self._every(self.cfg.health_interval_s, self._check_health)),
             asyncio.create_task(self._every(self.cfg.metrics_interval_s, self._scrape_metrics)),
@@ -231,6 +241,8 @@ class RouterService:
                 await t
         if self._session is not None:
             await self._session.close()
+        if self._bridge is not None:
+            await asyncio.to_thread(self._bridge.close)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -494,7 +506,7 @@ class RouterService:
         return out
 
     def _first_token(self, ticket: Ticket, now: float, *, observed: bool = True) -> None:
-        self.router.first_token(ticket, now)
+        self.router.first_token(ticket, now, observed=observed)
         if observed:
             took = now - ticket.sent_at
             self.metrics.observed.observe(took)
@@ -519,11 +531,15 @@ class RouterService:
     async def _health(self, request: web.Request) -> web.Response:
         healthy = {n: self.router.healthy[n] for n in self.workers}
         mode = self.router.mode([n for n, ok in healthy.items() if ok])
-        body = {
+        body: dict[str, object] = {
             "status": "ok" if any(healthy.values()) else "unavailable",
             "mode": mode.value,
             "workers": healthy,
         }
+        if self._bridge is not None:
+            body["event_sources"] = {
+                st.name: st.health.value for st in self._bridge.consumer.statuses()
+            }
         return web.json_response(body, status=200 if any(healthy.values()) else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
