@@ -148,6 +148,20 @@ REGISTRY: tuple[EnvVar, ...] = (
     _cfg("metrics", "host", "host", "127.0.0.1", "[metrics] host."),
     _cfg("security", "kek_file", "path", "(none)", "[security] kek_file (or KVOFFLOAD_KEK_FILE)."),
     _cfg("security", "policy", "path", "(none)", "[security] policy (also KVOFFLOAD_POLICY)."),
+    _cfg("events", "enabled", "bool", "false", "[events] enabled: publish KV events."),
+    _cfg("events", "endpoint", "endpoint", "(ipc beside socket)", "[events] endpoint (PUB)."),
+    _cfg(
+        "events",
+        "replay_endpoint",
+        "endpoint",
+        "(ipc beside socket)",
+        "[events] replay_endpoint (ROUTER: replay and snapshots).",
+    ),
+    _cfg("events", "snapshot_endpoint", "endpoint", "(none)", "[events] snapshot_endpoint."),
+    _cfg("events", "topic", "str", "kv@<host>@kvoffload", "[events] topic."),
+    _cfg("events", "buffer", "int", "100000", "[events] buffer: batches kept for replay."),
+    _cfg("events", "locality", "LOCAL|REMOTE", "LOCAL", "[events] locality of the store."),
+    _cfg("events", "curve_key_file", "path", "(none)", "[events] curve_key_file (TCP)."),
 )
 
 _BY_NAME = {v.name: v for v in REGISTRY}
