@@ -8,9 +8,11 @@ SIGKILL of the sidecar.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,9 +24,10 @@ from kvoffload import protocol as p  # noqa: E402
 from kvoffload.client import SidecarClient  # noqa: E402
 from kvoffload.events.consumer import EventConsumer, Health, Recovery, SourceSpec  # noqa: E402
 from kvoffload.events.wire import split_seq  # noqa: E402
+from kvoffload.testing import cli_argv  # noqa: E402
 from kvoffload.transport import UnixTransport  # noqa: E402
 
-from .sidecar_proc import DevSidecar, dev_sidecar, wait_until  # noqa: E402
+from .sidecar_proc import DevSidecar, clean_env, dev_sidecar, wait_until  # noqa: E402
 
 NS = bytes(range(32))
 TENANT = "acme"
@@ -163,3 +166,54 @@ def test_a_tenant_with_events_off_is_never_published(tmp_path: Path) -> None:
             consumer.add_source(spec)  # a fresh snapshot: still only acme's
             with consumer.lock:
                 assert consumer.view("node").snapshot() == _truth(c, {2: _blocks(2)})
+
+
+def _tail(sc: DevSidecar, *args: str) -> subprocess.CompletedProcess[str]:
+    env = clean_env({"KVOFFLOAD_SERVER_SOCKET": str(sc.socket_path)})
+    return subprocess.run(
+        cli_argv("--dev", "events", "tail", *args),
+        cwd=sc.workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_events_tail_prints_the_feed_from_the_durable_buffer(sidecar: DevSidecar) -> None:
+    with SidecarClient(sidecar.socket_path, TENANT, staging_bytes=4 << 20, timeout_s=30) as c:
+        for i in range(3):
+            assert c.save(NS, [(_key(i), _layers(i))], blocks=[_blocks(i)]) == [True]
+    res = _tail(sidecar, "--json", "--from", "0", "--count", "3", "--timeout", "30")
+    assert res.returncode == 0, res.stderr
+    recs = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [r["type"] for r in recs] == ["BlockStored"] * 3
+    assert [r["block_hashes"] for r in recs] == [
+        [h.hex() for h in _blocks(i).hashes] for i in range(3)
+    ]
+    assert all(r["medium"] == "STORAGE" and r["locality"] == "LOCAL" for r in recs)
+    assert len({r["incarnation"] for r in recs}) == 1
+    human = _tail(sidecar, "--from", "0", "--count", "1", "--timeout", "30")
+    assert human.returncode == 0 and "BlockStored STORAGE LOCAL [4]" in human.stdout
+
+
+def test_events_tail_without_a_feed_is_one_line(tmp_path: Path) -> None:
+    res = subprocess.run(
+        cli_argv("--dev", "events", "tail", "--count", "1"),
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 7, res
+    assert "no KV-event socket" in res.stderr and "Traceback" not in res.stderr
+    bad = subprocess.run(
+        cli_argv("--dev", "events", "tail", "--count", "0"),
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
