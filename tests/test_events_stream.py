@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -449,4 +450,67 @@ def test_randomized_interleavings_never_diverge(
         assert st.recoveries[Recovery.RESTART] > 0
     finally:
         consumer.close()
+        pub.close()
+
+
+def _child_reads(endpoints: tuple[str, str], uid: int, gid: int, groups: list[int]) -> bool:
+    """Fork, drop to ``uid``/``gid``/``groups``, and try the feed and the replay socket."""
+    with warnings.catch_warnings():
+        # Python 3.12 warns on fork() in a threaded process; the child only
+        # drops privileges and opens a context of its own.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: a fresh ZMQ context, never the parent's
+        code = 2
+        try:
+            os.setgroups(groups)
+            os.setgid(gid)
+            os.setuid(uid)
+            c = zmq.Context()
+            sub = c.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(endpoints[0])
+            dealer = c.socket(zmq.DEALER)
+            dealer.connect(endpoints[1])
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            got_replay = bool(dealer.poll(3000))
+            got_live = bool(sub.poll(3000))
+            code = 0 if (got_replay or got_live) else 1
+            for s in (sub, dealer):
+                s.close(linger=0)
+            c.term()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    assert code in (0, 1), f"the child failed ({code})"
+    return code == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to another uid")
+def test_a_uid_outside_the_group_cannot_read_the_feed(ctx: zmq.Context) -> None:
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="kvev-perm-", dir="/tmp"))
+    d.chmod(0o755)
+    eps = (f"ipc://{d}/pub", f"ipc://{d}/replay")
+    group = 54321  # the socket group; "nobody" is not in it unless given
+    pub = KVEventPublisher(eps[0], replay_endpoint=eps[1], ipc_group=group, context=ctx)
+    stop = threading.Event()
+
+    def keep_publishing() -> None:
+        while not stop.wait(0.05):
+            pub.publish([BlockRemoved((1,), MEDIUM)])
+
+    t = threading.Thread(target=keep_publishing)
+    t.start()
+    try:
+        for ep in eps:
+            st = os.stat(ep.removeprefix("ipc://"))
+            assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == group
+        assert not _child_reads(eps, 65534, 65534, [])
+        assert _child_reads(eps, 65534, 65534, [group])
+    finally:
+        stop.set()
+        t.join()
         pub.close()
