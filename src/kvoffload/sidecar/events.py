@@ -185,7 +185,10 @@ class SidecarEvents:
         except ProtocolError:
             log.warning("events: undecodable block hashes in the index (%s); not published", reason)
             return
-        self._pub.publish([self._removed(blocks)])
+        try:
+            self._pub.publish([self._removed(blocks)])
+        except Exception:  # the feed must never fail an eviction or a purge
+            log.exception("events: publishing a removal (%s) failed", reason)
 
     def snapshot(self) -> list[Event]:
         """Every published chunk as a ``BlockStored`` (called under :attr:`lock`)."""

@@ -13,12 +13,14 @@ seqs and replay buffer. This module builds the connector's share:
 - ``BlockStored`` (``medium="STORAGE"``) once every worker reported the
   sidecar's ``stored`` for the chunk (the worker metadata), never before;
 - ``BlockRemoved`` for announced hashes whose chunk left the store, read
-  from the sidecar's own feed (``kvoffload.events.consumer``) at each step.
+  from the sidecar's own feed (``kvoffload.events.consumer``, on a thread of
+  its own) and handed to vLLM at the next step.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -66,6 +68,9 @@ class ConnectorEvents:
         self._planned: dict[int, dict[int, BlockStored]] = {}
         self._out: list[KVCacheEvent] = []
         self._announced: Counter[Any] = Counter()
+        self._lock = threading.Lock()  # _out and _announced: the feed's thread writes too
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self._feed = feed if feed is not None else (self._open_feed() if self.publish else None)
 
     def _open_feed(self) -> Any:
@@ -75,17 +80,32 @@ class ConnectorEvents:
         except ImportError:  # pyzmq missing: stores are announced, removals are not
             return None
         base = Path(self._settings.socket_path).parent
+        if not (base / "kvevents.pub").exists():
+            log.info("kvoffload: the sidecar publishes no KV events; removals are not announced")
+            return None
         spec = SourceSpec(
             "sidecar",
             f"ipc://{base / 'kvevents.pub'}",
             f"ipc://{base / 'kvevents.replay'}",
             snapshots=True,
         )
-        consumer = EventConsumer(request_timeout_s=1.0, idle_check_s=5.0, on_batch=self._on_feed)
-        try:
-            consumer.add_source(spec)
-        except Exception as exc:  # no feed (events off in the sidecar): stores only
-            log.info("kvoffload: no sidecar event feed at %s: %s", base, exc)
+        # Its own thread: a slow snapshot or a sidecar gone away never holds
+        # up the engine loop.
+        consumer = EventConsumer(
+            request_timeout_s=5.0, idle_check_s=5.0, retry_after_s=5.0, on_batch=self._on_feed
+        )
+
+        def follow() -> None:
+            try:
+                consumer.add_source(spec)
+                consumer.run(self._stop)
+            except Exception:
+                log.exception("kvoffload: following the sidecar's event feed failed")
+            finally:
+                consumer.close()
+
+        self._thread = threading.Thread(target=follow, name="kvoffload-events", daemon=True)
+        self._thread.start()
         return consumer
 
     def _on_feed(self, _source: str, _seq: int, batch: Any) -> None:
@@ -94,14 +114,15 @@ class ConnectorEvents:
         for ev in batch.events:
             if not isinstance(ev, WireRemoved):
                 continue
-            gone = [h for h in ev.block_hashes if self._announced[h] > 0]
+            with self._lock:
+                gone = [h for h in ev.block_hashes if self._announced[h] > 0]
+                for h in gone:
+                    self._announced[h] -= 1
+                    if self._announced[h] <= 0:
+                        del self._announced[h]
             if not gone:
                 continue
-            for h in gone:
-                self._announced[h] -= 1
-                if self._announced[h] <= 0:
-                    del self._announced[h]
-            self._out.append(
+            self._append(
                 BlockRemoved(
                     block_hashes=gone,
                     medium=MEDIUM_STORAGE,
@@ -167,18 +188,20 @@ class ConnectorEvents:
             return
         for chunk, event in sorted(events.items()):
             if stored.get(chunk, 0) >= workers:
-                self._out.append(event)
-                self._announced.update(event.block_hashes)
+                with self._lock:
+                    self._announced.update(event.block_hashes)
+                self._append(event)
+
+    def _append(self, event: KVCacheEvent) -> None:
+        with self._lock:
+            self._out.append(event)
 
     def take(self) -> list[KVCacheEvent]:
-        if self._feed is not None:
-            try:
-                self._feed.poll(0)
-            except Exception:
-                log.exception("kvoffload: reading the sidecar's event feed failed")
-        out, self._out = self._out, []
+        with self._lock:
+            out, self._out = self._out, []
         return out
 
     def close(self) -> None:
-        if self._feed is not None:
-            self._feed.close()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
