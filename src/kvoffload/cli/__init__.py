@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import sys
 
-from . import config_cmds, demo, doctor, serve, store_cmds, systemd_cmd
+from . import config_cmds, demo, doctor, events_cmds, serve, store_cmds, systemd_cmd
 from .app import app, err, fail_line, misplaced_global_option, state
 from .exits import (
     EXIT_ABORTED,
@@ -58,6 +58,7 @@ __all__ = [
     "config_cmds",
     "demo",
     "doctor",
+    "events_cmds",
     "exit_for",
     "main",
     "serve",
