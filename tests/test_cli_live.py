@@ -286,3 +286,26 @@ def test_the_client_pattern_gives_real_keys_with_a_sidecar(tmp_path: Path, short
         assert keys == chunk_keys(contract, client.salt, list(range(600)))
         assert len(keys) == 2
         assert sys.executable  # the sidecar ran under this interpreter
+
+
+def test_an_ungranted_tenant_is_said_once_on_the_worker(
+    tmp_path: Path, short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    sock = short_dir / "kvo.sock"
+    policy = tmp_path / "policy.toml"
+    policy.write_text(f"version = 1\n[[grants]]\nuid = {os.getuid()}\ntenants = ['granted']\n")
+    cfg = tmp_path / "kvo.toml"
+    cfg.write_text(f"[security]\npolicy = {json.dumps(str(policy))}\n")
+    with (
+        sidecar(tmp_path, sock, "--config", str(cfg)),
+        SidecarClient(sock, "ungranted-x", staging_bytes=1 << 20) as client,
+        caplog.at_level(logging.WARNING, logger="kvoffload.client"),
+    ):
+        for i in range(3):
+            assert client.save(NS, [(KEYS[i], [b"z" * 100])]) == [False]
+            assert client.lookup(KEYS) == 0
+    said = [r for r in caplog.records if "does not grant tenant 'ungranted-x'" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+    assert "always miss" in said[0].getMessage()
