@@ -309,3 +309,32 @@ def test_an_ungranted_tenant_is_said_once_on_the_worker(
     said = [r for r in caplog.records if "does not grant tenant 'ungranted-x'" in r.getMessage()]
     assert len(said) == 1, caplog.text
     assert "always miss" in said[0].getMessage()
+
+
+@pytest.mark.parametrize("fmt", ["json", "journald"])
+def test_log_formats(tmp_path: Path, short_dir: Path, fmt: str) -> None:
+    sock = short_dir / "kvo.sock"
+    args = ("--dev", "serve", "--log-format", "json") if fmt == "json" else ("--dev", "serve")
+    env = {"KVOFFLOAD_SERVER_SOCKET": str(sock)}
+    if fmt == "journald":
+        env["JOURNAL_STREAM"] = "8:12345"  # what systemd sets for a unit logging to the journal
+    proc = SidecarProcess(
+        tmp_path, sock, cli_argv(*args), env=env, tie_to_parent=True, log_path=tmp_path / "log"
+    )
+    proc.start()
+    try:
+        proc.wait_ready()
+        assert proc.stop() == 0
+    finally:
+        proc.stop()
+    logged = [ln for ln in proc.log_text().splitlines() if "kvoffload.server" in ln]
+    assert logged, proc.log_text()
+    if fmt == "json":
+        records = [json.loads(ln) for ln in logged]
+        assert {"ts", "level", "logger", "msg"} <= set(records[0])
+        assert any(r["msg"].startswith("serving on ") for r in records)
+    else:
+        # journald stamps each line itself: no second timestamp in ours.
+        assert all(ln.startswith(("INFO ", "WARNING ", "ERROR ")) for ln in logged), logged
+    io = [ln for ln in proc.log_text().splitlines() if "I/O backend" in ln]
+    assert io and all(len(ln) < 250 for ln in io)  # one short reason; the detail is doctor's
