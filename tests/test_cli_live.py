@@ -338,3 +338,21 @@ def test_log_formats(tmp_path: Path, short_dir: Path, fmt: str) -> None:
         assert all(ln.startswith(("INFO ", "WARNING ", "ERROR ")) for ln in logged), logged
     io = [ln for ln in proc.log_text().splitlines() if "I/O backend" in ln]
     assert io and all(len(ln) < 250 for ln in io)  # one short reason; the detail is doctor's
+
+
+def test_stats_shows_a_non_admin_its_own_tenants_usage(tmp_path: Path, short_dir: Path) -> None:
+    seed(tmp_path)
+    sock = short_dir / "kvo.sock"
+    policy = tmp_path / "policy.toml"
+    policy.write_text(f"version = 1\n[[grants]]\nuid = {os.getuid()}\ntenants = ['acme']\n")
+    cfg = tmp_path / "kvo.toml"
+    cfg.write_text(f"[security]\npolicy = {json.dumps(str(policy))}\n")
+    with sidecar(tmp_path, sock, "--config", str(cfg)):
+        r = cli(tmp_path, sock, "--dev", "stats", "--json")
+        assert r.returncode == 0, r.stderr
+        data = json.loads(r.stdout)
+        assert list(data["tenant_usage"]) == ["acme"]  # not beta's: not granted
+        assert data["tenant_usage"]["acme"]["chunks"] == 3
+        assert "tenants" not in data  # how many tenants exist is for admins
+        human = cli(tmp_path, sock, "--dev", "stats").stdout
+        assert "tenants: acme 3 chunks" in human
