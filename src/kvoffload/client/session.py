@@ -163,10 +163,11 @@ class Session:
                 _FORBIDDEN_TENANTS.add(self.tenant)
             if first:
                 log.warning(
-                    "kvoffload: the sidecar's policy does not grant tenant %r to this process "
-                    "(uid %d): its lookups and loads always miss and nothing is saved; grant "
-                    "it in the policy file (`kvoffload policy check FILE` shows who may use "
-                    "what) and reload the sidecar",
+                    "kvoffload sidecar refused %s: FORBIDDEN: the sidecar's policy does not "
+                    "grant tenant %r to this process (uid %d): its lookups and loads always "
+                    "miss and nothing is saved; grant it in the policy file (`kvoffload "
+                    "policy check FILE` shows who may use what) and reload the sidecar",
+                    reply.op,
                     self.tenant,
                     os.getuid(),
                 )
