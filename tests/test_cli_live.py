@@ -355,4 +355,5 @@ def test_stats_shows_a_non_admin_its_own_tenants_usage(tmp_path: Path, short_dir
         assert data["tenant_usage"]["acme"]["chunks"] == 3
         assert "tenants" not in data  # how many tenants exist is for admins
         human = cli(tmp_path, sock, "--dev", "stats").stdout
-        assert "tenants: acme 3 chunks" in human
+        assert "tenant usage: acme 3 chunks" in human and "tenants: " not in human
+        assert "chunks: 4" in human and "{" not in human  # store-wide count; no dict reprs
