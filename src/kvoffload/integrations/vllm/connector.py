@@ -23,6 +23,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ..vllm_version import check_vllm_version
 from .common import EngineContracts, KVOffloadMetadata, KVOffloadSettings, KVOffloadWorkerMetadata
 from .scheduler import KVOffloadScheduler
+from .stats import KVOffloadStats
 from .worker import KVOffloadWorker
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,17 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVOffloadStats | None:
+        """This worker's chunk counts since the last call (vLLM sums the workers')."""
+        if self._worker is None:
+            return None
+        data = self._worker.take_stats()
+        return None if data is None else KVOffloadStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVOffloadStats:
+        return KVOffloadStats.from_data(data)
 
     def build_connector_worker_meta(self) -> KVOffloadWorkerMetadata | None:
         return self._worker.build_connector_worker_meta() if self._worker is not None else None

@@ -31,6 +31,7 @@ requests before their blocks can be overwritten.
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,6 +56,7 @@ from .common import (
     ordered_layer_names,
     registered_attention_backend,
 )
+from .stats import FIELDS as STATS_FIELDS
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +264,10 @@ class KVOffloadWorker:
         self._req_saves: dict[str, set[int]] = {}
         self._held: set[str] = set()
         self._completed_saves: list[int] = []
+        # vLLM's KV-connector stats of the current interval (get_kv_connector_stats);
+        # the load and save threads both count.
+        self._stats_lock = threading.Lock()
+        self._stats: dict[str, int] = dict.fromkeys(STATS_FIELDS, 0)
 
     # -- registration ----------------------------------------------------------
 
@@ -348,7 +354,19 @@ class KVOffloadWorker:
             done = min(done, verified)
         except Exception:
             log.exception("kvoffload: load for %s failed", job.req_id)
+        self._count(chunks_loaded=done, chunks_load_failed=len(chunks) - done)
         return {b for c in chunks[done:] for b in c.block_ids}
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, n in deltas.items():
+                self._stats[name] += n
+
+    def take_stats(self) -> dict[str, int] | None:
+        """The interval's counts (then zero), or None when nothing happened."""
+        with self._stats_lock:
+            stats, self._stats = self._stats, dict.fromkeys(STATS_FIELDS, 0)
+        return stats if any(stats.values()) else None
 
     @staticmethod
     def _background(stream: _Stream | None, after: Any) -> AbstractContextManager[None]:
@@ -402,8 +420,10 @@ class KVOffloadWorker:
                 ok = self._save_client.save(namespace, items, ttl_s=self._settings.ttl_s)
             except ChunkTooLarge:
                 log.exception("kvoffload: chunk larger than the staging buffer")
+                self._count(chunks_saved=stored, chunks_save_failed=len(job.chunks) - stored)
                 return
             stored += sum(ok)
+        self._count(chunks_saved=stored, chunks_save_failed=len(job.chunks) - stored)
         log.debug("kvoffload: job %d stored %d/%d chunks", job.job_id, stored, len(job.chunks))
 
     def handle_preemptions(self, meta: KVOffloadMetadata) -> None:
