@@ -489,7 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         console = Console(width=180)
     err = Console(stderr=True)
     if not kd.transformers_available():
-        err.print(kd.TRANSFORMERS_MISSING)
+        err.print(kd.TRANSFORMERS_MISSING, markup=False)
         return 1
     parent = (args.dir or Path.cwd()).resolve()
     if not parent.is_dir():

@@ -286,3 +286,74 @@ def test_the_client_pattern_gives_real_keys_with_a_sidecar(tmp_path: Path, short
         assert keys == chunk_keys(contract, client.salt, list(range(600)))
         assert len(keys) == 2
         assert sys.executable  # the sidecar ran under this interpreter
+
+
+def test_an_ungranted_tenant_is_said_once_on_the_worker(
+    tmp_path: Path, short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    sock = short_dir / "kvo.sock"
+    policy = tmp_path / "policy.toml"
+    policy.write_text(f"version = 1\n[[grants]]\nuid = {os.getuid()}\ntenants = ['granted']\n")
+    cfg = tmp_path / "kvo.toml"
+    cfg.write_text(f"[security]\npolicy = {json.dumps(str(policy))}\n")
+    with (
+        sidecar(tmp_path, sock, "--config", str(cfg)),
+        SidecarClient(sock, "ungranted-x", staging_bytes=1 << 20) as client,
+        caplog.at_level(logging.WARNING, logger="kvoffload.client"),
+    ):
+        for i in range(3):
+            assert client.save(NS, [(KEYS[i], [b"z" * 100])]) == [False]
+            assert client.lookup(KEYS) == 0
+    said = [r for r in caplog.records if "does not grant tenant 'ungranted-x'" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+    assert "always miss" in said[0].getMessage()
+
+
+@pytest.mark.parametrize("fmt", ["json", "journald"])
+def test_log_formats(tmp_path: Path, short_dir: Path, fmt: str) -> None:
+    sock = short_dir / "kvo.sock"
+    args = ("--dev", "serve", "--log-format", "json") if fmt == "json" else ("--dev", "serve")
+    env = {"KVOFFLOAD_SERVER_SOCKET": str(sock)}
+    if fmt == "journald":
+        env["JOURNAL_STREAM"] = "8:12345"  # what systemd sets for a unit logging to the journal
+    proc = SidecarProcess(
+        tmp_path, sock, cli_argv(*args), env=env, tie_to_parent=True, log_path=tmp_path / "log"
+    )
+    proc.start()
+    try:
+        proc.wait_ready()
+        assert proc.stop() == 0
+    finally:
+        proc.stop()
+    logged = [ln for ln in proc.log_text().splitlines() if "kvoffload.server" in ln]
+    assert logged, proc.log_text()
+    if fmt == "json":
+        records = [json.loads(ln) for ln in logged]
+        assert {"ts", "level", "logger", "msg"} <= set(records[0])
+        assert any(r["msg"].startswith("serving on ") for r in records)
+    else:
+        # journald stamps each line itself: no second timestamp in ours.
+        assert all(ln.startswith(("INFO ", "WARNING ", "ERROR ")) for ln in logged), logged
+    io = [ln for ln in proc.log_text().splitlines() if "I/O backend" in ln]
+    assert io and all(len(ln) < 250 for ln in io)  # one short reason; the detail is doctor's
+
+
+def test_stats_shows_a_non_admin_its_own_tenants_usage(tmp_path: Path, short_dir: Path) -> None:
+    seed(tmp_path)
+    sock = short_dir / "kvo.sock"
+    policy = tmp_path / "policy.toml"
+    policy.write_text(f"version = 1\n[[grants]]\nuid = {os.getuid()}\ntenants = ['acme']\n")
+    cfg = tmp_path / "kvo.toml"
+    cfg.write_text(f"[security]\npolicy = {json.dumps(str(policy))}\n")
+    with sidecar(tmp_path, sock, "--config", str(cfg)):
+        r = cli(tmp_path, sock, "--dev", "stats", "--json")
+        assert r.returncode == 0, r.stderr
+        data = json.loads(r.stdout)
+        assert list(data["tenant_usage"]) == ["acme"]  # not beta's: not granted
+        assert data["tenant_usage"]["acme"]["chunks"] == 3
+        assert "tenants" not in data  # how many tenants exist is for admins
+        human = cli(tmp_path, sock, "--dev", "stats").stdout
+        assert "tenant usage: acme 3 chunks" in human and "tenants: " not in human
+        assert "chunks: 4" in human and "{" not in human  # store-wide count; no dict reprs

@@ -30,3 +30,28 @@ def test_views_count_what_was_stored(store: Store) -> None:
     }
     assert [r.chunk_key for r in store.chunks(tenant="acme", namespace=NS2)] == [key(2)]
     assert [r.key_epoch > 0 for r in store.chunks(tenant="acme")] == [True, False]
+
+
+def test_ls_rows_pages_with_skip_and_limit(store: Store) -> None:
+    from kvoffload.sidecar.admin import inspect_report, ls_rows
+
+    for i in range(7):
+        store.put("acme", NS, key(i), [b"a" * 100])
+    store.put("beta", NS2, key(1), [b"b" * 100], encrypt=False)
+    everything, more = ls_rows(store)
+    assert len(everything) == 8 and not more
+    pages: list[dict[str, object]] = []
+    while True:
+        page, more = ls_rows(store, tenant="acme", skip=len(pages), limit=3)
+        pages.extend(page)
+        if not more:
+            break
+    assert [r["key"] for r in pages] == [key(i).hex() for i in range(7)]
+    assert ls_rows(store, tenant="acme", limit=7) == (pages, False)
+    assert ls_rows(store, tenant="acme", limit=6)[1] is True
+    assert ls_rows(store, older_than_s=3600) == ([], False)  # all were just created
+    assert len(ls_rows(store, newer_than_s=3600)[0]) == 8
+    assert ls_rows(store, namespace=NS2)[0][0]["tenant"] == "beta"
+    report = inspect_report(store, store.root)
+    assert report["chunks"] == 8 and report["tenants"]["acme"]["chunks"] == 7
+    assert report["tenants_with_keys"] == ["acme"]  # beta is plaintext: no keys

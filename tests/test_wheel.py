@@ -82,6 +82,13 @@ def test_the_wheel_serves_outside_the_repo(wheel: Path, tmp_path: Path) -> None:
         cwd=work, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert where.stdout.strip().startswith(str(target)), where.stdout + where.stderr
+    unit = subprocess.run(
+        [*cli, "systemd", "print", "service"], cwd=work, env=env,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert unit.returncode == 0, unit.stderr
+    doc = f"Documentation=file://{target}/share/doc/kvoffload/systemd/README.md"
+    assert doc in unit.stdout.splitlines(), unit.stdout[:600]
     proc = subprocess.Popen(
         [*cli, "--dev", "serve"], cwd=work, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

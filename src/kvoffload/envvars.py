@@ -90,6 +90,13 @@ REGISTRY: tuple[EnvVar, ...] = (
         scope="worker",
     ),
     EnvVar(
+        "KVOFFLOAD_VLLM_UNTESTED",
+        "bool (1)",
+        "0",
+        "1: let the vLLM connector start under a vLLM outside the tested range.",
+        scope="worker",
+    ),
+    EnvVar(
         "KVOFFLOAD_GPU_PROBE_TIMEOUT",
         "seconds",
         "20",

@@ -259,6 +259,8 @@ class Engine:
         self.dtype = self.rank_caches[0][LAYER_NAMES[0]].dtype
         self.outputs: list[SchedulerOutput] = []
         self.invalid_block_ids: set[int] = set()
+        #: The connector stats vLLM merged from the workers, one entry per step that had any.
+        self.connector_stats: list[dict[str, int | float]] = []
         self._in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
         # Tokens the fake model sampled, by request and position: with async
         # scheduling a step computes a token before the scheduler has it.
@@ -342,6 +344,8 @@ class Engine:
                 invalid_block_ids=invalid,
                 failed_recving=results.failed_recving,
                 kv_connector_worker_meta=w.build_connector_worker_meta(),
+                # As vLLM's model runner does after each step.
+                kv_connector_stats=w.get_kv_connector_stats(),
             )
             w.clear_connector_metadata()
             outputs.append(
@@ -355,7 +359,15 @@ class Engine:
         merged = self.aggregator.aggregate(outputs)
         if merged is None:
             raise RuntimeError("no output from rank 0")
+        kvo = merged.kv_connector_output
+        if kvo is not None and kvo.kv_connector_stats is not None:
+            stats = type(self.workers[0]).build_kv_connector_stats(kvo.kv_connector_stats.data)
+            self.connector_stats.append(stats.reduce())
         return merged
+
+    def connector_total(self, name: str) -> int:
+        """One connector counter summed over every step so far (all workers)."""
+        return sum(int(s.get(name, 0)) for s in self.connector_stats)
 
     def _forward(self, so: SchedulerOutput) -> dict[str, list[int]]:
         """Write the fake KV of every scheduled position; sample where the prefill is done."""

@@ -144,6 +144,9 @@ def test_second_engine_gets_prefix_from_sidecar(
     a.run_to_completion([ra])
     assert first_scheduled(a, "a") == len(prompt)  # nothing to load: all computed
     assert stored_chunks(a, sidecar, tenant, prompt) == 5
+    # vLLM's KV-connector stats (get_kv_connector_stats), merged over the workers.
+    assert a.connector_total("chunks_saved") == 5 * len(a.workers)
+    assert a.connector_total("chunks_loaded") == 0
 
     b = engines(extra, async_scheduling=async_scheduling)
     rb = b.add(make_request("b", prompt))
@@ -168,6 +171,8 @@ def test_second_engine_gets_prefix_from_sidecar(
     assert not b.invalid_block_ids
     b.run_to_completion([rb])
     assert list(rb.output_token_ids) == list(ra.output_token_ids)
+    assert b.connector_total("chunks_loaded") == 5 * len(b.workers)
+    assert b.connector_total("chunks_load_failed") == 0
 
 
 @pytest.mark.parametrize("load_mode", ["sync", "async"])

@@ -24,8 +24,10 @@ if TYPE_CHECKING:
     from ..sidecar.config import Config
     from ..sidecar.store import Store
 
-#: An admin request may walk the whole store (fsck, a tenant's purge).
+#: A request that may walk the whole store (fsck, a purge) may take this long.
 ADMIN_TIMEOUT_S = 3600.0
+#: Anything else (inspect, one page of ls, stats) is an index read.
+QUERY_TIMEOUT_S = 60.0
 
 
 class Target(Protocol):
@@ -110,7 +112,7 @@ class SidecarTarget:
         self.where = f"the sidecar on {socket_path}"
         self.store_id: str | None = None
 
-    def call(self, req: Request) -> Reply:
+    def call(self, req: Request, timeout_s: float = QUERY_TIMEOUT_S) -> Reply:
         from ..client import call_tenantless
         from ..errors import ErrorCode, ProtocolError
         from .exits import _Forbidden
@@ -120,7 +122,7 @@ class SidecarTarget:
                 self.socket_path,
                 [req],
                 client=f"kvoffload {req.OP.value}",
-                timeout_s=ADMIN_TIMEOUT_S,
+                timeout_s=timeout_s,
             )
         except ProtocolError as exc:
             if exc.code is ErrorCode.FORBIDDEN:
@@ -186,19 +188,21 @@ class SidecarTarget:
         from ..client.session import expect
         from ..protocol import Purge, PurgeReply
 
-        return expect(self.call(Purge(tenant)), PurgeReply).removed
+        return expect(self.call(Purge(tenant), ADMIN_TIMEOUT_S), PurgeReply).removed
 
     def purge_namespace(self, tenant: str, namespace: bytes) -> int:
         from ..client.session import expect
         from ..protocol import Purge, PurgeReply
 
-        return expect(self.call(Purge(tenant, namespace)), PurgeReply).removed
+        return expect(self.call(Purge(tenant, namespace), ADMIN_TIMEOUT_S), PurgeReply).removed
 
     def purge_older(self, age_s: float, tenant: str | None) -> int:
         from ..client.session import expect
         from ..protocol import PurgeOlder, PurgeOlderReply
 
-        return expect(self.call(PurgeOlder(age_s, tenant)), PurgeOlderReply).removed
+        return expect(
+            self.call(PurgeOlder(age_s, tenant), ADMIN_TIMEOUT_S), PurgeOlderReply
+        ).removed
 
     def fsck(
         self, repair: bool, verify_data: bool, progress: Callable[[int], None] | None
@@ -206,7 +210,8 @@ class SidecarTarget:
         from ..client.session import expect
         from ..protocol import Fsck, FsckReply
 
-        report = dict(expect(self.call(Fsck(repair, verify_data)), FsckReply).report)
+        reply = self.call(Fsck(repair, verify_data), ADMIN_TIMEOUT_S)
+        report = dict(expect(reply, FsckReply).report)
         report.pop("verified_data", None)
         return report
 

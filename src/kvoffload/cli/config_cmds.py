@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from .app import JsonOpt, app, emit, human_bytes, out, state
+from .exits import _CliUsageError
 
 config_app = typer.Typer(help="The effective configuration.", no_args_is_help=True)
 policy_app = typer.Typer(help="Policy files.", no_args_is_help=True)
@@ -162,3 +163,18 @@ def policy_check(
             "yes" if s["direct"] else "no",
         )
     out.print(settings)
+
+
+@app.command("tokenizer-hash")
+def tokenizer_hash_cmd(
+    path: Annotated[Path, typer.Argument(help="A tokenizer directory (or one tokenizer file).")],
+) -> None:
+    """The canonical hash of a tokenizer's files and special tokens (the contract's
+    tokenizer_hash; the vLLM connector's default for a local tokenizer directory)."""
+    from ..tokenizer_hash import tokenizer_hash
+
+    try:
+        digest = tokenizer_hash(path)
+    except FileNotFoundError as exc:
+        raise _CliUsageError(f"no tokenizer to hash: {exc}") from exc
+    out.print(digest)

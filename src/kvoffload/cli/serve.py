@@ -202,24 +202,27 @@ def stats_lines(s: dict[str, Any]) -> list[str]:
     io: dict[str, Any] = s["io"] if isinstance(s.get("io"), dict) else {}
     server: dict[str, Any] = s["server"] if isinstance(s.get("server"), dict) else {}
     lines = [
-        f"store {s.get('store_id', '?')} (layout v{s.get('layout_version', '?')}): "
-        f"{n('chunks')} chunks, {human_bytes(n('used_bytes'))} of "
-        f"{human_bytes(s.get('capacity_bytes'))}"
-        + (f", {human_bytes(n('reserved_bytes'))} reserved" if n("reserved_bytes") else "")
-        + (f", {n('tenants')} tenants" if "tenants" in s else ""),
-        f"chunks: {n('hits')} hits, {n('misses')} misses, {n('puts')} stored, "
-        f"{n('put_exists')} already present, {n('evictions')} evicted, {n('corrupt')} corrupt",
+        f"store: {s.get('store_id', '?')} (layout v{s.get('layout_version', '?')})",
+        f"chunks: {n('chunks')}",
+        f"used: {human_bytes(n('used_bytes'))} of {human_bytes(s.get('capacity_bytes'))}"
+        + (f" ({human_bytes(n('reserved_bytes'))} reserved)" if n("reserved_bytes") else ""),
+    ]
+    if "tenants" in s:
+        lines.append(f"tenants: {n('tenants')}")
+    lines += [
+        f"reads: {n('hits')} hits, {n('misses')} misses; writes: {n('puts')} stored, "
+        f"{n('put_exists')} already present; {n('evictions')} evicted, {n('corrupt')} corrupt",
         f"bytes: {human_bytes(n('bytes_in'))} in, {human_bytes(n('bytes_out'))} out",
         f"durability: {s.get('durability', '?')}; I/O: {io.get('backend', '?')} "
         "(`kvoffload doctor` says why)",
-        f"server {server.get('server_id', '?')}: protocol v{server.get('protocol_version', '?')}, "
+        f"server: {server.get('server_id', '?')}, protocol v{server.get('protocol_version', '?')}, "
         f"{server.get('connections', 0)} open connections, "
         f"{n('connections_total')} since start",
     ]
     usage = s.get("tenant_usage")
     if isinstance(usage, dict) and usage:
         lines.append(
-            "tenants: "
+            "tenant usage: "
             + ", ".join(
                 f"{t} {u.get('chunks', 0)} chunks / {human_bytes(u.get('bytes', 0))}"
                 for t, u in usage.items()

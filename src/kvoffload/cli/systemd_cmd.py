@@ -40,10 +40,17 @@ _SHIPPED_DOC = "file:///usr/share/doc/kvoffload/systemd/README.md"
 
 def candidates() -> list[Path]:
     """Where the units may be, most specific first."""
-    dirs = [Path(sysconfig.get_path("data")), Path(sys.prefix), Path("/usr"), Path("/usr/local")]
-    found = [d / "share/doc/kvoffload/systemd" for d in dirs]
+    here = Path(__file__).resolve()
+    dirs = [
+        Path(sysconfig.get_path("data")),
+        Path(sys.prefix),
+        here.parents[2],  # pip install --target DIR: DIR/share/doc/… beside DIR/kvoffload
+        Path("/usr"),
+        Path("/usr/local"),
+    ]
+    found = list(dict.fromkeys(d / "share/doc/kvoffload/systemd" for d in dirs))
     # A source checkout (editable install): src/kvoffload/cli/ → the repo's systemd/.
-    found.append(Path(__file__).resolve().parents[3] / "systemd")
+    found.append(here.parents[3] / "systemd")
     return found
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -39,6 +40,11 @@ from ..transport import Transport, TransportError, UnixTransport
 #: Every module of the client logs as ``kvoffload.client``.
 log = logging.getLogger("kvoffload.client")
 _R = TypeVar("_R")
+
+
+#: Tenants this process was told it may not use (logged once each).
+_FORBIDDEN_TENANTS: set[str] = set()
+_FORBIDDEN_LOCK = threading.Lock()
 
 
 class _Unavailable(Exception):
@@ -149,6 +155,22 @@ class Session:
         ):
             # One side has a bug: start over with fresh state on both ends.
             self.lose(_Unavailable(f"{reply.code.name}: {reply.message}"))
+        elif reply.code is ErrorCode.FORBIDDEN:
+            # The policy does not grant this tenant to this process: it only ever
+            # misses (protocol-v1.md §6). Said once per process and tenant, plainly.
+            with _FORBIDDEN_LOCK:
+                first = self.tenant not in _FORBIDDEN_TENANTS
+                _FORBIDDEN_TENANTS.add(self.tenant)
+            if first:
+                log.warning(
+                    "kvoffload sidecar refused %s: FORBIDDEN: the sidecar's policy does not "
+                    "grant tenant %r to this process (uid %d): its lookups and loads always "
+                    "miss and nothing is saved; grant it in the policy file (`kvoffload "
+                    "policy check FILE` shows who may use what) and reload the sidecar",
+                    reply.op,
+                    self.tenant,
+                    os.getuid(),
+                )
         else:
             self.warn(
                 logging.WARNING,

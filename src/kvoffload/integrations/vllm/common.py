@@ -472,9 +472,7 @@ class EngineContracts:
             raise KVOffloadConfigError(
                 f"a pipeline stage holds no attention layer (layers per stage: {layers})"
             )
-        tokenizer_hash = settings.tokenizer_hash or (
-            f"{mc.tokenizer}@{getattr(mc, 'tokenizer_revision', None) or 'default'}"
-        )
+        tokenizer_hash = settings.tokenizer_hash or default_tokenizer_hash(mc)
         backend = settings.attention_backend or configured_attention_backend(vllm_config)
         try:
             base = CompatContract(
@@ -497,6 +495,20 @@ class EngineContracts:
         except ContractError as exc:
             raise KVOffloadConfigError(f"cannot build the compatibility contract: {exc}") from exc
         return cls(base, tp_size=tp, pp_size=pp, layers_per_stage=layers, spec=spec)
+
+
+def default_tokenizer_hash(model_config: Any) -> str:
+    """``tokenizer_hash`` when the setting is absent: the canonical hash of a local
+    tokenizer directory's files (``kvoffload tokenizer-hash``), so that engines
+    with the same tokenizer under different paths agree; otherwise (a hub id, or
+    a directory without tokenizer files) ``"<tokenizer>@<revision>"``."""
+    from kvoffload.tokenizer_hash import tokenizer_hash
+
+    name = str(model_config.tokenizer)
+    try:
+        return tokenizer_hash(name)
+    except OSError:
+        return f"{name}@{getattr(model_config, 'tokenizer_revision', None) or 'default'}"
 
 
 def _layers_per_stage(model_config: Any, layer_names: Sequence[str], pp: int) -> list[int]:

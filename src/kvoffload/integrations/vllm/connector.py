@@ -14,14 +14,17 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ..vllm_version import check_vllm_version
 from .common import EngineContracts, KVOffloadMetadata, KVOffloadSettings, KVOffloadWorkerMetadata
 from .scheduler import KVOffloadScheduler
+from .stats import KVOffloadStats
 from .worker import KVOffloadWorker
 
 log = logging.getLogger(__name__)
@@ -32,11 +35,32 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
     _cache_hit_source = CacheHitSource.DISK
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        check_vllm_version(vllm.__version__)
         super().__init__(vllm_config, role, kv_cache_config)
         self.settings = KVOffloadSettings.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config
         )
         self.contracts = EngineContracts.from_vllm(vllm_config, kv_cache_config, self.settings)
+        if role == KVConnectorRole.SCHEDULER:
+            c = self.contracts.contract(None, 0)
+            # What `kvoffload ls --tenant T --namespace N` is to be checked against.
+            log.info(
+                "kvoffload: tenant %s on %s, namespace %s (shard 0 of %d; no LoRA); contract: "
+                "model_revision=%s tokenizer_hash=%s chat_template_version=%s "
+                "attention_backend=%s kv_dtype=%s block_size=%d chunk_tokens=%d layers=%s",
+                self.settings.tenant,
+                self.settings.socket_path,
+                c.fingerprint().hex(),
+                self.contracts.num_shards,
+                c.model_revision,
+                c.tokenizer_hash,
+                c.chat_template_version,
+                c.attention_backend,
+                c.kv_dtype,
+                c.block_size,
+                c.chunk_tokens,
+                c.layer_layout,
+            )
         self._scheduler: KVOffloadScheduler | None = None
         self._worker: KVOffloadWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -118,6 +142,17 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVOffloadStats | None:
+        """This worker's chunk counts since the last call (vLLM sums the workers')."""
+        if self._worker is None:
+            return None
+        data = self._worker.take_stats()
+        return None if data is None else KVOffloadStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVOffloadStats:
+        return KVOffloadStats.from_data(data)
 
     def build_connector_worker_meta(self) -> KVOffloadWorkerMetadata | None:
         return self._worker.build_connector_worker_meta() if self._worker is not None else None

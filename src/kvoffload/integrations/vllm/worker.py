@@ -31,6 +31,7 @@ requests before their blocks can be overwritten.
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,6 +56,7 @@ from .common import (
     ordered_layer_names,
     registered_attention_backend,
 )
+from .stats import FIELDS as STATS_FIELDS
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +266,10 @@ class KVOffloadWorker:
         self._completed_saves: list[int] = []
         # job id -> chunk indices the sidecar acknowledged (for KV events)
         self._stored: dict[int, list[int]] = {}
+        # vLLM's KV-connector stats of the current interval (get_kv_connector_stats);
+        # the load and save threads both count.
+        self._stats_lock = threading.Lock()
+        self._stats: dict[str, int] = dict.fromkeys(STATS_FIELDS, 0)
 
     # -- registration ----------------------------------------------------------
 
@@ -350,7 +356,19 @@ class KVOffloadWorker:
             done = min(done, verified)
         except Exception:
             log.exception("kvoffload: load for %s failed", job.req_id)
+        self._count(chunks_loaded=done, chunks_load_failed=len(chunks) - done)
         return {b for c in chunks[done:] for b in c.block_ids}
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, n in deltas.items():
+                self._stats[name] += n
+
+    def take_stats(self) -> dict[str, int] | None:
+        """The interval's counts (then zero), or None when nothing happened."""
+        with self._stats_lock:
+            stats, self._stats = self._stats, dict.fromkeys(STATS_FIELDS, 0)
+        return stats if any(stats.values()) else None
 
     @staticmethod
     def _background(stream: _Stream | None, after: Any) -> AbstractContextManager[None]:
@@ -412,10 +430,12 @@ class KVOffloadWorker:
                 )
             except ChunkTooLarge:
                 log.exception("kvoffload: chunk larger than the staging buffer")
+                self._count(chunks_saved=stored, chunks_save_failed=len(job.chunks) - stored)
                 return
             stored += sum(ok)
             acked = self._stored.setdefault(job.job_id, [])
             acked.extend(c.index for c, good in zip(chunks, ok, strict=True) if good)
+        self._count(chunks_saved=stored, chunks_save_failed=len(job.chunks) - stored)
         log.debug("kvoffload: job %d stored %d/%d chunks", job.job_id, stored, len(job.chunks))
 
     def handle_preemptions(self, meta: KVOffloadMetadata) -> None:
