@@ -19,11 +19,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import lmdb
+
 from ...layouts import create_root, read_layout, record_kek_id
 from ...layouts.store_root import ROOT_DIR_MODES
 from ..errors import StoreError, StoreIOError, StoreLocked
 from ..fileio import Durability, ScratchBuffers, syncfs
-from ..index import ChunkRecord, Index, IndexCorrupt, IndexVersionError, Usage
+from ..index import ChunkRecord, Index, IndexCorrupt, IndexFailure, Usage, probe_in_child
 from ..iobackend import select_backend
 from ..keyring import Kek, Keyring
 from .audit import AuditLog
@@ -141,15 +143,19 @@ class Store(Leases):
         path = index_dir / "lmdb"
         index: Index | None = None
         try:
+            if self.config.rebuild_corrupt_index:
+                why = probe_in_child(path)
+                if why is not None:
+                    raise IndexCorrupt(f"LMDB index is corrupt: {why}")
             index = Index(path)
             for _rec in index.records():  # every record decodes, every page is reachable
                 pass
             index.usage()
             return index
-        except (IndexCorrupt, IndexVersionError) as exc:
+        except IndexFailure as exc:
             if index is not None:
                 index.close()
-            if not self.config.rebuild_corrupt_index:
+            if not self.config.rebuild_corrupt_index or _environmental(exc):
                 raise
             aside = index_dir / f"lmdb.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
             os.rename(path, aside)
@@ -386,6 +392,35 @@ class Store(Leases):
             "durability": str(self.config.durability),
             "io": self.io.describe(),
         }
+
+
+_ENVIRONMENTAL = (
+    lmdb.ReadonlyError,
+    lmdb.DiskError,
+    lmdb.MapFullError,
+    lmdb.LockError,
+    lmdb.ReadersFullError,
+    lmdb.TlsFullError,
+    lmdb.MemoryError,
+)
+_ENVIRONMENTAL_TEXT = (
+    "Permission denied",
+    "No space left",
+    "Read-only file system",
+    "Too many open files",
+    "Cannot allocate memory",
+    "Disk quota",
+    "is closed",
+)
+
+
+def _environmental(exc: IndexFailure) -> bool:
+    """An index failure of the machine (permissions, space, limits), not of the
+    index's bytes: moving the index aside would not help and loses nothing less."""
+    cause = exc.__cause__
+    if isinstance(cause, (*_ENVIRONMENTAL, OSError)):
+        return True
+    return any(t in str(exc) for t in _ENVIRONMENTAL_TEXT)
 
 
 def _tighten_modes(root: Path) -> None:
