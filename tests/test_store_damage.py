@@ -131,3 +131,17 @@ def test_access_bookkeeping_failing_never_fails_a_read(store: Store) -> None:
     store._touch_flushed = 0  # the next hit flushes
     assert store.get("acme", key(1)) == layers(1)
     assert store.get("acme", key(1)) == layers(1)
+
+
+def test_a_purge_removes_the_tenants_quarantined_objects(store: Store) -> None:
+    for t in ("acme", "acme.b"):
+        store.put(t, NS, key(1), layers(1), encrypt=False)
+        p = path(store, key(1), t)
+        raw = bytearray(p.read_bytes())
+        raw[-100] ^= 1
+        p.write_bytes(raw)
+        assert store.get(t, key(1)) is None
+    q = store.root / "quarantine"
+    assert len(list(q.iterdir())) == 2
+    store.purge_tenant("acme", wait=True)
+    assert [p.name.startswith("acme.b.") for p in q.iterdir()] == [True]

@@ -322,6 +322,7 @@ class Store(Leases):
         def work() -> None:
             shutil.rmtree(self.root / "objects" / tenant, ignore_errors=True)
             self._retention.drop_tenant(tenant)
+            self._purge_quarantine(tenant)
             for rec in recs:
                 self._drop(rec.tenant, rec.chunk_key, reason="purge", remove_file=False)
 
