@@ -95,6 +95,12 @@ def main(op: str, d: Path, durability: str) -> None:
                         f.write(x)
                 if s.publish_lease(lease):
                     ack(PLAIN, i)
+    elif op == "tenant":
+        with Store(config(d, durability), kek(d), create=True) as s:
+            for t in ("aaa", "bbb"):
+                s.tenant_salt(t)  # creates the key file (and its audit record)
+                s.put(t, NS, key(t, 0), layers(t, 0))
+                ack(t, 0)
     elif op == "purge":
         with Store(config(d, durability), kek(d)) as s:
             s.purge_tenant("aaa", wait=True)

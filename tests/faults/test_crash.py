@@ -39,7 +39,15 @@ TRACED = (
     "link,linkat,unlink,unlinkat,fallocate,ftruncate"
 )
 #: Kill points per operation in CI (evenly spread over the calibrated steps).
-BUDGET = {"save": 10, "lease": 6, "purge": 6, "rotate": 6, "evict": 5, "first-start": 6}
+BUDGET = {
+    "tenant": 5,
+    "save": 10,
+    "lease": 6,
+    "purge": 6,
+    "rotate": 6,
+    "evict": 5,
+    "first-start": 6,
+}
 _LINE = re.compile(r"^(\d+)\s+(\w+)\(")
 
 pytestmark = pytest.mark.skipif(
@@ -120,6 +128,8 @@ def universe(op: str) -> list[tuple[str, int]]:
         )
     if op == "lease":
         return [("ppp", i) for i in range(4)]
+    if op == "tenant":
+        return [("aaa", 0), ("bbb", 0)]
     if op == "evict":
         return [("aaa", i) for i in range(12)]
     return [(t, i) for t in ("aaa", "bbb", "ppp") for i in range(4)]
@@ -169,7 +179,7 @@ def work(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.mark.parametrize(
-    "op", ["save", "save-batch", "save-none", "lease", "purge", "rotate", "evict"]
+    "op", ["tenant", "save", "save-batch", "save-none", "lease", "purge", "rotate", "evict"]
 )
 def test_crash(op: str, work: Path, fam: Family) -> None:
     # A SIGKILL keeps the page cache: under every durability setting, every
