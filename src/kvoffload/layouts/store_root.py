@@ -65,7 +65,10 @@ def create_root(
     if version not in SUPPORTED_LAYOUT_VERSIONS:
         raise UnknownLayoutVersion(version)
     root = Path(root)
+    made = [p for p in (root, *root.parents) if not p.exists()]
     root.mkdir(parents=True, exist_ok=True)
+    for d in reversed(made):  # a power loss must not take the new root's name
+        fsync_dir(d.parent)
     for sub, mode in ROOT_DIR_MODES.items():
         (root / sub).mkdir(mode=mode, exist_ok=True)
     if (root / LAYOUT_FILE).exists():
