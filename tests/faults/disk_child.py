@@ -76,6 +76,7 @@ def scenario(name: str, root: Path, index: Path) -> dict[str, Any]:
                 out["put_after_freeing"] = bool(ok)
             except Exception as exc:
                 out["put_after_freeing"] = f"{type(exc).__name__}: {exc}"
+                out["put_after_freeing_clean"] = one_line(exc)
         with Store(cfg(root, index), kek(root)) as s:
             out["bad_after_restart"] = reads_back(s, "aaa", stored[6:])
             out["fsck_clean"] = s.fsck().clean

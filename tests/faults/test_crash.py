@@ -39,15 +39,7 @@ TRACED = (
     "link,linkat,unlink,unlinkat,fallocate,ftruncate"
 )
 #: Kill points per operation in CI (evenly spread over the calibrated steps).
-BUDGET = {
-    "tenant": 5,
-    "save": 10,
-    "lease": 6,
-    "purge": 6,
-    "rotate": 6,
-    "evict": 5,
-    "first-start": 6,
-}
+BUDGET = {"tenant": 4, "save": 8, "lease": 5, "purge": 5, "rotate": 5, "evict": 4, "first-start": 5}
 _LINE = re.compile(r"^(\d+)\s+(\w+)\(")
 
 pytestmark = pytest.mark.skipif(
@@ -193,7 +185,7 @@ def test_crash(op: str, work: Path, fam: Family) -> None:
     calib = work / "calib"
     shutil.copytree(template, calib)
     run_driver(op, calib, str(work / "trace"), None, durability)
-    plan = sample(steps(work / "trace"), BUDGET[op] if durability == "object" else 4)
+    plan = sample(steps(work / "trace"), BUDGET[op] if durability == "object" else 3)
     assert plan, "the calibration run made no traced syscall"
     prefilled = set(universe(op)) if op in ("purge", "rotate") else set()
     for sysc, n in plan:

@@ -143,7 +143,7 @@ def _file_damages(p: Path, n: int, seed: str) -> list[tuple[str, Damage]]:
     ("t", "i"), [("aaa", 1), ("ppp", 2)], ids=["sealed-object", "plain-object"]
 )
 def test_damage_object(pristine: Path, tmp_path: Path, fam: Family, t: str, i: int) -> None:
-    damages = _file_damages(obj(pristine, t, i), 20, f"{t}{i}")
+    damages = _file_damages(obj(pristine, t, i), 14, f"{t}{i}")
     run_cases(fam, pristine, tmp_path, lambda d: obj(d, t, i), damages, {(t, i)})
 
 
@@ -164,7 +164,7 @@ def test_damage_object_swaps(pristine: Path, tmp_path: Path, fam: Family) -> Non
 
 def test_damage_key_file(pristine: Path, tmp_path: Path, fam: Family) -> None:
     kf = lambda d: d / "store" / "keys" / "aaa.key"  # noqa: E731
-    damages = _file_damages(kf(pristine), 12, "key")
+    damages = _file_damages(kf(pristine), 10, "key")
 
     def swap(d: Path) -> None:
         a, b = d / "aaa.key", d / "bbb.key"

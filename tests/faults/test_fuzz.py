@@ -61,7 +61,7 @@ SEEDS += list(_frames(DATA / "fuzz" / "seeds.json").values())
 assert len(SEEDS) > 20
 
 SETTINGS = settings(
-    max_examples=3000 if FULL else 300,
+    max_examples=3000 if FULL else 250,
     derandomize=not FULL,
     deadline=None,
     database=None,
@@ -204,7 +204,7 @@ def _alive(server: ServerThread) -> bool:
 
 def test_fuzz_live_server(live: ServerThread) -> None:
     fam = family("fuzz/live-server")
-    budget = settings(SETTINGS, max_examples=1500 if FULL else 150)
+    budget = settings(SETTINGS, max_examples=1500 if FULL else 100)
 
     @budget
     @given(frames=st.lists(mutated(), min_size=1, max_size=5))

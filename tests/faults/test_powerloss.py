@@ -23,7 +23,7 @@ from .conftest import FULL, Family
 
 REPO = Path(__file__).resolve().parents[2]
 CUTS = {
-    "object": [3, 12, 30, 55, 90, 10**6],
+    "object": [3, 20, 45, 90, 10**6],
     "batch": [30, 90, 10**6],
     "none": [30, 90, 10**6],
 }
