@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -13,7 +14,7 @@ import pytest
 import xxhash
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from kvoffload.layouts import UnknownLayoutVersion, v1
+from kvoffload.layouts import UnknownLayoutVersion, store_root, v1
 from kvoffload.sidecar.errors import StoreFull, StoreLocked
 from kvoffload.sidecar.keyring import Kek, Keyring
 from kvoffload.sidecar.store import Store, StoreConfig
@@ -408,7 +409,10 @@ def test_unknown_layout_version_refused(tmp_path: Path, kek_file: Path) -> None:
     s = open_store(tmp_path, kek_file)
     s.close()
     lj = s.root / "layout.json"
-    lj.write_text(lj.read_text().replace('"layout_version": 1', '"layout_version": 2'))
+    doc = json.loads(lj.read_text())
+    doc["layout_version"] = 2
+    doc["checksum"] = store_root._checksum(doc)  # a newer kvoffload's, intact
+    lj.write_text(json.dumps(doc))
     with pytest.raises(UnknownLayoutVersion):
         Store(s.config, Kek.from_file(kek_file))
 

@@ -65,8 +65,9 @@ def test_an_old_root_learns_its_kek_id_from_the_key_files(tmp_path: Path) -> Non
     fill(tmp_path, good)
     lj = tmp_path / "store" / "layout.json"
     doc = json.loads(lj.read_text())
-    del doc["kek_id"]
+    del doc["kek_id"], doc["checksum"]  # as a root made before either existed
     lj.write_text(json.dumps(doc))
+    (tmp_path / "store.index" / "layout.json").unlink()
     with pytest.raises(StoreError, match=good.key_id):
         Store(cfg(tmp_path), kek(tmp_path, "other"))
     assert read_layout(tmp_path / "store").kek_id is None  # nothing recorded by a refusal
@@ -127,3 +128,26 @@ def test_cli_serves_inspects_and_fscks_past_a_corrupt_key_file(tmp_path: Path) -
     r = run("--dev", "fsck", "--json")
     assert r.returncode == 5 and "Traceback" not in r.stderr
     assert json.loads(r.stdout)["unreadable_key_files"][0].startswith("aaa:")
+
+
+@pytest.mark.parametrize("field", ["store_id", "kek_id", "layout_version", "truncated", "garbage"])
+def test_a_damaged_layout_json_is_restored_from_the_index_copy(tmp_path: Path, field: str) -> None:
+    good = kek(tmp_path, "good")
+    fill(tmp_path, good)
+    lj = tmp_path / "store" / "layout.json"
+    raw = bytearray(lj.read_bytes())
+    if field == "truncated":
+        raw = raw[: len(raw) // 2]
+    elif field == "garbage":
+        raw = bytearray(os.urandom(len(raw)))
+    else:
+        pos = raw.index(f'"{field}": '.encode()) + len(field) + 6
+        raw[pos] ^= 0x01  # one bit of the value, still a well-formed JSON value
+    lj.write_bytes(raw)
+    with Store(cfg(tmp_path), good) as s:
+        assert s.get("bbb", bytes([1]) * 32) == [b"bbb" * 1000]
+    assert read_layout(tmp_path / "store").kek_id == good.key_id
+    assert any(p.name.startswith("layout.json.damaged-") for p in (tmp_path / "store").iterdir())
+    # A different KEK is still refused: the copy names the store's own.
+    with pytest.raises(StoreError):
+        Store(cfg(tmp_path), kek(tmp_path, "other"))

@@ -95,6 +95,12 @@ def main(op: str, d: Path, durability: str) -> None:
                         f.write(x)
                 if s.publish_lease(lease):
                     ack(PLAIN, i)
+    elif op == "tenant":
+        with Store(config(d, durability), kek(d), create=True) as s:
+            for t in ("aaa", "bbb"):
+                s.tenant_salt(t)  # creates the key file (and its audit record)
+                s.put(t, NS, key(t, 0), layers(t, 0))
+                ack(t, 0)
     elif op == "purge":
         with Store(config(d, durability), kek(d)) as s:
             s.purge_tenant("aaa", wait=True)
@@ -110,6 +116,38 @@ def main(op: str, d: Path, durability: str) -> None:
                     ack("aaa", i)
     else:
         raise SystemExit(f"unknown op {op}")
+
+
+def check_json(d: Path) -> dict[str, object]:
+    """Open the store and read every prefilled chunk: what a restarted sidecar
+    would serve. Run in a child process where a damaged index could crash it."""
+    out: dict[str, object] = {"opened": False, "error": "", "wrong": [], "missing": []}
+    try:
+        s = Store(config(d), kek(d))
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    out["opened"] = True
+    wrong: list[str] = []
+    missing: list[str] = []
+    with s:
+        for t in (*SEALED, PLAIN):
+            for i in range(4):
+                got = s.get(t, key(t, i))
+                if got is None:
+                    missing.append(f"{t}/{i}")
+                elif got != layers(t, i):
+                    wrong.append(f"{t}/{i}")
+        s.fsck(repair=True)
+    out["wrong"], out["missing"] = wrong, missing
+    return out
+
+
+if __name__ == "__main__" and sys.argv[1] == "check":
+    import json
+
+    print(json.dumps(check_json(Path(sys.argv[2]))))
+    raise SystemExit(0)
 
 
 if __name__ == "__main__":

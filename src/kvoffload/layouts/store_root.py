@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -64,7 +65,10 @@ def create_root(
     if version not in SUPPORTED_LAYOUT_VERSIONS:
         raise UnknownLayoutVersion(version)
     root = Path(root)
+    made = [p for p in (root, *root.parents) if not p.exists()]
     root.mkdir(parents=True, exist_ok=True)
+    for d in reversed(made):  # a power loss must not take the new root's name
+        fsync_dir(d.parent)
     for sub, mode in ROOT_DIR_MODES.items():
         (root / sub).mkdir(mode=mode, exist_ok=True)
     if (root / LAYOUT_FILE).exists():
@@ -79,7 +83,7 @@ def create_root(
     }
     if kek_id is not None:
         info["kek_id"] = _checked_kek_id(kek_id)
-    data = (json.dumps(info, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    data = _encode(info)
     try:
         # Linked, never replaced: if another creator won the race, theirs stands.
         atomic_create(
@@ -91,6 +95,19 @@ def create_root(
     except FileExistsError:
         fsync_dir(root)
     return read_layout(root)
+
+
+def _checksum(fields: dict[str, Any]) -> str:
+    """§2: the first 16 hex digits of SHA-256 over the canonical JSON of every
+    other field (sorted keys, no whitespace)."""
+    body = {k: v for k, v in fields.items() if k != "checksum"}
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canon.encode("utf-8")).hexdigest()[:16]
+
+
+def _encode(fields: dict[str, Any]) -> bytes:
+    fields = {**fields, "checksum": _checksum(fields)}
+    return (json.dumps(fields, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
 def _checked_kek_id(kek_id: str) -> str:
@@ -113,7 +130,7 @@ def record_kek_id(root: Path, kek_id: str, previous: str | None = None) -> Layou
     raw.pop("kek_id_previous", None)
     if previous is not None and previous != kek_id:
         raw["kek_id_previous"] = _checked_kek_id(previous)
-    data = (json.dumps(raw, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    data = _encode(raw)
     atomic_create(
         path, data, mode=0o644, replace=True, tmp_name=f".{LAYOUT_FILE}.{uuid.uuid4().hex}.tmp"
     )
@@ -130,6 +147,8 @@ def read_layout(root: Path) -> LayoutInfo:
         raise LayoutError(f"cannot read {path}: {exc}") from exc
     if not isinstance(raw, dict):
         raise LayoutError(f"{path}: not a JSON object")
+    if "checksum" in raw and raw["checksum"] != _checksum(raw):
+        raise LayoutError(f"{path} is damaged: its checksum does not match its fields")
     version = raw.get("layout_version")
     if not isinstance(version, int) or version not in SUPPORTED_LAYOUT_VERSIONS:
         raise UnknownLayoutVersion(version, str(path))

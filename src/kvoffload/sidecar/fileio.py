@@ -237,7 +237,7 @@ def write_atomic(
             fsync_dir(parent)
         return True
     except OSError as exc:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # a failing cleanup must not hide the error
             tmp.unlink()
         kind = "permanent" if exc.errno in PERMANENT_ERRNOS else "transient"
         raise StoreIOError(f"writing {final.name} failed ({kind}): {exc}", exc.errno) from exc
@@ -442,7 +442,7 @@ def create_lease_file(
         finally:
             os.close(fd)
     except OSError as exc:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # a failing cleanup must not hide the error
             tmp.unlink()
         kind = "permanent" if exc.errno in PERMANENT_ERRNOS else "transient"
         raise StoreIOError(f"leasing {final.name} failed ({kind}): {exc}", exc.errno) from exc
@@ -496,7 +496,7 @@ def publish_lease_file(tmp: Path, fd: int, final: Path, durability: Durability) 
             fsync_dir(final.parent)
         return not existed
     except OSError as exc:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # a failing cleanup must not hide the error
             tmp.unlink()
         kind = "permanent" if exc.errno in PERMANENT_ERRNOS else "transient"
         raise StoreIOError(f"publishing {final.name} failed ({kind}): {exc}", exc.errno) from exc

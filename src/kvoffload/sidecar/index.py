@@ -49,6 +49,7 @@ __all__ = [
     "IndexFailure",
     "IndexVersionError",
     "Usage",
+    "probe_in_child",
 ]
 
 INDEX_SCHEMA: Final = 1
@@ -241,6 +242,48 @@ class _SharedExclusiveLock:
             with self._cond:
                 self._exclusive = False
                 self._cond.notify_all()
+
+
+_PROBE = """
+import sys, lmdb
+env = lmdb.open(sys.argv[1], subdir=True, readonly=True, lock=False, max_dbs=16)
+try:
+    with env.begin() as txn:
+        names = [k for k, _ in txn.cursor()]
+        for name in names:
+            db = env.open_db(name, txn=txn, create=False)
+            for _ in txn.cursor(db=db):
+                pass
+except lmdb.Error as exc:
+    print(exc)
+    sys.exit(3)
+"""
+
+
+def probe_in_child(path: Path, timeout_s: float = 120.0) -> str | None:
+    """Read every page of the index at ``path`` in a child process: why it is
+    unusable, or None. LMDB trusts its file: a truncated or damaged one can make
+    the reading process die of SIGBUS or SIGSEGV, which must not be the sidecar
+    (a start that crashes every time). A child that cannot run says nothing."""
+    import subprocess
+    import sys
+
+    if not (path / "data.mdb").exists():
+        return None
+    try:
+        p = subprocess.run(
+            [sys.executable, "-I", "-c", _PROBE, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if p.returncode < 0:
+        return f"reading it killed a process with signal {-p.returncode}"
+    if p.returncode == 3:
+        return p.stdout.strip() or "LMDB error"
+    return None
 
 
 class Index:

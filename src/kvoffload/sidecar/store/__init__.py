@@ -6,7 +6,8 @@ server calls it from a thread pool.
 Read rule: a chunk is returned only after every byte of its object has been
 verified (structure, zero padding, every tag or checksum). Any failure —
 missing file, torn or flipped bytes, another object's file, a purged key —
-is a miss, and the index entry (and a corrupt file) is dropped.
+is a miss of that chunk alone; the index entry is dropped and a corrupt file
+quarantined (layout-v1.md §5).
 
 Capacity rule: ``used + reserved <= capacity`` at all times. A write reserves
 its object size first, evicting least-recently-used unpinned chunks if it
@@ -29,6 +30,7 @@ The package, one job a module, stacked (each layer uses those below it):
 - ``base``: configuration, shared state, dropping a chunk, access times,
   failed reads as misses, the error boundary
 - ``audit``: the append-only, fsync'd audit log
+- ``retention``: the retention journal a rebuilt index takes expiries from
 - ``capacity``: reservations, the byte limit and watermarks, quotas, pins,
   the one eviction loop
 - ``fsck``: fsck, walking the object tree, adopting objects, garbage collection

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..errors import StoreIOError
+
 log = logging.getLogger("kvoffload.store")
 
 
@@ -33,12 +35,17 @@ class AuditLog:
         log.info("audit: %s", line)
         # Append-only, fsync'd: a purge or revocation must leave a trace even if we crash next.
         # 0600 whatever the umask: tenant names and their create/purge events.
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        with open(fd, "a", encoding="utf-8") as f:
-            if os.fstat(fd).st_mode & 0o077:
-                os.fchmod(fd, 0o600)
-            f.write(line + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            with open(fd, "a", encoding="utf-8") as f:
+                if os.fstat(fd).st_mode & 0o077:
+                    os.fchmod(fd, 0o600)
+                f.write(line + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:  # a full or failing disk: one clear error, not a traceback
+            raise StoreIOError(
+                f"writing the audit log {self.path} failed: {exc}", exc.errno
+            ) from exc
         if self._hook is not None:
             self._hook(event, details)

@@ -364,6 +364,16 @@ class StoreBase:
             with contextlib.suppress(OSError):
                 old.unlink()
 
+    def _purge_quarantine(self, tenant: str) -> None:
+        """A purged tenant's quarantined objects go with the rest (a plaintext
+        tenant's hold its KV in the clear)."""
+        with contextlib.suppress(FileNotFoundError):
+            for p in (self.root / QUARANTINE_DIR).iterdir():
+                parts = p.name.rsplit(".", 4)
+                if len(parts) == 5 and parts[0] == tenant:
+                    with contextlib.suppress(FileNotFoundError):
+                        p.unlink()
+
 
 def aead_lookup(tk: TenantKeys | None) -> Callable[[int], AESGCM | None]:
     def lookup(epoch: int) -> AESGCM | None:

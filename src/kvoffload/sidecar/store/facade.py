@@ -19,11 +19,22 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ...layouts import create_root, read_layout, record_kek_id
+import lmdb
+
+from ...layouts import (
+    LAYOUT_FILE,
+    LayoutError,
+    LayoutInfo,
+    UnknownLayoutVersion,
+    create_root,
+    read_layout,
+    record_kek_id,
+)
 from ...layouts.store_root import ROOT_DIR_MODES
+from ...posix import atomic_create
 from ..errors import StoreError, StoreIOError, StoreLocked
 from ..fileio import Durability, ScratchBuffers, syncfs
-from ..index import ChunkRecord, Index, IndexCorrupt, IndexVersionError, Usage
+from ..index import ChunkRecord, Index, IndexCorrupt, IndexFailure, Usage, probe_in_child
 from ..iobackend import select_backend
 from ..journal import JournalRecord, Op
 from ..keyring import Kek, Keyring
@@ -48,12 +59,9 @@ class Store(Leases):
     ) -> None:
         self.config = config
         self.root = config.root
-        if create:
-            self.layout = create_root(self.root, kek_id=kek.key_id)
-        else:
-            self.layout = read_layout(self.root)
-        _tighten_modes(self.root)
         index_dir = config.resolved_index_dir()
+        self.layout = _load_layout(self.root, index_dir, kek, create)
+        _tighten_modes(self.root)
         index_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lock_fd = os.open(index_dir / "kvoffload.lock", os.O_RDWR | os.O_CREAT, 0o640)
         try:
@@ -107,6 +115,7 @@ class Store(Leases):
             self.root / "keys", kek, cache_ttl_s=config.key_cache_ttl_s, audit=self._audit
         )
         self._check_kek(kek)
+        _keep_layout_copy(self.root, index_dir)
         self._rebuild_reason: str | None = None
         self.index = self._open_index(index_dir)
         try:
@@ -164,15 +173,19 @@ class Store(Leases):
         path = index_dir / "lmdb"
         index: Index | None = None
         try:
+            if self.config.rebuild_corrupt_index:
+                why = probe_in_child(path)
+                if why is not None:
+                    raise IndexCorrupt(f"LMDB index is corrupt: {why}")
             index = Index(path)
             for _rec in index.records():  # every record decodes, every page is reachable
                 pass
             index.usage()
             return index
-        except (IndexCorrupt, IndexVersionError) as exc:
+        except IndexFailure as exc:
             if index is not None:
                 index.close()
-            if not self.config.rebuild_corrupt_index:
+            if not self.config.rebuild_corrupt_index or _environmental(exc):
                 raise
             aside = index_dir / f"lmdb.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
             os.rename(path, aside)
@@ -446,6 +459,7 @@ class Store(Leases):
         def work() -> None:
             shutil.rmtree(self.root / "objects" / tenant, ignore_errors=True)
             self._retention.drop_tenant(tenant)
+            self._purge_quarantine(tenant)
             for rec in recs:
                 self._drop(rec.tenant, rec.chunk_key, reason="purge", remove_file=False)
 
@@ -487,6 +501,7 @@ class Store(Leases):
         self.layout = record_kek_id(self.root, new_kek.key_id, previous=old)
         n = self.keyring.rotate_kek(new_kek)  # the keyring writes the audit record
         self.layout = record_kek_id(self.root, new_kek.key_id)
+        _keep_layout_copy(self.root, self.config.resolved_index_dir())
         return n
 
     def key_problems(self) -> dict[str, str]:
@@ -526,6 +541,79 @@ class Store(Leases):
             "io": self.io.describe(),
             "shared": self.shared_info(),
         }
+
+
+def _load_layout(root: Path, index_dir: Path, kek: Kek, create: bool) -> LayoutInfo:
+    """The root's ``layout.json``; a damaged one (unparseable, invalid, or failing its
+    checksum: layout-v1.md §2) is restored from the copy this node keeps in its
+    index directory, when that copy is intact and names this KEK; the damaged
+    file is kept beside it. Without such a copy the error stands (one line)."""
+    try:
+        return create_root(root, kek_id=kek.key_id) if create else read_layout(root)
+    except UnknownLayoutVersion:
+        raise
+    except LayoutError as exc:
+        path = root / LAYOUT_FILE
+        if not path.exists() or not (index_dir / LAYOUT_FILE).exists():
+            raise
+        try:
+            copy = read_layout(index_dir)
+        except LayoutError:
+            raise exc from None
+        if kek.key_id not in (copy.kek_id, copy.kek_id_previous):
+            raise
+        aside = root / f"{LAYOUT_FILE}.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
+        os.replace(path, aside)
+        atomic_create(path, (index_dir / LAYOUT_FILE).read_bytes(), mode=0o644)
+        log.error(
+            "%s (%s); restored from %s, the damaged file kept as %s",
+            path, exc, index_dir / LAYOUT_FILE, aside.name,
+        )  # fmt: skip
+        return read_layout(root)
+
+
+def _keep_layout_copy(root: Path, index_dir: Path) -> None:
+    """This node's copy of a verified ``layout.json``, to restore a damaged one."""
+    data = (root / LAYOUT_FILE).read_bytes()
+    copy = index_dir / LAYOUT_FILE
+    try:
+        if copy.read_bytes() == data:
+            return
+    except FileNotFoundError:
+        pass
+    try:
+        atomic_create(copy, data, mode=0o600, replace=True)
+    except OSError as exc:
+        log.warning("keeping a copy of %s failed: %s", LAYOUT_FILE, exc)
+
+
+_ENVIRONMENTAL = (
+    lmdb.ReadonlyError,
+    lmdb.DiskError,
+    lmdb.MapFullError,
+    lmdb.LockError,
+    lmdb.ReadersFullError,
+    lmdb.TlsFullError,
+    lmdb.MemoryError,
+)
+_ENVIRONMENTAL_TEXT = (
+    "Permission denied",
+    "No space left",
+    "Read-only file system",
+    "Too many open files",
+    "Cannot allocate memory",
+    "Disk quota",
+    "is closed",
+)
+
+
+def _environmental(exc: IndexFailure) -> bool:
+    """An index failure of the machine (permissions, space, limits), not of the
+    index's bytes: moving the index aside would not help and loses nothing less."""
+    cause = exc.__cause__
+    if isinstance(cause, (*_ENVIRONMENTAL, OSError)):
+        return True
+    return any(t in str(exc) for t in _ENVIRONMENTAL_TEXT)
 
 
 def _tighten_modes(root: Path) -> None:

@@ -149,7 +149,10 @@ class Maintenance(Capacity):
         unindexed = [g for k, g in good.items() if k not in indexed]
         rep.unindexed_files = [v1.object_relpath(g.tenant, g.chunk_key) for g in unindexed]
         if unindexed and not repair:
-            self._index_adopted(unindexed)
+            try:
+                self._index_adopted(unindexed)
+            except Exception as exc:  # a full or failing index: fsck still reports
+                log.warning("fsck: indexing %d unindexed objects failed: %s", len(unindexed), exc)
         if repair:
             for p in to_remove:
                 with contextlib.suppress(FileNotFoundError):

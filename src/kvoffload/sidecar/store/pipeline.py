@@ -251,12 +251,17 @@ class Pipeline(Maintenance):
         """Checks, capacity reservation and key for one chunk; None if already present."""
         if len(chunk_key) != v1.KEY_SIZE or len(namespace) != v1.KEY_SIZE:
             raise ValueError("chunk key and namespace must be 32 bytes")
-        if self.index.get(tenant, chunk_key) is not None:
-            self.counters.put_exists += 1
-            if reservation is not None:
-                reservation.release()
-            return None
         lengths = [memoryview(x).nbytes for x in layers]
+        have = self.index.get(tenant, chunk_key)
+        if have is not None:
+            if (have.num_layers, have.payload) == (len(lengths), sum(lengths)):
+                self.counters.put_exists += 1
+                if reservation is not None:
+                    reservation.release()
+                return None
+            # Equal keys must mean equal content: a record of another shape is
+            # wrong (or its object is), and this write replaces both (§4).
+            self._drop(tenant, chunk_key, reason="other-shape", remove_file=False)
         if not v1.shape_ok(lengths, encrypt):
             raise ValueError(
                 f"{len(lengths)} layers of {sum(lengths)} bytes: padding would exceed the "
@@ -374,10 +379,12 @@ class Pipeline(Maintenance):
             return None
         return rec
 
-    def _drop_quietly(self, tenant: str, key: bytes, reason: str) -> None:
+    def _drop_quietly(
+        self, tenant: str, key: bytes, reason: str, *, remove_file: bool = True
+    ) -> None:
         """Bookkeeping on the read path (an expired entry): never fails the read."""
         try:
-            self._drop(tenant, key, reason=reason)
+            self._drop(tenant, key, reason=reason, remove_file=remove_file)
         except Exception as exc:
             log.warning("chunk %s (%s): dropping it failed: %s", key.hex()[:16], reason, exc)
 
@@ -545,12 +552,40 @@ class Pipeline(Maintenance):
             if (h.total_size, len(h.layers), h.payload_size, h.key_epoch) != (
                 rec.size, rec.num_layers, rec.payload, rec.key_epoch,
             ):  # fmt: skip
-                raise ObjectMismatch("object differs from its index record (size or layers)")
+                raise _RecordMismatch("object differs from its index record (size or layers)")
         except Exception as exc:
+            if isinstance(exc, ObjectMismatch) and self._verifies_alone(tenant, key, rec, buf):
+                # A whole, valid object that the index describes wrongly (a
+                # damaged or stale record): the record goes, the object stays
+                # and is indexed from its own header. This read is a miss.
+                log.warning("chunk %s of %s: %s; re-indexed", key.hex()[:16], tenant, exc)
+                self.counters.misses += 1
+                self._drop_quietly(tenant, key, "record-mismatch", remove_file=False)
+                with contextlib.suppress(Exception):
+                    self._adopt(tenant, key)
+                return None
             self._read_failed(tenant, key, exc)
             return None
         self._hit(tenant, key, h.payload_size)
         return [le.length for le in h.layers]
+
+    def _verifies_alone(self, tenant: str, key: bytes, rec: ChunkRecord, buf: memoryview) -> bool:
+        """Whether ``buf`` is a valid object of (tenant, key, the record's
+        namespace) by its own header, whatever the index record says."""
+        try:
+            h = v1.decode_header(buf)
+            tk = self.keyring.get(tenant) if h.sealed else None
+            v1.open_into(
+                buf,
+                memoryview(bytearray(h.payload_size)),
+                tenant=tenant,
+                namespace=h.namespace,  # a damaged record may be what is wrong
+                chunk_key=key,
+                aead_for_epoch=aead_lookup(tk),
+            )
+            return True
+        except Exception:
+            return False
 
     def _existing_serves(self, job: _PutJob) -> bool:
         """Whether the object already at a new chunk's name verifies in full and is
@@ -601,3 +636,7 @@ class Pipeline(Maintenance):
     def touch(self, tenant: str, keys: Sequence[bytes]) -> None:
         for k in keys:
             self._touch_later(tenant, k)  # the index ignores keys it does not hold
+
+
+class _RecordMismatch(ObjectMismatch):
+    """A verified object whose header disagrees with its index record."""

@@ -30,7 +30,7 @@ import xxhash
 
 from kvoffload.contract import TENANT_RE
 
-from ...posix import atomic_create
+from ...posix import atomic_create, fsync_dir
 
 log = logging.getLogger("kvoffload.store")
 
@@ -83,17 +83,20 @@ class RetentionJournal:
         path = self._file(tenant)
         data = encode(key, created_ns, expires_ns)
         with self._mu:
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            except FileNotFoundError:
+            made = [p for p in (path.parent, path.parent.parent, self.dir) if not p.exists()]
+            created = not path.exists()
+            if made:
                 path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
                 os.write(fd, data)
                 if durable:
                     os.fsync(fd)
             finally:
                 os.close(fd)
+            if durable and created:  # the new names survive a power loss too
+                for d in [path.parent, *(m.parent for m in made)]:
+                    fsync_dir(d)
 
     def load(self, tenants: Iterable[str] | None = None) -> Retention:
         """Every valid record of every node (of ``tenants``, or all)."""
