@@ -266,7 +266,11 @@ def test_worker_metadata_aggregates_across_workers() -> None:
     a = KVOffloadWorkerMetadata({1: 1, 2: 1})
     b = KVOffloadWorkerMetadata({2: 1, 3: 1})
     assert a.aggregate(b).completed_saves == {1: 1, 2: 2, 3: 1}
-    assert dataclasses.asdict(a) == {"completed_saves": {1: 1, 2: 1}}
+    assert dataclasses.asdict(a) == {"completed_saves": {1: 1, 2: 1}, "stored_chunks": {}}
+    # Chunks the sidecar acknowledged, counted per worker (KV events need all of them).
+    c = KVOffloadWorkerMetadata({2: 1}, {2: {0: 1, 1: 1}})
+    d = KVOffloadWorkerMetadata({2: 1}, {2: {1: 1}})
+    assert c.aggregate(d).stored_chunks == {2: {0: 1, 1: 2}}
 
 
 def test_importing_kvoffload_does_not_import_vllm() -> None:

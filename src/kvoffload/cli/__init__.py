@@ -25,7 +25,7 @@ import sys
 
 from rich.markup import escape
 
-from . import demo, doctor, serve, store_cmds
+from . import demo, doctor, events_cmds, serve, store_cmds
 from .app import app, err, misplaced_global_option, state
 from .exits import (
     EXIT_ABORTED,
@@ -55,6 +55,7 @@ __all__ = [
     "app",
     "demo",
     "doctor",
+    "events_cmds",
     "exit_for",
     "main",
     "serve",

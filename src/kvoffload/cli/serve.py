@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -75,12 +75,40 @@ def serve(
             ),
             metrics=metrics,
         )
+        events = _start_events(cfg, store, server) if cfg.events_enabled else None
         where = f"fd {fd}" if fd is not None else str(cfg.socket_path)
         err.print(f"kvoffload sidecar serving store {store.layout.store_id} on {where}")
         try:
             run(server)
         finally:
             metrics.stop_http()
+            if events is not None:
+                store.events_hook = None
+                events.close()
+
+
+def _start_events(cfg: Any, store: Any, server: Any) -> Any:
+    """The KV-event feed (docs/spec/events-v1.md), wired to the store and the verbs."""
+    import grp
+
+    from ..errors import ConfigError
+    from ..sidecar.events import start_events
+
+    gid = None
+    if cfg.socket_group is not None:
+        try:
+            gid = grp.getgrnam(cfg.socket_group).gr_gid
+        except KeyError as exc:
+            raise ConfigError(f"[server] socket_group: unknown group {cfg.socket_group!r}") from exc
+    events = start_events(
+        cfg.events, store.index, lambda: server.service.policy, cfg.socket_path, gid
+    )
+    store.events_hook = events
+    server.service.events = events
+    err.print(
+        f"KV events on {events.publisher.endpoint} (replay {events.publisher.replay_endpoint})"
+    )
+    return events
 
 
 @app.command()

@@ -48,6 +48,7 @@ from ..protocol import (
     MAX_PROTOCOL_VERSION,
     MIN_PROTOCOL_VERSION,
     Ack,
+    EngineBlocks,
     ErrorCode,
     ErrorReply,
     Hello,
@@ -226,8 +227,13 @@ class SidecarClient:
         chunks: Sequence[tuple[bytes, Sequence[BufferLike]]],
         *,
         ttl_s: float | None = None,
+        blocks: Sequence[EngineBlocks | None] | None = None,
     ) -> list[bool]:
         """Store chunks; True for each stored (or already present), False otherwise.
+
+        ``blocks``, one per chunk (or None), are the engine's block hashes of
+        each chunk (protocol-v1 §5.4): the sidecar keeps them and publishes
+        the chunk on its KV-event feed. Never token ids.
 
         Layers are host buffers (or CPU tensors); with ``direct=True`` they may
         also be GPU tensors, which the staging path copies to the host first.
@@ -241,6 +247,8 @@ class SidecarClient:
         keys = check_keys([k for k, _ in chunks])
         if len(set(keys)) != len(keys):
             raise ValueError("duplicate key in one save")
+        if blocks is not None and len(blocks) != len(keys):
+            raise ValueError("blocks: one entry (or None) per chunk expected")
         srcs: list[list[Any]] = []
         for i, (_, layers) in enumerate(chunks):
             if not 1 <= len(layers) <= MAX_LAYERS:
@@ -264,7 +272,9 @@ class SidecarClient:
             if s is None or path is None:
                 return results
             try:
-                path.save(s, namespace, keys, srcs, ttl_s, results)
+                path.save(
+                    s, namespace, keys, srcs, ttl_s, results, list(blocks) if blocks else None
+                )
             except CONNECTION_ERRORS as exc:
                 s.lose(exc)
             return results

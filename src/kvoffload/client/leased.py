@@ -22,6 +22,7 @@ from ..protocol import (
     Abort,
     ChunkSpec,
     CompleteLoad,
+    EngineBlocks,
     ErrorCode,
     ErrorReply,
     LeaseLoad,
@@ -57,13 +58,19 @@ class LeasedPath:
         srcs: list[list[Any]],
         ttl_s: float | None,
         results: list[bool],
+        blocks: list[EngineBlocks | None] | None = None,
     ) -> None:
         io = direct_io.select()
         step = min(DIRECT_BATCH, s.hello.max_batch)
         for start in range(0, len(keys), step):
             batch = list(range(start, min(start + step, len(keys))))
             specs = tuple(
-                ChunkSpec(keys[i], tuple(direct_io.nbytes(v) for v in srcs[i])) for i in batch
+                ChunkSpec(
+                    keys[i],
+                    tuple(direct_io.nbytes(v) for v in srcs[i]),
+                    blocks[i] if blocks else None,
+                )
+                for i in batch
             )
             reply = s.call(LeaseStore(s.tenant, namespace, specs, ttl_s))
             if isinstance(reply, ErrorReply):

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from ..protocol import (
     CompleteStore,
     CompleteStoreReply,
+    EngineBlocks,
     ErrorCode,
     ErrorReply,
     LeaseSlot,
@@ -43,8 +44,10 @@ class TransferPath(Protocol):
         srcs: list[list[Any]],
         ttl_s: float | None,
         results: list[bool],
+        blocks: list[EngineBlocks | None] | None = None,
     ) -> None:
-        """Store ``keys[i]`` with layers ``srcs[i]``; set ``results[i]`` True for each stored."""
+        """Store ``keys[i]`` with layers ``srcs[i]`` (and engine hashes ``blocks[i]``);
+        set ``results[i]`` True for each stored."""
 
     def load(
         self,

@@ -20,6 +20,7 @@ from ..protocol import (
     Abort,
     ChunkSpec,
     CompleteLoad,
+    EngineBlocks,
     ErrorCode,
     ErrorReply,
     PrepareLoad,
@@ -58,6 +59,7 @@ class StagedPath:
     def __init__(self, staging: StagingBuffer, copy_in: CopyInFn) -> None:
         self._staging = staging
         self._copy_in = copy_in
+        self._blocks: list[EngineBlocks | None] | None = None
 
     # -- save ----------------------------------------------------------------
 
@@ -69,7 +71,9 @@ class StagedPath:
         srcs: list[list[Any]],
         ttl_s: float | None,
         results: list[bool],
+        blocks: list[EngineBlocks | None] | None = None,
     ) -> None:
+        self._blocks = blocks
         views = [[direct_io.to_host(v) if direct_io.is_device(v) else v for v in lv] for lv in srcs]
         cap = self._staging.size
         fits = [region_size([v.nbytes for v in lv]) <= cap for lv in views]
@@ -100,6 +104,9 @@ class StagedPath:
         for i, lv in enumerate(views):
             packed = region_size([v.nbytes for v in lv], s.hello.alignment)
             entry = _CHUNK_ENTRY_BYTES + _LAYER_ENTRY_BYTES * len(lv)
+            b = self._blocks[i] if self._blocks else None
+            if b is not None:
+                entry += blocks_wire_bytes(b)
             if cur and (
                 cur_bytes + packed > cap
                 or len(cur) >= s.hello.max_batch
@@ -125,7 +132,11 @@ class StagedPath:
         results: list[bool],
     ) -> None:
         staging = self._staging
-        specs = tuple(ChunkSpec(keys[i], tuple(v.nbytes for v in views[i])) for i in batch)
+        bl = self._blocks
+        specs = tuple(
+            ChunkSpec(keys[i], tuple(v.nbytes for v in views[i]), bl[i] if bl else None)
+            for i in batch
+        )
         reply = s.call(PrepareStore(s.tenant, namespace, specs, ttl_s))
         if isinstance(reply, ErrorReply):
             s.on_error_reply(reply)
@@ -242,3 +253,9 @@ class StagedPath:
                 f"kvoffload load stopped early: {prep.stop.name}",
             )
         return n, prep.stop is ErrorCode.BUSY and n > 0
+
+
+def blocks_wire_bytes(b: EngineBlocks) -> int:
+    """An upper bound of the bytes ``blocks`` adds to a prepare_store frame."""
+    extra = 0 if b.extra_keys is None else 64 * len(b.extra_keys)
+    return 128 + 72 * len(b.hashes) + extra + len(b.lora_name or "") + len(b.kind or "")

@@ -41,6 +41,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 import zmq
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kvoffload.errors import EventDecodeError
 
@@ -60,6 +63,7 @@ from .wire import (
 
 __all__ = [
     "SNAPSHOT_REQUEST",
+    "ConsumerMetrics",
     "CurveClient",
     "EventConsumer",
     "Health",
@@ -313,6 +317,12 @@ class EventConsumer:
         for src in list(self._sources.values()):
             if name is None or src.spec.name == name:
                 self._sync(src)
+
+    def register_metrics(self, registry: CollectorRegistry) -> ConsumerMetrics:
+        """Expose health and counters per source on ``registry`` (read at scrape time)."""
+        collector = ConsumerMetrics(self)
+        registry.register(collector)
+        return collector
 
     def close(self) -> None:
         for name in list(self._sources):
@@ -592,9 +602,9 @@ class EventConsumer:
                         return False
             elif seq <= last:
                 continue
-            elif not self._follows(last, seq) or (
-                sidecar and split_seq(seq)[0] != split_seq(last)[0]
-            ):
+            elif sidecar and split_seq(seq)[0] != split_seq(last)[0]:
+                raise _SourceRestarted  # a new incarnation: resync from a snapshot
+            elif not self._follows(last, seq):
                 complete = False
                 if sidecar:
                     return False
@@ -638,3 +648,62 @@ def _apply_curve(sock: zmq.Socket[bytes], curve: CurveClient | None) -> None:
     sock.curve_serverkey = curve.server_public_key
     sock.curve_publickey = curve.public_key
     sock.curve_secretkey = curve.secret_key
+
+
+class ConsumerMetrics(Collector):
+    """Prometheus metrics of a consumer, read from its state at scrape time.
+
+    ``consumer.register_metrics(registry)`` adds it; nothing is counted twice
+    on the hot path.
+    """
+
+    def __init__(self, consumer: EventConsumer) -> None:
+        self._consumer = consumer
+
+    def collect(self) -> Iterable[Metric]:
+        c = self._consumer
+        health = GaugeMetricFamily(
+            "kvoffload_events_source_health",
+            "1 for the source's health (live, replaying, stale)",
+            labels=["source", "state"],
+        )
+        counters = {
+            name: CounterMetricFamily(f"kvoffload_events_{name}", doc, labels=["source"])
+            for name, doc in (
+                ("batches", "Batches applied"),
+                ("events", "Events applied"),
+                ("gaps", "Seq gaps detected"),
+                ("duplicates", "Batches skipped as already applied"),
+                ("malformed", "Messages that did not decode"),
+                ("unknown_events", "Events of an unknown type, kept not applied"),
+                ("failed_requests", "Replay or snapshot requests without a complete answer"),
+            )
+        }
+        recoveries = CounterMetricFamily(
+            "kvoffload_events_recoveries", "Recoveries by kind", labels=["source", "kind"]
+        )
+        blocks = GaugeMetricFamily(
+            "kvoffload_events_blocks",
+            "Block hashes held per source and tier",
+            labels=["source", "medium", "locality"],
+        )
+        last = GaugeMetricFamily("kvoffload_events_last_seq", "Last applied seq", labels=["source"])
+        with c.lock:
+            for name, src in c._sources.items():
+                st = src.status
+                for h in Health:
+                    health.add_metric([name, h.value], 1.0 if st.health is h else 0.0)
+                for key, fam in counters.items():
+                    fam.add_metric([name], float(getattr(st, key)))
+                for kind in Recovery:
+                    recoveries.add_metric([name, kind.value], float(st.recoveries[kind]))
+                for medium, locality in src.view.tiers():
+                    n = len(src.view.hashes(medium, locality))
+                    blocks.add_metric([name, medium or "", locality or ""], float(n))
+                if st.last_seq is not None:
+                    last.add_metric([name], float(st.last_seq))
+        yield health
+        yield from counters.values()
+        yield recoveries
+        yield blocks
+        yield last

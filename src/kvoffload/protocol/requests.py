@@ -23,6 +23,7 @@ from .fields import (
     Tenant,
     decode,
     distinct,
+    plain,
 )
 from .framing import bad
 from .limits import (
@@ -90,9 +91,72 @@ class LeaseLoad(PrepareLoad, frozen=True):
     OP: ClassVar[Op] = Op.LEASE_LOAD
 
 
+#: An engine block hash as vLLM publishes it: bytes, or a u64 (events-v1 §1).
+EngineHash = Annotated[bytes, Meta(min_length=1, max_length=64)] | Annotated[int, Meta(ge=0)]
+#: Blocks of one chunk: a chunk holds at most this many engine blocks.
+MAX_ENGINE_BLOCKS = 4096
+
+
+class EngineBlocks(Message, frozen=True):
+    """§5.4 ``blocks``: the engine's own hashes of the blocks a chunk holds.
+
+    Kept by the server with the chunk and published on its KV-event feed
+    (docs/spec/events-v1.md); never token ids. Optional in protocol 1.
+    """
+
+    WIRE_NULLABLE: ClassVar[tuple[str, ...]] = (
+        "parent",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kind",
+    )
+    hashes: Annotated[tuple[EngineHash, ...], Meta(min_length=1, max_length=MAX_ENGINE_BLOCKS)]
+    block_size: Annotated[int, Meta(ge=1, le=1 << 20)]
+    parent: EngineHash | None = None
+    lora_name: Annotated[str, Meta(max_length=256)] | None = None
+    extra_keys: tuple[Any, ...] | None = None
+    group_idx: Annotated[int, Meta(ge=0, le=0xFFFF)] | None = None
+    kind: Annotated[str, Meta(max_length=64)] | None = None
+
+    def validate_wire(self, where: str) -> None:
+        if self.extra_keys is not None:
+            if len(self.extra_keys) != len(self.hashes):
+                raise bad(f"{where}.extra_keys: one entry per hash expected")
+            for i, v in enumerate(self.extra_keys):
+                if v is not None and not isinstance(v, list | tuple):
+                    raise bad(f"{where}.extra_keys[{i}]: an array or nil expected")
+                plain(list(v) if v is not None else None, f"{where}.extra_keys[{i}]")
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"hashes": list(self.hashes), "block_size": self.block_size}
+        for name in self.WIRE_NULLABLE:
+            v = getattr(self, name)
+            if v is not None:
+                d[name] = (
+                    [list(x) if isinstance(x, tuple) else x for x in v]
+                    if (name == "extra_keys")
+                    else v
+                )
+        return d
+
+
 class ChunkSpec(Message, frozen=True):
+    WIRE_NULLABLE: ClassVar[tuple[str, ...]] = ("blocks",)
     key: Key
     layers: LayerSizes
+    #: Optional (§5.4): the engine block hashes of the chunk, for KV events.
+    blocks: EngineBlocks | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"key": self.key, "layers": list(self.layers)}
+        if self.blocks is not None:
+            d["blocks"] = self.blocks.to_wire()
+        return d
+
+    def validate_wire(self, where: str) -> None:
+        if self.blocks is not None:
+            self.blocks.validate_wire(f"{where}.blocks")
 
     @property
     def payload(self) -> int:
@@ -108,6 +172,8 @@ class PrepareStore(RequestMessage, frozen=True):
 
     def validate_wire(self, where: str) -> None:
         distinct(tuple(c.key for c in self.chunks), f"{where}.chunks", "key")
+        for i, c in enumerate(self.chunks):
+            c.validate_wire(f"{where}.chunks[{i}]")
 
 
 class LeaseStore(PrepareStore, frozen=True):

@@ -34,6 +34,16 @@ File format (every key optional; unknown keys are errors)::
     kek_file = "/run/credentials/kvoffload.service/kek"
     policy = "/etc/kvoffload/policy.toml"
 
+    [events]                               # KV events, docs/spec/events-v1.md
+    enabled = false
+    endpoint = "ipc:///run/kvoffload/kvevents.pub"       # default: beside [server] socket
+    replay_endpoint = "ipc:///run/kvoffload/kvevents.replay"  # also answers snapshots
+    snapshot_endpoint = ""                 # a separate ROUTER for snapshots (optional)
+    topic = "kv@<host>@kvoffload"
+    buffer = 100000                        # batches kept for replay (in the index)
+    locality = "LOCAL"                     # REMOTE for a store root shared by nodes
+    curve_key_file = ""                    # TCP only: Z85 public + secret key, one a line
+
 Environment: ``KVOFFLOAD_CONFIG`` (file path) and one variable per key,
 ``KVOFFLOAD_<SECTION>_<KEY>`` upper-cased, e.g. ``KVOFFLOAD_STORE_ROOT``,
 ``KVOFFLOAD_SERVER_SOCKET``, ``KVOFFLOAD_METRICS_PORT``; plus the short forms
@@ -109,6 +119,56 @@ class SecuritySection:
     policy_file: Path | None
 
 
+DEFAULT_EVENTS_BUFFER = 100_000
+
+
+@dataclass(frozen=True)
+class EventsSettings:
+    """``[events]`` (docs/spec/events-v1.md §7); an empty endpoint means the default."""
+
+    enabled: bool = False
+    endpoint: str | None = None
+    replay_endpoint: str | None = None
+    snapshot_endpoint: str | None = None
+    topic: str | None = None
+    buffer: int = DEFAULT_EVENTS_BUFFER
+    locality: str = "LOCAL"
+    curve_secret_key_file: Path | None = None
+
+
+def _bool(raw: object) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str) and raw.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(raw, str) and raw.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, not {raw!r}")
+
+
+def _endpoint(raw: object) -> str | None:
+    value = str(raw).strip()
+    if not value:
+        return None
+    if not value.startswith(("ipc://", "tcp://")):
+        raise ValueError(f"expected an ipc:// or tcp:// endpoint, not {value!r}")
+    return value
+
+
+def _buffer(raw: object) -> int:
+    n = int(str(raw))
+    if not 1 <= n <= 10_000_000:
+        raise ValueError(f"expected 1..10000000 batches, not {n}")
+    return n
+
+
+def _locality(raw: object) -> str:
+    value = str(raw).strip().upper()
+    if value not in ("LOCAL", "REMOTE"):
+        raise ValueError(f"expected LOCAL or REMOTE, not {raw!r}")
+    return value
+
+
 @dataclass
 class Config:
     # [store]
@@ -133,6 +193,15 @@ class Config:
     # [security]
     kek_file: Path | None = None
     policy_file: Path | None = None
+    # [events]
+    events_enabled: bool = False
+    events_endpoint: str | None = None
+    events_replay_endpoint: str | None = None
+    events_snapshot_endpoint: str | None = None
+    events_topic: str | None = None
+    events_buffer: int = DEFAULT_EVENTS_BUFFER
+    events_locality: str = "LOCAL"
+    events_curve_key_file: Path | None = None
     dev: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -187,6 +256,19 @@ class Config:
         return SecuritySection(self.kek_file, self.policy_file)
 
     @property
+    def events(self) -> EventsSettings:
+        return EventsSettings(
+            self.events_enabled,
+            self.events_endpoint,
+            self.events_replay_endpoint,
+            self.events_snapshot_endpoint,
+            self.events_topic,
+            self.events_buffer,
+            self.events_locality,
+            self.events_curve_key_file,
+        )
+
+    @property
     def worker_threads(self) -> int:
         return self.workers or max(2, os.cpu_count() or 2)
 
@@ -224,6 +306,14 @@ _KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("metrics", "host"): ("metrics_host", str),
     ("security", "kek_file"): ("kek_file", Path),
     ("security", "policy"): ("policy_file", Path),
+    ("events", "enabled"): ("events_enabled", _bool),
+    ("events", "endpoint"): ("events_endpoint", _endpoint),
+    ("events", "replay_endpoint"): ("events_replay_endpoint", _endpoint),
+    ("events", "snapshot_endpoint"): ("events_snapshot_endpoint", _endpoint),
+    ("events", "topic"): ("events_topic", lambda raw: str(raw) or None),
+    ("events", "buffer"): ("events_buffer", _buffer),
+    ("events", "locality"): ("events_locality", _locality),
+    ("events", "curve_key_file"): ("events_curve_key_file", lambda raw: Path(raw) if raw else None),
 }
 #: environment variable → (section, key), from the one registry (kvoffload.envvars).
 _ENV_KEYS: dict[str, tuple[str, str]] = {

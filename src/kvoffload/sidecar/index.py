@@ -67,7 +67,7 @@ MAX_MAP_SIZE: Final = 1 << 40
 
 _U64_MAX: Final = (1 << 64) - 1
 _BATCH: Final = 1024
-_DB_NAMES: Final = ("chunks", "lru", "expiry", "tenants", "namespaces", "meta")
+_DB_NAMES: Final = ("chunks", "lru", "expiry", "tenants", "namespaces", "meta", "blocks", "events")
 
 # schema byte, namespace, key_epoch, size, payload, num_layers, created_ns,
 # last_access_ns, expires_ns. The leading byte lets a future schema be told
@@ -293,6 +293,10 @@ class Index:
         self._tenants = dbs["tenants"]
         self._namespaces = dbs["namespaces"]
         self._meta = dbs["meta"]
+        # KV events (docs/spec/events-v1.md): engine block hashes per chunk
+        # (same key as ``chunks``), and the durable replay buffer (u64 seq).
+        self._blocks = dbs["blocks"]
+        self._events = dbs["events"]
         raw = txn.get(SCHEMA_META.encode(), db=self._meta)
         if raw is None:
             if txn.stat(self._chunks)["entries"]:
@@ -431,6 +435,7 @@ class Index:
         if value is None:
             return None
         rec = _decode(key, value)
+        txn.delete(key, db=self._blocks)
         txn.delete(_U64.pack(rec.last_access_ns) + key, db=self._lru)
         if rec.expires_ns:
             txn.delete(_U64.pack(rec.expires_ns) + key, db=self._expiry)
@@ -574,10 +579,72 @@ class Index:
         """Drop every record and all usage; ``meta`` is kept."""
 
         def write(txn: _Txn) -> None:
-            for db in (self._chunks, self._lru, self._expiry, self._tenants, self._namespaces):
+            for db in (
+                self._chunks,
+                self._lru,
+                self._expiry,
+                self._tenants,
+                self._namespaces,
+                self._blocks,
+            ):
                 txn.drop(db, delete=False)
 
         self._write(write)
+
+    # -- KV events (events-v1) ------------------------------------------
+
+    def set_blocks(self, tenant: str, chunk_key: bytes, blob: bytes) -> bool:
+        """Keep the engine block hashes of a stored chunk; False if it is not
+        stored or already has them (they are never replaced)."""
+        key = _index_key(tenant, chunk_key)
+
+        def write(txn: _Txn) -> bool:
+            if txn.get(key, db=self._chunks) is None:
+                return False
+            return bool(txn.put(key, bytes(blob), overwrite=False, db=self._blocks))
+
+        return self._write(write)
+
+    def get_blocks(self, tenant: str, chunk_key: bytes) -> bytes | None:
+        key = _index_key(tenant, chunk_key)
+        return self._read(lambda txn: txn.get(key, db=self._blocks))
+
+    def all_blocks(self) -> Iterator[tuple[str, bytes, bytes]]:
+        """``(tenant, chunk_key, blob)`` of every chunk stored with block hashes."""
+        return self._scan(self._blocks, b"", lambda _t, k, v: (*_split_key(k), bytes(v)))
+
+    def append_event(self, seq: int, payload: bytes, keep: int) -> None:
+        """Add a published batch to the replay buffer; keep the newest ``keep``."""
+
+        def write(txn: _Txn) -> None:
+            txn.put(_U64.pack(seq), bytes(payload), db=self._events)
+            extra = txn.stat(self._events)["entries"] - keep
+            if extra > 0:
+                cur = txn.cursor(db=self._events)
+                cur.first()
+                for _ in range(extra):
+                    cur.delete()
+
+        self._write(write)
+
+    def events_since(self, seq: int) -> list[tuple[int, bytes]]:
+        """Buffered batches with a seq at or above ``seq``, in order."""
+        start = _U64.pack(seq)
+
+        def read(txn: _Txn) -> list[tuple[int, bytes]]:
+            cur = txn.cursor(db=self._events)
+            if not cur.set_range(start):
+                return []
+            return [(_U64.unpack(k)[0], bytes(v)) for k, v in cur]
+
+        return self._read(read)
+
+    def last_event_seq(self) -> int | None:
+        def read(txn: _Txn) -> int | None:
+            cur = txn.cursor(db=self._events)
+            return _U64.unpack(cur.key())[0] if cur.last() else None
+
+        return self._read(read)
 
     # -- iteration and accounting ----------------------------------------
 

@@ -23,6 +23,8 @@ were empty. The file is TOML (``/etc/kvoffload/policy.toml``)::
     direct = true                   # optional, per tenant, needs encryption = "none":
                                     # workers may write and read this tenant's objects
                                     # themselves (GPUDirect Storage); docs/spec/layout-v1.md §4.1
+    events = false                  # optional: never publish this tenant's chunks on the
+                                    # KV-event feed (docs/spec/events-v1.md §7); default true
     direct_group = "vllm-acme"      # optional: the group (name or gid) whose members'
                                     # workers get the direct path; the sidecar shares the
                                     # tenant's object tree with it. Without it, only
@@ -93,8 +95,16 @@ _UID_LIMIT: Final = 2**32 - 1  # (uid_t)-1 means "no change" to the kernel, neve
 
 
 _TOP_KEYS: Final = ("version", "defaults", "tenants", "grants")
-_DEFAULTS_KEYS: Final = ("encryption", "ttl", "quota")
-_TENANT_KEYS: Final = ("encryption", "ttl", "quota", "trust_group", "direct", "direct_group")
+_DEFAULTS_KEYS: Final = ("encryption", "ttl", "quota", "events")
+_TENANT_KEYS: Final = (
+    "encryption",
+    "ttl",
+    "quota",
+    "trust_group",
+    "direct",
+    "direct_group",
+    "events",
+)
 _PER_TENANT_ONLY: Final = ("trust_group", "direct", "direct_group")
 _GRANT_KEYS: Final = ("uid", "gid", "user", "group", "tenants", "admin")
 _PRINCIPAL_KEYS: Final = ("uid", "gid", "user", "group")
@@ -142,6 +152,8 @@ class TenantPolicy:
     direct: bool = False
     #: The group that shares the tenant's object tree with the sidecar.
     direct_gid: int | None = None
+    #: The tenant's chunks are announced on the KV-event feed (events-v1 §7).
+    events: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -541,7 +553,12 @@ class _Parser:
                     (*path, "direct_group"), "direct_group is only meaningful with direct = true"
                 )
             direct_gid = self._group_id(table["direct_group"], (*path, "direct_group"))
-        return TenantPolicy(encryption, ttl_s, quota, trust_group, direct, direct_gid)
+        events = table.get("events", base.events)
+        if not isinstance(events, bool):
+            raise self.fail(
+                (*path, "events"), f"events must be true or false, not {_describe(events)}"
+            )
+        return TenantPolicy(encryption, ttl_s, quota, trust_group, direct, direct_gid, events)
 
     def _group_id(self, value: object, path: _Path) -> int:
         if isinstance(value, int) and not isinstance(value, bool):

@@ -22,13 +22,13 @@ import logging
 import os
 import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvoffload.errors import Reject
 from kvoffload.posix import atomic_create
-from kvoffload.protocol import LeaseSlot, StoreSlot
+from kvoffload.protocol import EngineBlocks, LeaseSlot, StoreSlot
 
 from .metrics import Metrics
 from .ports import PolicyAPI, StoreAPI
@@ -105,6 +105,12 @@ class LeasedWrite:
     lease: StoreLease
 
 
+class EventsAPI(Protocol):
+    """The KV-event feed as the verbs use it (kvoffload.sidecar.events.SidecarEvents)."""
+
+    def record(self, tenant: str, chunk_key: bytes, blocks: EngineBlocks) -> bool: ...
+
+
 @dataclass
 class WriteHandle:
     """A ``prepare_store`` (``staged``) or a ``lease_store`` (``leased``); one list is empty."""
@@ -117,6 +123,8 @@ class WriteHandle:
     staged: list[StagedWrite]
     leased: list[LeasedWrite]
     created: float
+    #: ``blocks`` of the request's chunks by index (protocol-v1 §5.4), for KV events.
+    blocks: dict[int, EngineBlocks] = field(default_factory=dict)
 
 
 @dataclass
@@ -161,6 +169,8 @@ class Service:
         self.store_id = config.store_id or str(store.stats().get("store_id", "unknown"))
         self.budget = ByteBudget(config.max_inflight_bytes)
         self.draining = False
+        #: The KV-event feed (kvoffload.sidecar.events), when ``[events]`` enables it.
+        self.events: EventsAPI | None = None
         self._mu = threading.Lock()
         self._sessions: set[Session] = set()
 

@@ -198,6 +198,9 @@ class Transfers:
             self._release(h)
             raise
         h.slots = tuple(slots)
+        h.blocks = {i: c.blocks for i, c in enumerate(req.chunks) if c.blocks is not None}
+        # A chunk present already may still lack its hashes (saved without them).
+        self._record_blocks(h, [sl.status is StoreStatus.EXISTS for sl in slots], req.chunks)
         if not h.staged and not h.leased:
             return 0, tuple(slots)
         h.created = time.monotonic()
@@ -215,7 +218,35 @@ class Transfers:
                 self._write_staged(h, stored)
         finally:
             self._release(h)
+        keys = {sw.index: sw.key for sw in h.staged} | {
+            lw.index: lw.lease.chunk_key for lw in h.leased
+        }
+        written = [stored[i] and i in keys for i in range(len(stored))]
+        self._record_blocks(h, written, None, keys)
         return CompleteStoreReply(tuple(stored))
+
+    def _record_blocks(
+        self,
+        h: WriteHandle,
+        which: list[bool],
+        chunks: tuple[ChunkSpec, ...] | None,
+        keys: dict[int, bytes] | None = None,
+    ) -> None:
+        """Hand the engine hashes of stored chunks to the KV-event feed, before
+        the reply: a worker that got ``stored`` can rely on the event being out."""
+        events = self.service.events
+        if events is None or not h.blocks:
+            return
+        for i, blocks in h.blocks.items():
+            if not which[i]:
+                continue
+            key = chunks[i].key if chunks is not None else (keys or {}).get(i)
+            if key is None:
+                continue
+            try:
+                events.record(h.tenant, key, blocks)
+            except Exception:  # the feed must never fail a save
+                log.exception("%r: publishing a KV event failed", self)
 
     def _write_staged(self, h: WriteHandle, stored: list[bool]) -> None:
         staging, _ = self._registered()

@@ -50,6 +50,7 @@ from ...contract import (
     canonical_json,
     validate_tenant,
 )
+from ...protocol import EngineBlocks
 
 Mode = Literal["sync", "async"]
 _MODES: tuple[Mode, ...] = ("sync", "async")
@@ -85,6 +86,11 @@ class KVOffloadSettings:
     model_revision: str | None = None
     attention_backend: str | None = None
     direct: bool = False
+    #: KV events (docs/spec/events-v1.md §3.2): publish the token ids of stored
+    #: blocks too. Off by default: events are request-derived data.
+    events_token_ids: bool = False
+    #: ``LOCAL`` (the node's store) or ``REMOTE`` (a store root shared by nodes).
+    events_locality: str = "LOCAL"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KVOffloadSettings:
@@ -160,6 +166,12 @@ def _check_mode(name: str, v: object) -> Mode:
     raise _bad(name, " or ".join(repr(m) for m in _MODES), v)
 
 
+def _check_locality(name: str, v: object) -> str:
+    if not isinstance(v, str) or v.upper() not in ("LOCAL", "REMOTE"):
+        raise _bad(name, "'LOCAL' or 'REMOTE'", v)
+    return v.upper()
+
+
 _CHECKS: dict[str, Callable[[str, object], Any]] = {
     "tenant": _check_tenant,
     "socket_path": _check_str,
@@ -174,6 +186,8 @@ _CHECKS: dict[str, Callable[[str, object], Any]] = {
     "model_revision": _check_opt_str,
     "attention_backend": _check_opt_str,
     "direct": _check_bool,
+    "events_token_ids": _check_bool,
+    "events_locality": _check_locality,
 }
 
 
@@ -521,6 +535,8 @@ class ChunkRef:
     keys: tuple[bytes, ...]  # one per shard
     block_ids: tuple[int, ...]
     first_block: int = 0
+    #: A save's engine block hashes for the sidecar's KV-event feed (protocol-v1 §5.4).
+    blocks: EngineBlocks | None = None
 
 
 @dataclass(frozen=True)
@@ -557,6 +573,8 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
     """Save jobs a worker finished (successfully or not) since its last report."""
 
     completed_saves: dict[int, int] = field(default_factory=dict)
+    #: Per completed job: chunk index → workers that got ``stored`` from the sidecar.
+    stored_chunks: dict[int, dict[int, int]] = field(default_factory=dict)
 
     def aggregate(self, other: Any) -> KVOffloadWorkerMetadata:
         if not isinstance(other, KVOffloadWorkerMetadata):
@@ -564,7 +582,12 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
         merged = dict(self.completed_saves)
         for job, n in other.completed_saves.items():
             merged[job] = merged.get(job, 0) + n
-        return KVOffloadWorkerMetadata(merged)
+        stored = {job: dict(c) for job, c in self.stored_chunks.items()}
+        for job, counts in other.stored_chunks.items():
+            into = stored.setdefault(job, {})
+            for idx, n in counts.items():
+                into[idx] = into.get(idx, 0) + n
+        return KVOffloadWorkerMetadata(merged, stored)
 
 
 def make_client(settings: KVOffloadSettings, *, name: str, staging_bytes: int) -> SidecarClient:

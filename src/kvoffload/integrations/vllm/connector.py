@@ -10,6 +10,7 @@ vLLM's hooks to it. A hook of the other role is a vLLM bug and raises.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -148,6 +149,12 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable[Any]:
+        """KV events of this step: vLLM publishes them on its own stream (events-v1 §1)."""
+        if self._scheduler is None:
+            return ()
+        return self._scheduler.take_events()
 
     # -- both ------------------------------------------------------------------
 

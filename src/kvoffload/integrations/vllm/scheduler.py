@@ -21,6 +21,8 @@ workers report it in ``finished_sending`` once its saves are done.
 from __future__ import annotations
 
 import logging
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +40,7 @@ from .common import (
     LoadJob,
     SaveJob,
 )
+from .events import ConnectorEvents
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,8 @@ class _RequestState:
 class _SaveStatus:
     req_id: str
     remaining: int  # workers that have not reported the job done
+    # chunk index -> workers whose sidecar acknowledged it (``stored``)
+    stored: Counter[int] = field(default_factory=Counter)
 
 
 def offloadable(request: Any) -> bool:
@@ -155,6 +160,7 @@ class KVOffloadScheduler:
         self._newly_held: set[str] = set()
         self._held: set[str] = set()
         self._kv_cache_manager: Any = None
+        self._events = ConnectorEvents(vllm_config, settings, self._bs, self._blocks_per_chunk)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         """Fallback source of block tables when a step carries no block state."""
@@ -283,7 +289,11 @@ class KVOffloadScheduler:
             ids = tuple(block_ids[c * bpc : (c + 1) * bpc])
             if _NULL_BLOCK_ID in ids:
                 continue
-            chunks.append(ChunkRef(c, tuple(k[c] for k in keys), ids))
+            made = self._events.chunk_blocks(req, c)
+            if made is not None:
+                self._events.planned(self._next_job_id, c, made[1])
+            blocks = made[0] if made is not None else None
+            chunks.append(ChunkRef(c, tuple(k[c] for k in keys), ids, blocks=blocks))
         st.next_save_chunk = end
         if not chunks:
             return None
@@ -355,6 +365,10 @@ class KVOffloadScheduler:
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KVOffloadWorkerMetadata):
+            for job_id, counts in meta.stored_chunks.items():
+                status = self._saves.get(job_id)
+                if status is not None:
+                    status.stored.update(counts)
             for job_id, n in meta.completed_saves.items():
                 status = self._saves.get(job_id)
                 if status is None:
@@ -363,6 +377,8 @@ class KVOffloadScheduler:
                 if status.remaining > 0:
                     continue
                 del self._saves[job_id]
+                # BlockStored only now: every worker's sidecar acknowledged it.
+                self._events.job_done(job_id, status.stored, self._num_workers)
                 st = self._requests.get(status.req_id)
                 if st is not None:
                     st.pending_saves.discard(job_id)
@@ -387,5 +403,10 @@ class KVOffloadScheduler:
     def has_held_requests(self) -> bool:
         return bool(self._held)
 
+    def take_events(self) -> Iterable[Any]:
+        """vLLM's ``take_events``: the connector's KV events since the last step."""
+        return self._events.take()
+
     def shutdown(self) -> None:
+        self._events.close()
         self._client.close()

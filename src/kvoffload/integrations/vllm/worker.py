@@ -262,6 +262,8 @@ class KVOffloadWorker:
         self._req_saves: dict[str, set[int]] = {}
         self._held: set[str] = set()
         self._completed_saves: list[int] = []
+        # job id -> chunk indices the sidecar acknowledged (for KV events)
+        self._stored: dict[int, list[int]] = {}
 
     # -- registration ----------------------------------------------------------
 
@@ -398,12 +400,22 @@ class KVOffloadWorker:
             items = [
                 (c.keys[self._shard], [layer[i] for layer in layers]) for i, c in enumerate(chunks)
             ]
+            # One shard announces a chunk on the sidecar's feed (one event per
+            # chunk, not per shard); every worker still reports its ``stored``.
+            blocks = [c.blocks if self._shard == 0 else None for c in chunks]
             try:
-                ok = self._save_client.save(namespace, items, ttl_s=self._settings.ttl_s)
+                ok = self._save_client.save(
+                    namespace,
+                    items,
+                    ttl_s=self._settings.ttl_s,
+                    blocks=blocks if any(b is not None for b in blocks) else None,
+                )
             except ChunkTooLarge:
                 log.exception("kvoffload: chunk larger than the staging buffer")
                 return
             stored += sum(ok)
+            acked = self._stored.setdefault(job.job_id, [])
+            acked.extend(c.index for c, good in zip(chunks, ok, strict=True) if good)
         log.debug("kvoffload: job %d stored %d/%d chunks", job.job_id, stored, len(job.chunks))
 
     def handle_preemptions(self, meta: KVOffloadMetadata) -> None:
@@ -458,7 +470,8 @@ class KVOffloadWorker:
         if not self._completed_saves:
             return None
         done, self._completed_saves = self._completed_saves, []
-        return KVOffloadWorkerMetadata({job: 1 for job in done})
+        stored = {job: dict.fromkeys(self._stored.pop(job, ()), 1) for job in done}
+        return KVOffloadWorkerMetadata({job: 1 for job in done}, stored)
 
     def shutdown(self) -> None:
         # Let running saves finish (they hold nothing vLLM needs back now).

@@ -17,9 +17,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 import lmdb
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -119,6 +120,15 @@ def boundary(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     return wrapper
 
 
+class EventsHook(Protocol):
+    """What the store tells the KV-event feed (kvoffload.sidecar.events.SidecarEvents)."""
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]: ...
+
+    def removed(self, tenant: str, blob: bytes, reason: str) -> None: ...
+
+
 class StoreBase:
     """The state every layer reads; :class:`~.facade.Store` sets it up."""
 
@@ -142,6 +152,8 @@ class StoreBase:
     _scratch: ScratchBuffers
     _scratch_alt: ScratchBuffers  # the second buffer of put_many/get_many_into
     _pipe: ThreadPoolExecutor | None
+    #: The KV-event feed (kvoffload.sidecar.events), told of every chunk that leaves.
+    events_hook: EventsHook | None = None
 
     def _path(self, tenant: str, key: bytes) -> Path:
         return self.root / v1.object_relpath(tenant, key)
@@ -160,7 +172,17 @@ class StoreBase:
             except OSError as exc:
                 log.warning("removing %s (%s): %s", key.hex()[:16], reason, exc)
                 return False
-        rec = self.index.remove(tenant, key)
+        hook = self.events_hook
+        if hook is None:
+            rec = self.index.remove(tenant, key)
+        else:
+            # Under the feed's lock: a snapshot sees the chunk and its hashes
+            # either with their BlockStored or gone with their BlockRemoved.
+            with hook.lock:
+                blob = self.index.get_blocks(tenant, key)
+                rec = self.index.remove(tenant, key)
+                if rec is not None and blob is not None:
+                    hook.removed(tenant, blob, reason)
         if rec is not None:
             with self._mu:
                 self._used -= rec.size

@@ -1,0 +1,179 @@
+"""``kvoffload events tail``: the admin's view of a running sidecar's KV-event feed.
+
+It reads the same sockets a router does (docs/spec/events-v1.md), so it needs
+the same rights: the ipc:// socket files are mode 0660, group ``[server]
+socket_group``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from .app import JsonOpt, app, config, out
+from .exits import _CliUsageError, _SidecarUnreachable
+
+events_app = typer.Typer(help="KV events of the running sidecar.", no_args_is_help=True)
+app.add_typer(events_app, name="events")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def event_record(seq: int, ts: float, event: Any) -> dict[str, Any]:
+    """One decoded event as a JSON-ready map (hashes as hex when they are bytes)."""
+    import msgspec
+
+    from ..events.wire import UnknownEvent, split_seq
+
+    incarnation, counter = split_seq(seq)
+    rec: dict[str, Any] = {"seq": seq, "incarnation": incarnation, "counter": counter, "ts": ts}
+    if isinstance(event, UnknownEvent):
+        rec["type"] = event.type
+        return rec
+    rec["type"] = type(event).__name__
+    for name, value in msgspec.structs.asdict(event).items():
+        if value is not None and value != ():
+            rec[name] = _plain(value)
+    return rec
+
+
+def _check_endpoint(endpoint: str) -> None:
+    if not endpoint.startswith("ipc://"):
+        return
+    path = Path(endpoint.removeprefix("ipc://"))
+    if not path.exists():
+        raise _SidecarUnreachable(
+            f"no KV-event socket at {path}: is the sidecar running with [events] enabled = true?"
+        )
+    if not os.access(path, os.R_OK | os.W_OK):
+        raise _SidecarUnreachable(
+            f"permission denied on {path}: join the sidecar's socket group to read its events"
+        )
+
+
+@events_app.command("tail")
+def tail(
+    as_json: JsonOpt = False,
+    from_seq: Annotated[
+        int | None,
+        typer.Option(
+            "--from", help="Replay from this seq first (the durable buffer), then follow."
+        ),
+    ] = None,
+    count: Annotated[
+        int | None, typer.Option("--count", "-n", help="Stop after this many events.")
+    ] = None,
+    timeout: Annotated[
+        float | None,
+        typer.Option("--timeout", help="Stop after this many seconds without an event."),
+    ] = None,
+) -> None:
+    """Print the sidecar's KV events as they are published (one line each)."""
+    import zmq
+
+    from ..errors import EventDecodeError
+    from ..events.wire import decode_batch, encode_replay_request, is_end_marker, unpack_frames
+    from ..sidecar.events import default_endpoints
+
+    if from_seq is not None and from_seq < 0:
+        raise _CliUsageError("--from takes a seq ≥ 0")
+    if count is not None and count <= 0:
+        raise _CliUsageError("--count takes a number ≥ 1")
+    cfg = config()
+    pub_default, replay_default = default_endpoints(cfg.socket_path)
+    endpoint = cfg.events_endpoint or pub_default
+    replay = cfg.events_replay_endpoint or replay_default
+    _check_endpoint(endpoint)
+    shown = 0
+    last_event = time.monotonic()
+
+    def show(seq: int, payload: bytes) -> bool:
+        nonlocal shown, last_event
+        try:
+            batch = decode_batch(payload)
+        except EventDecodeError as exc:
+            print(f"seq {seq}: malformed batch: {exc}", file=sys.stderr)
+            return False
+        for ev in batch.events:
+            rec = event_record(seq, batch.ts, ev)
+            if as_json:
+                sys.stdout.write(json.dumps(rec, sort_keys=True) + "\n")
+            else:
+                hashes = rec.get("block_hashes", [])
+                short = ",".join(str(h)[:12] for h in hashes[:4])
+                more = f"+{len(hashes) - 4}" if len(hashes) > 4 else ""
+                out.print(
+                    f"{seq} inc {rec['incarnation']} {rec['type']} "
+                    f"{rec.get('medium', '')} {rec.get('locality', '')} "
+                    f"[{len(hashes)}] {short}{more}",
+                    highlight=False,
+                )
+            shown += 1
+            last_event = time.monotonic()
+            if count is not None and shown >= count:
+                return True
+        sys.stdout.flush()
+        return False
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    last_seq: int | None = None
+    try:
+        if from_seq is not None:
+            _check_endpoint(replay)
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.RCVTIMEO, 5000)
+            dealer.connect(replay)
+            dealer.send_multipart([b"", encode_replay_request(from_seq)])
+            try:
+                while True:
+                    parts = dealer.recv_multipart()
+                    frame = unpack_frames(parts[1:] if parts and parts[0] == b"" else parts)
+                    if is_end_marker(frame):
+                        break
+                    last_seq = frame.seq
+                    if show(frame.seq, frame.payload):
+                        return
+            except zmq.Again as exc:
+                raise _SidecarUnreachable(f"the replay socket {replay} did not answer") from exc
+            except EventDecodeError as exc:
+                raise _SidecarUnreachable(
+                    f"the replay socket sent a malformed message: {exc}"
+                ) from exc
+            finally:
+                dealer.close(linger=0)
+        while True:
+            if timeout is not None and time.monotonic() - last_event > timeout:
+                return
+            if not sub.poll(200):
+                continue
+            try:
+                frame = unpack_frames(sub.recv_multipart())
+            except EventDecodeError as exc:
+                print(f"malformed message: {exc}", file=sys.stderr)
+                continue
+            if last_seq is not None and frame.seq <= last_seq:
+                continue  # already shown by the replay
+            if show(frame.seq, frame.payload):
+                return
+    except KeyboardInterrupt:
+        return
+    finally:
+        sub.close(linger=0)
+        ctx.term()
