@@ -63,7 +63,7 @@ def test_routing_follows_vllms_own_prefix_cache_and_never_crosses_tenants(
     workers: list[Worker] = []
     router: RouterProc | None = None
     try:
-        lines = ['[router]\nhealth_interval = "0.5s"\nconnect_timeout = "2s"']
+        lines = ['[router]\nhealth_interval = "60s"\nconnect_timeout = "2s"']
         for name in ("w0", "w1"):
             pub, rep = f"ipc://{ipc_dir}/{name}-pub", f"ipc://{ipc_dir}/{name}-rep"
             w = Worker(
@@ -112,6 +112,24 @@ def test_routing_follows_vllms_own_prefix_cache_and_never_crosses_tenants(
         assert matched(router, PROMPT, MALLORY) == {"w0": 0, "w1": 0}
         _, cached = complete(router, PROMPT, MALLORY)
         assert cached == 0
+
+        # The holder dies (health checks are 60 s apart: the request itself finds out):
+        # it is retried on the other worker (which recomputes),
+        # its event source goes stale and the router runs DEGRADED.
+        next(w for w in workers if w.name == holder).kill()
+        where, cached = complete(router, [*PROMPT, 4, 4], ALICE)
+        assert where == other
+        health = json.loads(router.get("/health")[2])
+        assert health["workers"][holder] is False
+        wait_until(
+            lambda: (
+                json.loads(router.get("/health")[2])["event_sources"][f"worker:{holder}"] == "stale"
+            ),
+            "the dead worker's event source to go stale",
+            60,
+        )
+        _, _, metrics = router.get("/metrics")
+        assert b"kvoffload_router_retries_total 1.0" in metrics
     finally:
         if router is not None:
             router.stop()
