@@ -391,3 +391,24 @@ def test_a_compacted_journal_restates_what_is_still_present(nodes: Nodes) -> Non
     assert c.lookup("acme", [key(99)]) == 1
     assert c.lookup("acme", [key(i) for i in range(4, 12)]) == 8
     assert a.compact_journal(max_segments=100) is None  # below the bound: nothing
+
+
+def test_each_node_of_a_shared_root_seals_within_its_share_of_a_deks_nonces(
+    nodes: Nodes,
+) -> None:
+    # 64 shares of 64 x 9 segments: each node may seal 9 segments (3 chunks of 3
+    # layers) under one DEK epoch, and starts on a fresh epoch of its own.
+    a = nodes.node("a", max_segments_per_epoch=64 * 9)
+    b = nodes.node("b", max_segments_per_epoch=64 * 9)
+    a.put("acme", NS, key(0), layers(0))
+    first_a = a.keyring.get("acme").current_epoch  # type: ignore[union-attr]
+    assert first_a >= 2  # not the epoch the tenant was created with
+    b.put("acme", NS, key(1), layers(1))
+    first_b = b.keyring.get("acme").current_epoch  # type: ignore[union-attr]
+    assert first_b > first_a  # b does not count on a's epoch
+    for i in range(2, 12):
+        a.put("acme", NS, key(i), layers(i))
+    assert a.keyring.get("acme").current_epoch > first_b  # type: ignore[union-attr]
+    b.follow_journals()
+    for i in range(12):  # every epoch still opens, on either node
+        assert b.get("acme", key(i)) == layers(i)

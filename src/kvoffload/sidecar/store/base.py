@@ -188,6 +188,7 @@ class StoreBase:
     _retention: RetentionJournal
     _pipe: ThreadPoolExecutor | None
     _shared: SharedRoot | None = None
+    _key_rereads: dict[str, float]
     #: The KV-event feed (kvoffload.sidecar.events), told of every chunk that leaves.
     events_hook: EventsHook | None = None
 
@@ -260,6 +261,31 @@ class StoreBase:
             raise StoreIOError(
                 f"recording the retention of a chunk failed: {exc}", exc.errno
             ) from exc
+
+    def _aead_for(self, tenant: str, tk: TenantKeys | None) -> Callable[[int], AESGCM | None]:
+        """The tenant's data key per epoch, from ``tk`` (the cached keys); an epoch
+        newer than those (another process or node rotated the DEK since they were
+        read) re-reads the key file, at most once a second per tenant, rather than
+        make a valid object look corrupt."""
+
+        def lookup(epoch: int) -> AESGCM | None:
+            if tk is None:
+                return None
+            aead = tk.aead(epoch)
+            if aead is not None or epoch <= tk.current_epoch:
+                return aead
+            now = time.monotonic()
+            with self._mu:
+                last = self._key_rereads.get(tenant, float("-inf"))
+                reread = now - last >= KEY_REREAD_INTERVAL_S
+                if reread:
+                    self._key_rereads[tenant] = now
+            if reread:
+                self.keyring.forget(tenant)
+            fresh = self.keyring.get(tenant)  # re-read, or what another thread just read
+            return fresh.aead(epoch) if fresh is not None else None
+
+        return lookup
 
     # -------------------------------------------------------- access times
 
@@ -373,6 +399,11 @@ class StoreBase:
                 if len(parts) == 5 and parts[0] == tenant:
                     with contextlib.suppress(FileNotFoundError):
                         p.unlink()
+
+
+#: At most one re-read of a tenant's key file per this many seconds, for objects
+#: sealed under an epoch newer than the cached keys know.
+KEY_REREAD_INTERVAL_S = 1.0
 
 
 def aead_lookup(tk: TenantKeys | None) -> Callable[[int], AESGCM | None]:

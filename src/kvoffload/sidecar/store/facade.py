@@ -141,6 +141,7 @@ class Store(Leases):
             self._touch_pending = {}
             self._touch_flushed = time.time_ns()
             self._seal_budget = {}
+            self._key_rereads = {}
             self._scratch = ScratchBuffers()
             node = self.index.get_meta("node_id")
             if node is None:

@@ -16,7 +16,7 @@ from typing import Any
 from ...layouts import CorruptObject, v1
 from ..fileio import read_prefix
 from ..index import ChunkRecord
-from .base import MAX_OBJECT_BYTES, aead_lookup, boundary, log
+from .base import MAX_OBJECT_BYTES, boundary, log
 from .capacity import Capacity
 from .retention import Retention
 
@@ -122,7 +122,7 @@ class Maintenance(Capacity):
                         tenant=h.tenant,
                         namespace=h.namespace,
                         chunk_key=h.chunk_key,
-                        aead_for_epoch=aead_lookup(tk),
+                        aead_for_epoch=self._aead_for(h.tenant, tk),
                     )
             except Exception as exc:  # whatever a damaged file raises: it is corrupt
                 rep.corrupt_files.append(f"{rel}: {exc}")

@@ -37,13 +37,13 @@ from .base import (
     MAX_OBJECT_BYTES,
     SEAL_COUNT_BLOCK,
     SEAL_COUNTS_LOST,
-    aead_lookup,
     boundary,
     default_io_streams,
     log,
 )
 from .capacity import Reservation
 from .fsck import Maintenance
+from .shared import SHARED_NONCE_SHARES
 
 #: A batch saved without fsync (durability batch or none) of fewer bytes than
 #: this runs in the caller's thread, chunk by chunk: writing small objects to
@@ -82,6 +82,11 @@ class Pipeline(Maintenance):
         crash can only over-count, never under-count.
         """
         limit = self.config.max_segments_per_epoch
+        if self._shared is not None:
+            # Every node of a shared root seals under the same DEK epochs, and no
+            # node sees the others' counts: each gets a share of the bound
+            # (shared-root-v1.md §5), and counts from a fresh epoch of its own.
+            limit //= SHARED_NONCE_SHARES
         block = max(segments, min(SEAL_COUNT_BLOCK, limit // 4))
         with self._mu:
             while True:
@@ -91,9 +96,13 @@ class Pipeline(Maintenance):
                     return epoch
                 name = f"seal_count/{tenant}/{epoch}"
                 raw = self.index.get_meta(name)
-                if raw is None and self.index.get_meta(SEAL_COUNTS_LOST) is not None:
-                    # The index was rebuilt: this epoch's count is unknown. A fresh
-                    # epoch's is not (it starts at 0).
+                if raw is None and (
+                    self.index.get_meta(SEAL_COUNTS_LOST) is not None or self._shared is not None
+                ):
+                    # The index was rebuilt, or (a shared root) this node has not
+                    # sealed under this epoch before, which other nodes may have
+                    # used: its count here is unknown. A fresh epoch's is not (it
+                    # starts at 0).
                     epoch = self.keyring.rotate_dek(tenant)
                     self.index.set_meta(f"seal_count/{tenant}/{epoch}", b"0")
                     continue
@@ -547,7 +556,7 @@ class Pipeline(Maintenance):
                 tenant=tenant,
                 namespace=rec.namespace,
                 chunk_key=key,
-                aead_for_epoch=aead_lookup(tk),
+                aead_for_epoch=self._aead_for(tenant, tk),
             )
             if (h.total_size, len(h.layers), h.payload_size, h.key_epoch) != (
                 rec.size, rec.num_layers, rec.payload, rec.key_epoch,
@@ -581,7 +590,7 @@ class Pipeline(Maintenance):
                 tenant=tenant,
                 namespace=h.namespace,  # a damaged record may be what is wrong
                 chunk_key=key,
-                aead_for_epoch=aead_lookup(tk),
+                aead_for_epoch=self._aead_for(tenant, tk),
             )
             return True
         except Exception:
@@ -603,7 +612,7 @@ class Pipeline(Maintenance):
                 tenant=job.tenant,
                 namespace=job.namespace,
                 chunk_key=job.chunk_key,
-                aead_for_epoch=aead_lookup(tk),
+                aead_for_epoch=self._aead_for(job.tenant, tk),
             )
             return [le.length for le in h.layers] == job.lengths
         except FileNotFoundError:

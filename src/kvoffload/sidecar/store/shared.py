@@ -45,6 +45,9 @@ REMOVE_REASONS: dict[str, Reason] = {
 }
 
 POSITIONS_META = "journal_positions"
+#: Each node of a shared root may seal at most 1/64 of a DEK epoch's nonce bound
+#: (so up to 64 nodes together stay within it); then it rotates the DEK.
+SHARED_NONCE_SHARES = 64
 
 
 @dataclass
