@@ -514,3 +514,41 @@ def test_a_uid_outside_the_group_cannot_read_the_feed(ctx: zmq.Context) -> None:
         stop.set()
         t.join()
         pub.close()
+
+
+def test_tcp_with_curve_keys_admits_only_the_key_holder(ctx: zmq.Context) -> None:
+    if not zmq.has("curve"):
+        pytest.skip("this libzmq has no CURVE")
+    from kvoffload.events.consumer import CurveClient
+    from kvoffload.events.publisher import CurveServer
+
+    server_pub, server_sec = zmq.curve_keypair()
+    client_pub, client_sec = zmq.curve_keypair()
+    wild = ("tcp://127.0.0.1:*", "tcp://127.0.0.2:*")
+    store = Store()
+    pub = _publisher(store, wild, ctx, curve=CurveServer(server_pub, server_sec))
+    assert pub.replay_endpoint is not None
+    eps = (pub.endpoint, pub.replay_endpoint)
+    try:
+        keyed = EventConsumer(
+            [SourceSpec("node", *eps, snapshots=True,
+                        curve=CurveClient(server_pub, client_pub, client_sec))],
+            context=ctx, request_timeout_s=3, idle_check_s=0,
+        )  # fmt: skip
+        plain = EventConsumer(
+            [SourceSpec("node", *eps, snapshots=True)],
+            context=ctx, request_timeout_s=1, idle_check_s=0,
+        )  # fmt: skip
+        try:
+            assert keyed.status("node").health is Health.LIVE  # its snapshot came
+            assert plain.status("node").health is Health.STALE  # no answer without keys
+            _wait_subscribed(keyed, store, pub)
+            _settle(keyed, pub)
+            plain.poll(0.2)
+            st = plain.status("node")
+            assert st.batches == 0 and st.last_seq is None
+        finally:
+            keyed.close()
+            plain.close()
+    finally:
+        pub.close()

@@ -43,7 +43,8 @@ CT = 32  # two 16-token blocks per chunk
 def events_sidecar(tmp_path: Path) -> Iterator[DevSidecar]:
     policy = tmp_path / "policy.toml"
     policy.write_text(
-        f'version = 1\n[[grants]]\nuid = {os.getuid()}\ntenants = ["*"]\nadmin = true\n'
+        'version = 1\n[tenants.tiny]\nquota = "1KiB"\n'
+        f'[[grants]]\nuid = {os.getuid()}\ntenants = ["*"]\nadmin = true\n'
     )
     with dev_sidecar(env={"KVOFFLOAD_POLICY": str(policy), "KVOFFLOAD_EVENTS_ENABLED": "1"}) as s:
         yield s
@@ -64,7 +65,7 @@ def _engine(model: Path, sc: DevSidecar, endpoint: str, **extra: Any) -> Engine:
     cfg = make_vllm_config(
         model,
         {
-            "tenant": "ev",
+            "tenant": extra.pop("tenant", "ev"),
             "socket_path": str(sc.socket_path),
             "chunk_tokens": CT,
             "staging_bytes": 1 << 20,
@@ -135,6 +136,34 @@ def test_vllm_publishes_storage_events_for_saved_and_purged_chunks(
                 a.step()  # idle steps still collect connector events
             consumer.poll(0.05)
         assert consumer.status("vllm").gaps == 0
+    finally:
+        a.close()
+        consumer.close()
+
+
+def test_no_storage_event_for_a_save_the_sidecar_refused(
+    tiny_model: Path, events_sidecar: DevSidecar
+) -> None:
+    """A tenant over its quota: the saves are rejected, vLLM's GPU events flow,
+    and not one STORAGE BlockStored is published."""
+    d = Path(tempfile.mkdtemp(prefix="kvev-", dir="/tmp"))
+    endpoint = f"ipc://{d}/vllm.pub"
+    consumer = EventConsumer([SourceSpec("vllm", endpoint, topic="kv@test@tiny")], idle_check_s=0)
+    a = _engine(tiny_model, events_sidecar, endpoint, tenant="tiny")
+    try:
+        prompt = [(17 * i + 3) % 997 for i in range(3 * CT + 7)]
+        ra = a.add(make_request("a", prompt))
+        a.run_to_completion([ra])
+        rb = a.add(make_request("b", [(5 * i) % 997 for i in range(2 * CT)]))
+        for _ in range(40):  # steps in which a late STORAGE event would be published
+            a.step()
+            consumer.poll(0.02)
+        a.run_to_completion([rb])
+        consumer.poll(0.2)
+        st = consumer.status("vllm")
+        assert st.batches > 0  # vLLM's stream is flowing (GPU events)
+        with consumer.lock:
+            assert consumer.view("vllm").hashes("STORAGE", "LOCAL") == frozenset()
     finally:
         a.close()
         consumer.close()

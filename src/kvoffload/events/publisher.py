@@ -145,19 +145,20 @@ class KVEventPublisher:
         self._pub: zmq.Socket[bytes] = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._bind(self._pub, endpoint)
-        self.endpoint = endpoint
+        #: The bound endpoint (``tcp://host:*`` resolved to its port).
+        self.endpoint = self._bind(self._pub, endpoint)
 
         self._routers: list[zmq.Socket[bytes]] = []
-        self.replay_endpoint = replay_endpoint
-        self.snapshot_endpoint = snapshot_endpoint or replay_endpoint
+        bound: dict[str, str] = {}
         for ep in dict.fromkeys(e for e in (replay_endpoint, snapshot_endpoint) if e):
             router: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
             # A whole replay or snapshot is queued, never dropped mid-stream.
             router.setsockopt(zmq.SNDHWM, 0)
             router.setsockopt(zmq.LINGER, 0)
-            self._bind(router, ep)
+            bound[ep] = self._bind(router, ep)
             self._routers.append(router)
+        self.replay_endpoint = bound.get(replay_endpoint or "")
+        self.snapshot_endpoint = bound.get(snapshot_endpoint or "") or self.replay_endpoint
         self._thread: threading.Thread | None = None
         if self._routers:
             self._thread = threading.Thread(
@@ -214,7 +215,7 @@ class KVEventPublisher:
 
     # -- sockets ------------------------------------------------------------------------
 
-    def _bind(self, sock: zmq.Socket[bytes], endpoint: str) -> None:
+    def _bind(self, sock: zmq.Socket[bytes], endpoint: str) -> str:
         if self._curve is not None:
             sock.curve_server = True
             sock.curve_publickey = self._curve.public_key
@@ -230,6 +231,8 @@ class KVEventPublisher:
             os.chmod(path, self._ipc_mode)
             if self._ipc_group is not None:
                 os.chown(path, -1, self._ipc_group)
+            return endpoint
+        return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
     def _serve(self) -> None:
         poller = zmq.Poller()

@@ -1,0 +1,132 @@
+"""Every way a chunk leaves the store is published: TTL expiry, a failed
+verification, an eviction for capacity, a purge; in-process store, real
+LMDB, real files, real ZMQ sockets."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+zmq = pytest.importorskip("zmq")
+
+from kvoffload import protocol as p  # noqa: E402
+from kvoffload.events.consumer import EventConsumer, Health, SourceSpec  # noqa: E402
+from kvoffload.layouts import v1  # noqa: E402
+from kvoffload.sidecar.config import EventsSettings  # noqa: E402
+from kvoffload.sidecar.events import SidecarEvents, start_events  # noqa: E402
+from kvoffload.sidecar.keyring import Kek  # noqa: E402
+from kvoffload.sidecar.policy import TenantPolicy  # noqa: E402
+from kvoffload.sidecar.store import Store, StoreConfig  # noqa: E402
+
+NS = b"\x01" * 32
+
+
+def _key(i: int) -> bytes:
+    return hashlib.blake2b(f"ev/{i}".encode(), digest_size=32).digest()
+
+
+def _blocks(i: int) -> p.EngineBlocks:
+    return p.EngineBlocks(tuple(i.to_bytes(4, "big") + bytes([j]) * 28 for j in range(2)), 16)
+
+
+class _Policy:
+    def __init__(self, off: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+        self.off = off
+
+    def tenant(self, tenant: str) -> TenantPolicy:
+        return TenantPolicy(events=tenant not in self.off)
+
+
+@pytest.fixture
+def wired(tmp_path: Path, kek_file: Path) -> Iterator[tuple[Store, SidecarEvents, EventConsumer]]:
+    store = Store(
+        StoreConfig(root=tmp_path / "store", durability="none", capacity_bytes=1 << 20),
+        Kek.from_file(kek_file),
+        create=True,
+    )
+    sock_dir = Path(tempfile.mkdtemp(prefix="kvev-st-", dir="/tmp"))
+    events = start_events(EventsSettings(enabled=True), store.index, _Policy, sock_dir / "k.sock")
+    store.events_hook = events
+    base = sock_dir
+    spec = SourceSpec(
+        "s", f"ipc://{base / 'kvevents.pub'}", f"ipc://{base / 'kvevents.replay'}", snapshots=True
+    )
+    consumer = EventConsumer([spec], request_timeout_s=5, idle_check_s=0)
+    try:
+        yield store, events, consumer
+    finally:
+        consumer.close()
+        store.events_hook = None
+        events.close()
+        store.close()
+
+
+def _put(store: Store, events: SidecarEvents, i: int, **kw: Any) -> None:
+    assert store.put("acme", NS, _key(i), [os.urandom(40_000)], **kw)
+    assert events.record("acme", _key(i), _blocks(i))
+
+
+def _held(consumer: EventConsumer) -> set[Any]:
+    for _ in range(200):
+        consumer.poll(0.02)
+        consumer.sync("s")
+        if consumer.status("s").health is Health.LIVE:
+            break
+    with consumer.lock:
+        return set(consumer.view("s").hashes("STORAGE", "LOCAL"))
+
+
+def test_expiry_corruption_eviction_and_purge_are_published(
+    wired: tuple[Store, SidecarEvents, EventConsumer],
+) -> None:
+    store, events, consumer = wired
+    _put(store, events, 1, ttl_s=0.05)
+    _put(store, events, 2)
+    _put(store, events, 3)
+    assert _held(consumer) == set(_blocks(1).hashes) | set(_blocks(2).hashes) | set(
+        _blocks(3).hashes
+    )
+    assert not events.record("acme", _key(3), _blocks(3))  # kept once, announced once
+    time.sleep(0.1)
+    assert store.expire() == 1
+    assert _held(consumer) == set(_blocks(2).hashes) | set(_blocks(3).hashes)
+    # A failed verification drops the chunk: published as removed.
+    path = store.root / v1.object_relpath("acme", _key(2))
+    raw = bytearray(path.read_bytes())
+    raw[-10] ^= 0xFF
+    path.chmod(0o600)
+    path.write_bytes(bytes(raw))
+    assert store.get("acme", _key(2)) is None
+    assert _held(consumer) == set(_blocks(3).hashes)
+    # Capacity: 1 MiB holds ~25 of these; older ones are evicted and published.
+    for i in range(10, 60):
+        _put_maybe(store, events, i)
+    held = _held(consumer)
+    present = {i for i in range(3, 60) if store.index.get("acme", _key(i)) is not None}
+    assert held == {h for i in present for h in _blocks(i).hashes}
+    assert 0 < len(present) < 50
+    store.purge_tenant("acme", wait=True)
+    assert _held(consumer) == set()
+
+
+def _put_maybe(store: Store, events: SidecarEvents, i: int) -> None:
+    if store.put("acme", NS, _key(i), [os.urandom(40_000)]):
+        events.record("acme", _key(i), _blocks(i))
+
+
+def test_a_tenant_with_events_off_is_not_kept_or_published(
+    wired: tuple[Store, SidecarEvents, EventConsumer],
+) -> None:
+    store, events, consumer = wired
+    events._policy = lambda: _Policy({"quiet"})  # type: ignore[assignment,return-value]
+    assert store.put("quiet", NS, _key(1), [b"x" * 1000])
+    assert not events.record("quiet", _key(1), _blocks(1))
+    assert store.index.get_blocks("quiet", _key(1)) is None
+    assert _held(consumer) == set()
