@@ -5,7 +5,9 @@ vLLM's real ``Scheduler`` (prefix caching, ``cache_salt``, its block hashes)
 over the CPU stand-in model runner of ``tests/e2e/standin``, publishes vLLM's
 own KV events with vLLM's own ZMQ publisher (``EventPublisherFactory``, as
 ``--kv-events-config`` would), and answers ``/v1/completions`` (token-id
-prompts), ``/health`` and ``/metrics`` over real HTTP. Each answer carries
+prompts), ``/health`` and ``/metrics`` over real HTTP (``POST /_control {"waiting": N}``
+adds N requests to what ``/metrics`` reports waiting). With ``--connector`` the
+kvoffload connector saves to and loads from a sidecar. Each answer carries
 ``usage.prompt_tokens_details.cached_tokens``: the tokens vLLM's own prefix
 cache served. Run as ``python -m tests.router.vllm_worker --name NAME
 --events ENDPOINT --replay ENDPOINT``; prints its port once listening.
@@ -17,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import json
 import sys
 import tempfile
 import threading
@@ -31,6 +34,7 @@ def main() -> None:
     ap.add_argument("--name", required=True)
     ap.add_argument("--events", required=True)
     ap.add_argument("--replay", required=True)
+    ap.add_argument("--connector", help="the kvoffload connector's extra_config, as JSON")
     args = ap.parse_args()
 
     from vllm import SamplingParams
@@ -45,7 +49,16 @@ def main() -> None:
 
     spec = TinyLlamaSpec(num_layers=2)
     model_dir = write_model_dir(spec, Path(tempfile.mkdtemp(prefix="tiny-llama-")))
-    driver = VllmSchedulerDriver(spec, model_dir, num_blocks=256, block_size=16)
+    conn = json.loads(args.connector) if args.connector else None
+    driver = VllmSchedulerDriver(
+        spec,
+        model_dir,
+        num_blocks=256,
+        block_size=16,
+        kv_connector=None if conn is None else "KVOffloadConnector",
+        kv_connector_module_path=None if conn is None else "kvoffload.integrations.vllm",
+        kv_connector_extra_config=conn,
+    )
     sched = driver.scheduler
     sched.kv_event_publisher = EventPublisherFactory.create(
         KVEventsConfig(
@@ -57,7 +70,12 @@ def main() -> None:
         0,
     )
     sched.kv_cache_manager.block_pool.enable_kv_cache_events = True
+    if conn is not None:
+        # The connector publishes its STORAGE events when vLLM's events are on, which
+        # the stand-in turns on after building the scheduler: tell the connector too.
+        sched.connector._scheduler._events.publish = True
     lock = threading.Lock()
+    extra = {"waiting": 0}
     ids = itertools.count()
 
     def generate(prompt: list[int], max_tokens: int, salt: str | None) -> dict[str, Any]:
@@ -86,6 +104,7 @@ def main() -> None:
             "usage": {
                 "prompt_tokens": len(prompt),
                 "prompt_tokens_details": {"cached_tokens": res.num_local_cached_tokens},
+                "external_cached_tokens": res.num_external_cached_tokens,
             },
         }
 
@@ -103,13 +122,18 @@ def main() -> None:
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(
             text=(
-                f"vllm:num_requests_waiting {len(sched.waiting)}\n"
+                f"vllm:num_requests_waiting {len(sched.waiting) + extra['waiting']}\n"
                 f"vllm:num_requests_running {len(sched.running)}\n"
                 f"vllm:kv_cache_usage_perc {sched.kv_cache_manager.usage}\n"
             )
         )
 
+    async def control(request: web.Request) -> web.Response:
+        extra.update(await request.json())
+        return web.json_response(extra)
+
     app = web.Application()
+    app.router.add_post("/_control", control)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -195,7 +195,10 @@ class RouterService:
                 self.router.set_worker_source(w.name, SourceState.STALE)
         for s in cfg.stores:
             if s.events is None:
-                self.router.set_store_source(s.name, SourceState.STALE)
+                # No feed of its own: what the router knows of it comes from the
+                # connectors' STORAGE events on the streams of the workers that read it.
+                fed = any(w.events for w in cfg.workers if w.node in s.nodes)
+                self.router.set_store_source(s.name, SourceState.LIVE if fed else SourceState.STALE)
         if any(w.events for w in cfg.workers) or any(s.events for s in cfg.stores):
             from .events import EventBridge, bridge_specs
 
