@@ -412,3 +412,12 @@ def test_each_node_of_a_shared_root_seals_within_its_share_of_a_deks_nonces(
     b.follow_journals()
     for i in range(12):  # every epoch still opens, on either node
         assert b.get("acme", key(i)) == layers(i)
+
+
+def test_the_event_feed_of_a_shared_root_is_remote_unless_told() -> None:
+    from kvoffload.sidecar.config import load_config
+
+    assert load_config(None, env={}).events.locality == "LOCAL"
+    assert load_config(None, env={"KVOFFLOAD_STORE_SHARED": "1"}).events.locality == "REMOTE"
+    told = {"KVOFFLOAD_STORE_SHARED": "1", "KVOFFLOAD_EVENTS_LOCALITY": "local"}
+    assert load_config(None, env=told).events.locality == "LOCAL"

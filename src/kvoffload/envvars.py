@@ -196,7 +196,13 @@ REGISTRY: tuple[EnvVar, ...] = (
     _cfg("events", "snapshot_endpoint", "endpoint", "(none)", "[events] snapshot_endpoint."),
     _cfg("events", "topic", "str", "kv@<host>@kvoffload", "[events] topic."),
     _cfg("events", "buffer", "int", "100000", "[events] buffer: batches kept for replay."),
-    _cfg("events", "locality", "LOCAL|REMOTE", "LOCAL", "[events] locality of the store."),
+    _cfg(
+        "events",
+        "locality",
+        "LOCAL|REMOTE",
+        "(REMOTE if shared)",
+        "[events] locality of the store; REMOTE when [store] shared, else LOCAL.",
+    ),
     _cfg("events", "curve_key_file", "path", "(none)", "[events] curve_key_file (TCP)."),
     # `kvoffload router` (kvoffload.router.config): its own file, its own [router] keys.
     EnvVar("KVOFFLOAD_ROUTER_CONFIG", "path", "(none)", "The router's config file.", "router"),

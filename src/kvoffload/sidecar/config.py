@@ -45,7 +45,7 @@ File format (every key optional; unknown keys are errors)::
     snapshot_endpoint = ""                 # a separate ROUTER for snapshots (optional)
     topic = "kv@<host>@kvoffload"
     buffer = 100000                        # batches kept for replay (in the index)
-    locality = "LOCAL"                     # REMOTE for a store root shared by nodes
+    locality = "LOCAL"                     # default: REMOTE when [store] shared, else LOCAL
     curve_key_file = ""                    # TCP only: Z85 public + secret key, one a line
 
 Environment: ``KVOFFLOAD_CONFIG`` (file path) and one variable per key,
@@ -209,7 +209,7 @@ class Config:
     events_snapshot_endpoint: str | None = None
     events_topic: str | None = None
     events_buffer: int = DEFAULT_EVENTS_BUFFER
-    events_locality: str = "LOCAL"
+    events_locality: str = ""  # "": REMOTE when [store] shared, else LOCAL
     events_curve_key_file: Path | None = None
     dev: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -274,7 +274,7 @@ class Config:
             self.events_snapshot_endpoint,
             self.events_topic,
             self.events_buffer,
-            self.events_locality,
+            self.events_locality or ("REMOTE" if self.shared else "LOCAL"),
             self.events_curve_key_file,
         )
 
