@@ -1101,6 +1101,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="object, batch, none; repeat or comma-separate (default: object,none)",
     )
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of seconds")
+    p.add_argument(
+        "--events",
+        action="store_true",
+        help="also the KV-event rows: save throughput with events on vs off (32 MiB chunks, "
+        "same run) and the batches/s the publisher sustains (scripts/bench_events.py)",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument(
         "--shapes", default="large,small", help="comma-separated: large, small (default both)"
@@ -1181,6 +1187,41 @@ def _git_state() -> str:
         if ln.strip() and not ln.startswith("unknown")
     ]
     return f"git {head}" + (f" + uncommitted changes in {', '.join(files)}" if files else "")
+
+
+def _events_rows(console: Console, quick: bool) -> dict[str, float]:
+    """The KV-event rows (issue bound: events cost at most 5 % of saves of 32 MiB)."""
+    import bench_events
+
+    chunk_mib, chunks, batches = (2, 4, 2000) if quick else (32, 16, 20_000)
+    saves = bench_events.bench_saves(chunk_mib, chunks, 16)
+    pub = bench_events.bench_publisher(batches, 16)
+    cost = 100.0 * (1 - saves["on"] / saves["off"])
+    t = Table(title=f"KV events (same run; {chunk_mib} MiB chunks, 16 engine blocks each)")
+    for col in ("row", "value", "peer / ceiling", "bound"):
+        t.add_column(col)
+    t.add_row("save, events off (median MB/s)", f"{saves['off'] / 1e6:.0f}", "-", "-")
+    t.add_row(
+        "save, events on (median MB/s)",
+        f"{saves['on'] / 1e6:.0f}",
+        f"off: {saves['off'] / 1e6:.0f}",
+        "-",
+    )
+    t.add_row("events' cost on saves", f"{cost:.1f} %", "-", "<= 5 %")
+    t.add_row(
+        "publisher, durable buffer (batches/s)",
+        f"{pub['index']:.0f}",
+        f"memory buffer: {pub['memory']:.0f}",
+        "-",
+    )
+    console.print(t)
+    return {
+        "save_off_bps": saves["off"],
+        "save_on_bps": saves["on"],
+        "cost_pct": cost,
+        "publisher_durable_bps": pub["index"],
+        "publisher_memory_bps": pub["memory"],
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1281,6 +1322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.profile is not None:
         facts["WARNING"] = "--profile: every row ran under cProfile; the numbers are not valid"
     render(console, facts, shapes, bench.results, bench.latencies)
+    events_doc = _events_rows(console, args.quick) if args.events else None
     if args.profile is not None:
         if client_prof is not None:
             client_prof.dump_stats(str(args.profile / "client.prof"))
@@ -1309,6 +1351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "ceilings": [r.to_json() for r in bench.results if r.kind == "ceiling"],
             "rows": [r.to_json() for r in bench.results if r.kind == "kvoffload"],
             "latency": [lt.to_json() for lt in bench.latencies],
+            "events": events_doc,
         }
         args.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     return 0

@@ -217,8 +217,12 @@ SIDECAR_ROWS = (
 
 @pytest.mark.slow
 def test_bench_sidecar_quick_writes_every_row_and_stops_its_sidecars(tmp_path: Path) -> None:
-    stdout, doc, work = run_quick(SIDECAR_SCRIPT, tmp_path)
+    stdout, doc, work = run_quick(SIDECAR_SCRIPT, tmp_path, "--events")
     assert "kvoffload sidecar" in stdout
+    ev = doc["events"]  # the KV-event rows, same run
+    assert ev["save_off_bps"] > 0 and ev["save_on_bps"] > 0
+    assert ev["publisher_durable_bps"] > 0 and ev["publisher_memory_bps"] > 0
+    assert "events' cost on saves" in stdout
 
     rows = {r["id"]: r for r in doc["rows"]}
     ceilings = {r["id"]: r for r in doc["ceilings"]}
