@@ -363,6 +363,73 @@ def dev_sidecar(env: Mapping[str, str] | None = None) -> Iterator[DevSidecar]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+@dataclasses.dataclass
+class SharedNode:
+    """One node's sidecar on a store root shared with other nodes (``[store]
+    shared``): its own index, socket and config under ``workdir``."""
+
+    name: str
+    workdir: Path
+    config: Path
+    proc: Sidecar | None = None
+
+    @property
+    def socket_path(self) -> Path:
+        return self.workdir / "kvo.sock"
+
+    def start(self) -> None:
+        self.proc = Sidecar(
+            self.workdir,
+            self.socket_path,
+            Sidecar.serve_argv("--config", str(self.config), "serve"),
+        )
+        self.proc.start().wait_ready()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+            self.proc = None
+
+    def stats(self) -> dict[str, Any]:
+        assert self.proc is not None
+        return self.proc.stats()
+
+
+@contextlib.contextmanager
+def shared_root_sidecars(
+    base: Path, roots: Sequence[Path], *, journal_poll: str = "100ms"
+) -> Iterator[list[SharedNode]]:
+    """One sidecar per root path (the same root, through one client per node or
+    one directory), all ``shared = true``, one KEK, a policy granting this uid
+    every tenant. ``base`` must be short (socket paths); started in order."""
+    kek = base / "kek"
+    kek.write_bytes(os.urandom(32))
+    kek.chmod(0o600)
+    policy = base / "policy.toml"
+    policy.write_text(f'version = 1\n\n[[grants]]\nuid = {os.getuid()}\ntenants = ["*"]\n')
+    nodes: list[SharedNode] = []
+    try:
+        for i, root in enumerate(roots):
+            name = chr(ord("a") + i)
+            wd = base / name
+            wd.mkdir()
+            cfg = wd / "kvoffload.toml"
+            cfg.write_text(
+                f'[store]\nroot = "{root}"\nindex_dir = "{wd}/index"\ndurability = "batch"\n'
+                f'shared = true\njournal_poll = "{journal_poll}"\n\n'
+                f'[server]\nsocket = "{wd}/kvo.sock"\n\n'
+                f'[security]\nkek_file = "{kek}"\npolicy = "{policy}"\n'
+            )
+            node = SharedNode(name, wd, cfg)
+            nodes.append(node)
+            node.start()
+        yield nodes
+    finally:
+        for n in nodes:
+            with contextlib.suppress(Exception):
+                n.stop()
+
+
 class Procs:
     """Every process a test starts; the fixture kills what is still running."""
 

@@ -14,19 +14,16 @@ suffix and match a full recompute: tokens, every logit, every KV byte.
 from __future__ import annotations
 
 import contextlib
-import os
+import shutil
 import tempfile
-import textwrap
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from ..sharedfs import juice_volume, juicefs_unavailable
-from ..sidecar_proc import Sidecar, wait_until
+from ..sidecar_proc import SharedNode, shared_root_sidecars, wait_until
 from .standin import requires_transformers, requires_vllm, write_model_dir
 from .test_reuse_across_processes import (
     PROMPT_A_TOKENS,
@@ -43,37 +40,6 @@ from .test_reuse_across_processes import (
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, requires_transformers, requires_vllm]
 
-NAMES = ("a", "b", "c")
-
-
-@dataclass
-class Node:
-    name: str
-    workdir: Path
-    config: Path
-    proc: Sidecar | None = None
-
-    @property
-    def socket_path(self) -> Path:
-        return self.workdir / "kvo.sock"
-
-    def start(self) -> None:
-        self.proc = Sidecar(
-            self.workdir,
-            self.socket_path,
-            Sidecar.serve_argv("--config", str(self.config), "serve"),
-        )
-        self.proc.start().wait_ready()
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.stop()
-            self.proc = None
-
-    def stats(self) -> dict[str, Any]:
-        assert self.proc is not None
-        return self.proc.stats()
-
 
 @contextlib.contextmanager
 def _roots(base: Path) -> Iterator[list[Path]]:
@@ -86,56 +52,18 @@ def _roots(base: Path) -> Iterator[list[Path]]:
 
 
 @pytest.fixture(scope="module")
-def nodes() -> Iterator[list[Node]]:
+def nodes() -> Iterator[list[SharedNode]]:
     pytest.importorskip("kvoffload.integrations.vllm", reason="the vLLM connector is absent")
     base = Path(tempfile.mkdtemp(prefix="kvo-xnode-", dir="/tmp"))  # short socket paths
-    kek = base / "kek"
-    kek.write_bytes(os.urandom(32))
-    kek.chmod(0o600)
-    policy = base / "policy.toml"
-    policy.write_text(f'version = 1\n\n[[grants]]\nuid = {os.getuid()}\ntenants = ["*"]\n')
-    out: list[Node] = []
     try:
-        with _roots(base) as roots:
-            for name, root in zip(NAMES, roots, strict=True):
-                wd = base / name
-                wd.mkdir()
-                cfg = wd / "kvoffload.toml"
-                cfg.write_text(
-                    textwrap.dedent(
-                        f"""\
-                        [store]
-                        root = "{root}"
-                        index_dir = "{wd}/index"
-                        durability = "batch"
-                        shared = true
-                        journal_poll = "100ms"
-
-                        [server]
-                        socket = "{wd}/kvo.sock"
-
-                        [security]
-                        kek_file = "{kek}"
-                        policy = "{policy}"
-                        """
-                    )
-                )
-                out.append(Node(name, wd, cfg))
-            out[0].start()  # a creates the root
-            for n in out[1:]:
-                n.start()
-            yield out
+        with _roots(base) as roots, shared_root_sidecars(base, roots) as started:
+            yield started
     finally:
-        for n in out:
-            with contextlib.suppress(Exception):
-                n.stop()
-        import shutil
-
         shutil.rmtree(base, ignore_errors=True)
 
 
 def test_a_prefix_saved_on_one_node_is_reused_on_two_others(
-    nodes: list[Node], tmp_path_factory: pytest.TempPathFactory
+    nodes: list[SharedNode], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     a, b, c = nodes
     model_dir = write_model_dir(SPEC, tmp_path_factory.mktemp("model"))
@@ -148,7 +76,7 @@ def test_a_prefix_saved_on_one_node_is_reused_on_two_others(
     assert saved["a"]["runs"]["a"]["num_external_cached_tokens"] == 0
     chunks = SHARED // 32
 
-    def indexed(n: Node) -> int:
+    def indexed(n: SharedNode) -> int:
         return int(n.stats()["chunks"])
 
     # b learns of a's chunks from a's journal (its own index), within the discovery delay.

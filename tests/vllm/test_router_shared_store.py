@@ -1,12 +1,14 @@
-"""End to end with the store tier: an overloaded holder loses to an idle worker that loads the
-prefix from the sidecar's store, and what it answers equals a recompute.
+"""End to end with the shared store tier: an overloaded holder loses to an idle worker on
+another node that loads the prefix from the store root both nodes share, and what it
+answers equals a recompute.
 
 Workers: tests/router/vllm_worker.py (a stand-in for vLLM's API server over
 vLLM 0.33's real scheduler and the CPU stand-in runner) with the kvoffload
-connector to one real sidecar process (both workers on one node, reading its
-store); the connector's STORAGE events reach the router on each worker's vLLM
-event stream. A third worker without connector, outside the router, gives the
-recompute.
+connector, each to its own node's real sidecar process; the two sidecars share
+one store root (``[store] shared``, each with its own index, learning the
+other's chunks from its journal). The connectors' STORAGE REMOTE events reach
+the router on each worker's vLLM event stream. A third worker without
+connector, outside the router, gives the recompute.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ pytest.importorskip("kvoffload.integrations.vllm")
 
 from tests.router.procs import RouterProc, Worker, request
 from tests.router.test_proxy import wait_until
-from tests.sidecar_proc import dev_sidecar
+from tests.sidecar_proc import shared_root_sidecars
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -59,34 +61,40 @@ def test_an_idle_worker_loads_the_prefix_from_the_store_and_matches_a_recompute(
 ) -> None:
     workers: list[Worker] = []
     router: RouterProc | None = None
-    with dev_sidecar() as sidecar:
-        conn = json.dumps(
-            {
-                "tenant": f"t-{uuid.uuid4().hex[:12]}",
-                "socket_path": str(sidecar.socket_path),
-                "chunk_tokens": 32,
-                "model_revision": "tiny-llama-l2@seed0",
-                "attention_backend": "STANDIN_CPU_EAGER",
-                "tokenizer_hash": "tiny-vocab-512",
-                "load_mode": "sync",
-                "save_mode": "sync",
-                "timeout_s": 30.0,
-            }
-        )
+    root = ipc_dir / "root"
+    with shared_root_sidecars(ipc_dir, [root, root]) as sidecars:
+        tenant = f"t-{uuid.uuid4().hex[:12]}"
+
+        def conn(node: int) -> str:
+            return json.dumps(
+                {
+                    "tenant": tenant,
+                    "socket_path": str(sidecars[node].socket_path),
+                    "chunk_tokens": 32,
+                    "model_revision": "tiny-llama-l2@seed0",
+                    "attention_backend": "STANDIN_CPU_EAGER",
+                    "tokenizer_hash": "tiny-vocab-512",
+                    "load_mode": "sync",
+                    "save_mode": "sync",
+                    "timeout_s": 30.0,
+                    "events_locality": "REMOTE",
+                }
+            )
+
         try:
             lines = ['[router]\nhealth_interval = "60s"\nmetrics_interval = "0.2s"']
-            for name in ("w0", "w1", "ref"):
+            for i, name in enumerate(("w0", "w1", "ref")):
                 pub, rep = f"ipc://{ipc_dir}/{name}-pub", f"ipc://{ipc_dir}/{name}-rep"
                 args = ("--events", pub, "--replay", rep)
                 if name != "ref":
-                    args = (*args, "--connector", conn)
+                    args = (*args, "--connector", conn(i))
                 workers.append(Worker(name, "tests.router.vllm_worker", args, start_timeout_s=240))
                 if name != "ref":
                     lines.append(
-                        f'[[workers]]\nname = "{name}"\nurl = "{workers[-1].url}"\nnode = "n0"\n'
+                        f'[[workers]]\nname = "{name}"\nurl = "{workers[-1].url}"\nnode = "n{i}"\n'
                         f'events = "{pub}"\nevents_replay = "{rep}"'
                     )
-            lines.append('[[stores]]\nname = "n0-store"\nnodes = ["n0"]')
+            lines.append('[[stores]]\nname = "root"\nnodes = ["n0", "n1"]\nshared = true')
             cfg = tmp_path / "router.toml"
             cfg.write_text("\n".join(lines) + "\n", encoding="utf-8")
             router = RouterProc(cfg, tmp_path / "router.log")
@@ -104,9 +112,10 @@ def test_an_idle_worker_loads_the_prefix_from_the_store_and_matches_a_recompute(
                 got: dict[str, Any] = json.loads(body)["workers"]
                 return got
 
-            # The holder's GPU (vLLM's events) and the node's store (the connector's
-            # STORAGE events once the sidecar has the chunks) both reach the router.
-            wait_until(lambda: terms()[idle]["storage_local"] == 160, "the store's chunks", 60)
+            # The holder's GPU (vLLM's events) and the shared root (the connector's
+            # STORAGE REMOTE events once the sidecar has the chunks) both reach the
+            # router: the idle worker, on the other node, is credited with the root's.
+            wait_until(lambda: terms()[idle]["storage_remote"] == 160, "the root's chunks", 60)
             assert terms()[holder]["gpu"] == 160
 
             busy = next(w for w in workers if w.name == holder)
@@ -116,7 +125,7 @@ def test_an_idle_worker_loads_the_prefix_from_the_store_and_matches_a_recompute(
 
             out, where = answer(router.port, PROMPT)
             assert where == idle
-            assert out["usage"]["external_cached_tokens"] == 160  # loaded from the store
+            assert out["usage"]["external_cached_tokens"] == 160  # loaded from the shared root
             ref = next(w for w in workers if w.name == "ref")
             recompute, _ = answer(ref.port, PROMPT)
             assert recompute["usage"]["external_cached_tokens"] == 0
