@@ -67,7 +67,7 @@ class JuiceVolume:
             "format", "--storage", "file", "--bucket", f"{self.bucket}/", self.meta, self.name
         )
 
-    def mount(self, node: str) -> Path:
+    def mount(self, node: str, *options: str) -> Path:
         mnt = self.base / f"node-{node}"
         mnt.mkdir(parents=True, exist_ok=True)
         self._run(
@@ -78,6 +78,7 @@ class JuiceVolume:
             "--log",
             str(self.base / f"{node}.log"),
             "--no-usage-report",
+            *options,
         )
         deadline = time.monotonic() + 30
         while not os.path.ismount(mnt):
@@ -99,12 +100,21 @@ class JuiceVolume:
         self.mounts.clear()
 
 
+#: A client that caches no names or attributes: what it lists is the volume's truth.
+NO_CACHE = ("--attr-cache", "0", "--entry-cache", "0", "--dir-entry-cache", "0")
+
+
 @contextlib.contextmanager
-def juice_volume(base: Path, nodes: int) -> Iterator[list[Path]]:
-    """A fresh volume mounted ``nodes`` times; unmounted on the way out."""
+def juice_volume(base: Path, nodes: int, *, observer: bool = False) -> Iterator[list[Path]]:
+    """A fresh volume mounted ``nodes`` times (default client caches, as nodes
+    run), plus with ``observer`` one more mount, last, that caches nothing (to
+    measure what is really there); unmounted on the way out."""
     vol = JuiceVolume(base)
     vol.format()
     try:
-        yield [vol.mount(chr(ord("a") + i)) for i in range(nodes)]
+        mounts = [vol.mount(chr(ord("a") + i)) for i in range(nodes)]
+        if observer:
+            mounts.append(vol.mount("observer", *NO_CACHE))
+        yield mounts
     finally:
         vol.unmount_all()

@@ -20,7 +20,8 @@
     ├── LayoutError                         the on-disk layout layer
     │   ├── UnknownLayoutVersion            a version this build does not implement
     │   └── CorruptObject                   an object fails a structural or integrity check
-    │       └── ObjectMismatch              valid, but not the object asked for
+    │       ├── ObjectMismatch              valid, but not the object asked for
+    │       └── UnknownKeyEpoch             sealed under a DEK epoch the reader's keys lack
     ├── JournalError                        a shared root's node journal or lease file is damaged
     ├── KeyringError                        wrong KEK, corrupt or unknown key file, key I/O
     ├── IndexFailure                        the LMDB index cannot be opened, read or written
@@ -88,6 +89,7 @@ __all__ = [
     "TransportClosed",
     "TransportError",
     "TransportTimeout",
+    "UnknownKeyEpoch",
     "UnknownLayoutVersion",
     "UnknownTenant",
 ]
@@ -270,6 +272,12 @@ class CorruptObject(LayoutError):
 
 class ObjectMismatch(CorruptObject):
     """A structurally valid object that is not the one requested (e.g. swapped files)."""
+
+
+class UnknownKeyEpoch(CorruptObject):
+    """A sealed object under a DEK epoch the reader's copy of the tenant's keys lacks:
+    purged, forged, or newer than that copy (another node rotated, and this one
+    does not see the new key file yet). A miss; the file is left in place."""
 
 
 class JournalError(KVOffloadError):

@@ -11,6 +11,7 @@ from .errors import (
     CorruptObject,
     LayoutError,
     ObjectMismatch,
+    UnknownKeyEpoch,
     UnknownLayoutVersion,
 )
 from .store_root import (
@@ -36,6 +37,7 @@ __all__ = [
     "LayoutInfo",
     "Migration",
     "ObjectMismatch",
+    "UnknownKeyEpoch",
     "UnknownLayoutVersion",
     "create_root",
     "migrations",

@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
-from kvoffload.errors import CorruptObject, LayoutError, ObjectMismatch, UnknownLayoutVersion
+from kvoffload.errors import (
+    CorruptObject,
+    LayoutError,
+    ObjectMismatch,
+    UnknownKeyEpoch,
+    UnknownLayoutVersion,
+)
 
-__all__ = ["CorruptObject", "LayoutError", "ObjectMismatch", "UnknownLayoutVersion"]
+__all__ = [
+    "CorruptObject",
+    "LayoutError",
+    "ObjectMismatch",
+    "UnknownKeyEpoch",
+    "UnknownLayoutVersion",
+]

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import xxhash
 
-from .errors import CorruptObject, ObjectMismatch, UnknownLayoutVersion
+from .errors import CorruptObject, ObjectMismatch, UnknownKeyEpoch, UnknownLayoutVersion
 
 VERSION = 1
 MAGIC = b"KVOFFOBJ"
@@ -512,7 +512,7 @@ def open_into(
         raise ObjectMismatch(f"object holds {h.payload_size} bytes, {len(out)} expected")
     aead = aead_for_epoch(h.key_epoch) if h.sealed else None
     if h.sealed and aead is None:
-        raise CorruptObject(f"no key for epoch {h.key_epoch} (purged or unknown)")
+        raise UnknownKeyEpoch(f"no key for epoch {h.key_epoch} (purged, unknown or newer)")
     hl = header_length(len(h.layers))
     if not _is_zero(buf[hl : h.data_offset]):
         raise CorruptObject("non-zero padding after header")

@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvoffload.errors import IndexFailure, StoreKeyError
 
-from ...layouts import LayoutInfo, UnknownLayoutVersion, v1
+from ...layouts import LayoutInfo, UnknownKeyEpoch, UnknownLayoutVersion, v1
 from ..errors import StoreIOError
 from ..fileio import Durability, ScratchBuffers
 from ..index import ChunkRecord, Index
@@ -354,6 +354,11 @@ class StoreBase:
         elif isinstance(exc, UnknownLayoutVersion):
             log.warning("chunk %s: %s", key.hex()[:16], exc)
             self._miss(tenant, key, "unknown-version", remove_file=False)
+        elif isinstance(exc, UnknownKeyEpoch):
+            # Maybe only newer than the key file this node can see yet (a shared
+            # root's client caches): never quarantine a possibly valid object.
+            log.info("chunk %s of %s: %s", key.hex()[:16], tenant, exc)
+            self._miss(tenant, key, "unknown-key-epoch", remove_file=False)
         elif isinstance(exc, OSError):
             self._unreadable(tenant, key, exc)
         else:

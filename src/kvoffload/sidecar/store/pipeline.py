@@ -85,7 +85,7 @@ class Pipeline(Maintenance):
         if self._shared is not None:
             # Every node of a shared root seals under the same DEK epochs, and no
             # node sees the others' counts: each gets a share of the bound
-            # (shared-root-v1.md §5), and counts from a fresh epoch of its own.
+            # (shared-root-v1.md §5).
             limit //= SHARED_NONCE_SHARES
         block = max(segments, min(SEAL_COUNT_BLOCK, limit // 4))
         with self._mu:
@@ -96,13 +96,9 @@ class Pipeline(Maintenance):
                     return epoch
                 name = f"seal_count/{tenant}/{epoch}"
                 raw = self.index.get_meta(name)
-                if raw is None and (
-                    self.index.get_meta(SEAL_COUNTS_LOST) is not None or self._shared is not None
-                ):
-                    # The index was rebuilt, or (a shared root) this node has not
-                    # sealed under this epoch before, which other nodes may have
-                    # used: its count here is unknown. A fresh epoch's is not (it
-                    # starts at 0).
+                if raw is None and self.index.get_meta(SEAL_COUNTS_LOST) is not None:
+                    # The index was rebuilt: this epoch's count is unknown. A fresh
+                    # epoch's is not (it starts at 0).
                     epoch = self.keyring.rotate_dek(tenant)
                     self.index.set_meta(f"seal_count/{tenant}/{epoch}", b"0")
                     continue
