@@ -50,7 +50,7 @@ def test_every_op_round_trips() -> None:
             "acme", key(1), NS, 123, payload=100, key_epoch=3, num_layers=32, expires_ns=99
         ),
         JournalRecord.touch("acme", key(1)),
-        JournalRecord.remove("acme", key(1), Reason.EVICTED),
+        JournalRecord.remove("acme", key(1), Reason.EVICTED, lease_epoch=7),
         JournalRecord.purge_tenant("t.b-c_d"),
         JournalRecord.purge_namespace("acme", NS),
     ]

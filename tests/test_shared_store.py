@@ -425,3 +425,62 @@ def test_the_event_feed_of_a_shared_root_is_remote_unless_told() -> None:
     assert load_config(None, env={"KVOFFLOAD_STORE_SHARED": "1"}).events.locality == "REMOTE"
     told = {"KVOFFLOAD_STORE_SHARED": "1", "KVOFFLOAD_EVENTS_LOCALITY": "local"}
     assert load_config(None, env=told).events.locality == "LOCAL"
+
+
+def test_a_kek_rotated_on_one_node_is_picked_up_by_nodes_given_the_new_kek(
+    tmp_path: Path,
+) -> None:
+    import os
+    import shutil
+    import time
+
+    from kvoffload.errors import StoreError
+
+    old = os.urandom(32)
+    new = os.urandom(32)
+    kek_files = {}
+    for n in ("a", "b", "c"):
+        f = tmp_path / f"kek-{n}"
+        f.write_bytes(old)
+        f.chmod(0o600)
+        kek_files[n] = f
+
+    def node(n: str) -> Store:
+        cfg = StoreConfig(
+            root=tmp_path / "root",
+            index_dir=tmp_path / f"index-{n}",
+            durability="none",  # type: ignore[arg-type]
+            shared=True,
+            journal_poll_s=3600,
+            key_cache_ttl_s=0.0,  # every read goes to the key file
+        )
+        return Store(cfg, Kek.from_file(kek_files[n]), create=True)
+
+    a, b, c = node("a"), node("b"), node("c")
+    try:
+        a.put("acme", NS, key(1), layers(1))
+        b.follow_journals()
+        c.follow_journals()
+        # The roll-out: the new KEK goes to a's and b's credential files; a rotates.
+        new_file = tmp_path / "kek-new"
+        new_file.write_bytes(new)
+        new_file.chmod(0o600)
+        shutil.copy(new_file, kek_files["b"])
+        a.rotate_kek(Kek.from_file(new_file))
+        time.sleep(0.01)
+        # b reads key files wrapped by the new KEK: it re-reads its KEK file.
+        assert b.get("acme", key(1)) == layers(1)
+        b.put("acme", NS, key(2), layers(2))  # and wraps with it from now on
+        a.follow_journals()
+        assert a.get("acme", key(2)) == layers(2)
+        # c kept only the old KEK: a miss, never an exception, never bytes.
+        assert c.get("acme", key(1)) is None
+        c.close()
+        # ...and once the rotation is complete it is refused at open, both ids named.
+        with pytest.raises(StoreError) as exc:
+            node("c")
+        assert Kek.from_file(kek_files["c"]).key_id in str(exc.value)
+        assert Kek.from_file(new_file).key_id in str(exc.value)
+    finally:
+        for s in (a, b):
+            s.close()

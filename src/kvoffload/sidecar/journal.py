@@ -135,8 +135,11 @@ class JournalRecord:
         return cls(Op.TOUCH, tenant, time.time_ns(), key)
 
     @classmethod
-    def remove(cls, tenant: str, key: bytes, reason: Reason) -> JournalRecord:
-        return cls(Op.REMOVE, tenant, time.time_ns(), key, reason=reason)
+    def remove(
+        cls, tenant: str, key: bytes, reason: Reason, *, lease_epoch: int = 0
+    ) -> JournalRecord:
+        """``lease_epoch``: for an eviction, the evictor lease epoch it was made under."""
+        return cls(Op.REMOVE, tenant, time.time_ns(), key, reason=reason, grant_epoch=lease_epoch)
 
     @classmethod
     def purge_tenant(cls, tenant: str) -> JournalRecord:
@@ -177,8 +180,10 @@ def encode_record(rec: JournalRecord) -> bytes:
             _u64("expires", rec.expires_ns),
             _u64("grant epoch", rec.grant_epoch),
         )
-    elif rec.op in (Op.TOUCH, Op.REMOVE):
+    elif rec.op is Op.TOUCH:
         body += rec.key
+    elif rec.op is Op.REMOVE:
+        body += rec.key + struct.pack("<Q", _u64("lease epoch", rec.grant_epoch))
     elif rec.op is Op.PURGE_NAMESPACE:
         if len(rec.namespace) != KEY_SIZE:
             raise ValueError(f"PURGE_NAMESPACE needs a {KEY_SIZE}-byte namespace")
@@ -211,10 +216,17 @@ def _decode_body(body: bytes) -> JournalRecord:
         return JournalRecord(
             op, tenant, time_ns, key, ns, size, expires, reason, payload, epoch, layers, grant
         )
-    if op in (Op.TOUCH, Op.REMOVE):
+    if op is Op.TOUCH:
         if len(rest) != KEY_SIZE:
-            raise JournalError(f"{op.name} record of the wrong size")
+            raise JournalError("TOUCH record of the wrong size")
         return JournalRecord(op, tenant, time_ns, bytes(rest), reason=reason)
+    if op is Op.REMOVE:
+        if len(rest) != KEY_SIZE + 8:
+            raise JournalError("REMOVE record of the wrong size")
+        (lease_epoch,) = struct.unpack_from("<Q", rest, KEY_SIZE)
+        return JournalRecord(
+            op, tenant, time_ns, bytes(rest[:KEY_SIZE]), reason=reason, grant_epoch=lease_epoch
+        )
     if op is Op.PURGE_NAMESPACE:
         if len(rest) != KEY_SIZE:
             raise JournalError("PURGE_NAMESPACE record of the wrong size")

@@ -122,6 +122,10 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+class _UnknownKek(KeyringError):
+    """A key file wrapped by a KEK this keyring does not hold (rotated elsewhere)."""
+
+
 def decode_record(
     tenant: str, path: Path, data: bytes, keks: Mapping[str, Kek], current_kek_id: str
 ) -> _Record:
@@ -153,7 +157,7 @@ def decode_record(
     if kek is None:
         others = [k for k in keks if k != current_kek_id]
         also = f" (previous KEKs: {', '.join(others)})" if others else ""
-        raise KeyringError(
+        raise _UnknownKek(
             f"key file {path} wrapped by KEK {kek_id}, loaded KEK is {current_kek_id}{also}"
         )
     created = _timestamp(doc["created"], bad, "created")

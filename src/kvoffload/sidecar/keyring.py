@@ -46,6 +46,7 @@ from .keyfile import (
     TenantKeys,
     _now,
     _Record,
+    _UnknownKek,
     decode_record,
     encode_record,
 )
@@ -66,6 +67,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: At most one re-read of the KEK file per this many seconds (key files wrapped by
+#: a KEK this keyring does not hold: a rotation on another node).
+KEK_REREAD_INTERVAL_S = 5.0
 
 KEY_SUFFIX = ".key"
 LOCK_NAME = ".lock"
@@ -135,6 +140,8 @@ class Keyring:
         self._clock = clock
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[float, TenantKeys]] = {}
+        self._kek_checked = float("-inf")
+        self._kek_lock = threading.Lock()
         self._warned_no_flock = False
         for k in self._keks.values():
             self._check_kek_location(k)
@@ -469,11 +476,49 @@ class Keyring:
                 if len(data) > _MAX_KEY_FILE:
                     raise KeyringError(f"key file {path} is larger than {_MAX_KEY_FILE} bytes")
                 return decode_record(tenant, path, data, self._keks, self._kek.key_id)
+            except _UnknownKek:
+                # Rotated by another node of a shared root: this node's KEK file
+                # may hold the new KEK already (the operator's roll-out).
+                if self._pick_up_kek():
+                    return decode_record(tenant, path, data, self._keks, self._kek.key_id)
+                if attempt + 1 < _READ_ATTEMPTS and not _still_names(path, st):
+                    continue
+                raise
             except KeyringError:
                 if attempt + 1 < _READ_ATTEMPTS and not _still_names(path, st):
                     continue
                 raise
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _pick_up_kek(self) -> bool:
+        """Re-read the KEK file this keyring's KEK came from (at most once per
+        :data:`KEK_REREAD_INTERVAL_S`); a KEK it does not hold yet becomes the
+        current one, the former ones still read. Whether one was picked up."""
+        source = self._kek.source
+        now = self._clock()
+        if source is None or now - self._kek_checked < KEK_REREAD_INTERVAL_S:
+            return False
+        self._kek_checked = now
+        try:
+            fresh = Kek.from_file(source)
+        except KeyringError as exc:
+            log.warning("re-reading the KEK file after a rotation elsewhere: %s", exc)
+            return False
+        # Not self._lock: get() holds it around _load (it is not reentrant).
+        with self._kek_lock:
+            if fresh.key_id in self._keks:
+                return False
+            previous = self._kek.key_id
+            self._keks = {fresh.key_id: fresh, **self._keks}
+            self._kek = fresh
+        self._cache = {}
+        log.warning(
+            "KEK %s picked up from %s (key files rotated away from KEK %s elsewhere)",
+            fresh.key_id,
+            source,
+            previous,
+        )
+        return True
 
     @staticmethod
     def _tmp_name(tenant: str) -> str:

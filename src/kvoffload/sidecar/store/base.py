@@ -33,7 +33,7 @@ from ..errors import StoreIOError
 from ..fileio import Durability, ScratchBuffers
 from ..index import ChunkRecord, Index
 from ..iobackend import IOBackend, IOMode, IOPlan
-from ..journal import JournalRecord
+from ..journal import JournalRecord, Reason
 from ..keyring import Keyring, KeyringError, TenantKeys
 from .audit import AuditLog
 from .retention import RetentionJournal
@@ -226,7 +226,9 @@ class StoreBase:
             if remove_file and self._shared is not None:
                 jr = REMOVE_REASONS.get(reason)
                 if jr is not None:
-                    self._shared.journal([JournalRecord.remove(tenant, key, jr)])
+                    held = self._shared.lease.held if jr is Reason.EVICTED else None
+                    epoch = held.epoch if held is not None else 0
+                    self._shared.journal([JournalRecord.remove(tenant, key, jr, lease_epoch=epoch)])
         return rec is not None
 
     def _journal_stored(self, rec: ChunkRecord) -> None:
