@@ -438,9 +438,10 @@ def test_three_clients_writing_three_times_the_capacity_never_exceed_it(
         for i, n in enumerate(("a", "b", "c"))
     }
     procs["a"].start()  # a first: it takes the evictor lease
-    # Sampled through the observer client: another client's cached listing may
-    # still show files the evictor removed through its own.
+    # Sampled from the volume's own metadata (below), under the objects/ directory
+    # as the observer client (no caches) names it.
     objects = mounts[3] / "cap" / "objects"
+    meta = mounts[0].parent / "meta.db"
 
     def holder() -> tuple[int, str] | None:
         lease = EvictorLease(mounts[0] / "cap", "0" * 32, "observer")
@@ -448,13 +449,25 @@ def test_three_clients_writing_three_times_the_capacity_never_exceed_it(
         return None if cur is None or cur.released else (cur.epoch, cur.holder)
 
     def on_disk() -> int:
-        total = 0
-        for dirpath, _d, files in os.walk(objects):
-            for f in files:
-                if f.endswith(".kvo"):
-                    with contextlib.suppress(FileNotFoundError):
-                        total += os.stat(os.path.join(dirpath, f)).st_size
-        return total
+        """The bytes of every file under the root's objects/ (temp files of writes
+        in flight included), in one read of the volume's metadata: a walk through
+        a mount is not atomic, and files written and removed during it would count."""
+        import sqlite3
+
+        ino = os.stat(objects).st_ino
+        query = (
+            "WITH RECURSIVE t(inode) AS (SELECT ? UNION ALL "
+            "SELECT e.inode FROM jfs_edge e JOIN t ON e.parent = t.inode) "
+            "SELECT COALESCE(SUM(n.length), 0) FROM jfs_node n JOIN t ON n.inode = t.inode "
+            "WHERE n.type = 1"
+        )
+        for _ in range(50):
+            try:
+                with contextlib.closing(sqlite3.connect(f"file:{meta}?mode=ro", uri=True)) as db:
+                    return int(db.execute(query, (ino,)).fetchone()[0])
+            except sqlite3.OperationalError:  # the volume's clients hold a write lock
+                time.sleep(0.02)
+        raise AssertionError("the volume's metadata stayed locked")
 
     deadline = time.monotonic() + 60
     while holder() is None and time.monotonic() < deadline:
