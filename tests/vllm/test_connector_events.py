@@ -82,6 +82,15 @@ def _engine(model: Path, sc: DevSidecar, endpoint: str, **extra: Any) -> Engine:
     return Engine(cfg, num_blocks=128)
 
 
+def _subscribed(consumer: EventConsumer) -> None:
+    """Let the consumer's subscription reach vLLM's publisher before the engine
+    runs: a PUB socket drops what it sends before a subscriber has joined (ZMQ's
+    slow joiner), and this stream has no replay socket. An ipc connect is retried
+    every 100 ms, so a second of polling is ample (synchronisation, not timing)."""
+    for _ in range(20):
+        consumer.poll(0.05)
+
+
 def _storage(consumer: EventConsumer) -> frozenset[Any]:
     with consumer.lock:
         return consumer.view("vllm").hashes("STORAGE", "LOCAL")
@@ -102,6 +111,7 @@ def test_vllm_publishes_storage_events_for_saved_and_purged_chunks(
         [SourceSpec("vllm", endpoint, topic="kv@test@tiny")], idle_check_s=0, on_batch=record
     )
     a = _engine(tiny_model, events_sidecar, endpoint, events_token_ids=token_ids)
+    _subscribed(consumer)
     try:
         prompt = [(31 * i + 5) % 997 for i in range(3 * CT + 7)]
         ra = a.add(make_request("a", prompt))
@@ -150,6 +160,7 @@ def test_no_storage_event_for_a_save_the_sidecar_refused(
     endpoint = f"ipc://{d}/vllm.pub"
     consumer = EventConsumer([SourceSpec("vllm", endpoint, topic="kv@test@tiny")], idle_check_s=0)
     a = _engine(tiny_model, events_sidecar, endpoint, tenant="tiny")
+    _subscribed(consumer)
     try:
         prompt = [(17 * i + 3) % 997 for i in range(3 * CT + 7)]
         ra = a.add(make_request("a", prompt))
