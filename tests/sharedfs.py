@@ -19,7 +19,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["JuiceVolume", "juice_volume", "juicefs_binary", "juicefs_unavailable"]
+__all__ = [
+    "JuiceVolume",
+    "doctor_sharing",
+    "juice_volume",
+    "juicefs_binary",
+    "juicefs_unavailable",
+]
 
 
 def juicefs_binary() -> str | None:
@@ -118,3 +124,31 @@ def juice_volume(base: Path, nodes: int, *, observer: bool = False) -> Iterator[
         yield mounts
     finally:
         vol.unmount_all()
+
+
+def doctor_sharing(
+    workdir: Path, kek_file: Path, root: Path, *, index_dir: Path, shared: bool = False
+) -> dict[str, object]:
+    """``kvoffload doctor --json``'s view of the store root's sharing, for a config
+    written into ``workdir``; the command must exit 0."""
+    import json
+
+    from kvoffload.testing import cli_argv, sidecar_env
+
+    cfg = workdir / "doctor.toml"
+    cfg.write_text(
+        f'[store]\nroot = "{root}"\nindex_dir = "{index_dir}"\n'
+        f"shared = {'true' if shared else 'false'}\n"
+        f'[security]\nkek_file = "{kek_file}"\n'
+    )
+    r = subprocess.run(
+        cli_argv("--config", str(cfg), "doctor", "--json"),
+        capture_output=True,
+        text=True,
+        env=sidecar_env(),
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    sharing: dict[str, object] = json.loads(r.stdout)["sharing"]
+    return sharing

@@ -19,7 +19,7 @@ import pytest
 from kvoffload.sidecar.journal import JournalFollower, JournalRecord, JournalWriter, Op
 from kvoffload.sidecar.rootlease import EvictorLease
 
-from .sharedfs import juice_volume, juicefs_unavailable
+from .sharedfs import doctor_sharing, juice_volume, juicefs_unavailable
 
 pytestmark = pytest.mark.skipif(
     juicefs_unavailable() is not None, reason=str(juicefs_unavailable())
@@ -142,7 +142,7 @@ def _node_config(base: Path, mount: Path, name: str, kek: Path, policy: Path) ->
 
 
 def test_sidecars_on_three_clients_share_chunks_through_journals_and_by_name(
-    mounts: list[Path], tmp_path: Path
+    mounts: list[Path], tmp_path: Path, kek_file: Path
 ) -> None:
     import os
 
@@ -150,10 +150,7 @@ def test_sidecars_on_three_clients_share_chunks_through_journals_and_by_name(
 
     from .sidecar_proc import Sidecar, wait_until
 
-    kek = tmp_path / "kek"
-    kek.write_bytes(os.urandom(32))
-    kek.chmod(0o600)
-    kek.chmod(0o600)
+    kek = kek_file
     policy = tmp_path / "policy.toml"
     policy.write_text(
         f'version = 1\n\n[[grants]]\nuid = {os.getuid()}\ntenants = ["acme"]\nadmin = true\n'
@@ -279,13 +276,10 @@ def _save_all(mount: str, index: str, kek: str, start: mp.synchronize.Event) -> 
 
 
 def test_concurrent_saves_of_the_same_chunks_from_two_clients_never_tear(
-    mounts: list[Path], tmp_path: Path
+    mounts: list[Path], tmp_path: Path, kek_file: Path
 ) -> None:
-    import os
 
-    kek = tmp_path / "kek"
-    kek.write_bytes(os.urandom(32))
-    kek.chmod(0o600)
+    kek = kek_file
     s0 = _open(mounts[0], tmp_path / "i0", kek)
     s0.tenant_salt("acme")  # type: ignore[attr-defined]
     s0.close()  # type: ignore[attr-defined]
@@ -316,13 +310,10 @@ def test_concurrent_saves_of_the_same_chunks_from_two_clients_never_tear(
 
 
 def test_a_chunk_deleted_by_another_client_is_a_miss_not_an_error(
-    mounts: list[Path], tmp_path: Path
+    mounts: list[Path], tmp_path: Path, kek_file: Path
 ) -> None:
-    import os
 
-    kek = tmp_path / "kek"
-    kek.write_bytes(os.urandom(32))
-    kek.chmod(0o600)
+    kek = kek_file
     a = _open(mounts[0], tmp_path / "da", kek, "deleted")
     b = _open(mounts[1], tmp_path / "db", kek, "deleted")
     try:
@@ -355,32 +346,9 @@ def test_a_chunk_deleted_by_another_client_is_a_miss_not_an_error(
 
 
 def test_doctor_recognises_a_juicefs_root_and_an_index_on_it(
-    mounts: list[Path], tmp_path: Path
+    mounts: list[Path], tmp_path: Path, kek_file: Path
 ) -> None:
-    import json
-    import os
-    import subprocess
-
-    from kvoffload.testing import cli_argv, sidecar_env
-
-    kek = tmp_path / "kek"
-    kek.write_bytes(os.urandom(32))
-    kek.chmod(0o600)
-    cfg = tmp_path / "c.toml"
-    cfg.write_text(
-        f'[store]\nroot = "{mounts[0]}/doc"\nindex_dir = "{mounts[0]}/doc.index"\n'
-        f'[security]\nkek_file = "{kek}"\n'
-    )
-    r = subprocess.run(
-        cli_argv("--config", str(cfg), "doctor", "--json"),
-        capture_output=True,
-        text=True,
-        env=sidecar_env(),
-        timeout=120,
-        check=False,
-    )
-    assert r.returncode == 0, r.stderr
-    sh = json.loads(r.stdout)["sharing"]
+    sh = doctor_sharing(tmp_path, kek_file, mounts[0] / "doc", index_dir=mounts[0] / "doc.index")
     assert sh["family"] == "JuiceFS" and sh["looks_shared"] is True
     warnings = " | ".join(sh["warnings"])
     assert "LMDB must live on node-local disk" in warnings
@@ -417,16 +385,14 @@ def _cap_writer(mount: str, index: str, kek: str, cap: int, name: str, stop: Any
 
 
 def test_three_clients_writing_three_times_the_capacity_never_exceed_it(
-    mounts: list[Path], tmp_path: Path
+    mounts: list[Path], tmp_path: Path, kek_file: Path
 ) -> None:
     import os
     import signal
 
     from kvoffload.sidecar.journal import JournalFollower, Reason
 
-    kek = tmp_path / "kek"
-    kek.write_bytes(os.urandom(32))
-    kek.chmod(0o600)
+    kek = kek_file
     cap = 64 * (3 * 4096 + 4096)
     ctx = mp.get_context("spawn")
     stop = ctx.Event()

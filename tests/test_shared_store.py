@@ -19,6 +19,8 @@ from kvoffload.sidecar.errors import StoreFull
 from kvoffload.sidecar.keyring import Kek
 from kvoffload.sidecar.store import Store, StoreConfig
 
+from .sharedfs import doctor_sharing
+
 NS = bytes(range(32))
 
 
@@ -275,38 +277,15 @@ def test_filesystem_types_are_classified_for_sharing() -> None:
     assert classify(None).family == "unknown"
 
 
-def _doctor(tmp_path: Path, kek_file: Path, root: Path, shared: bool) -> dict[str, object]:
-    import json
-    import subprocess
-
-    from kvoffload.testing import cli_argv, sidecar_env
-
-    cfg = tmp_path / "doctor.toml"
-    cfg.write_text(
-        f'[store]\nroot = "{root}"\nindex_dir = "{tmp_path}/idx"\n'
-        f"shared = {'true' if shared else 'false'}\n"
-        f'[security]\nkek_file = "{kek_file}"\n'
-    )
-    r = subprocess.run(
-        cli_argv("--config", str(cfg), "doctor", "--json"),
-        capture_output=True,
-        text=True,
-        env=sidecar_env(),
-        timeout=120,
-        check=False,
-    )
-    assert r.returncode == 0, r.stderr
-    sharing: dict[str, object] = json.loads(r.stdout)["sharing"]
-    return sharing
-
-
 def test_doctor_says_a_shared_flag_on_a_local_root_reaches_only_this_node(
     tmp_path: Path, kek_file: Path
 ) -> None:
-    sh = _doctor(tmp_path, kek_file, tmp_path / "root", shared=True)
+    sh = doctor_sharing(
+        tmp_path, kek_file, tmp_path / "root", index_dir=tmp_path / "idx", shared=True
+    )
     assert sh["looks_shared"] is False
     assert any("local filesystem" in str(w) for w in sh["warnings"])  # type: ignore[attr-defined]
-    sh = _doctor(tmp_path, kek_file, tmp_path / "root", shared=False)
+    sh = doctor_sharing(tmp_path, kek_file, tmp_path / "root", index_dir=tmp_path / "idx")
     assert sh["warnings"] == []
 
 

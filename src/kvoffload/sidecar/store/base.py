@@ -47,11 +47,11 @@ MAX_OBJECT_BYTES = 4 << 30
 #: count against it; we rotate the tenant's DEK well before.
 DEFAULT_MAX_SEGMENTS_PER_EPOCH = 2**31
 SEAL_COUNT_BLOCK = 1 << 16
-#: Objects that failed verification go here (below the store root), not away:
-#: the newest QUARANTINE_KEEP are kept for forensics.
 #: Index meta set when the index was rebuilt from the files: the persisted seal
 #: counts are gone, so each tenant's next seal starts a fresh DEK epoch.
 SEAL_COUNTS_LOST = "seal_counts_lost"
+#: Objects that failed verification go here (below the store root), not away:
+#: the newest QUARANTINE_KEEP are kept for forensics.
 QUARANTINE_DIR = "quarantine"
 QUARANTINE_KEEP = 64
 
