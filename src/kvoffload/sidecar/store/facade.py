@@ -395,6 +395,16 @@ class Store(Leases):
     # -------------------------------------------------------------- tenants
 
     @boundary
+    def record_audit(self, event: str, details: dict[str, Any]) -> None:
+        """Append one record to the store's audit log (``audit.jsonl`` beside the index).
+
+        The one entry point for every part that must leave an audit trace
+        (purges, revocations, reloads, admin verbs, refused access): the
+        record is fsync'd before this returns. Never pass keys, salts, tokens
+        or data in ``details``.
+        """
+        self._audit(event, details)
+
     def tenant_salt(self, tenant: str) -> bytes:
         """The tenant's secret key salt (creates the tenant's keys on first use)."""
         return self.keyring.ensure_tenant(tenant).salt
