@@ -204,6 +204,8 @@ REGISTRY: tuple[EnvVar, ...] = (
         "[events] locality of the store; REMOTE when [store] shared, else LOCAL.",
     ),
     _cfg("events", "curve_key_file", "path", "(none)", "[events] curve_key_file (TCP)."),
+    _cfg("audit", "max_bytes", "size", "16MiB", "[audit] max_bytes: rotate the audit log past it."),
+    _cfg("audit", "keep", "int", "8", "[audit] keep: rotated audit files kept."),
     # `kvoffload router` (kvoffload.router.config): its own file, its own [router] keys.
     EnvVar("KVOFFLOAD_ROUTER_CONFIG", "path", "(none)", "The router's config file.", "router"),
     EnvVar("KVOFFLOAD_ROUTER_HOST", "host", "127.0.0.1", "[router] host.", "router"),

@@ -32,6 +32,7 @@
     │   │   └── QuotaExceeded               no room under the tenant's quota
     │   ├── StoreLocked                     another process holds this store's index
     │   ├── StoreIOError                    the file system failed (ENOSPC, EACCES, EIO…)
+    │   ├── AuditFormatError                an audit log file or anchor of an unknown version
     │   ├── LeaseInvalid                    a direct-path object failed its check
     │   ├── UnknownTenant                   no keys for this tenant (never created, or purged)
     │   ├── StoreKeyError                   a tenant's key file is corrupt, unreadable or unwritable
@@ -54,6 +55,7 @@ from __future__ import annotations
 from enum import IntEnum
 
 __all__ = [
+    "AuditFormatError",
     "ChunkTooLarge",
     "ConfigError",
     "ConnectorConfigError",
@@ -347,6 +349,10 @@ class StoreIOError(StoreError):
     def __init__(self, message: str, errno: int | None = None) -> None:
         self.errno = errno
         super().__init__(message)
+
+
+class AuditFormatError(StoreError):
+    """An audit log file or anchor of an unknown version, or unreadable (audit-v1.md)."""
 
 
 class LeaseInvalid(StoreError):

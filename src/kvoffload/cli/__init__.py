@@ -14,6 +14,7 @@ Exit codes:
   6  aborted at a confirmation prompt
   7  the sidecar is not reachable (stats, demo)
   8  nothing to do: purge of a tenant with no keys or data (a typo?)
+  9  audit --verify: the audit log's hash chain is broken
 
 One module per command group: :mod:`.app` (the typer app, global options,
 config and store helpers), :mod:`.store_cmds` (init, inspect, ls, purge, fsck,
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import sys
 
-from . import config_cmds, demo, doctor, events_cmds, serve, store_cmds, systemd_cmd
+from . import audit_cmd, config_cmds, demo, doctor, events_cmds, serve, store_cmds, systemd_cmd
 from .app import app, err, fail_line, misplaced_global_option, state
 from .exits import (
     EXIT_ABORTED,
@@ -55,6 +56,7 @@ __all__ = [
     "EXIT_USAGE",
     "ExitCode",
     "app",
+    "audit_cmd",
     "config_cmds",
     "demo",
     "doctor",

@@ -15,7 +15,7 @@ import os
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from .app import open_store
 
@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from ..protocol import Reply, Request
     from ..sidecar.config import Config
     from ..sidecar.store import Store
+
+_T = TypeVar("_T")
 
 #: A request that may walk the whole store (fsck, a purge) may take this long.
 ADMIN_TIMEOUT_S = 3600.0
@@ -56,17 +58,47 @@ class Target(Protocol):
     ) -> dict[str, Any]: ...
 
 
+def offline_audit(store: Store, verb: str, result: str, **details: Any) -> None:
+    """The audit record of an offline admin command (docs/spec/audit-v1.md §3):
+    the same log, and the same fields, as the sidecar's admin verbs."""
+    gid = os.getgid()
+    store.record_audit(
+        "admin",
+        {
+            "uid": os.getuid(),
+            "gid": gid,
+            "pid": os.getpid(),
+            "verb": verb,
+            "via": "offline",
+            "result": result,
+            **{k: v for k, v in details.items() if v is not None},
+        },
+    )
+
+
 class LocalTarget:
-    """The store opened in-process (no sidecar runs)."""
+    """The store opened in-process (no sidecar runs); every command leaves an
+    ``admin`` audit record, as the sidecar's admin verbs do."""
 
     def __init__(self, store: Store, cfg: Config) -> None:
         self.store, self.cfg = store, cfg
         self.where = f"the store at {cfg.store_root}"
 
+    def _audited(self, verb: str, run: Callable[[], _T], **details: Any) -> _T:
+        try:
+            result = run()
+        except Exception as exc:
+            offline_audit(self.store, verb, f"error {type(exc).__name__}", **details)
+            raise
+        if isinstance(result, int) and not isinstance(result, bool):
+            details["chunks"] = result
+        offline_audit(self.store, verb, "ok", **details)
+        return result
+
     def inspect(self) -> dict[str, Any]:
         from ..sidecar.admin import inspect_report
 
-        return inspect_report(self.store, self.cfg.store_root)
+        return self._audited("inspect", lambda: inspect_report(self.store, self.cfg.store_root))
 
     def ls(
         self,
@@ -78,30 +110,50 @@ class LocalTarget:
     ) -> list[dict[str, Any]]:
         from ..sidecar.admin import ls_rows
 
-        rows, _ = ls_rows(
-            self.store,
-            tenant=tenant,
-            namespace=namespace,
-            older_than_s=older_than_s,
-            newer_than_s=newer_than_s,
-            limit=limit,
+        def run() -> list[dict[str, Any]]:
+            rows, _ = ls_rows(
+                self.store,
+                tenant=tenant,
+                namespace=namespace,
+                older_than_s=older_than_s,
+                newer_than_s=newer_than_s,
+                limit=limit,
+            )
+            return rows
+
+        return self._audited(
+            "ls", run, tenant=tenant, namespace=namespace.hex() if namespace else None
         )
-        return rows
 
     def purge_tenant(self, tenant: str) -> int:
-        return self.store.purge_tenant(tenant, wait=True)
+        return self._audited(
+            "purge", lambda: self.store.purge_tenant(tenant, wait=True), tenant=tenant
+        )
 
     def purge_namespace(self, tenant: str, namespace: bytes) -> int:
-        return self.store.purge_namespace(tenant, namespace)
+        return self._audited(
+            "purge",
+            lambda: self.store.purge_namespace(tenant, namespace),
+            tenant=tenant,
+            namespace=namespace.hex(),
+        )
 
     def purge_older(self, age_s: float, tenant: str | None) -> int:
-        return self.store.purge_older_than(age_s, tenant)
+        return self._audited(
+            "purge_older",
+            lambda: self.store.purge_older_than(age_s, tenant),
+            tenant=tenant,
+            older_than_s=age_s,
+        )
 
     def fsck(
         self, repair: bool, verify_data: bool, progress: Callable[[int], None] | None
     ) -> dict[str, Any]:
-        report = self.store.fsck(repair, verify_data=verify_data, progress=progress)
-        return report.to_dict()
+        def run() -> dict[str, Any]:
+            report = self.store.fsck(repair, verify_data=verify_data, progress=progress)
+            return report.to_dict()
+
+        return self._audited("fsck", run, repair=repair, verify_data=verify_data)
 
 
 class SidecarTarget:
@@ -243,4 +295,11 @@ def admin_target(cfg: Config) -> Iterator[Target]:
         yield LocalTarget(store, cfg)
 
 
-__all__ = ["LocalTarget", "SidecarTarget", "Target", "admin_target", "sidecar_listening"]
+__all__ = [
+    "LocalTarget",
+    "SidecarTarget",
+    "Target",
+    "admin_target",
+    "offline_audit",
+    "sidecar_listening",
+]

@@ -56,6 +56,26 @@ def show(as_json: JsonOpt = False) -> None:
                 "source": src,
             }
         )
+    if cfg.policy_file is not None:
+        from ..sidecar.policy import load_policy
+
+        policy = load_policy(cfg.policy_file)
+        for name, t in [("(defaults)", policy.defaults), *sorted(policy.tenants.items())]:
+            for field, value in (
+                ("ttl", _dur(t.ttl_s)),
+                ("max_age", _dur(t.max_age_s)),
+                ("idle_ttl", _dur(t.idle_ttl_s)),
+                ("sensitivity", t.sensitivity),
+                ("events", "on" if t.events else "off"),
+                ("encryption", "aes-256-gcm" if t.encryption else "none"),
+            ):
+                rows.append(
+                    {
+                        "setting": f"policy {name} {field}",
+                        "value": value,
+                        "source": str(cfg.policy_file),
+                    }
+                )
     if as_json:
         emit(True, rows)
         return
@@ -107,7 +127,15 @@ def _tenant_settings(t: Any) -> dict[str, Any]:
         "direct": t.direct,
         "direct_gid": t.direct_gid,
         "trust_group": t.trust_group,
+        "max_age_s": t.max_age_s,
+        "idle_ttl_s": t.idle_ttl_s,
+        "sensitivity": t.sensitivity,
+        "events": t.events,
     }
+
+
+def _dur(seconds: float | None) -> str:
+    return "none" if seconds is None else f"{seconds:g} s"
 
 
 @policy_app.command("check")
@@ -152,13 +180,18 @@ def policy_check(
         table.add_row(g["principal"], g["named"], who, "yes" if g["admin"] else "no")
     out.print(table)
     settings = Table(title="tenant settings")
-    for col in ("tenant", "encryption", "ttl", "quota", "direct"):
+    cols = ("tenant", "encryption", "ttl", "max_age", "idle_ttl", "sensitivity", "events")
+    for col in (*cols, "quota", "direct"):
         settings.add_column(col)
     for name, s in [("(defaults)", defaults), *tenants.items()]:
         settings.add_row(
             name,
             s["encryption"],
-            "none" if s["ttl_s"] is None else f"{s['ttl_s']:g} s",
+            _dur(s["ttl_s"]),
+            _dur(s["max_age_s"]),
+            _dur(s["idle_ttl_s"]),
+            s["sensitivity"],
+            "on" if s["events"] else "off",
             human_bytes(s["quota_bytes"]),
             "yes" if s["direct"] else "no",
         )

@@ -28,6 +28,7 @@ from ..errors import (
 
 __all__ = [
     "EXIT_ABORTED",
+    "EXIT_AUDIT_BROKEN",
     "EXIT_ERROR",
     "EXIT_FSCK_PROBLEMS",
     "EXIT_LOCKED",
@@ -54,6 +55,7 @@ class ExitCode(IntEnum):
     ABORTED = 6  # aborted at a confirmation prompt
     UNREACHABLE = 7  # the sidecar is not reachable (stats, demo)
     NOTHING = 8  # nothing to do: purge of a tenant with no keys or data (a typo?)
+    AUDIT_BROKEN = 9  # the audit log's hash chain is broken (audit --verify)
 
 
 EXIT_OK = ExitCode.OK
@@ -65,6 +67,7 @@ EXIT_FSCK_PROBLEMS = ExitCode.FSCK_PROBLEMS
 EXIT_ABORTED = ExitCode.ABORTED
 EXIT_UNREACHABLE = ExitCode.UNREACHABLE
 EXIT_NOTHING = ExitCode.NOTHING
+EXIT_AUDIT_BROKEN = ExitCode.AUDIT_BROKEN
 
 
 # -- outcomes only the CLI has (not library errors) ----------------------------
@@ -98,6 +101,10 @@ class _NothingToDo(_CliOutcome):
     """What the command would act on does not exist (purge of an unknown tenant)."""
 
 
+class _AuditBroken(_CliOutcome):
+    """``audit --verify`` found the hash chain broken (the first break is named)."""
+
+
 class _SidecarUnreachable(_CliOutcome):
     """No sidecar answered on the socket."""
 
@@ -117,6 +124,7 @@ EXIT_TABLE: tuple[tuple[type[BaseException], ExitCode, str], ...] = (
     (_Aborted, ExitCode.ABORTED, "aborted"),
     (_FsckProblems, ExitCode.FSCK_PROBLEMS, "fsck"),
     (_NothingToDo, ExitCode.NOTHING, "nothing to do"),
+    (_AuditBroken, ExitCode.AUDIT_BROKEN, "audit"),
     (_NoStore, ExitCode.NO_STORE, "no store"),
     (StoreLocked, ExitCode.LOCKED, "locked"),
     (_SidecarUnreachable, ExitCode.UNREACHABLE, "unreachable"),

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from .admin import admin_target
+from .admin import admin_target, offline_audit
 from .app import (
     JsonOpt,
     app,
@@ -30,6 +30,7 @@ def init(as_json: JsonOpt = False) -> None:
     """Create a store (layout.json, keys/, objects/) and its index."""
     cfg = config()
     with open_store(cfg, create=True) as store:
+        offline_audit(store, "init", "ok")
         data = {
             "store_root": str(cfg.store_root),
             "index_dir": str(cfg.resolved_index_dir),
@@ -276,6 +277,7 @@ def rotate_kek(
         raise KeyringError(f"new KEK: {exc}") from exc
     with open_store(cfg) as store:
         n = store.rotate_kek(new)
+        offline_audit(store, "rotate-kek", "ok", new_kek_id=new.key_id, rewrapped_tenants=n)
     emit(
         as_json,
         {

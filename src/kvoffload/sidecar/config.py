@@ -48,6 +48,10 @@ File format (every key optional; unknown keys are errors)::
     locality = "LOCAL"                     # default: REMOTE when [store] shared, else LOCAL
     curve_key_file = ""                    # TCP only: Z85 public + secret key, one a line
 
+    [audit]                                # the audit log beside the index, audit-v1.md
+    max_bytes = "16MiB"                    # rotate the active file past this size
+    keep = 8                               # rotated files kept (older ones are deleted)
+
 Environment: ``KVOFFLOAD_CONFIG`` (file path) and one variable per key,
 ``KVOFFLOAD_<SECTION>_<KEY>`` upper-cased, e.g. ``KVOFFLOAD_STORE_ROOT``,
 ``KVOFFLOAD_SERVER_SOCKET``, ``KVOFFLOAD_METRICS_PORT``; plus the short forms
@@ -211,6 +215,9 @@ class Config:
     events_buffer: int = DEFAULT_EVENTS_BUFFER
     events_locality: str = ""  # "": REMOTE when [store] shared, else LOCAL
     events_curve_key_file: Path | None = None
+    # [audit]
+    audit_max_bytes: int = 16 << 20
+    audit_keep: int = 8
     dev: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -298,6 +305,8 @@ class Config:
             journal_poll_s=self.journal_poll_s,
             evictor_lease_s=self.evictor_lease_s,
             io_streams=self.io_streams,
+            audit_max_bytes=self.audit_max_bytes,
+            audit_keep=self.audit_keep,
         )
 
 
@@ -319,6 +328,22 @@ def _parse_streams(raw: object) -> int:
     n = int(raw)
     if n < 0:
         raise ValueError("must be >= 0 (0: one per core, at least 4)")
+    return n
+
+
+def _audit_max_bytes(raw: object) -> int:
+    n = parse_size(raw)
+    if n is None or n < 4096:
+        raise ValueError("the audit log rotates past max_bytes: at least 4KiB")
+    return n
+
+
+def _audit_keep(raw: object) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int | str):
+        raise ValueError(f"an integer, not {raw!r}")
+    n = int(raw)
+    if not 1 <= n <= 100_000:
+        raise ValueError("rotated audit files kept: 1..100000")
     return n
 
 
@@ -363,6 +388,8 @@ _KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("events", "buffer"): ("events_buffer", _buffer),
     ("events", "locality"): ("events_locality", _locality),
     ("events", "curve_key_file"): ("events_curve_key_file", lambda raw: Path(raw) if raw else None),
+    ("audit", "max_bytes"): ("audit_max_bytes", _audit_max_bytes),
+    ("audit", "keep"): ("audit_keep", _audit_keep),
 }
 #: environment variable → (section, key), from the one registry (kvoffload.envvars).
 _ENV_KEYS: dict[str, tuple[str, str]] = {

@@ -548,11 +548,21 @@ class Index:
 
         return self._read(read)
 
-    def lookup(self, tenant: str, keys: Sequence[bytes], now_ns: int | None = None) -> int:
+    def lookup(
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        now_ns: int | None = None,
+        *,
+        created_after_ns: int = 0,
+        accessed_after_ns: int = 0,
+    ) -> int:
         """Number of leading ``keys`` present for ``tenant``: the usable prefix.
 
         With ``now_ns``, a record whose expiry has passed ends the prefix too
-        (checked in the same read transaction: one txn per lookup, not per key).
+        (checked in the same read transaction: one txn per lookup, not per key);
+        so does one created at or before ``created_after_ns`` or last accessed
+        at or before ``accessed_after_ns`` (the tenant's max_age and idle_ttl).
         """
         if not keys:
             return 0
@@ -571,8 +581,13 @@ class Index:
                     if not cur.set_key(prefix + k):
                         break
                     if now_ns is not None:
-                        expires = unpack(cur.value(), at)[0]
+                        value = cur.value()
+                        expires = unpack(value, at)[0]
                         if 0 < expires <= now_ns:
+                            break
+                        if created_after_ns and unpack(value, at - 16)[0] <= created_after_ns:
+                            break
+                        if accessed_after_ns and unpack(value, at - 8)[0] <= accessed_after_ns:
                             break
                     n += 1
                 return n

@@ -15,6 +15,9 @@ were empty. The file is TOML (``/etc/kvoffload/policy.toml``)::
                                     # (powers of ten); or "none". The tenant's stored +
                                     # in-flight bytes; its own LRU chunks make room
 
+    max_age = "none"                # hard limit on a chunk's age from its creation
+    idle_ttl = "none"               # a chunk not accessed for this long expires
+
     [tenants.acme]                  # a table per tenant with settings of its own;
     encryption = "none"             # a key left out is taken from [defaults]
     ttl = "1h"
@@ -30,11 +33,38 @@ were empty. The file is TOML (``/etc/kvoffload/policy.toml``)::
                                     # tenant's object tree with it. Without it, only
                                     # workers running as the sidecar's own uid (or root)
                                     # can open the leased files, so only they get it.
+    sensitivity = "normal"          # optional, per tenant: "normal" or "high" (below)
 
     [[grants]]                      # who may use which tenants
     uid = 1001                      # exactly one of uid, gid, user, group
     tenants = ["acme", "beta"]      # tenant ids, or ["*"] for every tenant
     admin = false                   # optional: may use the admin verbs (purge, fsck)
+
+Retention: three limits, each enforced on read (an expired chunk is a miss at
+once, in ``lookup`` and in every load, before the background sweep removes
+it) and each taken from the *current* policy, so a reload that shortens one
+applies to the chunks already stored:
+
+* ``ttl``: a chunk's lifetime from its creation. A save stamps it on the chunk
+  (the index and the retention journal, layout-v1.md §4.2, so an index rebuilt
+  from the files keeps it); a save may ask for a shorter one (``ttl_s``), and
+  on read the tenant's current ttl is a ceiling from creation as well.
+* ``max_age``: a hard limit on age from creation, set by the operator only:
+  no save, re-save, load or touch extends it, and it does not depend on what
+  was stamped (the creation time is in the object's header, so it holds after
+  an index rebuild too). Where both are set, the lesser of ttl and max_age wins.
+* ``idle_ttl``: a chunk not *accessed* for this long expires; an access is a
+  save, a load or a ``touch`` (not a ``lookup``: probing must not keep a chunk
+  alive). Access times reach the index in batches (at most 0.5 s late), so a
+  chunk may expire up to that much early, never late beyond the sweep.
+
+``sensitivity = "high"`` (per tenant) means: ``max_age`` 1 h and ``idle_ttl``
+10 min unless the tenant's own table sets them (``"none"`` is refused),
+``events`` off (``events = true`` is refused), encryption required
+(``encryption = "none"``, here or from [defaults], and ``direct = true`` are
+refused), its own prefix namespace (no key that would share its salt with a
+trust group, e.g. ``share_prefixes``, is accepted), and lookups padded to
+:data:`HIGH_SENSITIVITY_LOOKUP_FLOOR_S` by default (the lookup floor).
 
 Rules, all of which make a file that breaks them refuse to load (`PolicyError`,
 whose message names the file and, where it can be found, the line):
@@ -95,17 +125,35 @@ _UID_LIMIT: Final = 2**32 - 1  # (uid_t)-1 means "no change" to the kernel, neve
 
 
 _TOP_KEYS: Final = ("version", "defaults", "tenants", "grants")
-_DEFAULTS_KEYS: Final = ("encryption", "ttl", "quota", "events")
+_DEFAULTS_KEYS: Final = ("encryption", "ttl", "quota", "events", "max_age", "idle_ttl")
 _TENANT_KEYS: Final = (
     "encryption",
     "ttl",
+    "max_age",
+    "idle_ttl",
+    "sensitivity",
     "quota",
     "trust_group",
     "direct",
     "direct_group",
     "events",
 )
-_PER_TENANT_ONLY: Final = ("trust_group", "direct", "direct_group")
+_PER_TENANT_ONLY: Final = ("trust_group", "direct", "direct_group", "sensitivity")
+
+SENSITIVITIES: Final = ("normal", "high")
+#: ``sensitivity = "high"``: the defaults of max_age and idle_ttl where the
+#: tenant's table sets neither (a value from [defaults] does not count: only a
+#: deliberate, per-tenant choice overrides them, and never with "none").
+HIGH_SENSITIVITY_MAX_AGE_S: Final = 3600.0
+HIGH_SENSITIVITY_IDLE_TTL_S: Final = 600.0
+#: ``sensitivity = "high"``: the default lookup floor (seconds). gov-timing's
+#: per-tenant ``lookup_floor_s`` [lookup_floor] takes this as its default for a
+#: high-sensitivity tenant (every lookup reply takes at least this long, so a
+#: hit and a miss look alike in time); wired where the two branches meet.
+HIGH_SENSITIVITY_LOOKUP_FLOOR_S: Final = 0.002
+#: Keys that would let a tenant share a prefix namespace with other tenants
+#: (trust-group sharing); a high-sensitivity tenant may set none of them.
+_SHARING_KEYS: Final = ("share_prefixes", "shared_salt", "share_salt")
 _GRANT_KEYS: Final = ("uid", "gid", "user", "group", "tenants", "admin")
 _PRINCIPAL_KEYS: Final = ("uid", "gid", "user", "group")
 
@@ -154,6 +202,17 @@ class TenantPolicy:
     direct_gid: int | None = None
     #: The tenant's chunks are announced on the KV-event feed (events-v1 §7).
     events: bool = True
+    #: Hard limit on a chunk's age from its creation; no save or touch extends it.
+    max_age_s: float | None = None
+    #: A chunk not accessed (saved, loaded, touched) for this long expires.
+    idle_ttl_s: float | None = None
+    #: "normal" or "high" (defaults that say so, see the module docstring).
+    sensitivity: str = "normal"
+
+    def age_limit_s(self) -> float | None:
+        """The limit on age from creation enforced on read: the lesser of ttl and max_age."""
+        limits = [x for x in (self.ttl_s, self.max_age_s) if x is not None]
+        return min(limits) if limits else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -524,6 +583,17 @@ class _Parser:
             encryption = ENCRYPTIONS[value]
         if "ttl" in table:
             ttl_s = self._duration(table["ttl"], (*path, "ttl"))
+        max_age_s, idle_ttl_s = base.max_age_s, base.idle_ttl_s
+        if "max_age" in table:
+            max_age_s = self._duration(table["max_age"], (*path, "max_age"), "max_age")
+        if "idle_ttl" in table:
+            idle_ttl_s = self._duration(table["idle_ttl"], (*path, "idle_ttl"), "idle_ttl")
+        sensitivity = table.get("sensitivity", "normal")
+        if sensitivity not in SENSITIVITIES:
+            raise self.fail(
+                (*path, "sensitivity"),
+                f'sensitivity must be "normal" or "high", not {_describe(sensitivity)}',
+            )
         if "quota" in table:
             quota = self._size(table["quota"], (*path, "quota"))
         if "trust_group" in table:
@@ -558,7 +628,54 @@ class _Parser:
             raise self.fail(
                 (*path, "events"), f"events must be true or false, not {_describe(events)}"
             )
-        return TenantPolicy(encryption, ttl_s, quota, trust_group, direct, direct_gid, events)
+        if sensitivity == "high":
+            self._check_high(table, path, encryption, direct)
+            if "max_age" not in table:
+                max_age_s = HIGH_SENSITIVITY_MAX_AGE_S
+            if "idle_ttl" not in table:
+                idle_ttl_s = HIGH_SENSITIVITY_IDLE_TTL_S
+            events = table.get("events", False)
+            if events is not False:
+                raise self.fail(
+                    (*path, "events"),
+                    'a tenant with sensitivity = "high" never has its chunks announced on '
+                    "the KV-event feed: leave events out or set it to false",
+                )
+        return TenantPolicy(
+            encryption, ttl_s, quota, trust_group, direct, direct_gid, events,
+            max_age_s, idle_ttl_s, sensitivity,
+        )  # fmt: skip
+
+    def _check_high(
+        self, table: Mapping[str, Any], path: _Path, encryption: bool, direct: bool
+    ) -> None:
+        """The rules of ``sensitivity = "high"`` (module docstring)."""
+        if not encryption:
+            raise self.fail(
+                (*path, "encryption") if "encryption" in table else (*path, "sensitivity"),
+                'a tenant with sensitivity = "high" must be encrypted: '
+                'encryption = "none" (here or from [defaults]) is refused',
+            )
+        if direct:
+            raise self.fail(
+                (*path, "direct"),
+                'a tenant with sensitivity = "high" may not use the direct path '
+                "(its bytes would be stored in plaintext)",
+            )
+        for key in _SHARING_KEYS:
+            if key in table:
+                raise self.fail(
+                    (*path, key),
+                    f'a tenant with sensitivity = "high" keeps its own prefix namespace: '
+                    f"{key} is refused",
+                )
+        for key in ("max_age", "idle_ttl"):
+            if key in table and table[key] == "none":
+                raise self.fail(
+                    (*path, key),
+                    f'a tenant with sensitivity = "high" has a {key}: "none" is refused '
+                    "(set a duration, or leave it out for the default)",
+                )
 
     def _group_id(self, value: object, path: _Path) -> int:
         if isinstance(value, int) and not isinstance(value, bool):
@@ -572,13 +689,15 @@ class _Parser:
         except KeyError:
             raise self.fail(path, f"unknown group {value!r} (not in the group database)") from None
 
-    def _duration(self, value: object, path: _Path) -> float | None:
+    def _duration(self, value: object, path: _Path, what: str = "ttl") -> float | None:
         try:
-            seconds = units.parse_duration(value, require_unit=True, what="duration for ttl")
+            seconds = units.parse_duration(value, require_unit=True, what=f"duration for {what}")
         except ConfigError as exc:
             raise self.fail(path, str(exc)) from None
         if seconds is not None and seconds <= 0:
-            raise self.fail(path, f'ttl must be positive, not {value!r}; use "none" for no ttl')
+            raise self.fail(
+                path, f'{what} must be positive, not {value!r}; use "none" for no {what}'
+            )
         return seconds
 
     def _size(self, value: object, path: _Path) -> int | None:

@@ -168,6 +168,16 @@ class TenantSettings(Protocol):
     def quota_bytes(self) -> int | None: ...
 
 
+@runtime_checkable
+class RetentionSettings(Protocol):
+    """A tenant's retention limits (``TenantPolicy``; sidecar/policy.py documents them)."""
+
+    @property
+    def idle_ttl_s(self) -> float | None: ...
+
+    def age_limit_s(self) -> float | None: ...
+
+
 class PolicyAPI(Protocol):
     def may_use(self, uid: int, gids: Sequence[int], tenant: str) -> bool: ...
 
@@ -176,4 +186,11 @@ class PolicyAPI(Protocol):
     def tenant(self, tenant: str) -> TenantSettings: ...
 
 
-__all__ = ["PolicyAPI", "ReservationAPI", "StoreAPI", "StoreViewsAPI", "TenantSettings"]
+__all__ = [
+    "PolicyAPI",
+    "ReservationAPI",
+    "RetentionSettings",
+    "StoreAPI",
+    "StoreViewsAPI",
+    "TenantSettings",
+]

@@ -31,7 +31,7 @@ from kvoffload.posix import atomic_create
 from kvoffload.protocol import EngineBlocks, LeaseSlot, StoreSlot
 
 from .metrics import Metrics
-from .ports import PolicyAPI, StoreAPI
+from .ports import PolicyAPI, RetentionSettings, StoreAPI
 
 if TYPE_CHECKING:
     from .server import ServerConfig
@@ -173,6 +173,26 @@ class Service:
         self.events: EventsAPI | None = None
         self._mu = threading.Lock()
         self._sessions: set[Session] = set()
+        set_retention = getattr(store, "set_retention", None)
+        if callable(set_retention):
+            # Read through self.policy on every call: a reload applies at once.
+            set_retention(self.retention_of)
+
+    def retention_of(self, tenant: str) -> RetentionSettings | None:
+        """The tenant's retention limits under the *current* policy."""
+        settings = self.policy.tenant(tenant)
+        return settings if isinstance(settings, RetentionSettings) else None
+
+    def audit(self, event: str, details: dict[str, Any]) -> None:
+        """One audit record (docs/spec/audit-v1.md) through the store; a failure
+        to write it is logged, never turned into the client's error."""
+        record = getattr(self.store, "record_audit", None)
+        if not callable(record):
+            return
+        try:
+            record(event, details)
+        except Exception as exc:
+            log.error("audit record %s not written: %s", event, exc)
 
     def enter(self, session: Session) -> None:
         """A new session (``Session.__init__``); :meth:`forget` is its ``close``."""

@@ -82,6 +82,8 @@ from .transfers import Transfers
 log = logging.getLogger("kvoffload.server")
 
 _H = TypeVar("_H", WriteHandle, LoadHandle)
+#: The admin verbs (§6): each leaves an "admin" audit record, allowed or not.
+_ADMIN_REQUESTS = (Purge, Fsck, Inspect, Ls, PurgeOlder)
 
 
 class Session(Transfers):
@@ -121,6 +123,12 @@ class Session(Transfers):
                 for t in req.tenants
             }
             direct = {t: self.direct_ok(t) for t in req.tenants}
+            for t in sorted(t for t in req.tenants if not self.may_use(t)):
+                # Coalesced per (peer, tenant) by the log: a flood costs lines, not disk.
+                self.service.audit(
+                    "refused_access",
+                    {**self.peer_details(), "verb": "hello", "tenant": t, "result": "refused"},
+                )
         except Exception:
             log.exception("%r: hello failed", self)
             return ErrorReply("hello", ErrorCode.INTERNAL, "keyring failure")
@@ -235,7 +243,47 @@ class Session(Transfers):
     # -- dispatch ------------------------------------------------------------------
 
     def execute(self, req: Request) -> Reply:
-        """Every verb after ``hello`` but ``register_staging`` and ``bye`` (§5)."""
+        """Every verb after ``hello`` but ``register_staging`` and ``bye`` (§5);
+        admin verbs and refusals leave an audit record (docs/spec/audit-v1.md §3)."""
+        reply = self._execute(req)
+        refused = isinstance(reply, ErrorReply) and reply.code is ErrorCode.FORBIDDEN
+        if refused or isinstance(req, _ADMIN_REQUESTS):
+            self._audit_verb(req, reply, refused)
+        return reply
+
+    # -- the audit log (docs/spec/audit-v1.md §3) ----------------------------------
+
+    def peer_details(self) -> dict[str, object]:
+        """Who, for an audit record: the peer's credentials (never data, keys or salts)."""
+        p = self.peer
+        return {"uid": p.uid, "gid": p.gids[0] if p.gids else None, "pid": p.pid}
+
+    def _audit_verb(self, req: Request, reply: Reply, refused: bool) -> None:
+        details: dict[str, object] = {**self.peer_details(), "verb": req.OP.value}
+        tenant = getattr(req, "tenant", None)
+        if tenant is not None:
+            details["tenant"] = tenant
+        namespace = getattr(req, "namespace", None)
+        if isinstance(namespace, bytes):
+            details["namespace"] = namespace.hex()
+        if refused:
+            details["result"] = "refused"
+            self.service.audit("refused_access", details)
+            return
+        if isinstance(reply, ErrorReply):
+            details["result"] = f"error {reply.code.name}"
+        else:
+            details["result"] = "ok"
+            removed = getattr(reply, "removed", None)
+            if isinstance(removed, int):
+                details["chunks"] = removed
+        for name in ("repair", "verify_data", "older_than_s"):
+            value = getattr(req, name, None)
+            if value is not None:
+                details[name] = value
+        self.service.audit("admin", details)
+
+    def _execute(self, req: Request) -> Reply:
         op = req.OP.value
         try:
             match req:

@@ -35,6 +35,7 @@ from ..index import ChunkRecord, Index
 from ..iobackend import IOBackend, IOMode, IOPlan
 from ..journal import JournalRecord, Reason
 from ..keyring import Keyring, KeyringError, TenantKeys
+from ..ports import RetentionSettings
 from .audit import AuditLog
 from .retention import RetentionJournal
 from .shared import REMOVE_REASONS, SharedRoot
@@ -87,6 +88,9 @@ class StoreConfig:
     #: At open, move a corrupt index aside and rebuild it from the files (the
     #: index is a cache of them); False: refuse to open (StoreIOError).
     rebuild_corrupt_index: bool = True
+    #: The audit log (docs/spec/audit-v1.md): rotate past this size, keep this many files.
+    audit_max_bytes: int = 16 << 20
+    audit_keep: int = 8
 
     def resolved_index_dir(self) -> Path:
         if self.index_dir is not None:
@@ -164,6 +168,10 @@ class EventsHook(Protocol):
     def removed(self, tenant: str, blob: bytes, reason: str) -> None: ...
 
 
+#: tenant -> its current retention limits (None: no limits beyond the stamped ttl).
+RetentionProvider = Callable[[str], "RetentionSettings | None"]
+
+
 class StoreBase:
     """The state every layer reads; :class:`~.facade.Store` sets it up."""
 
@@ -191,6 +199,36 @@ class StoreBase:
     _key_rereads: dict[str, float]
     #: The KV-event feed (kvoffload.sidecar.events), told of every chunk that leaves.
     events_hook: EventsHook | None = None
+    #: The tenants' current retention limits (the sidecar's policy), enforced on
+    #: every read and by the sweep; None: only each chunk's stamped expiry.
+    retention_policy: RetentionProvider | None = None
+
+    def _cutoffs(self, tenant: str, now_ns: int) -> tuple[int, int]:
+        """(created_after_ns, accessed_after_ns) of ``tenant`` at ``now_ns``: a chunk
+        created or last accessed at or before them has expired; 0 = no limit."""
+        provider = self.retention_policy
+        if provider is None:
+            return 0, 0
+        try:
+            limits = provider(tenant)
+        except ValueError:  # not a valid tenant id: nothing of it is stored
+            return 0, 0
+        if limits is None:
+            return 0, 0
+        age, idle = limits.age_limit_s(), limits.idle_ttl_s
+        return (
+            max(1, now_ns - int(age * 1e9)) if age is not None else 0,
+            max(1, now_ns - int(idle * 1e9)) if idle is not None else 0,
+        )
+
+    def _is_expired(self, rec: ChunkRecord, now_ns: int) -> bool:
+        """Past its stamped expiry, or its tenant's current ttl, max_age or idle_ttl."""
+        if rec.expires_ns and rec.expires_ns <= now_ns:
+            return True
+        created_after, accessed_after = self._cutoffs(rec.tenant, now_ns)
+        return (created_after > 0 and rec.created_ns <= created_after) or (
+            accessed_after > 0 and rec.last_access_ns <= accessed_after
+        )
 
     def _path(self, tenant: str, key: bytes) -> Path:
         return self.root / v1.object_relpath(tenant, key)

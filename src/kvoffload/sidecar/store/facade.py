@@ -39,7 +39,15 @@ from ..iobackend import select_backend
 from ..journal import JournalRecord, Op
 from ..keyring import Kek, Keyring
 from .audit import AuditLog
-from .base import SEAL_COUNTS_LOST, Counters, StoreConfig, boundary, log, mapped_errors
+from .base import (
+    SEAL_COUNTS_LOST,
+    Counters,
+    RetentionProvider,
+    StoreConfig,
+    boundary,
+    log,
+    mapped_errors,
+)
 from .capacity import _Scope
 from .leases import Leases
 from .retention import RetentionJournal
@@ -110,7 +118,12 @@ class Store(Leases):
         """Keyring, index and I/O backend; on failure, what was opened is closed
         (the caller closes the lock file)."""
         config = self.config
-        self._audit = AuditLog(index_dir / "audit.jsonl", audit)
+        self._audit = AuditLog(
+            index_dir / "audit.jsonl",
+            audit,
+            max_bytes=config.audit_max_bytes,
+            keep=config.audit_keep,
+        )
         self.keyring = Keyring(
             self.root / "keys", kek, cache_ttl_s=config.key_cache_ttl_s, audit=self._audit
         )
@@ -444,12 +457,27 @@ class Store(Leases):
     def delete(self, tenant: str, key: bytes) -> bool:
         return self._drop(tenant, key, reason="delete")
 
+    def set_retention(self, provider: RetentionProvider | None) -> None:
+        """Enforce ``provider(tenant)``'s limits (ttl, max_age, idle_ttl: the
+        sidecar's *current* policy) on every read and in :meth:`expire`."""
+        self.retention_policy = provider
+
     @boundary
     def expire(self) -> int:
-        """Drop every chunk whose TTL has passed."""
+        """Drop every chunk past its stamped expiry, or past its tenant's current
+        ttl, max_age or idle_ttl (those scan the tenants that have one)."""
+        now = time.time_ns()
         n = 0
-        for rec in self.index.expired(time.time_ns()):
+        for rec in self.index.expired(now):
             n += self._drop(rec.tenant, rec.chunk_key, reason="expired")
+        if self.retention_policy is None:
+            return n
+        for tenant in list(self.index.tenants()):
+            if self._cutoffs(tenant, now) == (0, 0):
+                continue
+            stale = [r for r in self.index.records(tenant=tenant) if self._is_expired(r, now)]
+            for rec in stale:
+                n += self._drop(rec.tenant, rec.chunk_key, reason="expired")
         return n
 
     @boundary

@@ -379,7 +379,7 @@ class Pipeline(Maintenance):
         rec = self.index.get(tenant, key)
         if rec is None and self.config.probe_files_on_miss and self._adopt(tenant, key):
             rec = self.index.get(tenant, key)
-        if rec is not None and rec.expires_ns and rec.expires_ns <= time.time_ns():
+        if rec is not None and self._is_expired(rec, time.time_ns()):
             self._drop_quietly(tenant, key, "expired")
             return None
         return rec
@@ -397,7 +397,10 @@ class Pipeline(Maintenance):
     def lookup(self, tenant: str, keys: Sequence[bytes]) -> int:
         """How many leading keys are present (per the index, plus files on a miss)."""
         now = time.time_ns()
-        n = self.index.lookup(tenant, keys, now_ns=now)
+        created_after, accessed_after = self._cutoffs(tenant, now)
+        n = self.index.lookup(
+            tenant, keys, now, created_after_ns=created_after, accessed_after_ns=accessed_after
+        )
         # The prefix ends at an absent or expired key; an absent one may be another
         # node's object (shared FS): adopt it and go on, which costs a stat per miss.
         while n < len(keys):
@@ -407,14 +410,22 @@ class Pipeline(Maintenance):
                 return n
             if not (self.config.probe_files_on_miss and self._adopt(tenant, keys[n])):
                 return n
-            n += self.index.lookup(tenant, keys[n:], now_ns=now)
+            # An adopted chunk past its limits ends the prefix here, and goes next round.
+            n += self.index.lookup(
+                tenant, keys[n:], now,
+                created_after_ns=created_after, accessed_after_ns=accessed_after,
+            )  # fmt: skip
         return n
 
     @boundary
     def lookup_cached(self, tenant: str, keys: Sequence[bytes]) -> int | None:
         """:meth:`lookup` from the index alone, or None where that needs the disk
         (a miss that may be another node's file, or an expired entry to drop)."""
-        n = self.index.lookup(tenant, keys, now_ns=time.time_ns())
+        now = time.time_ns()
+        created_after, accessed_after = self._cutoffs(tenant, now)
+        n = self.index.lookup(
+            tenant, keys, now, created_after_ns=created_after, accessed_after_ns=accessed_after
+        )
         if n == len(keys):
             return n
         if self.config.probe_files_on_miss or self.index.get(tenant, keys[n]) is not None:
