@@ -248,6 +248,7 @@ class AuditLog:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(self.directory / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
