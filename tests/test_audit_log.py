@@ -296,3 +296,13 @@ def test_audit_command_verifies_and_names_the_broken_line(tmp_path: Path) -> Non
 def test_audit_command_on_a_directory_without_a_log(tmp_path: Path) -> None:
     r = cli(tmp_path, "--verify")
     assert r.returncode == 0 and "no audit log" in r.stdout
+
+
+def test_an_older_unchained_log_is_moved_aside_and_a_chain_starts(tmp_path: Path) -> None:
+    old = b'{"event": "purge_tenant", "tenant": "acme", "ts": 1.0}\n'
+    (tmp_path / ACTIVE).write_bytes(old)
+    AuditLog(tmp_path / ACTIVE)("admin", {"verb": "fsck"})
+    (legacy,) = tmp_path.glob("audit.legacy-*.jsonl")
+    assert legacy.read_bytes() == old
+    rep = verify(tmp_path)
+    assert rep.intact and [r["seq"] for r in rep.records] == [1]
