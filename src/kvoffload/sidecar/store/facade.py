@@ -418,6 +418,7 @@ class Store(Leases):
         """
         self._audit(event, details)
 
+    @boundary
     def tenant_salt(self, tenant: str) -> bytes:
         """The tenant's secret key salt (creates the tenant's keys on first use)."""
         return self.keyring.ensure_tenant(tenant).salt
