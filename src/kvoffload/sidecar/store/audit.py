@@ -431,6 +431,39 @@ def log_files(directory: Path) -> list[Path]:
     return files
 
 
+def _check(
+    rec: dict[str, Any],
+    seq: int,
+    named: int | None,
+    expect: int | None,
+    prev: str | None,
+    notes: list[str],
+) -> str | None:
+    """Why one record breaks the chain (audit-v1 §5), or None."""
+    if named is not None and named != seq:
+        return f"the file is named for seq {named} but starts at seq {seq}"
+    if rec.get("hash") != record_hash(rec):
+        return "the record was edited (its hash does not match)"
+    if expect is not None and seq != expect:
+        what = "missing records before it" if seq > expect else "out of order"
+        return f"seq {seq} where {expect} was expected ({what})"
+    if prev is None:
+        if seq == 1 and rec.get("prev") != ZERO_HASH:
+            return "seq 1 does not start a chain"
+        if seq != 1:
+            notes.append(f"records before seq {seq} were rotated away")
+    elif rec.get("prev") != prev:
+        return (
+            "the link to the record before is broken (a record was removed, replaced or reordered)"
+        )
+    if rec.get("event") == "audit_anchor_lost":
+        return (
+            f"the anchor was lost after seq {rec.get('last_seq_found')}: the log may "
+            "have been cut there"
+        )
+    return None
+
+
 def verify(directory: Path) -> AuditReport:
     """Read every file of the log in ``directory`` and check the chain and the anchor.
 
@@ -456,7 +489,7 @@ def verify(directory: Path) -> AuditReport:
             data = path.read_bytes()
         except OSError as exc:
             rep.problems.append(AuditProblem(str(path), 0, f"unreadable: {exc}"))
-            return rep
+            continue
         lines = data.split(b"\n")
         torn = lines.pop() if lines else b""
         for i, raw in enumerate(lines, start=1):
@@ -466,7 +499,7 @@ def verify(directory: Path) -> AuditReport:
                     raise ValueError("not an object")
             except ValueError as exc:
                 rep.problems.append(AuditProblem(str(path), i, f"not a JSON record ({exc})"))
-                return rep
+                continue
             if rec.get("v") != AUDIT_VERSION:
                 raise AuditFormatError(
                     f"{path}:{i}: audit record version {rec.get('v')!r}; this kvoffload "
@@ -475,57 +508,14 @@ def verify(directory: Path) -> AuditReport:
             seq = rec.get("seq")
             if not isinstance(seq, int) or isinstance(seq, bool):
                 rep.problems.append(AuditProblem(str(path), i, "the record has no seq"))
-                return rep
-            if i == 1 and m is not None and int(m.group(1)) != seq:
-                rep.problems.append(
-                    AuditProblem(
-                        str(path),
-                        i,
-                        f"the file is named for seq {int(m.group(1))} but starts at seq {seq}",
-                    )
-                )
-                return rep
-            if rec.get("hash") != record_hash(rec):
-                rep.problems.append(
-                    AuditProblem(str(path), i, "the record was edited (its hash does not match)")
-                )
-                return rep
-            if expect is not None and seq != expect:
-                what = (
-                    "missing records before it"
-                    if isinstance(seq, int) and seq > expect
-                    else "out of order"
-                )
-                rep.problems.append(
-                    AuditProblem(str(path), i, f"seq {seq} where {expect} was expected ({what})")
-                )
-                return rep
-            if prev is None:
-                if seq == 1 and rec.get("prev") != ZERO_HASH:
-                    rep.problems.append(AuditProblem(str(path), i, "seq 1 does not start a chain"))
-                    return rep
-                if seq != 1:
-                    rep.notes.append(f"records before seq {seq} were rotated away")
-            elif rec.get("prev") != prev:
-                rep.problems.append(
-                    AuditProblem(
-                        str(path),
-                        i,
-                        "the link to the record before is broken (a record was "
-                        "removed, replaced or reordered)",
-                    )
-                )
-                return rep
-            if rec.get("event") == "audit_anchor_lost":
-                rep.problems.append(
-                    AuditProblem(
-                        str(path),
-                        i,
-                        f"the anchor was lost after seq {rec.get('last_seq_found')}: "
-                        "the log may have been cut there",
-                    )
-                )
-            prev = rec["hash"]
+                continue
+            named = int(m.group(1)) if m is not None and i == 1 else None
+            reason = _check(rec, seq, named, expect, prev, rep.notes)
+            if reason is not None:
+                rep.problems.append(AuditProblem(str(path), i, reason))
+            # Go on from this record: every later break is reported too, and
+            # the records stay readable.
+            prev = rec.get("hash")
             expect = seq + 1
             last = rec
             last_where = AuditProblem(str(path), i, "")
@@ -535,7 +525,7 @@ def verify(directory: Path) -> AuditReport:
                 rep.problems.append(
                     AuditProblem(str(path), len(lines) + 1, "a partial line in a rotated file")
                 )
-                return rep
+                continue
             rep.notes.append(
                 f"{path}:{len(lines) + 1}: a partial last line (a crash while writing it); ignored"
             )

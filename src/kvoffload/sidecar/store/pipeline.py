@@ -405,8 +405,9 @@ class Pipeline(Maintenance):
         # node's object (shared FS): adopt it and go on, which costs a stat per miss.
         while n < len(keys):
             rec = self.index.get(tenant, keys[n])
-            if rec is not None:  # present but expired
-                self._drop_quietly(tenant, keys[n], "expired")
+            if rec is not None:  # present but expired (or saved since the lookup began)
+                if self._is_expired(rec, now):
+                    self._drop_quietly(tenant, keys[n], "expired")
                 return n
             if not (self.config.probe_files_on_miss and self._adopt(tenant, keys[n])):
                 return n
