@@ -25,6 +25,9 @@ were empty. The file is TOML (``/etc/kvoffload/policy.toml``)::
                                     # themselves (GPUDirect Storage); docs/spec/layout-v1.md §4.1
     events = false                  # optional: never publish this tenant's chunks on the
                                     # KV-event feed (docs/spec/events-v1.md §7); default true
+    lookup_floor = "5ms"            # optional (also in [defaults]): every lookup reply of
+    lookup_jitter = "2ms"           # this tenant leaves no earlier than its arrival + floor
+                                    # + U(0, jitter); each 0 to 1s (docs/threat-model.md)
     direct_group = "vllm-acme"      # optional: the group (name or gid) whose members'
                                     # workers get the direct path; the sidecar shares the
                                     # tenant's object tree with it. Without it, only
@@ -95,7 +98,7 @@ _UID_LIMIT: Final = 2**32 - 1  # (uid_t)-1 means "no change" to the kernel, neve
 
 
 _TOP_KEYS: Final = ("version", "defaults", "tenants", "grants")
-_DEFAULTS_KEYS: Final = ("encryption", "ttl", "quota", "events")
+_DEFAULTS_KEYS: Final = ("encryption", "ttl", "quota", "events", "lookup_floor", "lookup_jitter")
 _TENANT_KEYS: Final = (
     "encryption",
     "ttl",
@@ -104,10 +107,15 @@ _TENANT_KEYS: Final = (
     "direct",
     "direct_group",
     "events",
+    "lookup_floor",
+    "lookup_jitter",
 )
 _PER_TENANT_ONLY: Final = ("trust_group", "direct", "direct_group")
 _GRANT_KEYS: Final = ("uid", "gid", "user", "group", "tenants", "admin")
 _PRINCIPAL_KEYS: Final = ("uid", "gid", "user", "group")
+#: The largest lookup_floor and lookup_jitter: a padded lookup is on the engine's
+#: scheduler path, and a second of it per request is already far past useful.
+MAX_LOOKUP_PADDING_S: Final = 1.0
 
 
 @final
@@ -154,6 +162,10 @@ class TenantPolicy:
     direct_gid: int | None = None
     #: The tenant's chunks are announced on the KV-event feed (events-v1 §7).
     events: bool = True
+    #: Every lookup reply of the tenant leaves no earlier than the request's
+    #: arrival + ``lookup_floor_s`` + U(0, ``lookup_jitter_s``) (docs/threat-model.md).
+    lookup_floor_s: float = 0.0
+    lookup_jitter_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -558,7 +570,37 @@ class _Parser:
             raise self.fail(
                 (*path, "events"), f"events must be true or false, not {_describe(events)}"
             )
-        return TenantPolicy(encryption, ttl_s, quota, trust_group, direct, direct_gid, events)
+        floor = self._padding(table, path, "lookup_floor", base.lookup_floor_s)
+        jitter = self._padding(table, path, "lookup_jitter", base.lookup_jitter_s)
+        return TenantPolicy(
+            encryption,
+            ttl_s,
+            quota,
+            trust_group,
+            direct,
+            direct_gid,
+            events,
+            lookup_floor_s=floor,
+            lookup_jitter_s=jitter,
+        )
+
+    def _padding(self, table: Mapping[str, Any], path: _Path, key: str, base: float) -> float:
+        """``lookup_floor``/``lookup_jitter``: a duration of 0 to 1 s ("none" is 0)."""
+        if key not in table:
+            return base
+        value = table[key]
+        try:
+            seconds = units.parse_duration(value, require_unit=True, what=f"duration for {key}")
+        except ConfigError as exc:
+            raise self.fail((*path, key), str(exc)) from None
+        seconds = 0.0 if seconds is None else seconds
+        if not 0.0 <= seconds <= MAX_LOOKUP_PADDING_S:
+            raise self.fail(
+                (*path, key),
+                f"{key} must be between 0s and {MAX_LOOKUP_PADDING_S:g}s, not {value!r}: "
+                "it delays every lookup reply of the tenant",
+            )
+        return seconds
 
     def _group_id(self, value: object, path: _Path) -> int:
         if isinstance(value, int) and not isinstance(value, bool):
