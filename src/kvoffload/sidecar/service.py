@@ -31,6 +31,7 @@ from kvoffload.posix import atomic_create
 from kvoffload.protocol import EngineBlocks, LeaseSlot, StoreSlot
 
 from .metrics import Metrics
+from .padding import LookupPadding
 from .ports import PolicyAPI, StoreAPI
 
 if TYPE_CHECKING:
@@ -171,6 +172,8 @@ class Service:
         self.draining = False
         #: The KV-event feed (kvoffload.sidecar.events), when ``[events]`` enables it.
         self.events: EventsAPI | None = None
+        #: Padded lookups (a tenant's lookup_floor): delays drawn, overruns counted.
+        self.padding = LookupPadding(metrics)
         self._mu = threading.Lock()
         self._sessions: set[Session] = set()
 
