@@ -24,7 +24,7 @@ import functools
 import logging
 import socket
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import TypeVar
 
@@ -238,11 +238,10 @@ class Connection:
         elif isinstance(req, Lookup):
             started = time.perf_counter()
             pad = session.lookup_pad(req.tenant)
-            reply = session.lookup_inline(req)
+            # A padded lookup always takes the pool's path, hit or miss (§5.28).
+            reply = session.lookup_inline(req) if pad is None else None
             if reply is None:
                 await self._spawn(rid, req, (pad, arrived))
-            elif pad is not None:
-                self._track(rid, self._padded_reply(rid, reply, pad, arrived, started))
             else:
                 await self._reply(rid, reply)
                 if self.service.metrics is not None:
@@ -265,11 +264,7 @@ class Connection:
     async def _spawn(
         self, rid: int, req: Request, padding: tuple[Pad | None, float] = (None, 0.0)
     ) -> None:
-        self._track(rid, self._serve_request(rid, req, padding))
-
-    def _track(self, rid: int, work: Coroutine[None, None, None]) -> None:
-        """Run ``work`` as the task of request ``rid`` (in flight until it replied)."""
-        task = asyncio.create_task(work)
+        task = asyncio.create_task(self._serve_request(rid, req, padding))
         self.tasks[rid] = task
         task.add_done_callback(functools.partial(self._task_done, rid))
 
@@ -290,15 +285,6 @@ class Connection:
         finally:
             self.held.pop(fut).cancel()
         return not self.closing
-
-    async def _padded_reply(
-        self, rid: int, reply: Reply, pad: Pad, arrived: float, started: float
-    ) -> None:
-        """An inline lookup's reply, held until its deadline (§5.28)."""
-        if await self._hold(pad, arrived):
-            await self._reply(rid, reply)
-        if self.service.metrics is not None:
-            self.service.metrics.observe(Op.LOOKUP.value, time.perf_counter() - started)
 
     def _task_done(self, rid: int, _task: asyncio.Task[None]) -> None:
         self.tasks.pop(rid, None)
