@@ -348,3 +348,31 @@ def test_a_forbidden_tenants_floor_applies_to_its_probes(procs: Procs, workdir: 
         assert time.monotonic() - start >= 0.15
     finally:
         conn.close()
+
+
+def test_policy_check_shows_the_padding_and_refuses_a_bad_floor_in_one_line(
+    tmp_path: Path,
+) -> None:
+    import json
+    import subprocess
+    import sys
+
+    good = tmp_path / "good.toml"
+    good.write_text(
+        'version = 1\n[tenants.acme]\nlookup_floor = "5ms"\nlookup_jitter = "1ms"\n'
+        '[[grants]]\nuid = 0\ntenants = ["acme"]\n'
+    )
+    good.chmod(0o600)
+    run = [sys.executable, "-m", "kvoffload.cli", "policy", "check"]
+    out = subprocess.run([*run, str(good), "--json"], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    acme = json.loads(out.stdout)["tenants"]["acme"]
+    assert acme["lookup_floor_s"] == pytest.approx(0.005)
+    assert acme["lookup_jitter_s"] == pytest.approx(0.001)
+    bad = tmp_path / "bad.toml"
+    bad.write_text('version = 1\n[tenants.acme]\nlookup_floor = "3s"\n')
+    bad.chmod(0o600)
+    out = subprocess.run([*run, str(bad)], capture_output=True, text=True, check=False)
+    assert out.returncode == 1
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    assert len(lines) == 1 and f"{bad}:3:" in lines[0] and "lookup_floor" in lines[0], lines

@@ -107,6 +107,8 @@ def _tenant_settings(t: Any) -> dict[str, Any]:
         "direct": t.direct,
         "direct_gid": t.direct_gid,
         "trust_group": t.trust_group,
+        "lookup_floor_s": t.lookup_floor_s,
+        "lookup_jitter_s": t.lookup_jitter_s,
     }
 
 
@@ -152,7 +154,7 @@ def policy_check(
         table.add_row(g["principal"], g["named"], who, "yes" if g["admin"] else "no")
     out.print(table)
     settings = Table(title="tenant settings")
-    for col in ("tenant", "encryption", "ttl", "quota", "direct"):
+    for col in ("tenant", "encryption", "ttl", "quota", "direct", "lookup floor + jitter"):
         settings.add_column(col)
     for name, s in [("(defaults)", defaults), *tenants.items()]:
         settings.add_row(
@@ -161,6 +163,9 @@ def policy_check(
             "none" if s["ttl_s"] is None else f"{s['ttl_s']:g} s",
             human_bytes(s["quota_bytes"]),
             "yes" if s["direct"] else "no",
+            f"{s['lookup_floor_s'] * 1e3:g} + {s['lookup_jitter_s'] * 1e3:g} ms"
+            if s["lookup_floor_s"] or s["lookup_jitter_s"]
+            else "-",
         )
     out.print(settings)
 
