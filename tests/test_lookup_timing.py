@@ -180,7 +180,7 @@ def test_the_decoy_tenant_can_never_be_named_and_holds_nothing(store: Any) -> No
 # padded lookups, through a real sidecar process
 
 
-def _start(procs: Procs, workdir: Path, tenants_toml: str) -> Sidecar:
+def _start(procs: Procs, workdir: Path, tenants_toml: str, metrics_port: int = 0) -> Sidecar:
     kek = workdir / "kek"
     kek.write_bytes(os.urandom(32))
     kek.chmod(0o600)
@@ -195,6 +195,7 @@ def _start(procs: Procs, workdir: Path, tenants_toml: str) -> Sidecar:
         f'[store]\nroot = "{workdir}/store"\nindex_dir = "{workdir}/index"\n'
         f'durability = "none"\n\n[server]\nsocket = "{sock}"\n\n'
         f'[security]\nkek_file = "{kek}"\npolicy = "{policy}"\n'
+        + (f"\n[metrics]\nport = {metrics_port}\n" if metrics_port else "")
     )
     sc = procs.sidecar(workdir, sock, Sidecar.serve_argv("--config", str(cfg), "serve"))
     sc.start().wait_ready()
@@ -317,13 +318,21 @@ def test_a_held_reply_is_dropped_not_sent_early_when_the_peer_stops_sending(
 
 def test_overruns_are_counted_for_the_operator(procs: Procs, workdir: Path) -> None:
     # A floor of one microsecond: no reply is computed within it.
-    sc = _start(procs, workdir, '[tenants.tiny]\nlookup_floor = "0.001ms"\n')
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sc = _start(procs, workdir, '[tenants.tiny]\nlookup_floor = "0.001ms"\n', port)
     conn = Conn(sc.socket_path, ["tiny", "forbidden"])
     try:
         for rid in range(2, 5):
             assert conn.call(rid, p.Lookup("tiny", (key(rid),))) == p.LookupReply(0)
         counts = sc.stats()["lookup_padding"]["tiny"]
         assert counts == {"padded": 3, "overruns": 3}
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        assert 'kvoffload_lookup_floor_overruns_total{tenant="tiny"} 3.0' in text
     finally:
         conn.close()
 
