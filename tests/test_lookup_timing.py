@@ -32,6 +32,7 @@ from kvoffload.sidecar.policy import MAX_LOOKUP_PADDING_S, Grant, Policy, Tenant
 from kvoffload.sidecar.server import ServerConfig
 from kvoffload.sidecar.service import Peer, Service
 from kvoffload.sidecar.session import DECOY_TENANT, Session
+from kvoffload.staging import StagingBuffer
 from kvoffload.transport import UnixTransport
 
 from .sidecar_proc import Procs, Sidecar
@@ -116,13 +117,37 @@ class RecordingStore:
         self.calls.append(("touch", tenant, tuple(keys)))
         self._store.touch(tenant, keys)
 
+    def payload_info(self, tenant: str, key: bytes) -> Any:
+        self.calls.append(("payload_info", tenant, (key,)))
+        return self._store.payload_info(tenant, key)
+
+    def lease_load(self, tenant: str, key: bytes) -> Any:
+        self.calls.append(("lease_load", tenant, (key,)))
+        return self._store.lease_load(tenant, key)
+
+    def pin(self, tenant: str, keys: Sequence[bytes]) -> None:
+        self.calls.append(("pin", tenant, tuple(keys)))
+        self._store.pin(tenant, keys)
+
+    def unpin(self, tenant: str, keys: Sequence[bytes]) -> None:
+        self.calls.append(("unpin", tenant, tuple(keys)))
+        self._store.unpin(tenant, keys)
+
+    def get_many_into(self, tenant: str, keys: Sequence[bytes], outs: Any) -> Any:
+        self.calls.append(("get_many_into", tenant, tuple(keys)))
+        return self._store.get_many_into(tenant, keys, outs)
+
 
 @pytest.fixture
 def recorded(store: Any) -> Iterator[tuple[RecordingStore, Session]]:
     for i in range(4):
         store.put("victim", key(i), NS, [b"v" * 100])
     rec = RecordingStore(store)
-    pol = Policy(grants=[Grant("uid", os.getuid(), frozenset({"own", "empty"}))])
+    # "empty" may take the direct path, so its lease_load is a miss, not FORBIDDEN.
+    pol = Policy(
+        tenants={"empty": TenantPolicy(encryption=False, direct=True)},
+        grants=[Grant("uid", os.getuid(), frozenset({"own", "empty"}))],
+    )
     service = Service(rec, pol, ServerConfig(secret=SECRET))
     session = Session(service, Peer(os.getpid(), os.getuid(), (os.getgid(),)))
     assert isinstance(session.hello(p.Hello(1, 1, "t", ("own", "empty", "victim"))), p.HelloReply)
@@ -162,6 +187,32 @@ def test_forbidden_touch_does_an_empty_tenants_work(
     rec.calls.clear()
     session.touch(p.Touch("empty", keys))
     assert rec.calls == [("touch", "empty", keys)]
+
+
+def test_forbidden_loads_make_an_empty_tenants_store_calls(
+    recorded: tuple[RecordingStore, Session],
+) -> None:
+    """prepare_load and lease_load: the same store calls as for an empty tenant,
+    under the decoy; the answer is all-miss with no handle, nothing left pinned."""
+    rec, session = recorded
+    buf = StagingBuffer(64 * 1024)
+    try:
+        ack = session.register_staging(p.RegisterStaging(buf.size), [os.dup(buf.fd)])
+        assert ack == p.Ack(p.Op.REGISTER_STAGING)
+        keys = tuple(key(i) for i in range(4))  # what "victim" really stored
+        for verb in (p.PrepareLoad, p.LeaseLoad):
+            rec.calls.clear()
+            empty = session.execute(verb("empty", keys))
+            empty_calls = [(v, ks) for v, _t, ks in rec.calls]
+            rec.calls.clear()
+            forbidden = session.execute(verb("victim", keys))
+            assert forbidden == empty, verb
+            assert getattr(forbidden, "handle", None) == 0
+            assert [(v, ks) for v, _t, ks in rec.calls] == empty_calls, verb
+            assert {t for _v, t, _k in rec.calls} == {DECOY_TENANT}, rec.calls
+        assert session.open_handles() == 0
+    finally:
+        buf.close()
 
 
 def test_the_decoy_tenant_can_never_be_named_and_holds_nothing(store: Any) -> None:

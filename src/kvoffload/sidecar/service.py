@@ -24,7 +24,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from kvoffload.errors import Reject
 from kvoffload.posix import atomic_create
@@ -42,6 +42,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvoffload.server")
 
 SECRET_SIZE = 32
+
+#: The tenant under which a forbidden tenant's lookups, touches and loads run
+#: (protocol-v1 §6): the same code path and store calls as a real, empty
+#: tenant's, so that timing does not tell the two apart. "~" is outside the
+#: tenant-id alphabet, so no request can name it and it never holds a chunk.
+DECOY_TENANT: Final = "~forbidden"
 
 
 @dataclass(frozen=True)
@@ -291,6 +297,7 @@ def plainify(value: Any, depth: int = 0) -> Any:
 
 
 __all__ = [
+    "DECOY_TENANT",
     "SECRET_SIZE",
     "ByteBudget",
     "Handle",

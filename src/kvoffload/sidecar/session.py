@@ -8,10 +8,11 @@ region allocator and the handles) is guarded by ``mu``.
 
 Isolation (§6) is decided per request from the peer's credentials and the
 service's *current* policy. A tenant the connection may not use gets the
-empty-tenant answer; its ``lookup`` and ``touch`` do the empty tenant's work
-too (the same index walk, under :data:`DECOY_TENANT`, which never holds a
-chunk), so that neither content nor timing tells a forbidden tenant from an
-empty one (``scripts/bench_timing.py`` measures it; docs/threat-model.md).
+empty-tenant answer; its ``lookup``, ``touch``, ``prepare_load`` and
+``lease_load`` do the empty tenant's work too (the same store calls, under
+:data:`~.service.DECOY_TENANT`, which never holds a chunk), so that neither
+content nor timing tells a forbidden tenant from an empty one
+(``scripts/bench_timing.py`` measures it; docs/threat-model.md).
 
 The write and read verbs (``prepare_store``/``lease_store`` →
 ``complete_store``, ``prepare_load``/``lease_load`` → ``complete_load``) with
@@ -24,7 +25,7 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
-from typing import Final, TypeVar
+from typing import TypeVar
 
 from kvoffload.protocol import (
     MAX_FRAME,
@@ -72,6 +73,7 @@ from .admin import LS_PAGE, inspect_report, ls_rows
 from .padding import Pad
 from .ports import StoreViewsAPI
 from .service import (
+    DECOY_TENANT,
     Handle,
     LoadHandle,
     Peer,
@@ -85,12 +87,6 @@ from .transfers import Transfers
 log = logging.getLogger("kvoffload.server")
 
 _H = TypeVar("_H", WriteHandle, LoadHandle)
-
-#: The index tenant under which a forbidden tenant's lookups and touches run
-#: (§6): the same code path and index walk as a real, empty tenant's. "~" is
-#: outside the tenant-id alphabet, so no request can name it and it never
-#: holds a chunk.
-DECOY_TENANT: Final = "~forbidden"
 
 
 class Session(Transfers):
@@ -478,4 +474,4 @@ class Session(Transfers):
         return Ack(Op.ABORT)
 
 
-__all__ = ["Session"]
+__all__ = ["DECOY_TENANT", "Session"]
