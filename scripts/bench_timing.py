@@ -18,7 +18,9 @@ the tokens and the salt would):
 ``own_present``
     tenant ``own``, keys ``own`` stored (a hit, within the tenant);
 ``padded_present`` / ``padded_absent``
-    the same in tenant ``padded`` (``--floor``, ``--jitter``; ``--floor 0`` skips them).
+    the same in tenant ``padded`` (``--floor``, ``--jitter``; ``--floor 0s`` skips them);
+``load_forbidden`` / ``load_empty``
+    ``prepare_load`` instead of ``lookup``: of ``other``'s real keys, and in ``empty``.
 
 Every kind runs ``--probes`` times, all kinds interleaved in one random order
 (a loaded machine's drift hits every kind alike), after an untimed warm-up;
@@ -68,7 +70,19 @@ from rich.table import Table
 import kvoffload
 from kvoffload import testing
 from kvoffload.client import SidecarClient
-from kvoffload.protocol import Hello, HelloReply, Lookup, LookupReply, parse_reply, request_message
+from kvoffload.protocol import (
+    Ack,
+    Hello,
+    HelloReply,
+    Lookup,
+    LookupReply,
+    PrepareLoad,
+    PrepareLoadReply,
+    RegisterStaging,
+    parse_reply,
+    request_message,
+)
+from kvoffload.staging import StagingBuffer
 from kvoffload.transport import UnixTransport
 from kvoffload.units import parse_duration
 
@@ -83,6 +97,8 @@ KINDS = (
     "own_present",
     "padded_present",
     "padded_absent",
+    "load_forbidden",
+    "load_empty",
 )
 #: (a, b, what a difference between them would tell a prober)
 PAIRS = (
@@ -93,6 +109,7 @@ PAIRS = (
     ("empty_absent", "own_absent", "empty vs a miss where chunks are"),
     ("own_present", "own_absent", "hit vs miss, unpadded"),
     ("padded_present", "padded_absent", "hit vs miss, padded"),
+    ("load_forbidden", "load_empty", "prepare_load: forbidden vs empty"),
 )
 ALPHA = 0.01
 
@@ -213,29 +230,40 @@ class Prober:
         reply = self._call(Hello(1, 1, "bench_timing", (OWN, OTHER, PADDED, EMPTY)))
         if not isinstance(reply, HelloReply):
             raise RuntimeError(f"hello refused: {reply!r}")
+        self.staging = StagingBuffer(1 << 20)
+        reply = self._call(RegisterStaging(self.staging.size), [self.staging.fd])
+        if not isinstance(reply, Ack):
+            raise RuntimeError(f"register_staging refused: {reply!r}")
 
-    def _call(self, req: Any) -> Any:
+    def _call(self, req: Any, fds: Sequence[int] = ()) -> Any:
         self.rid += 1
-        self.t.send(request_message(self.rid, req))
+        self.t.send(request_message(self.rid, req), fds)
         got, reply = parse_reply(self.t.recv().msg)
         if got != self.rid:
             raise RuntimeError(f"reply to {got}, expected {self.rid}")
         return reply
 
-    def lookup(self, tenant: str, keys: tuple[bytes, ...]) -> tuple[int, float]:
+    def probe(self, verb: str, tenant: str, keys: tuple[bytes, ...]) -> tuple[int, float]:
+        """One ``lookup`` (or ``prepare_load``): chunks found, and the round trip."""
         self.rid += 1
-        msg = request_message(self.rid, Lookup(tenant, keys))
+        req = Lookup(tenant, keys) if verb == "lookup" else PrepareLoad(tenant, keys)
+        msg = request_message(self.rid, req)
         start = time.perf_counter()
         self.t.send(msg)
         frame = self.t.recv()
         elapsed = time.perf_counter() - start
         got, reply = parse_reply(frame.msg)
-        if got != self.rid or not isinstance(reply, LookupReply):
-            raise RuntimeError(f"unexpected reply {reply!r}")
-        return reply.found, elapsed
+        if got != self.rid:
+            raise RuntimeError(f"reply to {got}, expected {self.rid}")
+        if isinstance(reply, LookupReply):
+            return reply.found, elapsed
+        if isinstance(reply, PrepareLoadReply) and reply.handle == 0:
+            return sum(c.verified for c in reply.chunks), elapsed
+        raise RuntimeError(f"unexpected reply {reply!r}")
 
     def close(self) -> None:
         self.t.close()
+        self.staging.close()
 
 
 # --------------------------------------------------------------------------- the run
@@ -297,15 +325,17 @@ def run(args: argparse.Namespace, work: Path, console: Console) -> dict[str, Any
         "own_present": args.keys,
         "padded_present": args.keys,
         "padded_absent": 0,
+        "load_forbidden": 0,
+        "load_empty": 0,
     }
     load_before = os.getloadavg()
     with sidecar(work, sock) as proc:
         # The probes as the attacker prepares them: absent keys drawn now, not timed.
-        probes: list[tuple[str, str, tuple[bytes, ...]]] = []
+        probes: list[tuple[str, str, tuple[bytes, ...]]] = []  # kind, tenant, keys
         for kind in warmup + schedule:
-            prefix = kind.split("_")[0]
+            prefix = kind.split("_")[-1] if kind.startswith("load") else kind.split("_")[0]
             tenant = {"forbidden": OTHER, "own": OWN, "padded": PADDED, "empty": EMPTY}[prefix]
-            if kind.endswith("present"):
+            if kind.endswith("present") or kind == "load_forbidden":
                 keys = stored[tenant][rng.randrange(sets)]
             else:
                 keys = tuple(rng.randbytes(32) for _ in range(args.keys))
@@ -313,7 +343,8 @@ def run(args: argparse.Namespace, work: Path, console: Console) -> dict[str, Any
         prober = Prober(sock)
         try:
             for i, (kind, tenant, keys) in enumerate(probes):
-                found, elapsed = prober.lookup(tenant, keys)
+                verb = "prepare_load" if kind.startswith("load") else "lookup"
+                found, elapsed = prober.probe(verb, tenant, keys)
                 if found != expect_found[kind]:
                     raise RuntimeError(
                         f"{kind}: lookup found {found}, expected {expect_found[kind]}"

@@ -25,6 +25,8 @@ KINDS = {
     "own_present",
     "padded_present",
     "padded_absent",
+    "load_forbidden",
+    "load_empty",
 }
 
 
@@ -97,6 +99,7 @@ def test_bench_timing_quick_reports_every_kind_and_pair(tmp_path: Path) -> None:
     assert ("forbidden_present", "forbidden_absent") in pairs
     assert ("own_present", "own_absent") in pairs
     assert ("padded_present", "padded_absent") in pairs
+    assert ("load_forbidden", "load_empty") in pairs
     for r in doc["pairs"]:
         assert 0.0 <= r["p"] <= 1.0 and 0.0 <= r["auc"] <= 1.0, r
         assert isinstance(r["distinguishable"], bool)
