@@ -212,7 +212,8 @@ def test_policy_parses_max_age_idle_ttl_and_sensitivity(tmp_path: Path) -> None:
         'version = 1\n[defaults]\nttl = "7d"\nmax_age = "2d"\nidle_ttl = "1h"\n'
         '[tenants.plain]\nidle_ttl = "none"\n'
         '[tenants.secret]\nsensitivity = "high"\n'
-        '[tenants.tuned]\nsensitivity = "high"\nmax_age = "15m"\nidle_ttl = "1m"\n',
+        '[tenants.tuned]\nsensitivity = "high"\nmax_age = "15m"\nidle_ttl = "1m"\n'
+        '[tenants.fast]\nsensitivity = "high"\nlookup_floor = "5ms"\n',
     )
     pol = load_policy(p)
     d = pol.defaults
@@ -229,6 +230,10 @@ def test_policy_parses_max_age_idle_ttl_and_sensitivity(tmp_path: Path) -> None:
     assert HIGH_SENSITIVITY_LOOKUP_FLOOR_S == 0.002
     tuned = pol.tenant("tuned")
     assert (tuned.max_age_s, tuned.idle_ttl_s) == (900, 60)
+    assert pol.tenant("fast").lookup_floor_s == 0.005
+    # A high-sensitivity tenant's lookups are padded unless its own table says otherwise.
+    assert hi.lookup_floor_s == HIGH_SENSITIVITY_LOOKUP_FLOOR_S
+    assert pol.tenant("plain").lookup_floor_s == 0.0
 
 
 @pytest.mark.parametrize(

@@ -131,6 +131,8 @@ def _tenant_settings(t: Any) -> dict[str, Any]:
         "idle_ttl_s": t.idle_ttl_s,
         "sensitivity": t.sensitivity,
         "events": t.events,
+        "lookup_floor_s": t.lookup_floor_s,
+        "lookup_jitter_s": t.lookup_jitter_s,
     }
 
 
@@ -181,7 +183,7 @@ def policy_check(
     out.print(table)
     settings = Table(title="tenant settings")
     cols = ("tenant", "encryption", "ttl", "max_age", "idle_ttl", "sensitivity", "events")
-    for col in (*cols, "quota", "direct"):
+    for col in (*cols, "quota", "direct", "lookup floor + jitter"):
         settings.add_column(col)
     for name, s in [("(defaults)", defaults), *tenants.items()]:
         settings.add_row(
@@ -194,6 +196,9 @@ def policy_check(
             "on" if s["events"] else "off",
             human_bytes(s["quota_bytes"]),
             "yes" if s["direct"] else "no",
+            f"{s['lookup_floor_s'] * 1e3:g} + {s['lookup_jitter_s'] * 1e3:g} ms"
+            if s["lookup_floor_s"] or s["lookup_jitter_s"]
+            else "-",
         )
     out.print(settings)
 

@@ -5,7 +5,8 @@
     Connection.run(): magic, then frames until bye, EOF or a fatal error
        │  hello, register_staging, bye and a lookup the index answers run
        │  inline; every other request is a task whose verb runs on the thread
-       │  pool, so replies may leave in any order (§3.3)
+       │  pool, so replies may leave in any order (§3.3); a lookup of a tenant
+       │  with a lookup_floor is held on a loop timer until its deadline (§5.28)
        └─ on close: wait for its tasks (pool threads may still touch the
           staging mapping), then release handles, pins, reservations and the
           mapping (§7)
@@ -52,6 +53,7 @@ from kvoffload.protocol import (
     reply_message,
 )
 
+from .padding import Pad
 from .service import Peer, Service
 from .session import Session
 
@@ -64,6 +66,11 @@ RECV_SIZE = 256 * 1024
 
 class _Closed(Exception):
     pass
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class Connection:
@@ -85,6 +92,8 @@ class Connection:
         self.decoder = FrameDecoder(expect_magic=CLIENT_MAGIC, max_frame=MAX_FRAME)
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.write_lock = asyncio.Lock()
+        #: Padded replies waiting for their deadline (§5.28), with their timers.
+        self.held: dict[asyncio.Future[None], asyncio.TimerHandle] = {}
         self.closing = False
         self._on_close = on_close
 
@@ -158,14 +167,17 @@ class Connection:
         return self.closing
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
         try:
             await self.send(SERVER_MAGIC)
             while not self._closing():
-                for frame in await self._read_frames():
+                frames = await self._read_frames()
+                arrived = loop.time()  # what a lookup's floor counts from (§5.28)
+                for frame in frames:
                     if self._closing():
                         close_fds(frame.fds)
                         continue
-                    await self._dispatch(frame)
+                    await self._dispatch(frame, arrived)
                 self.decoder.raise_if_failed()
         except ProtocolError as exc:
             if self.service.metrics is not None:
@@ -181,8 +193,9 @@ class Connection:
         finally:
             await self._teardown()
 
-    async def _dispatch(self, frame: Frame) -> None:
-        """§3.3: parse, check the envelope and the order rules, then run the verb."""
+    async def _dispatch(self, frame: Frame, arrived: float) -> None:
+        """§3.3: parse, check the envelope and the order rules, then run the verb
+        (``arrived``: the loop time its frame was read)."""
         try:
             rid, req = parse_request(frame.msg)
         except ProtocolError as exc:
@@ -224,9 +237,11 @@ class Connection:
             await self._reply(rid, ErrorReply(op, ErrorCode.BUSY, "too many requests in flight"))
         elif isinstance(req, Lookup):
             started = time.perf_counter()
-            reply = session.lookup_inline(req)
+            pad = session.lookup_pad(req.tenant)
+            # A padded lookup always takes the pool's path, hit or miss (§5.28).
+            reply = session.lookup_inline(req) if pad is None else None
             if reply is None:
-                await self._spawn(rid, req)
+                await self._spawn(rid, req, (pad, arrived))
             else:
                 await self._reply(rid, reply)
                 if self.service.metrics is not None:
@@ -246,10 +261,30 @@ class Connection:
             self.closing = True
         await self._reply(rid, reply)
 
-    async def _spawn(self, rid: int, req: Request) -> None:
-        task = asyncio.create_task(self._serve_request(rid, req))
+    async def _spawn(
+        self, rid: int, req: Request, padding: tuple[Pad | None, float] = (None, 0.0)
+    ) -> None:
+        task = asyncio.create_task(self._serve_request(rid, req, padding))
         self.tasks[rid] = task
         task.add_done_callback(functools.partial(self._task_done, rid))
+
+    async def _hold(self, pad: Pad, arrived: float) -> bool:
+        """§5.28: wait, on a loop timer, until ``arrived`` + the pad's delay; count an
+        overrun if the reply was ready only after the floor. False: the connection
+        closed meanwhile and the reply must not be sent (not even early)."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        self.service.padding.count(pad, overrun=now > arrived + pad.floor)
+        deadline = arrived + pad.delay
+        if now >= deadline:
+            return not self.closing
+        fut: asyncio.Future[None] = loop.create_future()
+        self.held[fut] = loop.call_at(deadline, _wake, fut)
+        try:
+            await fut
+        finally:
+            self.held.pop(fut).cancel()
+        return not self.closing
 
     def _task_done(self, rid: int, _task: asyncio.Task[None]) -> None:
         self.tasks.pop(rid, None)
@@ -258,20 +293,28 @@ class Connection:
         while self.tasks:
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
-    async def _serve_request(self, rid: int, req: Request) -> None:
+    async def _serve_request(
+        self, rid: int, req: Request, padding: tuple[Pad | None, float] = (None, 0.0)
+    ) -> None:
         started = time.perf_counter()
         try:
             reply = await self._run(self.session.execute, req)
         except Exception:
             log.exception("%r: %s failed", self, req.OP.value)
             reply = ErrorReply(req.OP.value, ErrorCode.INTERNAL, "internal error")
-        await self._reply(rid, reply)
+        pad, arrived = padding
+        if pad is None or await self._hold(pad, arrived):
+            await self._reply(rid, reply)
         if self.service.metrics is not None:
             self.service.metrics.observe(req.OP.value, time.perf_counter() - started)
 
     async def _teardown(self) -> None:
         """§7: a disconnect releases everything the connection holds."""
         self.closing = True
+        # A padded reply still held is dropped, never sent early: a peer that
+        # only shut down its writing side could otherwise time it (§5.28).
+        for fut in list(self.held):
+            _wake(fut)  # with closing set: the reply is dropped
         # Pool threads cannot be cancelled and may be writing into the
         # staging mapping: it must outlive them.
         await self._drain_tasks()

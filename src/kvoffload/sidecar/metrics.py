@@ -164,6 +164,12 @@ class Metrics:
             self.registry.register(_StoreCollector(store_stats))
         if tenant_usage is not None:
             self.registry.register(_TenantCollector(tenant_usage))
+        self.lookup_floor_overruns = Counter(
+            "kvoffload_lookup_floor_overruns",
+            "Padded lookups whose reply took longer than the tenant's lookup_floor to compute",
+            ["tenant"],
+            registry=self.registry,
+        )
         self.key_cache_ttl = Gauge(
             "kvoffload_key_cache_ttl_seconds",
             "Bound on how long another node may use a purged tenant's cached keys",
@@ -177,6 +183,9 @@ class Metrics:
 
     def error(self, code: str) -> None:
         self.errors.labels(code=code).inc()
+
+    def lookup_floor_overrun(self, tenant: str) -> None:
+        self.lookup_floor_overruns.labels(tenant=tenant).inc()
 
     def summary(self) -> dict[str, Any]:
         """Request counts, mean latency per verb and errors by code, for the stats verb."""

@@ -28,6 +28,9 @@ were empty. The file is TOML (``/etc/kvoffload/policy.toml``)::
                                     # themselves (GPUDirect Storage); docs/spec/layout-v1.md §4.1
     events = false                  # optional: never publish this tenant's chunks on the
                                     # KV-event feed (docs/spec/events-v1.md §7); default true
+    lookup_floor = "5ms"            # optional (also in [defaults]): every lookup reply of
+    lookup_jitter = "2ms"           # this tenant leaves no earlier than its arrival + floor
+                                    # + U(0, jitter); each 0 to 1s (docs/threat-model.md)
     direct_group = "vllm-acme"      # optional: the group (name or gid) whose members'
                                     # workers get the direct path; the sidecar shares the
                                     # tenant's object tree with it. Without it, only
@@ -125,7 +128,16 @@ _UID_LIMIT: Final = 2**32 - 1  # (uid_t)-1 means "no change" to the kernel, neve
 
 
 _TOP_KEYS: Final = ("version", "defaults", "tenants", "grants")
-_DEFAULTS_KEYS: Final = ("encryption", "ttl", "quota", "events", "max_age", "idle_ttl")
+_DEFAULTS_KEYS: Final = (
+    "encryption",
+    "ttl",
+    "quota",
+    "events",
+    "max_age",
+    "idle_ttl",
+    "lookup_floor",
+    "lookup_jitter",
+)
 _TENANT_KEYS: Final = (
     "encryption",
     "ttl",
@@ -137,6 +149,8 @@ _TENANT_KEYS: Final = (
     "direct",
     "direct_group",
     "events",
+    "lookup_floor",
+    "lookup_jitter",
 )
 _PER_TENANT_ONLY: Final = ("trust_group", "direct", "direct_group", "sensitivity")
 
@@ -146,16 +160,18 @@ SENSITIVITIES: Final = ("normal", "high")
 #: deliberate, per-tenant choice overrides them, and never with "none").
 HIGH_SENSITIVITY_MAX_AGE_S: Final = 3600.0
 HIGH_SENSITIVITY_IDLE_TTL_S: Final = 600.0
-#: ``sensitivity = "high"``: the default lookup floor (seconds). gov-timing's
-#: per-tenant ``lookup_floor_s`` [lookup_floor] takes this as its default for a
-#: high-sensitivity tenant (every lookup reply takes at least this long, so a
-#: hit and a miss look alike in time); wired where the two branches meet.
+#: ``sensitivity = "high"``: the default lookup floor (seconds) where the
+#: tenant's table sets no ``lookup_floor`` (every lookup reply takes at least
+#: this long, so a hit and a miss look alike in time; docs/threat-model.md).
 HIGH_SENSITIVITY_LOOKUP_FLOOR_S: Final = 0.002
 #: Keys that would let a tenant share a prefix namespace with other tenants
 #: (trust-group sharing); a high-sensitivity tenant may set none of them.
 _SHARING_KEYS: Final = ("share_prefixes", "shared_salt", "share_salt")
 _GRANT_KEYS: Final = ("uid", "gid", "user", "group", "tenants", "admin")
 _PRINCIPAL_KEYS: Final = ("uid", "gid", "user", "group")
+#: The largest lookup_floor and lookup_jitter: a padded lookup is on the engine's
+#: scheduler path, and a second of it per request is already far past useful.
+MAX_LOOKUP_PADDING_S: Final = 1.0
 
 
 @final
@@ -208,6 +224,10 @@ class TenantPolicy:
     idle_ttl_s: float | None = None
     #: "normal" or "high" (defaults that say so, see the module docstring).
     sensitivity: str = "normal"
+    #: Every lookup reply of the tenant leaves no earlier than the request's
+    #: arrival + ``lookup_floor_s`` + U(0, ``lookup_jitter_s``) (docs/threat-model.md).
+    lookup_floor_s: float = 0.0
+    lookup_jitter_s: float = 0.0
 
     def age_limit_s(self) -> float | None:
         """The limit on age from creation enforced on read: the lesser of ttl and max_age."""
@@ -641,9 +661,13 @@ class _Parser:
                     'a tenant with sensitivity = "high" never has its chunks announced on '
                     "the KV-event feed: leave events out or set it to false",
                 )
+        floor = self._padding(table, path, "lookup_floor", base.lookup_floor_s)
+        jitter = self._padding(table, path, "lookup_jitter", base.lookup_jitter_s)
+        if sensitivity == "high" and "lookup_floor" not in table:
+            floor = max(floor, HIGH_SENSITIVITY_LOOKUP_FLOOR_S)
         return TenantPolicy(
             encryption, ttl_s, quota, trust_group, direct, direct_gid, events,
-            max_age_s, idle_ttl_s, sensitivity,
+            max_age_s, idle_ttl_s, sensitivity, floor, jitter,
         )  # fmt: skip
 
     def _check_high(
@@ -676,6 +700,24 @@ class _Parser:
                     f'a tenant with sensitivity = "high" has a {key}: "none" is refused '
                     "(set a duration, or leave it out for the default)",
                 )
+
+    def _padding(self, table: Mapping[str, Any], path: _Path, key: str, base: float) -> float:
+        """``lookup_floor``/``lookup_jitter``: a duration of 0 to 1 s ("none" is 0)."""
+        if key not in table:
+            return base
+        value = table[key]
+        try:
+            seconds = units.parse_duration(value, require_unit=True, what=f"duration for {key}")
+        except ConfigError as exc:
+            raise self.fail((*path, key), str(exc)) from None
+        seconds = 0.0 if seconds is None else seconds
+        if not 0.0 <= seconds <= MAX_LOOKUP_PADDING_S:
+            raise self.fail(
+                (*path, key),
+                f"{key} must be between 0s and {MAX_LOOKUP_PADDING_S:g}s, not {value!r}: "
+                "it delays every lookup reply of the tenant",
+            )
+        return seconds
 
     def _group_id(self, value: object, path: _Path) -> int:
         if isinstance(value, int) and not isinstance(value, bool):

@@ -167,6 +167,12 @@ class TenantSettings(Protocol):
     @property
     def quota_bytes(self) -> int | None: ...
 
+    @property
+    def lookup_floor_s(self) -> float: ...
+
+    @property
+    def lookup_jitter_s(self) -> float: ...
+
 
 @runtime_checkable
 class RetentionSettings(Protocol):

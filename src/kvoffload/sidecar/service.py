@@ -24,13 +24,14 @@ import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from kvoffload.errors import Reject
 from kvoffload.posix import atomic_create
 from kvoffload.protocol import EngineBlocks, LeaseSlot, StoreSlot
 
 from .metrics import Metrics
+from .padding import LookupPadding
 from .ports import PolicyAPI, RetentionSettings, StoreAPI
 
 if TYPE_CHECKING:
@@ -41,6 +42,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvoffload.server")
 
 SECRET_SIZE = 32
+
+#: The tenant under which a forbidden tenant's lookups, touches and loads run
+#: (protocol-v1 §6): the same code path and store calls as a real, empty
+#: tenant's, so that timing does not tell the two apart. "~" is outside the
+#: tenant-id alphabet, so no request can name it and it never holds a chunk.
+DECOY_TENANT: Final = "~forbidden"
 
 
 @dataclass(frozen=True)
@@ -171,6 +178,8 @@ class Service:
         self.draining = False
         #: The KV-event feed (kvoffload.sidecar.events), when ``[events]`` enables it.
         self.events: EventsAPI | None = None
+        #: Padded lookups (a tenant's lookup_floor): delays drawn, overruns counted.
+        self.padding = LookupPadding(metrics)
         self._mu = threading.Lock()
         self._sessions: set[Session] = set()
         set_retention = getattr(store, "set_retention", None)
@@ -308,6 +317,7 @@ def plainify(value: Any, depth: int = 0) -> Any:
 
 
 __all__ = [
+    "DECOY_TENANT",
     "SECRET_SIZE",
     "ByteBudget",
     "Handle",

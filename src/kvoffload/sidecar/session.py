@@ -8,8 +8,11 @@ region allocator and the handles) is guarded by ``mu``.
 
 Isolation (§6) is decided per request from the peer's credentials and the
 service's *current* policy. A tenant the connection may not use gets the
-empty-tenant answer before the store is consulted, so neither content nor
-timing tells whether it exists.
+empty-tenant answer; its ``lookup``, ``touch``, ``prepare_load`` and
+``lease_load`` do the empty tenant's work too (the same store calls, under
+:data:`~.service.DECOY_TENANT`, which never holds a chunk), so that neither
+content nor timing tells a forbidden tenant from an empty one
+(``scripts/bench_timing.py`` measures it; docs/threat-model.md).
 
 The write and read verbs (``prepare_store``/``lease_store`` →
 ``complete_store``, ``prepare_load``/``lease_load`` → ``complete_load``) with
@@ -67,8 +70,10 @@ from kvoffload.protocol import (
 from kvoffload.staging import RegionAllocator, StagingBuffer, StagingError
 
 from .admin import LS_PAGE, inspect_report, ls_rows
+from .padding import Pad
 from .ports import StoreViewsAPI
 from .service import (
+    DECOY_TENANT,
     Handle,
     LoadHandle,
     Peer,
@@ -334,24 +339,33 @@ class Session(Transfers):
         that probes for another node's file), an unlisted or a forbidden tenant
         gets None and goes to the pool, so a slow filesystem never stalls the loop.
         """
-        if req.tenant not in self.tenants or not self.may_use(req.tenant):
+        if req.tenant not in self.tenants:
             return None
-        found = self.service.store.lookup_cached(req.tenant, req.keys)
-        return None if found is None else LookupReply(found)
+        allowed = self.may_use(req.tenant)
+        found = self.service.store.lookup_cached(req.tenant if allowed else DECOY_TENANT, req.keys)
+        if found is None:
+            return None
+        return LookupReply(found if allowed else 0)
 
     def lookup(self, req: Lookup) -> Reply:
-        """§5.3; a forbidden tenant finds 0 without the index being read (§6)."""
+        """§5.3; a forbidden tenant finds 0, after the empty tenant's index walk (§6)."""
         self._listed(req.tenant)
-        if not self.may_use(req.tenant):
-            return LookupReply(0)
-        found = self.service.store.lookup(req.tenant, req.keys)
-        return LookupReply(max(0, min(found, len(req.keys))))
+        allowed = self.may_use(req.tenant)
+        found = self.service.store.lookup(req.tenant if allowed else DECOY_TENANT, req.keys)
+        return LookupReply(max(0, min(found, len(req.keys))) if allowed else 0)
+
+    def lookup_pad(self, tenant: str) -> Pad | None:
+        """§5.28: the padding of a lookup of ``tenant`` (its policy's ``lookup_floor``),
+        for a permitted and a forbidden tenant alike; None for none or an unlisted one."""
+        if tenant not in self.tenants:
+            return None
+        return self.service.padding.pad(tenant, self.service.policy.tenant(tenant))
 
     def touch(self, req: Touch) -> Reply:
-        """§5.9; for a forbidden tenant it succeeds doing nothing (§6)."""
+        """§5.9; for a forbidden tenant it succeeds, touching nothing (§6)."""
         self._listed(req.tenant)
-        if self.may_use(req.tenant):
-            self.service.store.touch(req.tenant, req.keys)
+        allowed = self.may_use(req.tenant)
+        self.service.store.touch(req.tenant if allowed else DECOY_TENANT, req.keys)
         return Ack(Op.TOUCH)
 
     def stats(self) -> Reply:
@@ -369,6 +383,8 @@ class Session(Transfers):
                 for t, u in sorted(store.tenant_usage().items())
                 if admin or self.may_use(t)
             }
+        # §5.28: padded lookups and floor overruns of the tenants it may see.
+        stats["lookup_padding"] = svc.padding.summary(lambda t: admin or self.may_use(t))
         stats["server"] = {
             "server_id": svc.config.server_id,
             "connections": svc.session_count(),
@@ -506,4 +522,4 @@ class Session(Transfers):
         return Ack(Op.ABORT)
 
 
-__all__ = ["Session"]
+__all__ = ["DECOY_TENANT", "Session"]

@@ -54,6 +54,7 @@ from ..layouts import v1
 from .errors import LeaseInvalid, StoreError, StoreFull, StoreIOError
 from .ports import TenantSettings
 from .service import (
+    DECOY_TENANT,
     Handle,
     LeasedWrite,
     LoadHandle,
@@ -410,20 +411,23 @@ class Transfers:
         what it pins and allocates, and leaves there exactly the found prefix."""
         self._listed(req.tenant)
         misses = [miss] * len(req.keys)
-        if not self.may_use(req.tenant):
-            # §6: exactly the empty tenant's answer, before any index access.
-            return 0, ErrorCode.NOT_FOUND, tuple(misses)
-        if direct and not self.direct_ok(req.tenant):
+        allowed = self.may_use(req.tenant)
+        if allowed and direct and not self.direct_ok(req.tenant):
             raise Reject(
                 ErrorCode.FORBIDDEN,
                 f"this connection may not use the direct path for tenant {req.tenant!r}",
             )
-        h = LoadHandle(req.tenant, [], [], 0.0, direct)
+        # §6: a forbidden tenant gets the empty tenant's answer after the empty
+        # tenant's work, under the decoy tenant (which holds nothing).
+        h = LoadHandle(req.tenant if allowed else DECOY_TENANT, [], [], 0.0, direct)
         try:
             found, stop = fill(h, req.keys)
         except BaseException:
             self._release(h)
             raise
+        if not allowed:
+            self._release(h)  # nothing, unless the decoy ever held a chunk
+            return 0, ErrorCode.NOT_FOUND, tuple(misses)
         if not found:
             return 0, stop, tuple(misses)
         h.created = time.monotonic()
