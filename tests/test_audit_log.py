@@ -306,3 +306,20 @@ def test_an_older_unchained_log_is_moved_aside_and_a_chain_starts(tmp_path: Path
     assert legacy.read_bytes() == old
     rep = verify(tmp_path)
     assert rep.intact and [r["seq"] for r in rep.records] == [1]
+
+
+def test_a_peer_probing_many_tenants_is_coalesced_too(tmp_path: Path) -> None:
+    now = [1000.0]
+    log = AuditLog(tmp_path / ACTIVE, clock=lambda: now[0])
+    peer = {"uid": 77, "gid": 77, "pid": 5, "verb": "hello", "result": "refused"}
+    for i in range(2000):
+        log.record("refused_access", {**peer, "tenant": f"guess-{i}"})
+    recs = verify(tmp_path).records
+    assert len(recs) == 17  # 16 named tenants, then one line for the rest
+    assert recs[-1]["tenant"] == "*"
+    now[0] += 61
+    log.record("refused_access", {**peer, "tenant": "guess-5000"})
+    recs = verify(tmp_path).records
+    assert recs[-1]["tenant"] == "guess-5000"
+    other = {**peer, "uid": 78}
+    assert log.record("refused_access", {**other, "tenant": "guess-1"})  # its own budget

@@ -351,3 +351,15 @@ def test_a_sidecar_serves_nothing_past_max_age_and_applies_a_reload(tmp_path: Pa
                 while time.time() < saved + 1.2:
                     time.sleep(0.1)
                 assert c.lookup(K[1:2]) == 0
+
+
+def test_a_save_replaces_a_chunk_past_its_limits_at_once(store: Store) -> None:
+    limits = Limits()
+    limits.by_tenant["acme"] = TenantPolicy(max_age_s=60)
+    store.set_retention(limits)
+    put_all(store)
+    age(store, "acme", K[0], created_s=61)
+    # Not "exists": the expired chunk would be a miss until the sweep otherwise.
+    assert store.put("acme", NS, K[0], [b"new" * 1000])
+    assert store.get("acme", K[0]) == [b"new" * 1000]
+    assert store.lookup("acme", K) == 4

@@ -56,10 +56,11 @@ applies to the chunks already stored:
   no save, re-save, load or touch extends it, and it does not depend on what
   was stamped (the creation time is in the object's header, so it holds after
   an index rebuild too). Where both are set, the lesser of ttl and max_age wins.
-* ``idle_ttl``: a chunk not *accessed* for this long expires; an access is a
-  save, a load or a ``touch`` (not a ``lookup``: probing must not keep a chunk
-  alive). Access times reach the index in batches (at most 0.5 s late), so a
-  chunk may expire up to that much early, never late beyond the sweep.
+* ``idle_ttl``: a chunk not *accessed* for this long expires; an access is the
+  save that wrote it, a load or a ``touch`` (not a ``lookup``, nor a save
+  answered ``exists``: probing must not keep a chunk alive). Access times reach
+  the index in batches (at most 0.5 s late), so a chunk may expire up to that
+  much early, never late.
 
 ``sensitivity = "high"`` (per tenant) means: ``max_age`` 1 h and ``idle_ttl``
 10 min unless the tenant's own table sets them (``"none"`` is refused),
@@ -220,7 +221,7 @@ class TenantPolicy:
     events: bool = True
     #: Hard limit on a chunk's age from its creation; no save or touch extends it.
     max_age_s: float | None = None
-    #: A chunk not accessed (saved, loaded, touched) for this long expires.
+    #: A chunk not accessed (written, loaded, touched) for this long expires.
     idle_ttl_s: float | None = None
     #: "normal" or "high" (defaults that say so, see the module docstring).
     sensitivity: str = "normal"

@@ -59,6 +59,9 @@ DEFAULT_MAX_BYTES: Final = 16 << 20
 DEFAULT_KEEP: Final = 8
 #: Refused accesses of one key within this many seconds are counted, not written.
 COALESCE_S: Final = 60.0
+#: Distinct tenants of one (uid, verb) written per window before the rest are
+#: coalesced under tenant "*".
+PEER_KEYS: Final = 16
 #: Events coalesced (floods a peer can cause).
 COALESCED_EVENTS: Final = frozenset({"refused_access"})
 #: Field names a record never carries (its own fields) or must never hold (secrets).
@@ -212,27 +215,8 @@ class AuditLog:
             if k in RESERVED or k.lower() in SECRET_NAMES:
                 raise ValueError(f"audit record {event!r}: field {k!r} is not allowed")
         details = dict(details)
-        if event in COALESCED_EVENTS:
-            ck = (
-                event,
-                int(details.get("uid", -1)),
-                str(details.get("tenant", "")),
-                str(details.get("verb", "")),
-            )
-            now = self.clock()
-            with self._mu:
-                p = self._pending.get(ck)
-                if p is not None and now - p.written_at < self.coalesce_s:
-                    p.suppressed += 1
-                    return False
-                if p is not None and p.suppressed:
-                    details["coalesced"] = p.suppressed
-                self._pending[ck] = _Pending(now)
-                if len(self._pending) > 4096:  # a flood of distinct keys: forget the oldest
-                    for old in sorted(self._pending, key=lambda k: self._pending[k].written_at)[
-                        :2048
-                    ]:
-                        del self._pending[old]
+        if event in COALESCED_EVENTS and not self._admit(event, details):
+            return False
         try:
             line = self._append(event, details)
         except OSError as exc:  # a full or failing disk: one clear error, not a traceback
@@ -242,6 +226,38 @@ class AuditLog:
         log.info("audit: %s", line)
         if self.hook is not None:
             self.hook(event, details)
+        return True
+
+    def _admit(self, event: str, details: dict[str, Any]) -> bool:
+        """Coalescing (audit-v1 §3): whether to write this record now; adds
+        ``coalesced`` (records left out before it) when it is written. Per
+        (uid, tenant, verb); past :data:`PEER_KEYS` tenants a minute for one
+        (uid, verb), the rest of that peer's are coalesced under tenant "*"."""
+        uid = int(details.get("uid", -1))
+        verb = str(details.get("verb", ""))
+        now = self.clock()
+        with self._mu:
+            peer = (event, uid, "\x00peer", verb)
+            seen = self._pending.get(peer)
+            if seen is None or now - seen.written_at >= self.coalesce_s:
+                seen = self._pending[peer] = _Pending(now)
+            ck = (event, uid, str(details.get("tenant", "")), verb)
+            if ck not in self._pending:
+                seen.suppressed += 1  # distinct tenants of this peer in the window
+                if seen.suppressed > PEER_KEYS:
+                    ck = (event, uid, "*", verb)
+                    details["tenant"] = "*"
+            p = self._pending.get(ck)
+            if p is not None and now - p.written_at < self.coalesce_s:
+                p.suppressed += 1
+                return False
+            if p is not None and p.suppressed:
+                details["coalesced"] = p.suppressed
+            self._pending[ck] = _Pending(now)
+            if len(self._pending) > 4096:  # a flood of distinct keys: forget the oldest
+                by_age = sorted(self._pending, key=lambda k: self._pending[k].written_at)
+                for old in by_age[:2048]:
+                    del self._pending[old]
         return True
 
     # -- the writer ----------------------------------------------------------------

@@ -84,7 +84,11 @@ class Leases(Pipeline):
             raise ValueError(f"1..{v1.MAX_LAYERS} layers of at least one byte expected")
         if not v1.shape_ok(lengths, False):
             raise ValueError("padding would exceed the bound of layout-v1.md §3.2")
-        if self.index.get(tenant, chunk_key) is not None:
+        have = self.index.get(tenant, chunk_key)
+        if have is not None and self._is_expired(have, time.time_ns()):
+            self._drop(tenant, chunk_key, reason="expired")  # a save writes it afresh
+            have = None
+        if have is not None:
             self.counters.put_exists += 1
             return None
         size = v1.object_size(lengths, False)

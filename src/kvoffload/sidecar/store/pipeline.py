@@ -258,6 +258,10 @@ class Pipeline(Maintenance):
             raise ValueError("chunk key and namespace must be 32 bytes")
         lengths = [memoryview(x).nbytes for x in layers]
         have = self.index.get(tenant, chunk_key)
+        if have is not None and self._is_expired(have, time.time_ns()):
+            # Past its retention: a miss on every read, so a save writes it afresh.
+            self._drop(tenant, chunk_key, reason="expired")
+            have = None
         if have is not None:
             if (have.num_layers, have.payload) == (len(lengths), sum(lengths)):
                 self.counters.put_exists += 1
