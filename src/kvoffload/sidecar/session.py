@@ -336,8 +336,10 @@ class Session(Transfers):
         The engine's scheduler calls lookup per request: answered on the event
         loop when the index alone can (an LMDB read of microseconds, less than
         the hop to a pool thread and back). Anything needing the disk (a miss
-        that probes for another node's file), an unlisted or a forbidden tenant
-        gets None and goes to the pool, so a slow filesystem never stalls the loop.
+        that probes for another node's file) or an unlisted tenant gets None and
+        goes to the pool, so a slow filesystem never stalls the loop. A forbidden
+        tenant takes the same path as an empty one, under the decoy tenant (§6);
+        a padded tenant's lookups all go to the pool (connection.py, §5.28).
         """
         if req.tenant not in self.tenants:
             return None
