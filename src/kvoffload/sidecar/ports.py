@@ -167,6 +167,9 @@ class TenantSettings(Protocol):
     @property
     def quota_bytes(self) -> int | None: ...
 
+    @property
+    def trust_group(self) -> str | None: ...
+
 
 class PolicyAPI(Protocol):
     def may_use(self, uid: int, gids: Sequence[int], tenant: str) -> bool: ...

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Sequence
 from typing import TypeVar
 
+from kvoffload.keys import group_salt
 from kvoffload.protocol import (
     MAX_FRAME,
     MAX_PROTOCOL_VERSION,
@@ -117,7 +118,7 @@ class Session(Transfers):
         try:
             secret = self.service.config.secret
             salts = {
-                t: self.service.store.tenant_salt(t) if self.may_use(t) else fake_salt(secret, t)
+                t: self.chunk_salt(t) if self.may_use(t) else fake_salt(secret, t)
                 for t in req.tenants
             }
             direct = {t: self.direct_ok(t) for t in req.tenants}
@@ -200,6 +201,12 @@ class Session(Transfers):
         self.service.forget(self)
 
     # -- isolation (§6) ----------------------------------------------------------
+
+    def chunk_salt(self, tenant: str) -> bytes:
+        """§5.1: the salt a permitted tenant's keys are derived with: its stored salt,
+        bound to its trust group when it has one (keys-v1.md §12)."""
+        group = self.service.policy.tenant(tenant).trust_group
+        return group_salt(self.service.store.tenant_salt(tenant), group)
 
     def may_use(self, tenant: str) -> bool:
         """§6: does the *current* policy map this peer to ``tenant``?"""
