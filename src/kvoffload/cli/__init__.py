@@ -25,7 +25,16 @@ from __future__ import annotations
 
 import sys
 
-from . import config_cmds, demo, doctor, events_cmds, serve, store_cmds, systemd_cmd
+from . import (
+    config_cmds,
+    contract_cmds,
+    demo,
+    doctor,
+    events_cmds,
+    serve,
+    store_cmds,
+    systemd_cmd,
+)
 from .app import app, err, fail_line, misplaced_global_option, state
 from .exits import (
     EXIT_ABORTED,
@@ -56,6 +65,7 @@ __all__ = [
     "ExitCode",
     "app",
     "config_cmds",
+    "contract_cmds",
     "demo",
     "doctor",
     "events_cmds",

@@ -55,6 +55,12 @@ class Target(Protocol):
         self, repair: bool, verify_data: bool, progress: Callable[[int], None] | None
     ) -> dict[str, Any]: ...
 
+    def namespaces(self, tenant: str | None) -> list[dict[str, Any]]: ...
+
+    def invalidate(
+        self, selector: dict[str, str], tenant: str | None, dry_run: bool
+    ) -> dict[str, Any]: ...
+
 
 class LocalTarget:
     """The store opened in-process (no sidecar runs)."""
@@ -102,6 +108,16 @@ class LocalTarget:
     ) -> dict[str, Any]:
         report = self.store.fsck(repair, verify_data=verify_data, progress=progress)
         return report.to_dict()
+
+    def namespaces(self, tenant: str | None) -> list[dict[str, Any]]:
+        return self.store.namespaces_report(tenant)
+
+    def invalidate(
+        self, selector: dict[str, str], tenant: str | None, dry_run: bool
+    ) -> dict[str, Any]:
+        actor: dict[str, Any] = {"uid": os.getuid(), "gid": os.getgid(), "pid": os.getpid()}
+        actor["verb"] = "invalidate (offline)"
+        return self.store.invalidate(selector, tenant=tenant, dry_run=dry_run, actor=actor)
 
 
 class SidecarTarget:
@@ -214,6 +230,22 @@ class SidecarTarget:
         report = dict(expect(reply, FsckReply).report)
         report.pop("verified_data", None)
         return report
+
+    def namespaces(self, tenant: str | None) -> list[dict[str, Any]]:
+        from ..client.session import expect
+        from ..protocol import Namespaces, NamespacesReply
+
+        report = expect(self.call(Namespaces(tenant)), NamespacesReply).report
+        return list(report.get("namespaces", []))
+
+    def invalidate(
+        self, selector: dict[str, str], tenant: str | None, dry_run: bool
+    ) -> dict[str, Any]:
+        from ..client.session import expect
+        from ..protocol import Invalidate, InvalidateReply
+
+        req = Invalidate(**selector, tenant=tenant, dry_run=dry_run)
+        return dict(expect(self.call(req, ADMIN_TIMEOUT_S), InvalidateReply).report)
 
 
 def sidecar_listening(path: Path) -> bool:

@@ -21,9 +21,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
-from typing import TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
 
+from kvoffload.errors import ContractError
 from kvoffload.keys import group_salt
 from kvoffload.protocol import (
     MAX_FRAME,
@@ -41,12 +42,16 @@ from kvoffload.protocol import (
     HelloReply,
     Inspect,
     InspectReply,
+    Invalidate,
+    InvalidateReply,
     LeaseLoad,
     LeaseStore,
     Lookup,
     LookupReply,
     Ls,
     LsReply,
+    Namespaces,
+    NamespacesReply,
     Op,
     PrepareLoad,
     PrepareStore,
@@ -68,7 +73,7 @@ from kvoffload.protocol import (
 from kvoffload.staging import RegionAllocator, StagingBuffer, StagingError
 
 from .admin import LS_PAGE, inspect_report, ls_rows
-from .ports import StoreViewsAPI
+from .ports import ContractsAPI, StoreViewsAPI
 from .service import (
     Handle,
     LoadHandle,
@@ -99,6 +104,8 @@ class Session(Transfers):
         # Pool threads and the loop both touch alloc and handles.
         self.mu = threading.Lock()
         self.handles: dict[int, Handle] = {}
+        #: (tenant, namespace) whose contract this connection registered (§5.19).
+        self.contracts_seen: set[tuple[str, bytes]] = set()
         self.next_handle = 1
         service.enter(self)
 
@@ -277,6 +284,10 @@ class Session(Transfers):
                     return self.ls(req)
                 case PurgeOlder():
                     return self.purge_older(req)
+                case Invalidate():
+                    return self.invalidate(req)
+                case Namespaces():
+                    return self.namespaces(req)
                 case _:
                     raise Reject(ErrorCode.UNSUPPORTED, f"{op} is not served here")
         except Reject as exc:
@@ -397,6 +408,48 @@ class Session(Transfers):
             limit=limit,
         )
         return LsReply({"chunks": plainify(rows), "more": more})
+
+    def _register_contract(self, tenant: str, namespace: bytes, fields: Mapping[str, Any]) -> None:
+        """§5.19: record a namespace's contract fields once they hash to it; fields that
+        do not are BAD_REQUEST, and nothing of them is kept."""
+        store = self.service.store
+        if (tenant, namespace) in self.contracts_seen or not isinstance(store, ContractsAPI):
+            return
+        try:
+            store.record_contract(tenant, namespace, fields)
+        except ContractError as exc:
+            raise Reject(ErrorCode.BAD_REQUEST, f"contract: {exc}") from None
+        self.contracts_seen.add((tenant, namespace))
+
+    def _contracts(self, verb: str) -> ContractsAPI:
+        store = self.service.store
+        if not isinstance(store, ContractsAPI):
+            raise Reject(ErrorCode.UNSUPPORTED, f"{verb}: this store keeps no contracts")
+        return store
+
+    def invalidate(self, req: Invalidate) -> Reply:
+        """§5.20 (admin): purge the namespaces built under the selected contract field."""
+        self._admin("invalidate")
+        store = self._contracts("invalidate")
+        actor = {
+            "uid": self.peer.uid,
+            "gid": self.peer.gids[0] if self.peer.gids else None,
+            "pid": self.peer.pid,
+            "verb": "invalidate",
+        }
+        try:
+            report = store.invalidate(
+                req.selector(), tenant=req.tenant, dry_run=req.dry_run, actor=actor
+            )
+        except ContractError as exc:
+            raise Reject(ErrorCode.BAD_REQUEST, str(exc)) from None
+        return InvalidateReply(plainify(report))
+
+    def namespaces(self, req: Namespaces) -> Reply:
+        """§5.20 (admin): the namespaces with their contract fields, sizes and ages."""
+        self._admin("namespaces")
+        store = self._contracts("namespaces")
+        return NamespacesReply({"namespaces": plainify(store.namespaces_report(req.tenant))})
 
     def purge_older(self, req: PurgeOlder) -> Reply:
         """§5.18 (admin): remove chunks older than ``older_than_s``, of one tenant or all."""
