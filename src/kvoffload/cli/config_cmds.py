@@ -107,6 +107,7 @@ def _tenant_settings(t: Any) -> dict[str, Any]:
         "direct": t.direct,
         "direct_gid": t.direct_gid,
         "trust_group": t.trust_group,
+        "share_prefixes": t.share_prefixes,
     }
 
 
@@ -152,7 +153,7 @@ def policy_check(
         table.add_row(g["principal"], g["named"], who, "yes" if g["admin"] else "no")
     out.print(table)
     settings = Table(title="tenant settings")
-    for col in ("tenant", "encryption", "ttl", "quota", "direct"):
+    for col in ("tenant", "encryption", "ttl", "quota", "direct", "trust group"):
         settings.add_column(col)
     for name, s in [("(defaults)", defaults), *tenants.items()]:
         settings.add_row(
@@ -161,6 +162,7 @@ def policy_check(
             "none" if s["ttl_s"] is None else f"{s['ttl_s']:g} s",
             human_bytes(s["quota_bytes"]),
             "yes" if s["direct"] else "no",
+            (s["trust_group"] or "-") + (" (shared prefixes)" if s["share_prefixes"] else ""),
         )
     out.print(settings)
 
