@@ -336,3 +336,32 @@ def test_the_server_records_only_fields_that_hash_to_the_namespace(
         raw.close()
     finally:
         st.stop()
+
+
+def test_long_listings_come_in_pages_and_counts_stay_whole(
+    sock_dir: Path, store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More namespaces than a reply page: ``namespaces`` pages (the CLI's target
+    follows ``more``), ``invalidate`` cuts its lists but counts everything."""
+    from kvoffload.cli.admin import SidecarTarget
+    from kvoffload.sidecar import session
+
+    monkeypatch.setattr(session, "NAMESPACES_PAGE", 2)
+    contracts = [make_contract(model_revision=f"m@r{i % 2}", lora_id=f"l{i}") for i in range(5)]
+    for c in contracts:
+        _put(store, "acme", c)
+    policy = Policy(grants=[Grant("uid", os.getuid(), frozenset({"acme"}), admin=True)])
+    cfg = ServerConfig(socket_path=sock_dir / "kvo.sock", secret=b"\x5a" * 32, workers=2)
+    st = ServerThread(store, policy, cfg)
+    try:
+        target = SidecarTarget(sock_dir / "kvo.sock")
+        rows = target.namespaces("acme")
+        assert sorted(r["namespace"] for r in rows) == sorted(
+            c.fingerprint().hex() for c in contracts
+        )
+        rep = target.invalidate({"model_revision": "r0"}, "acme", False)
+        assert rep["removed_namespaces"] == rep["namespaces_total"] == 3
+        assert len(rep["namespaces"]) == 2 and rep["removed_chunks"] == 9
+        assert len(target.namespaces("acme")) == 2
+    finally:
+        st.stop()

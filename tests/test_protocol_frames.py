@@ -112,6 +112,7 @@ CATALOGUE: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
     ),
     "namespaces": ("request", _req(20, p.Namespaces())),
     "namespaces_tenant": ("request", _req(20, p.Namespaces("acme"))),
+    "namespaces_page": ("request", _req(20, p.Namespaces(None, 500))),
     "bye": ("request", _req(14, p.Bye())),
     "lease_store": (
         "request",
@@ -250,7 +251,12 @@ CATALOGUE: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
     ),
     "namespaces_reply": (
         "reply",
-        _rep(20, p.NamespacesReply({"namespaces": [{"tenant": "acme", "contract": None}]})),
+        _rep(
+            20,
+            p.NamespacesReply(
+                {"namespaces": [{"tenant": "acme", "contract": None}], "more": False}
+            ),
+        ),
     ),
     "fsck_reply": ("reply", _rep(13, p.FsckReply({"ok": True, "problems": [], "checked": 7}))),
     "lease_store_reply": (

@@ -235,8 +235,14 @@ class SidecarTarget:
         from ..client.session import expect
         from ..protocol import Namespaces, NamespacesReply
 
-        report = expect(self.call(Namespaces(tenant)), NamespacesReply).report
-        return list(report.get("namespaces", []))
+        rows: list[dict[str, Any]] = []
+        while True:
+            req = Namespaces(tenant, len(rows))
+            page = expect(self.call(req, ADMIN_TIMEOUT_S), NamespacesReply).report
+            got = list(page.get("namespaces", []))
+            rows.extend(got)
+            if not page.get("more") or not got:
+                return rows
 
     def invalidate(
         self, selector: dict[str, str], tenant: str | None, dry_run: bool

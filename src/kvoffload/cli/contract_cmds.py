@@ -101,6 +101,9 @@ def _print_report(report: dict[str, Any]) -> None:
             soft_wrap=True,
             highlight=False,
         )
+    hidden = report.get("namespaces_total", len(report["namespaces"])) - len(report["namespaces"])
+    if hidden > 0:
+        out.print(f"… and {hidden} more namespaces (the counts below include them)")
     out.print(
         f"{verb} {report['removed_namespaces']} namespaces, {report['removed_chunks']} chunks, "
         f"{human_bytes(report['removed_bytes'])}"
@@ -110,9 +113,15 @@ def _print_report(report: dict[str, Any]) -> None:
     )
     unknown = report["unknown_contract"]
     if unknown:
+        total = report.get("unknown_contract_total", len(unknown))
         chunks = sum(u["chunks"] for u in unknown)
+        of = (
+            f"{chunks} chunks"
+            if total == len(unknown)
+            else f"{chunks} chunks in the first {len(unknown)}"
+        )
         out.print(
-            f"left {len(unknown)} namespaces with an unknown contract ({chunks} chunks): "
+            f"left {total} namespaces with an unknown contract ({of}): "
             "stored without registered fields, so they cannot be matched; "
             "`kvoffload purge --tenant T --namespace NS` removes one",
             soft_wrap=True,

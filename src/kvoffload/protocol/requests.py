@@ -327,9 +327,14 @@ class Namespaces(RequestMessage, frozen=True):
     OP: ClassVar[Op] = Op.NAMESPACES
     WIRE_NULLABLE: ClassVar[tuple[str, ...]] = ("tenant",)
     tenant: Tenant | None = None
+    #: Rows to skip: those of earlier pages (as ``ls``, §5.17).
+    skip: UInt = 0
 
     def to_wire(self) -> dict[str, Any]:
-        return {} if self.tenant is None else {"tenant": self.tenant}
+        d: dict[str, Any] = {} if self.tenant is None else {"tenant": self.tenant}
+        if self.skip:
+            d["skip"] = self.skip
+        return d
 
 
 Request = (

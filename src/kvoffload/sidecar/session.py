@@ -87,6 +87,10 @@ from .transfers import Transfers
 
 log = logging.getLogger("kvoffload.server")
 
+#: Namespace rows per reply of ``namespaces`` / ``invalidate`` (§5.20): a row with
+#: its contract is under 1 KiB, so a page stays well inside MAX_FRAME.
+NAMESPACES_PAGE = 500
+
 _H = TypeVar("_H", WriteHandle, LoadHandle)
 
 
@@ -443,13 +447,21 @@ class Session(Transfers):
             )
         except ContractError as exc:
             raise Reject(ErrorCode.BAD_REQUEST, str(exc)) from None
+        # The counts cover everything; the lists are cut to fit a frame (§5.20).
+        for key in ("namespaces", "unknown_contract"):
+            rows = report[key]
+            report[f"{key}_total"] = len(rows)
+            report[key] = rows[:NAMESPACES_PAGE]
         return InvalidateReply(plainify(report))
 
     def namespaces(self, req: Namespaces) -> Reply:
         """§5.20 (admin): the namespaces with their contract fields, sizes and ages."""
         self._admin("namespaces")
         store = self._contracts("namespaces")
-        return NamespacesReply({"namespaces": plainify(store.namespaces_report(req.tenant))})
+        rows = store.namespaces_report(req.tenant)
+        page = rows[req.skip : req.skip + NAMESPACES_PAGE]
+        more = len(rows) > req.skip + NAMESPACES_PAGE
+        return NamespacesReply({"namespaces": plainify(page), "more": more})
 
     def purge_older(self, req: PurgeOlder) -> Reply:
         """§5.18 (admin): remove chunks older than ``older_than_s``, of one tenant or all."""

@@ -507,35 +507,39 @@ class Store(Leases):
         return self.contracts.record(tenant, namespace, fields)
 
     @boundary
-    def namespaces_report(self, tenant: str | None = None) -> list[dict[str, Any]]:
-        """Every namespace with chunks (of one tenant or all): its contract fields
-        (None: unknown, never registered), chunks, bytes and the ages of its
-        oldest and newest chunk, in seconds."""
+    def namespaces_report(
+        self, tenant: str | None = None, *, ages: bool = True
+    ) -> list[dict[str, Any]]:
+        """Every namespace with chunks (of one tenant or all), in tenant and
+        fingerprint order: its contract fields (None: unknown, never registered),
+        chunks, bytes and — with ``ages``, which reads every record of the
+        tenants — the ages of its oldest and newest chunk in seconds."""
         now = time.time_ns()
         tenants = [tenant] if tenant is not None else sorted(self.index.tenants())
         rows: list[dict[str, Any]] = []
         for t in tenants:
-            ages: dict[bytes, list[int]] = {}
-            for rec in self.index.records(tenant=t):
-                span = ages.setdefault(rec.namespace, [rec.created_ns, rec.created_ns])
-                span[0] = min(span[0], rec.created_ns)
-                span[1] = max(span[1], rec.created_ns)
+            spans: dict[bytes, list[int]] = {}
+            if ages:
+                for rec in self.index.records(tenant=t):
+                    span = spans.setdefault(rec.namespace, [rec.created_ns, rec.created_ns])
+                    span[0] = min(span[0], rec.created_ns)
+                    span[1] = max(span[1], rec.created_ns)
             for ns, usage in sorted(self.index.namespaces(t).items()):
                 if not usage.count:
                     continue
                 c = self.contracts.get(t, ns)
-                oldest, newest = ages.get(ns, [now, now])
-                rows.append(
-                    {
-                        "tenant": t,
-                        "namespace": ns.hex(),
-                        "chunks": usage.count,
-                        "bytes": usage.bytes,
-                        "oldest_age_s": round(max(0, now - oldest) / 1e9, 3),
-                        "newest_age_s": round(max(0, now - newest) / 1e9, 3),
-                        "contract": None if c is None else contract_fields(c),
-                    }
-                )
+                row: dict[str, Any] = {
+                    "tenant": t,
+                    "namespace": ns.hex(),
+                    "chunks": usage.count,
+                    "bytes": usage.bytes,
+                }
+                if ages:
+                    oldest, newest = spans.get(ns, [now, now])
+                    row["oldest_age_s"] = round(max(0, now - oldest) / 1e9, 3)
+                    row["newest_age_s"] = round(max(0, now - newest) / 1e9, 3)
+                row["contract"] = None if c is None else contract_fields(c)
+                rows.append(row)
         return rows
 
     @boundary
@@ -554,7 +558,7 @@ class Store(Leases):
         check_selector(selector)
         matched: list[dict[str, Any]] = []
         unknown: list[dict[str, Any]] = []
-        for row in self.namespaces_report(tenant):
+        for row in self.namespaces_report(tenant, ages=False):
             contract = row["contract"]
             if contract is None:
                 unknown.append({k: row[k] for k in ("tenant", "namespace", "chunks", "bytes")})
