@@ -99,6 +99,10 @@ def test_invalidate_a_model_revision_through_a_running_sidecar(
                 "--json")
         )  # fmt: skip
         assert dry["dry_run"] and dry["removed_namespaces"] == 2 and dry["removed_chunks"] == 6
+        after = _json(cli(tmp_path, sock, "--dev", "ls", "--namespaces", "--json"))
+        assert [(r["namespace"], r["chunks"]) for r in after] == [
+            (r["namespace"], r["chunks"]) for r in rows
+        ]
         # no answer at the prompt: nothing removed either
         r = cli(tmp_path, sock, "--dev", "invalidate", "--model-revision", "r1")
         assert r.returncode == ExitCode.ABORTED, r.stderr
