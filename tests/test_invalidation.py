@@ -244,6 +244,14 @@ def test_unverified_fields_are_never_used(tmp_path: Path, kek_file: Path) -> Non
         rep = s.invalidate({"model_revision": "r1"})
         assert rep["removed_namespaces"] == 0
         assert [u["namespace"] for u in rep["unknown_contract"]] == [R2.fingerprint().hex()]
+        for junk in (
+            b"{not json",
+            json.dumps({**R2.to_dict(), "block_size": 10**400}).encode(),
+            b"[" * 100_000 + b"]" * 100_000,
+            b"[]",
+        ):
+            path.write_bytes(junk)
+            assert s.contracts.get("acme", R2.fingerprint()) is None
         path.write_bytes(b"{not json")
         (row,) = s.namespaces_report("acme")
         assert row["contract"] is None and row["chunks"] == 3
@@ -329,6 +337,15 @@ def test_the_server_records_only_fields_that_hash_to_the_namespace(
         assert isinstance(bad, p.ErrorReply) and bad.code is p.ErrorCode.BAD_REQUEST
         assert "hash to namespace" in bad.message
         assert store.contracts.get("acme", ns) is None
+        for junk in (
+            {"model_revision": 5},
+            {**R2.to_dict(), "contract": 2},
+            {"x": [1, {"y": None}]},
+        ):
+            r = raw.call(p.PrepareStore("acme", ns, spec, None, junk))
+            assert isinstance(r, p.ErrorReply) and r.code is p.ErrorCode.BAD_REQUEST, junk
+            assert r.message.startswith("contract: ")
+        assert not (store.root / "contracts").exists()
         ok = raw.call(p.PrepareStore("acme", ns, spec, None, R2.to_dict()))
         assert isinstance(ok, p.PrepareStoreReply)
         assert store.contracts.get("acme", ns) == R2

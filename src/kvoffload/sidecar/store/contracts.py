@@ -43,8 +43,14 @@ def verified_contract(namespace: bytes, fields: Mapping[str, Any]) -> CompatCont
     """The contract ``fields`` describe, if they hash to ``namespace``; else ContractError."""
     if not isinstance(fields, Mapping):
         raise ContractError("contract must be a map of the contract's fields")
-    contract = CompatContract.from_dict(fields)
-    got = contract.fingerprint()
+    try:
+        contract = CompatContract.from_dict(fields)
+        got = contract.fingerprint()
+    except ContractError:
+        raise
+    except (TypeError, ValueError, ArithmeticError, RecursionError) as exc:
+        # e.g. an integer too large for a float, or nesting too deep to encode
+        raise ContractError(f"invalid contract fields: {type(exc).__name__}") from None
     if got != namespace:
         raise ContractError(
             f"contract fields hash to namespace {got.hex()[:16]}…, "
@@ -169,7 +175,7 @@ class ContractRegistry:
             return None
         try:
             return verified_contract(namespace, json.loads(data))
-        except (ValueError, ContractError) as exc:
+        except (ValueError, RecursionError, ContractError) as exc:
             log.warning("contract file %s does not verify (%s); treated as unknown", path, exc)
             return None
 
