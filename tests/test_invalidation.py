@@ -386,3 +386,22 @@ def test_long_listings_come_in_pages_and_counts_stay_whole(
         assert len(target.namespaces("acme")) == 2
     finally:
         st.stop()
+
+
+def test_without_the_admin_right_invalidate_and_namespaces_are_forbidden(
+    sock_dir: Path, store: Any
+) -> None:
+    keys = _put(store, "acme", R1)
+    policy = Policy(grants=[Grant("uid", os.getuid(), frozenset({"acme"}), admin=False)])
+    cfg = ServerConfig(socket_path=sock_dir / "kvo.sock", secret=b"\x5a" * 32, workers=2)
+    st = ServerThread(store, policy, cfg)
+    try:
+        raw = Raw(st)
+        raw.hello("acme")
+        for req in (p.Invalidate(model_revision="r1"), p.Namespaces()):
+            r = raw.call(req)
+            assert isinstance(r, p.ErrorReply) and r.code is p.ErrorCode.FORBIDDEN
+        raw.close()
+        assert store.lookup("acme", keys) == 3
+    finally:
+        st.stop()
