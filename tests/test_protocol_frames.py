@@ -92,6 +92,27 @@ CATALOGUE: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
     "ls_filtered": ("request", _req(17, p.Ls("acme", NS, 3600.0, 60.5, 100, 200))),
     "purge_older": ("request", _req(18, p.PurgeOlder(86400.0))),
     "purge_older_tenant": ("request", _req(18, p.PurgeOlder(0.5, "acme"))),
+    # revision 5 (gov-keys): §5.19, §5.20
+    "prepare_store_contract": (
+        "request",
+        _req(
+            5,
+            p.PrepareStore(
+                "acme",
+                NS,
+                (p.ChunkSpec(K[2], (4096,)),),
+                contract={"model_revision": "m@r1", "rope_config": {"theta": 1e4}, "lora_id": None},
+            ),
+        ),
+    ),
+    "invalidate": ("request", _req(19, p.Invalidate(model_revision="m@r1"))),
+    "invalidate_all_keys": (
+        "request",
+        _req(19, p.Invalidate("r2", "tok", "v3", "m", "acme", dry_run=True)),
+    ),
+    "namespaces": ("request", _req(20, p.Namespaces())),
+    "namespaces_tenant": ("request", _req(20, p.Namespaces("acme"))),
+    "namespaces_page": ("request", _req(20, p.Namespaces(None, 500))),
     "bye": ("request", _req(14, p.Bye())),
     "lease_store": (
         "request",
@@ -224,6 +245,19 @@ CATALOGUE: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
         _rep(17, p.LsReply({"chunks": [{"tenant": "acme", "bytes": 5}], "more": False})),
     ),
     "purge_older_reply": ("reply", _rep(18, p.PurgeOlderReply(3))),
+    "invalidate_reply": (
+        "reply",
+        _rep(19, p.InvalidateReply({"dry_run": False, "removed_chunks": 6, "namespaces": []})),
+    ),
+    "namespaces_reply": (
+        "reply",
+        _rep(
+            20,
+            p.NamespacesReply(
+                {"namespaces": [{"tenant": "acme", "contract": None}], "more": False}
+            ),
+        ),
+    ),
     "fsck_reply": ("reply", _rep(13, p.FsckReply({"ok": True, "problems": [], "checked": 7}))),
     "lease_store_reply": (
         "reply",

@@ -15,6 +15,15 @@ party without the salt cannot compute, and so cannot probe for, a tenant's
 keys. Extra keys (e.g. multimodal content hashes of inputs inside the chunk,
 or a per-request cache salt) enter the chunk they belong to.
 
+A tenant of a trust group (docs/spec/keys-v1.md §12) is handed the *group
+salt* instead of its stored salt::
+
+    group_salt = BLAKE2b-256(key=salt, person="kvo-tgrp-v1",
+                             u8 len(group) || group)
+
+so the same tenant under two trust groups has disjoint keys, and a tenant
+without a group derives exactly as before.
+
 Everything here is deterministic: no Python ``hash()``, no process state.
 """
 
@@ -38,6 +47,25 @@ _U32_MAX = 2**32 - 1
 def _check_salt(salt: bytes) -> None:
     if len(salt) != SALT_SIZE:
         raise KeyDerivationError(f"tenant salt must be {SALT_SIZE} bytes, got {len(salt)}")
+
+
+def group_salt(salt: bytes, trust_group: str | None) -> bytes:
+    """The salt chunk keys are derived with: the tenant's own, bound to its trust group.
+
+    ``None`` (no group) returns ``salt`` unchanged, so stores written before
+    trust groups existed keep their keys. A group label enters BLAKE2b with
+    its own personalisation and a length prefix (domain separation): no group
+    label, and no other group's label, gives the same output.
+    """
+    _check_salt(salt)
+    if trust_group is None:
+        return salt
+    label = trust_group.encode("utf-8")
+    if not 1 <= len(label) <= 255:
+        raise KeyDerivationError("trust group label must be 1-255 bytes")
+    return hashlib.blake2b(
+        bytes([len(label)]) + label, digest_size=SALT_SIZE, key=salt, person=b"kvo-tgrp-v1"
+    ).digest()
 
 
 def root_key(fingerprint: bytes, salt: bytes) -> bytes:

@@ -26,7 +26,17 @@ from __future__ import annotations
 
 import sys
 
-from . import audit_cmd, config_cmds, demo, doctor, events_cmds, serve, store_cmds, systemd_cmd
+from . import (
+    audit_cmd,
+    config_cmds,
+    contract_cmds,
+    demo,
+    doctor,
+    events_cmds,
+    serve,
+    store_cmds,
+    systemd_cmd,
+)
 from .app import app, err, fail_line, misplaced_global_option, state
 from .exits import (
     EXIT_ABORTED,
@@ -58,6 +68,7 @@ __all__ = [
     "app",
     "audit_cmd",
     "config_cmds",
+    "contract_cmds",
     "demo",
     "doctor",
     "events_cmds",

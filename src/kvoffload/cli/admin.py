@@ -57,6 +57,12 @@ class Target(Protocol):
         self, repair: bool, verify_data: bool, progress: Callable[[int], None] | None
     ) -> dict[str, Any]: ...
 
+    def namespaces(self, tenant: str | None) -> list[dict[str, Any]]: ...
+
+    def invalidate(
+        self, selector: dict[str, str], tenant: str | None, dry_run: bool
+    ) -> dict[str, Any]: ...
+
 
 def offline_audit(store: Store, verb: str, result: str, **details: Any) -> None:
     """The audit record of an offline admin command (docs/spec/audit-v1.md §3):
@@ -154,6 +160,16 @@ class LocalTarget:
             return report.to_dict()
 
         return self._audited("fsck", run, repair=repair, verify_data=verify_data)
+
+    def namespaces(self, tenant: str | None) -> list[dict[str, Any]]:
+        return self.store.namespaces_report(tenant)
+
+    def invalidate(
+        self, selector: dict[str, str], tenant: str | None, dry_run: bool
+    ) -> dict[str, Any]:
+        actor: dict[str, Any] = {"uid": os.getuid(), "gid": os.getgid(), "pid": os.getpid()}
+        actor["verb"] = "invalidate (offline)"
+        return self.store.invalidate(selector, tenant=tenant, dry_run=dry_run, actor=actor)
 
 
 class SidecarTarget:
@@ -266,6 +282,28 @@ class SidecarTarget:
         report = dict(expect(reply, FsckReply).report)
         report.pop("verified_data", None)
         return report
+
+    def namespaces(self, tenant: str | None) -> list[dict[str, Any]]:
+        from ..client.session import expect
+        from ..protocol import Namespaces, NamespacesReply
+
+        rows: list[dict[str, Any]] = []
+        while True:
+            req = Namespaces(tenant, len(rows))
+            page = expect(self.call(req, ADMIN_TIMEOUT_S), NamespacesReply).report
+            got = list(page.get("namespaces", []))
+            rows.extend(got)
+            if not page.get("more") or not got:
+                return rows
+
+    def invalidate(
+        self, selector: dict[str, str], tenant: str | None, dry_run: bool
+    ) -> dict[str, Any]:
+        from ..client.session import expect
+        from ..protocol import Invalidate, InvalidateReply
+
+        req = Invalidate(**selector, tenant=tenant, dry_run=dry_run)
+        return dict(expect(self.call(req, ADMIN_TIMEOUT_S), InvalidateReply).report)
 
 
 def sidecar_listening(path: Path) -> bool:

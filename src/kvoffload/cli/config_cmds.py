@@ -133,6 +133,7 @@ def _tenant_settings(t: Any) -> dict[str, Any]:
         "events": t.events,
         "lookup_floor_s": t.lookup_floor_s,
         "lookup_jitter_s": t.lookup_jitter_s,
+        "share_prefixes": t.share_prefixes,
     }
 
 
@@ -183,7 +184,7 @@ def policy_check(
     out.print(table)
     settings = Table(title="tenant settings")
     cols = ("tenant", "encryption", "ttl", "max_age", "idle_ttl", "sensitivity", "events")
-    for col in (*cols, "quota", "direct", "lookup floor + jitter"):
+    for col in (*cols, "quota", "direct", "lookup floor + jitter", "trust group"):
         settings.add_column(col)
     for name, s in [("(defaults)", defaults), *tenants.items()]:
         settings.add_row(
@@ -199,6 +200,7 @@ def policy_check(
             f"{s['lookup_floor_s'] * 1e3:g} + {s['lookup_jitter_s'] * 1e3:g} ms"
             if s["lookup_floor_s"] or s["lookup_jitter_s"]
             else "-",
+            (s["trust_group"] or "-") + (" (shared prefixes)" if s["share_prefixes"] else ""),
         )
     out.print(settings)
 

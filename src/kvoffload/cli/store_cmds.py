@@ -99,10 +99,23 @@ def ls_(
     limit: Annotated[
         int, typer.Option("--limit", min=0, help="Most rows to print (0 = all).")
     ] = 100,
+    namespaces: Annotated[
+        bool,
+        typer.Option(
+            "--namespaces", help="List namespaces (contract fields, sizes, ages), not chunks."
+        ),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """List chunks, filtered by tenant, namespace and age."""
+    """List chunks, filtered by tenant, namespace and age; or, with --namespaces, namespaces."""
     check_tenant(tenant)
+    if namespaces:
+        if namespace is not None or older_than is not None or newer_than is not None:
+            raise _CliUsageError("--namespaces combines with --tenant only")
+        from .contract_cmds import show_namespaces
+
+        show_namespaces(tenant, as_json)
+        return
     ns = parse_ns(namespace)
     old = _duration(older_than, "--older-than")
     new = _duration(newer_than, "--newer-than")

@@ -161,6 +161,8 @@ class SidecarClient:
         self._closed = False
         self._salt: bytes | None = None
         self._direct = direct
+        #: Contracts of the namespaces this client derived keys for (§5.19).
+        self._contracts: dict[bytes, dict[str, Any]] = {}
 
     # -- public API ----------------------------------------------------------
 
@@ -202,12 +204,25 @@ class SidecarClient:
         for ``lookup`` and ``load`` and nothing for ``save``; the next call
         reconnects (with backoff) and gets keys again.
         """
+        self.register_contract(contract)
         salt = self.salt
         if salt is None:
             return []
         from ..keys import chunk_keys
 
         return chunk_keys(contract, salt, tokens, extra_keys)
+
+    def register_contract(self, contract: CompatContract) -> bytes:
+        """Let the sidecar record ``contract``'s fields for its namespace (protocol-v1
+        §5.19), so that ``kvoffload invalidate`` can find the namespace by model
+        revision, tokenizer or chat template. Sent with the first save of the
+        namespace on each connection; ``chunk_keys`` calls this. Returns the
+        namespace (the contract's fingerprint)."""
+        ns = contract.fingerprint()
+        with self._lock:
+            if ns not in self._contracts:
+                self._contracts[ns] = contract.to_dict()
+        return ns
 
     @property
     def server_info(self) -> HelloReply | None:
@@ -470,7 +485,14 @@ class SidecarClient:
             )
         self._staging_bytes = self._staging.size
         session = Session(
-            transport, hello, salt, self._tenant, self._warn, self._on_lost, next_id=2
+            transport,
+            hello,
+            salt,
+            self._tenant,
+            self._warn,
+            self._on_lost,
+            next_id=2,
+            contracts=self._contracts,
         )
         reply = session.call(RegisterStaging(self._staging.size), fds=[self._staging.fd])
         if isinstance(reply, ErrorReply):

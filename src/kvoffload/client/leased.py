@@ -72,7 +72,10 @@ class LeasedPath:
                 )
                 for i in batch
             )
-            reply = s.call(LeaseStore(s.tenant, namespace, specs, ttl_s))
+            contract = s.contract_for(namespace)
+            reply = s.call(LeaseStore(s.tenant, namespace, specs, ttl_s, contract))
+            if contract is not None:
+                s.contract_sent(namespace, reply)
             if isinstance(reply, ErrorReply):
                 s.on_error_reply(reply)
                 return

@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..protocol import (
@@ -116,6 +116,21 @@ class Session:
     next_id: int = 1
     #: Lost or closed: a strategy stops at the next batch boundary.
     ended: bool = False
+    #: Namespace → contract fields the client knows (shared with the client, §5.19).
+    contracts: dict[bytes, dict[str, Any]] = field(default_factory=dict)
+    #: Namespaces whose contract this connection has registered.
+    contracts_sent: set[bytes] = field(default_factory=set)
+
+    def contract_for(self, namespace: bytes) -> dict[str, Any] | None:
+        """§5.19: the fields to send with a write of ``namespace``: once per connection."""
+        if namespace in self.contracts_sent:
+            return None
+        return self.contracts.get(namespace)
+
+    def contract_sent(self, namespace: bytes, reply: Reply) -> None:
+        """A write that carried the contract was answered without an error: registered."""
+        if not isinstance(reply, ErrorReply):
+            self.contracts_sent.add(namespace)
 
     @property
     def alive(self) -> bool:

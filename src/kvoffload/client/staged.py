@@ -137,7 +137,10 @@ class StagedPath:
             ChunkSpec(keys[i], tuple(v.nbytes for v in views[i]), bl[i] if bl else None)
             for i in batch
         )
-        reply = s.call(PrepareStore(s.tenant, namespace, specs, ttl_s))
+        contract = s.contract_for(namespace)
+        reply = s.call(PrepareStore(s.tenant, namespace, specs, ttl_s, contract))
+        if contract is not None:
+            s.contract_sent(namespace, reply)
         if isinstance(reply, ErrorReply):
             s.on_error_reply(reply)
             return

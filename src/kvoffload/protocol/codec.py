@@ -24,10 +24,12 @@ from .replies import (
     FsckReply,
     HelloReply,
     InspectReply,
+    InvalidateReply,
     LeaseLoadReply,
     LeaseStoreReply,
     LookupReply,
     LsReply,
+    NamespacesReply,
     PrepareLoadReply,
     PrepareStoreReply,
     PurgeOlderReply,
@@ -51,7 +53,9 @@ _REPLY_TYPES: dict[
     | type[LeaseLoadReply]
     | type[InspectReply]
     | type[LsReply]
-    | type[PurgeOlderReply],
+    | type[PurgeOlderReply]
+    | type[InvalidateReply]
+    | type[NamespacesReply],
 ] = {
     Op.HELLO: HelloReply,
     Op.LOOKUP: LookupReply,
@@ -66,6 +70,8 @@ _REPLY_TYPES: dict[
     Op.INSPECT: InspectReply,
     Op.LS: LsReply,
     Op.PURGE_OLDER: PurgeOlderReply,
+    Op.INVALIDATE: InvalidateReply,
+    Op.NAMESPACES: NamespacesReply,
 }
 ACK_OPS = frozenset({Op.REGISTER_STAGING, Op.ABORT, Op.COMPLETE_LOAD, Op.TOUCH, Op.BYE})
 

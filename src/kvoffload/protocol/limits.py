@@ -51,6 +51,9 @@ class Op(StrEnum):
     INSPECT = "inspect"
     LS = "ls"
     PURGE_OLDER = "purge_older"
+    #: Revision 5 (gov-keys): §5.20.
+    INVALIDATE = "invalidate"
+    NAMESPACES = "namespaces"
     #: Server-initiated fatal error frame (id 0).
     ERROR = "error"
 

@@ -179,6 +179,18 @@ class PurgeOlderReply(ReplyMessage, frozen=True):
     removed: UInt
 
 
+class InvalidateReply(_ReportReply, frozen=True):
+    """§5.20: what was (or, dry, would be) removed, and the unknown contracts left."""
+
+    OP: ClassVar[Op] = Op.INVALIDATE
+
+
+class NamespacesReply(_ReportReply, frozen=True):
+    """§5.20: ``namespaces``, a list of maps."""
+
+    OP: ClassVar[Op] = Op.NAMESPACES
+
+
 # -- prepare_store, lease_store: one entry per chunk, by status ---------------
 
 
@@ -509,6 +521,8 @@ Reply = (
     | InspectReply
     | LsReply
     | PurgeOlderReply
+    | InvalidateReply
+    | NamespacesReply
     | LeaseStoreReply
     | LeaseLoadReply
     | ErrorReply
@@ -521,6 +535,7 @@ __all__ = [
     "FsckReply",
     "HelloReply",
     "InspectReply",
+    "InvalidateReply",
     "LayerExtent",
     "LeaseLoadReply",
     "LeaseSlot",
@@ -528,6 +543,7 @@ __all__ = [
     "LoadSlot",
     "LookupReply",
     "LsReply",
+    "NamespacesReply",
     "PrepareLoadReply",
     "PrepareStoreReply",
     "PurgeOlderReply",

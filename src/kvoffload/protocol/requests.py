@@ -166,15 +166,27 @@ class ChunkSpec(Message, frozen=True):
 
 class PrepareStore(RequestMessage, frozen=True):
     OP: ClassVar[Op] = Op.PREPARE_STORE
+    WIRE_NULLABLE: ClassVar[tuple[str, ...]] = ("contract",)
     tenant: Tenant
     namespace: Namespace
     chunks: Annotated[tuple[ChunkSpec, ...], Meta(min_length=1, max_length=MAX_BATCH)]
     ttl_s: Seconds | None = None
+    #: Revision 5, optional (§5.19): the namespace's contract fields, which the
+    #: server records once they hash to ``namespace``.
+    contract: Mapping[str, Any] | None = None
 
     def validate_wire(self, where: str) -> None:
         distinct(tuple(c.key for c in self.chunks), f"{where}.chunks", "key")
         for i, c in enumerate(self.chunks):
             c.validate_wire(f"{where}.chunks[{i}]")
+
+    def to_wire(self) -> dict[str, Any]:
+        d = super().to_wire()
+        if self.contract is None:
+            del d["contract"]
+        else:
+            d["contract"] = dict(self.contract)
+        return d
 
 
 class LeaseStore(PrepareStore, frozen=True):
@@ -270,6 +282,61 @@ class PurgeOlder(RequestMessage, frozen=True):
     tenant: Tenant | None = None
 
 
+#: §5.20: a selector value (a model revision, tokenizer hash, template version).
+Selector = Annotated[str, Meta(min_length=1, max_length=1024)]
+
+
+class Invalidate(RequestMessage, frozen=True):
+    """§5.20 (admin, revision 5): purge the namespaces built under a contract field."""
+
+    OP: ClassVar[Op] = Op.INVALIDATE
+    WIRE_NULLABLE: ClassVar[tuple[str, ...]] = (
+        "model_revision",
+        "tokenizer_hash",
+        "chat_template_version",
+        "model",
+        "tenant",
+    )
+    model_revision: Selector | None = None
+    tokenizer_hash: Selector | None = None
+    chat_template_version: Selector | None = None
+    model: Selector | None = None
+    tenant: Tenant | None = None
+    dry_run: bool = False
+
+    def validate_wire(self, where: str) -> None:
+        if not (self.model_revision or self.tokenizer_hash or self.chat_template_version):
+            raise bad(f"{where}: needs model_revision, tokenizer_hash or chat_template_version")
+
+    def selector(self) -> dict[str, str]:
+        names = ("model_revision", "tokenizer_hash", "chat_template_version", "model")
+        return {n: v for n in names if (v := getattr(self, n)) is not None}
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = self.selector()
+        if self.tenant is not None:
+            d["tenant"] = self.tenant
+        if self.dry_run:
+            d["dry_run"] = True
+        return d
+
+
+class Namespaces(RequestMessage, frozen=True):
+    """§5.20 (admin, revision 5): the namespaces with their contracts, sizes and ages."""
+
+    OP: ClassVar[Op] = Op.NAMESPACES
+    WIRE_NULLABLE: ClassVar[tuple[str, ...]] = ("tenant",)
+    tenant: Tenant | None = None
+    #: Rows to skip: those of earlier pages (as ``ls``, §5.17).
+    skip: UInt = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {} if self.tenant is None else {"tenant": self.tenant}
+        if self.skip:
+            d["skip"] = self.skip
+        return d
+
+
 Request = (
     Hello
     | RegisterStaging
@@ -289,6 +356,8 @@ Request = (
     | Inspect
     | Ls
     | PurgeOlder
+    | Invalidate
+    | Namespaces
 )
 
 REQUEST_TYPES: dict[Op, type[Request]] = {
@@ -312,6 +381,8 @@ REQUEST_TYPES: dict[Op, type[Request]] = {
         Inspect,
         Ls,
         PurgeOlder,
+        Invalidate,
+        Namespaces,
     )
 }
 
@@ -325,10 +396,12 @@ __all__ = [
     "Fsck",
     "Hello",
     "Inspect",
+    "Invalidate",
     "LeaseLoad",
     "LeaseStore",
     "Lookup",
     "Ls",
+    "Namespaces",
     "PrepareLoad",
     "PrepareStore",
     "Purge",

@@ -22,7 +22,10 @@ were empty. The file is TOML (``/etc/kvoffload/policy.toml``)::
     encryption = "none"             # a key left out is taken from [defaults]
     ttl = "1h"
     quota = "10GiB"
-    trust_group = "prod"            # optional, per tenant only
+    trust_group = "prod"            # optional, per tenant only: the tenant's keys are
+                                    # bound to the group (docs/spec/keys-v1.md §12)
+    share_prefixes = false          # optional, per tenant, needs trust_group: this tenant
+                                    # is its group's one shared prefix namespace (§12)
     direct = true                   # optional, per tenant, needs encryption = "none":
                                     # workers may write and read this tenant's objects
                                     # themselves (GPUDirect Storage); docs/spec/layout-v1.md §4.1
@@ -86,6 +89,11 @@ whose message names the file and, where it can be found, the line):
   loaded, so an unknown name fails at load time instead of granting nothing at
   request time; reload the policy after renumbering accounts.
 * A file writable by everyone is refused: whoever can edit it owns every tenant.
+* Trust groups (docs/spec/keys-v1.md §12): ``share_prefixes = true`` needs a
+  ``trust_group``; a group has at most one such tenant; and a grant that lists
+  a group's shared tenant lists no tenant outside that group (``["*"]``
+  excepted), so a worker that may write a group's shared prefixes serves only
+  that group.
 
 Without any grant nobody may use anything: root is not special, give it an
 explicit grant (usually ``uid = 0``, ``tenants = ["*"]``, ``admin = true``).
@@ -152,8 +160,15 @@ _TENANT_KEYS: Final = (
     "events",
     "lookup_floor",
     "lookup_jitter",
+    "share_prefixes",
 )
-_PER_TENANT_ONLY: Final = ("trust_group", "direct", "direct_group", "sensitivity")
+_PER_TENANT_ONLY: Final = (
+    "trust_group",
+    "direct",
+    "direct_group",
+    "sensitivity",
+    "share_prefixes",
+)
 
 SENSITIVITIES: Final = ("normal", "high")
 #: ``sensitivity = "high"``: the defaults of max_age and idle_ttl where the
@@ -229,6 +244,8 @@ class TenantPolicy:
     #: arrival + ``lookup_floor_s`` + U(0, ``lookup_jitter_s``) (docs/threat-model.md).
     lookup_floor_s: float = 0.0
     lookup_jitter_s: float = 0.0
+    #: The tenant is its trust group's shared prefix namespace (keys-v1.md §12).
+    share_prefixes: bool = False
 
     def age_limit_s(self) -> float | None:
         """The limit on age from creation enforced on read: the lesser of ttl and max_age."""
@@ -541,6 +558,7 @@ class _Parser:
         if not isinstance(raw_grants, list):
             raise self.fail(("grants",), "'grants' must be an array of tables ([[grants]])")
         grants = [self._grant(g, ("grants", i)) for i, g in enumerate(raw_grants)]
+        self._check_trust_groups(tenants, grants)
         return Policy(defaults=defaults, tenants=tenants, grants=grants, source=self.source)
 
     def _load(self) -> dict[str, Any]:
@@ -662,13 +680,25 @@ class _Parser:
                     'a tenant with sensitivity = "high" never has its chunks announced on '
                     "the KV-event feed: leave events out or set it to false",
                 )
+        share = table.get("share_prefixes", False)
+        if not isinstance(share, bool):
+            raise self.fail(
+                (*path, "share_prefixes"),
+                f"share_prefixes must be true or false, not {_describe(share)}",
+            )
+        if share and trust_group is None:
+            raise self.fail(
+                (*path, "share_prefixes"),
+                "share_prefixes = true needs a trust_group: it makes this tenant the "
+                "shared prefix namespace of that group",
+            )
         floor = self._padding(table, path, "lookup_floor", base.lookup_floor_s)
         jitter = self._padding(table, path, "lookup_jitter", base.lookup_jitter_s)
         if sensitivity == "high" and "lookup_floor" not in table:
             floor = max(floor, HIGH_SENSITIVITY_LOOKUP_FLOOR_S)
         return TenantPolicy(
             encryption, ttl_s, quota, trust_group, direct, direct_gid, events,
-            max_age_s, idle_ttl_s, sensitivity, floor, jitter,
+            max_age_s, idle_ttl_s, sensitivity, floor, jitter, share,
         )  # fmt: skip
 
     def _check_high(
@@ -719,6 +749,42 @@ class _Parser:
                 "it delays every lookup reply of the tenant",
             )
         return seconds
+
+    def _check_trust_groups(
+        self, tenants: Mapping[str, TenantPolicy], grants: Sequence[Grant]
+    ) -> None:
+        """keys-v1.md §12: one shared tenant per group; its grants stay inside the group."""
+        shared: dict[str, str] = {}
+        for name, tp in tenants.items():
+            if tp.share_prefixes and tp.trust_group is not None:
+                first = shared.setdefault(tp.trust_group, name)
+                if first != name:
+                    raise self.fail(
+                        ("tenants", name, "share_prefixes"),
+                        f"trust group {tp.trust_group!r} already has a shared tenant, "
+                        f"{first!r}: a group shares prefixes through exactly one tenant",
+                    )
+        owner = {t: g for g, t in shared.items()}
+        for i, g in enumerate(grants):
+            if isinstance(g.tenants, AllTenants):
+                continue
+            for name in sorted(g.tenants):
+                group = owner.get(name)
+                if group is None:
+                    continue
+                outside = sorted(
+                    t
+                    for t in g.tenants
+                    if (tenants[t].trust_group if t in tenants else None) != group
+                )
+                if outside:
+                    raise self.fail(
+                        ("grants", i, "tenants"),
+                        f"grant for {g.label} lists {name!r}, the shared prefix namespace of "
+                        f"trust group {group!r}, together with {', '.join(map(repr, outside))} "
+                        "outside that group: a worker that writes a group's shared prefixes "
+                        "must serve only that group",
+                    )
 
     def _group_id(self, value: object, path: _Path) -> int:
         if isinstance(value, int) and not isinstance(value, bool):

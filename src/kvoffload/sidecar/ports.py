@@ -13,7 +13,7 @@ the server) does not import the store's dependencies (LMDB, cryptography).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -149,6 +149,28 @@ class StoreViewsAPI(Protocol):
     ) -> FsckReport: ...
 
 
+@runtime_checkable
+class ContractsAPI(Protocol):
+    """Namespaces' contract fields (protocol-v1.md §5.19, §5.20; layout-v1.md §2.1);
+    the real store has them, a double may not (registration is then skipped and
+    the admin verbs are UNSUPPORTED)."""
+
+    def record_contract(self, tenant: str, namespace: bytes, fields: Mapping[str, Any]) -> bool: ...
+
+    def namespaces_report(
+        self, tenant: str | None = ..., *, ages: bool = ...
+    ) -> list[dict[str, Any]]: ...
+
+    def invalidate(
+        self,
+        selector: Mapping[str, str],
+        *,
+        tenant: str | None = ...,
+        dry_run: bool = ...,
+        actor: Mapping[str, Any] | None = ...,
+    ) -> dict[str, Any]: ...
+
+
 class TenantSettings(Protocol):
     """One tenant's effective policy (``kvoffload.sidecar.policy.TenantPolicy``)."""
 
@@ -173,6 +195,9 @@ class TenantSettings(Protocol):
     @property
     def lookup_jitter_s(self) -> float: ...
 
+    @property
+    def trust_group(self) -> str | None: ...
+
 
 @runtime_checkable
 class RetentionSettings(Protocol):
@@ -193,6 +218,7 @@ class PolicyAPI(Protocol):
 
 
 __all__ = [
+    "ContractsAPI",
     "PolicyAPI",
     "ReservationAPI",
     "RetentionSettings",

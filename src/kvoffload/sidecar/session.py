@@ -24,9 +24,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
-from typing import TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
 
+from kvoffload.errors import ContractError
+from kvoffload.keys import group_salt
 from kvoffload.protocol import (
     MAX_FRAME,
     MAX_PROTOCOL_VERSION,
@@ -43,12 +45,16 @@ from kvoffload.protocol import (
     HelloReply,
     Inspect,
     InspectReply,
+    Invalidate,
+    InvalidateReply,
     LeaseLoad,
     LeaseStore,
     Lookup,
     LookupReply,
     Ls,
     LsReply,
+    Namespaces,
+    NamespacesReply,
     Op,
     PrepareLoad,
     PrepareStore,
@@ -71,7 +77,7 @@ from kvoffload.staging import RegionAllocator, StagingBuffer, StagingError
 
 from .admin import LS_PAGE, inspect_report, ls_rows
 from .padding import Pad
-from .ports import StoreViewsAPI
+from .ports import ContractsAPI, StoreViewsAPI
 from .service import (
     DECOY_TENANT,
     Handle,
@@ -86,9 +92,13 @@ from .transfers import Transfers
 
 log = logging.getLogger("kvoffload.server")
 
+#: Namespace rows per reply of ``namespaces`` / ``invalidate`` (§5.20): a row with
+#: its contract is under 1 KiB, so a page stays well inside MAX_FRAME.
+NAMESPACES_PAGE = 500
+
 _H = TypeVar("_H", WriteHandle, LoadHandle)
 #: The admin verbs (§6): each leaves an "admin" audit record, allowed or not.
-_ADMIN_REQUESTS = (Purge, Fsck, Inspect, Ls, PurgeOlder)
+_ADMIN_REQUESTS = (Purge, Fsck, Inspect, Ls, PurgeOlder, Invalidate, Namespaces)
 
 
 class Session(Transfers):
@@ -105,6 +115,8 @@ class Session(Transfers):
         # Pool threads and the loop both touch alloc and handles.
         self.mu = threading.Lock()
         self.handles: dict[int, Handle] = {}
+        #: (tenant, namespace) whose contract this connection registered (§5.19).
+        self.contracts_seen: set[tuple[str, bytes]] = set()
         self.next_handle = 1
         service.enter(self)
 
@@ -124,7 +136,7 @@ class Session(Transfers):
         try:
             secret = self.service.config.secret
             salts = {
-                t: self.service.store.tenant_salt(t) if self.may_use(t) else fake_salt(secret, t)
+                t: self.chunk_salt(t) if self.may_use(t) else fake_salt(secret, t)
                 for t in req.tenants
             }
             direct = {t: self.direct_ok(t) for t in req.tenants}
@@ -213,6 +225,12 @@ class Session(Transfers):
         self.service.forget(self)
 
     # -- isolation (§6) ----------------------------------------------------------
+
+    def chunk_salt(self, tenant: str) -> bytes:
+        """§5.1: the salt a permitted tenant's keys are derived with: its stored salt,
+        bound to its trust group when it has one (keys-v1.md §12)."""
+        group = self.service.policy.tenant(tenant).trust_group
+        return group_salt(self.service.store.tenant_salt(tenant), group)
 
     def may_use(self, tenant: str) -> bool:
         """§6: does the *current* policy map this peer to ``tenant``?"""
@@ -323,6 +341,10 @@ class Session(Transfers):
                     return self.ls(req)
                 case PurgeOlder():
                     return self.purge_older(req)
+                case Invalidate():
+                    return self.invalidate(req)
+                case Namespaces():
+                    return self.namespaces(req)
                 case _:
                     raise Reject(ErrorCode.UNSUPPORTED, f"{op} is not served here")
         except Reject as exc:
@@ -456,6 +478,56 @@ class Session(Transfers):
             limit=limit,
         )
         return LsReply({"chunks": plainify(rows), "more": more})
+
+    def _register_contract(self, tenant: str, namespace: bytes, fields: Mapping[str, Any]) -> None:
+        """§5.19: record a namespace's contract fields once they hash to it; fields that
+        do not are BAD_REQUEST, and nothing of them is kept."""
+        store = self.service.store
+        if (tenant, namespace) in self.contracts_seen or not isinstance(store, ContractsAPI):
+            return
+        try:
+            store.record_contract(tenant, namespace, fields)
+        except ContractError as exc:
+            raise Reject(ErrorCode.BAD_REQUEST, f"contract: {exc}") from None
+        self.contracts_seen.add((tenant, namespace))
+
+    def _contracts(self, verb: str) -> ContractsAPI:
+        store = self.service.store
+        if not isinstance(store, ContractsAPI):
+            raise Reject(ErrorCode.UNSUPPORTED, f"{verb}: this store keeps no contracts")
+        return store
+
+    def invalidate(self, req: Invalidate) -> Reply:
+        """§5.20 (admin): purge the namespaces built under the selected contract field."""
+        self._admin("invalidate")
+        store = self._contracts("invalidate")
+        actor = {
+            "uid": self.peer.uid,
+            "gid": self.peer.gids[0] if self.peer.gids else None,
+            "pid": self.peer.pid,
+            "verb": "invalidate",
+        }
+        try:
+            report = store.invalidate(
+                req.selector(), tenant=req.tenant, dry_run=req.dry_run, actor=actor
+            )
+        except ContractError as exc:
+            raise Reject(ErrorCode.BAD_REQUEST, str(exc)) from None
+        # The counts cover everything; the lists are cut to fit a frame (§5.20).
+        for key in ("namespaces", "unknown_contract"):
+            rows = report[key]
+            report[f"{key}_total"] = len(rows)
+            report[key] = rows[:NAMESPACES_PAGE]
+        return InvalidateReply(plainify(report))
+
+    def namespaces(self, req: Namespaces) -> Reply:
+        """§5.20 (admin): the namespaces with their contract fields, sizes and ages."""
+        self._admin("namespaces")
+        store = self._contracts("namespaces")
+        rows = store.namespaces_report(req.tenant)
+        page = rows[req.skip : req.skip + NAMESPACES_PAGE]
+        more = len(rows) > req.skip + NAMESPACES_PAGE
+        return NamespacesReply({"namespaces": plainify(page), "more": more})
 
     def purge_older(self, req: PurgeOlder) -> Reply:
         """§5.18 (admin): remove chunks older than ``older_than_s``, of one tenant or all."""

@@ -17,8 +17,8 @@ import errno
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvoffload.protocol import (
     MAX_FRAME,
@@ -87,6 +87,9 @@ class Transfers:
 
         def may_use(self, tenant: str) -> bool: ...
         def direct_ok(self, tenant: str) -> bool: ...
+        def _register_contract(
+            self, tenant: str, namespace: bytes, fields: Mapping[str, Any]
+        ) -> None: ...
         def _listed(self, tenant: str) -> None: ...
         def _open_handle_slot(self) -> None: ...
         def _registered(self) -> tuple[StagingBuffer, RegionAllocator]: ...
@@ -184,6 +187,8 @@ class Transfers:
         if not allowed(req.tenant):
             # §6: refused before any store access, for every forbidden name alike.
             raise Reject(ErrorCode.FORBIDDEN, f"this connection may not {right} {req.tenant!r}")
+        if req.contract is not None:
+            self._register_contract(req.tenant, req.namespace, req.contract)
         settings = self.service.policy.tenant(req.tenant)
         ttl_s = req.ttl_s if req.ttl_s is not None else settings.ttl_s
         encrypt = settings.encryption and slot is StoreSlot

@@ -564,6 +564,9 @@ class SaveJob:
     req_id: str
     namespaces: tuple[bytes, ...]  # one per shard
     chunks: tuple[ChunkRef, ...]
+    #: The LoRA the namespaces are of, so a worker can register their contract
+    #: fields with the sidecar (protocol-v1 §5.19).
+    lora_id: str | None = None
 
 
 @dataclass

@@ -304,6 +304,7 @@ class KVOffloadScheduler:
                 self._contracts.namespace(st.lora_id, s) for s in range(self._contracts.num_shards)
             ),
             tuple(chunks),
+            st.lora_id,
         )
         self._next_job_id += 1
         self._saves[job.job_id] = _SaveStatus(req.request_id, self._num_workers)

@@ -241,6 +241,7 @@ class KVOffloadWorker:
         self._kv_cache_config = kv_cache_config
         self._settings = settings
         self._contracts = contracts
+        self._registered_ns: set[bytes] = set()
         tp_rank, pp_rank = local_ranks(vllm_config)
         self._shard = contracts.shard_index(tp_rank, pp_rank)
         self._num_layers = contracts.layers_per_stage[pp_rank]
@@ -403,6 +404,13 @@ class KVOffloadWorker:
 
     def _save(self, cache: PagedCache, job: SaveJob) -> None:
         namespace = job.namespaces[self._shard]
+        if namespace not in self._registered_ns:
+            # The sidecar records the fields, so `kvoffload invalidate` finds them.
+            if self._contracts.namespace(job.lora_id, self._shard) == namespace:
+                self._save_client.register_contract(
+                    self._contracts.contract(job.lora_id, self._shard)
+                )
+            self._registered_ns.add(namespace)
         bpc = self._ct // cache.block_size
         per_chunk = region_size([cache.layer_nbytes(self._ct)] * len(cache.layers))
         # Gather at most a staging buffer's worth at a time: the client sends

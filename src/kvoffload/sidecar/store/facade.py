@@ -15,7 +15,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from .base import (
     mapped_errors,
 )
 from .capacity import _Scope
+from .contracts import ContractRegistry, check_selector, contract_fields, contract_matches
 from .leases import Leases
 from .retention import RetentionJournal
 from .shared import POSITIONS_META, SharedRoot
@@ -69,6 +70,7 @@ class Store(Leases):
         self.root = config.root
         index_dir = config.resolved_index_dir()
         self.layout = _load_layout(self.root, index_dir, kek, create)
+        self.contracts = ContractRegistry(self.root)
         _tighten_modes(self.root)
         index_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lock_fd = os.open(index_dir / "kvoffload.lock", os.O_RDWR | os.O_CREAT, 0o640)
@@ -343,6 +345,7 @@ class Store(Leases):
             elif r.op is Op.PURGE_TENANT:
                 # Stop decrypting now, not at the key cache's bound.
                 self.keyring.forget(r.tenant)
+                self.contracts.drop_tenant(r.tenant)
                 sh.stats.tenant_purges += 1
                 for old in list(self.index.records(tenant=r.tenant)):
                     self._drop(old.tenant, old.chunk_key, reason="journal", remove_file=False)
@@ -499,6 +502,7 @@ class Store(Leases):
         def work() -> None:
             shutil.rmtree(self.root / "objects" / tenant, ignore_errors=True)
             self._retention.drop_tenant(tenant)
+            self.contracts.drop_tenant(tenant)
             self._purge_quarantine(tenant)
             for rec in recs:
                 self._drop(rec.tenant, rec.chunk_key, reason="purge", remove_file=False)
@@ -522,6 +526,109 @@ class Store(Leases):
             "purge_namespace", {"tenant": tenant, "namespace": namespace.hex(), "chunks": len(recs)}
         )
         return len(recs)
+
+    # ------------------------------------------------ contracts (layout-v1 §2.1)
+
+    @boundary
+    def record_contract(self, tenant: str, namespace: bytes, fields: Mapping[str, Any]) -> bool:
+        """Keep a namespace's contract fields once they hash to it (ContractError if
+        not); True when this call recorded them."""
+        return self.contracts.record(tenant, namespace, fields)
+
+    @boundary
+    def namespaces_report(
+        self, tenant: str | None = None, *, ages: bool = True
+    ) -> list[dict[str, Any]]:
+        """Every namespace with chunks (of one tenant or all), in tenant and
+        fingerprint order: its contract fields (None: unknown, never registered),
+        chunks, bytes and — with ``ages``, which reads every record of the
+        tenants — the ages of its oldest and newest chunk in seconds."""
+        now = time.time_ns()
+        tenants = [tenant] if tenant is not None else sorted(self.index.tenants())
+        rows: list[dict[str, Any]] = []
+        for t in tenants:
+            spans: dict[bytes, list[int]] = {}
+            if ages:
+                for rec in self.index.records(tenant=t):
+                    span = spans.setdefault(rec.namespace, [rec.created_ns, rec.created_ns])
+                    span[0] = min(span[0], rec.created_ns)
+                    span[1] = max(span[1], rec.created_ns)
+            for ns, usage in sorted(self.index.namespaces(t).items()):
+                if not usage.count:
+                    continue
+                c = self.contracts.get(t, ns)
+                row: dict[str, Any] = {
+                    "tenant": t,
+                    "namespace": ns.hex(),
+                    "chunks": usage.count,
+                    "bytes": usage.bytes,
+                }
+                if ages:
+                    oldest, newest = spans.get(ns, [now, now])
+                    row["oldest_age_s"] = round(max(0, now - oldest) / 1e9, 3)
+                    row["newest_age_s"] = round(max(0, now - newest) / 1e9, 3)
+                row["contract"] = None if c is None else contract_fields(c)
+                rows.append(row)
+        return rows
+
+    @boundary
+    def invalidate(
+        self,
+        selector: Mapping[str, str],
+        *,
+        tenant: str | None = None,
+        dry_run: bool = False,
+        actor: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Purge every namespace whose registered contract matches ``selector``
+        (:func:`contract_matches`), on every node of a shared root (a namespace
+        purge is journaled). Namespaces without registered fields are reported
+        as ``unknown_contract`` and left. One audit record "invalidate"."""
+        check_selector(selector)
+        matched: list[dict[str, Any]] = []
+        unknown: list[dict[str, Any]] = []
+        for row in self.namespaces_report(tenant, ages=False):
+            contract = row["contract"]
+            if contract is None:
+                unknown.append({k: row[k] for k in ("tenant", "namespace", "chunks", "bytes")})
+            elif contract_matches(contract, selector):
+                matched.append(row)
+        removed_chunks = removed_bytes = 0
+        for row in matched:
+            if dry_run:
+                removed_chunks += row["chunks"]
+            else:
+                row["removed"] = self.purge_namespace(
+                    row["tenant"], bytes.fromhex(row["namespace"])
+                )
+                removed_chunks += row["removed"]
+            removed_bytes += row["bytes"]
+        report: dict[str, Any] = {
+            "dry_run": dry_run,
+            "selector": dict(selector),
+            "tenant": tenant,
+            "namespaces": matched,
+            "removed_namespaces": len(matched),
+            "removed_chunks": removed_chunks,
+            "removed_bytes": removed_bytes,
+            "unknown_contract": unknown,
+            "shared_root": self._shared is not None,
+        }
+        self._audit(
+            "invalidate",
+            {
+                **dict(actor or {}),
+                "selector": dict(selector),
+                "tenant": tenant,
+                "dry_run": dry_run,
+                "result": "ok",
+                "namespaces": [f"{r['tenant']}/{r['namespace']}" for r in matched],
+                "chunks": removed_chunks,
+                "bytes": removed_bytes,
+                "unknown_contract": len(unknown),
+            },
+        )
+        return report
 
     @boundary
     def purge_older_than(self, age_s: float, tenant: str | None = None) -> int:
