@@ -66,7 +66,7 @@ from kvoffload.protocol import (
 )
 from kvoffload.staging import RegionAllocator, StagingBuffer, StagingError
 
-from .admin import LS_PAGE, inspect_report, ls_rows
+from .admin import LS_PAGE, inspect_report, ls_rows, purge_tiers
 from .ports import StoreViewsAPI
 from .service import (
     Handle,
@@ -99,6 +99,9 @@ class Session(Transfers):
         self.mu = threading.Lock()
         self.handles: dict[int, Handle] = {}
         self.next_handle = 1
+        # §6.1: decisions of may_use, valid while the service's generation is _gen.
+        self._gen = -1
+        self._allowed: dict[str, bool] = {}
         service.enter(self)
 
     def __repr__(self) -> str:
@@ -202,8 +205,37 @@ class Session(Transfers):
     # -- isolation (§6) ----------------------------------------------------------
 
     def may_use(self, tenant: str) -> bool:
-        """§6: does the *current* policy map this peer to ``tenant``?"""
-        return self.service.policy.may_use(self.peer.uid, self.peer.gids, tenant)
+        """§6: does the *current* policy map this peer to ``tenant``?
+
+        §6.1: decided once per policy generation (one integer compared per
+        request); a revoked tenant is usable by no one.
+        """
+        svc = self.service
+        gen = svc.generation
+        if gen != self._gen:
+            self._allowed = {}
+            self._gen = gen
+        ok = self._allowed.get(tenant)
+        if ok is None:
+            ok = tenant not in svc.revoked and svc.policy.may_use(
+                self.peer.uid, self.peer.gids, tenant
+            )
+            if len(self._allowed) < 1024:
+                self._allowed[tenant] = ok
+        return ok
+
+    def revoke_tenants(self, tenants: frozenset[str]) -> int:
+        """§6.1: release every handle of ``tenants`` now (pending stores aborted with
+        their reservations and leased files, load pins and regions freed); the
+        handle numbers answer ``BAD_HANDLE`` from now on. How many were released."""
+        with self.mu:
+            gone = [h for h, v in self.handles.items() if v.tenant in tenants]
+            taken = [self.handles.pop(h) for h in gone]
+        self.release_all(taken)
+        if taken:
+            log.warning("%r: %d handle(s) of %s released: access revoked or purged",
+                        self, len(taken), sorted(tenants))  # fmt: skip
+        return len(taken)
 
     def direct_ok(self, tenant: str) -> bool:
         """§5.14: may this connection use the direct path for ``tenant``?
@@ -326,6 +358,12 @@ class Session(Transfers):
             "connections": svc.session_count(),
             "protocol_version": self.version,
         }
+        # §6.1: the policy in force and the last reload's outcome (revoked
+        # tenant names are about other tenants: admins only).
+        policy = svc.policy_state.to_stats(svc.revoked.tenants if admin else ())
+        if not admin:
+            policy.pop("revoked_tenants")
+        stats["policy"] = policy
         if svc.metrics is not None:
             stats.update(svc.metrics.summary())
         return StatsReply(plainify(stats))
@@ -350,12 +388,19 @@ class Session(Transfers):
         this sidecar no longer counts them.
         """
         self._admin("purge")
-        store = self.service.store
+        svc = self.service
+        store = svc.store
         if req.namespace is not None:
-            return PurgeReply(store.purge_namespace(req.tenant, req.namespace))
-        if isinstance(store, StoreViewsAPI):
-            return PurgeReply(store.purge_tenant(req.tenant, wait=True))
-        return PurgeReply(store.purge_tenant(req.tenant))
+            removed = store.purge_namespace(req.tenant, req.namespace)
+        elif isinstance(store, StoreViewsAPI):
+            removed = store.purge_tenant(req.tenant, wait=True)
+        else:
+            removed = store.purge_tenant(req.tenant)
+        svc.purged(req.tenant)
+        if not req.tiers:
+            return PurgeReply(removed)
+        tiers = purge_tiers(store, events=svc.events is not None, whole=req.namespace is None)
+        return PurgeReply(removed, tiers)
 
     def fsck(self, req: Fsck) -> Reply:
         """§5.12 (admin)."""

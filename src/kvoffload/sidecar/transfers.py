@@ -214,6 +214,10 @@ class Transfers:
         then release its regions, reservations and leftover leased files."""
         h = self._take_handle(req.handle, WriteHandle)
         stored = [s.status is StoreStatus.EXISTS for s in h.slots]
+        if not (self.direct_ok(h.tenant) if h.leased else self.may_use(h.tenant)):
+            # §6.1: access revoked since prepare: nothing is written or published.
+            self._release(h)
+            return CompleteStoreReply(tuple(False for _ in stored))
         try:
             if h.leased:
                 self._publish_leases(h, stored)

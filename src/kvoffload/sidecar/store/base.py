@@ -36,6 +36,7 @@ from ..iobackend import IOBackend, IOMode, IOPlan
 from ..journal import JournalRecord, Reason
 from ..keyring import Keyring, KeyringError, TenantKeys
 from .audit import AuditLog
+from .cancel import LoadGenerations
 from .retention import RetentionJournal
 from .shared import REMOVE_REASONS, SharedRoot
 
@@ -189,6 +190,8 @@ class StoreBase:
     _pipe: ThreadPoolExecutor | None
     _shared: SharedRoot | None = None
     _key_rereads: dict[str, float]
+    #: Per-tenant load generations: a purge or revocation cancels loads in flight.
+    _load_gens: LoadGenerations
     #: The KV-event feed (kvoffload.sidecar.events), told of every chunk that leaves.
     events_hook: EventsHook | None = None
 

@@ -40,6 +40,7 @@ from ..journal import JournalRecord, Op
 from ..keyring import Kek, Keyring
 from .audit import AuditLog
 from .base import SEAL_COUNTS_LOST, Counters, StoreConfig, boundary, log, mapped_errors
+from .cancel import LoadGenerations
 from .capacity import _Scope
 from .leases import Leases
 from .retention import RetentionJournal
@@ -142,6 +143,7 @@ class Store(Leases):
             self._touch_flushed = time.time_ns()
             self._seal_budget = {}
             self._key_rereads = {}
+            self._load_gens = LoadGenerations()
             self._scratch = ScratchBuffers()
             node = self.index.get_meta("node_id")
             if node is None:
@@ -328,12 +330,15 @@ class Store(Leases):
             elif r.op is Op.REMOVE:
                 sh.stats.dropped += self._drop(r.tenant, r.key, reason="journal", remove_file=False)
             elif r.op is Op.PURGE_TENANT:
-                # Stop decrypting now, not at the key cache's bound.
+                # Stop decrypting now, not at the key cache's bound, and stop
+                # this node's loads of the tenant in flight.
+                self._load_gens.cancel(r.tenant)
                 self.keyring.forget(r.tenant)
                 sh.stats.tenant_purges += 1
                 for old in list(self.index.records(tenant=r.tenant)):
                     self._drop(old.tenant, old.chunk_key, reason="journal", remove_file=False)
             elif r.op is Op.PURGE_NAMESPACE:
+                self._load_gens.cancel(r.tenant)
                 for old in list(self.index.records(tenant=r.tenant, namespace=r.namespace)):
                     self._drop(old.tenant, old.chunk_key, reason="journal", remove_file=False)
         if followed:
@@ -405,6 +410,11 @@ class Store(Leases):
         """
         self._audit(event, details)
 
+    def cancel_loads(self, tenant: str) -> None:
+        """Stop every load of ``tenant`` in flight before its next layer is copied
+        (a revocation; purges do this themselves). Those chunks are misses."""
+        self._load_gens.cancel(tenant)
+
     def tenant_salt(self, tenant: str) -> bytes:
         """The tenant's secret key salt (creates the tenant's keys on first use)."""
         return self.keyring.ensure_tenant(tenant).salt
@@ -461,6 +471,7 @@ class Store(Leases):
         removed in the background (``wait=True`` waits). Returns the number of
         index records scheduled for removal.
         """
+        self._load_gens.cancel(tenant)  # loads in flight stop before their next layer
         existed = self.keyring.destroy(tenant)
         if self._shared is not None:
             self._shared.journal([JournalRecord.purge_tenant(tenant)])
@@ -484,6 +495,9 @@ class Store(Leases):
     @boundary
     def purge_namespace(self, tenant: str, namespace: bytes) -> int:
         """Remove a namespace's chunks (file removal, not a crypto erase: keys are per tenant)."""
+        # Loads in flight of the tenant stop before their next layer (those of
+        # its other namespaces too: a miss is safe, and purges are rare).
+        self._load_gens.cancel(tenant)
         recs = list(self.index.records(tenant=tenant, namespace=namespace))
         if self._shared is not None:
             self._shared.journal([JournalRecord.purge_namespace(tenant, namespace)])
