@@ -9,12 +9,14 @@ every load of that tenant then stops before its next byte reaches a staging
 buffer. A cancelled chunk is a miss, never a damaged object: nothing is
 dropped or quarantined because of it.
 
-**Test hook** (never set in production): with ``KVOFFLOAD_TEST_LOAD_GATE``
+**Test hook** (never set in production): with ``KVO_TEST_HOOK_LOAD_GATE``
 naming a directory, a load about to copy a layer while ``<dir>/hold`` exists
 creates ``<dir>/waiting`` and waits (polling, at most 60 s) until ``hold`` is
 removed, then checks for cancellation as always. Tests use it to pause a load
 between layers, change the policy or purge, and see that nothing more is
-copied. The variable is read once, when this module is imported.
+copied. The variable is read once, when this module is imported; it is
+outside the ``KVOFFLOAD_`` namespace on purpose: no product setting, never
+documented for operators.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Final
 
 #: The test hook's variable (see the module docstring); unset in production.
-TEST_LOAD_GATE_ENV: Final = "KVOFFLOAD_TEST_LOAD_GATE"
+TEST_LOAD_GATE_ENV: Final = "KVO_TEST_HOOK_LOAD_GATE"
 _GATE: Final = os.environ.get(TEST_LOAD_GATE_ENV) or None
 _GATE_MAX_S: Final = 60.0
 
