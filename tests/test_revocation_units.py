@@ -20,6 +20,7 @@ import pytest
 from kvoffload import direct
 from kvoffload.errors import ConfigError
 from kvoffload.layouts import v1
+from kvoffload.sidecar import cancel
 from kvoffload.sidecar.daemon import PolicyWatcher, reload_policy
 from kvoffload.sidecar.errors import LeaseInvalid
 from kvoffload.sidecar.keyring import Kek
@@ -27,7 +28,7 @@ from kvoffload.sidecar.metrics import Metrics
 from kvoffload.sidecar.policy import Policy, load_policy
 from kvoffload.sidecar.revocation import RevokedSet, policy_diff
 from kvoffload.sidecar.server import Server, ServerConfig
-from kvoffload.sidecar.store import Store, StoreConfig, cancel
+from kvoffload.sidecar.store import Store, StoreConfig
 from kvoffload.sidecar.store.leases import StoreLease
 
 NS = bytes(range(32))

@@ -51,6 +51,7 @@ from kvoffload.protocol import (
 from kvoffload.staging import RegionAllocator, StagingBuffer
 
 from ..layouts import v1
+from .cancel import PutCancelled
 from .errors import LeaseInvalid, StoreError, StoreFull, StoreIOError
 from .ports import TenantSettings
 from .service import (
@@ -281,7 +282,7 @@ class Transfers:
             for sw in h.staged:
                 stored[sw.index] = True  # False from put means "already present": success
         except Exception as exc:
-            if isinstance(exc, StoreFull):
+            if isinstance(exc, StoreFull | PutCancelled):
                 log.info("%r: chunks not stored: %s", self, exc)
             else:
                 log.exception("%r: storing chunks failed", self)

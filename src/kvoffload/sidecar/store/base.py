@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from kvoffload.errors import IndexFailure, StoreKeyError
 
 from ...layouts import LayoutInfo, UnknownKeyEpoch, UnknownLayoutVersion, v1
+from ..cancel import LoadGenerations
 from ..errors import StoreIOError
 from ..fileio import Durability, ScratchBuffers
 from ..index import ChunkRecord, Index
@@ -36,7 +37,6 @@ from ..iobackend import IOBackend, IOMode, IOPlan
 from ..journal import JournalRecord, Reason
 from ..keyring import Keyring, KeyringError, TenantKeys
 from .audit import AuditLog
-from .cancel import LoadGenerations
 from .retention import RetentionJournal
 from .shared import REMOVE_REASONS, SharedRoot
 

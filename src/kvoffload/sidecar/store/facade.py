@@ -32,6 +32,7 @@ from ...layouts import (
 )
 from ...layouts.store_root import ROOT_DIR_MODES
 from ...posix import atomic_create
+from ..cancel import LoadGenerations
 from ..errors import StoreError, StoreIOError, StoreLocked
 from ..fileio import Durability, ScratchBuffers, syncfs
 from ..index import ChunkRecord, Index, IndexCorrupt, IndexFailure, Usage, probe_in_child
@@ -40,7 +41,6 @@ from ..journal import JournalRecord, Op
 from ..keyring import Kek, Keyring
 from .audit import AuditLog
 from .base import SEAL_COUNTS_LOST, Counters, StoreConfig, boundary, log, mapped_errors
-from .cancel import LoadGenerations
 from .capacity import _Scope
 from .leases import Leases
 from .retention import RetentionJournal

@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ...layouts import ObjectMismatch, v1
 from .. import fileio
+from ..cancel import LoadCancelled, PutCancelled
 from ..errors import StoreError
 from ..fileio import Durability
 from ..index import ChunkRecord
@@ -41,7 +42,6 @@ from .base import (
     default_io_streams,
     log,
 )
-from .cancel import LoadCancelled
 from .capacity import Reservation
 from .fsck import Maintenance
 from .shared import SHARED_NONCE_SHARES
@@ -73,6 +73,9 @@ class _PutJob:
     epoch: int
     ttl_s: float | None
     now: int
+    #: The tenant's generation (cancel.py) when the put began: a purge or
+    #: revocation before the index insert discards the write.
+    generation: int = 0
 
 
 class Pipeline(Maintenance):
@@ -258,6 +261,7 @@ class Pipeline(Maintenance):
         if len(chunk_key) != v1.KEY_SIZE or len(namespace) != v1.KEY_SIZE:
             raise ValueError("chunk key and namespace must be 32 bytes")
         lengths = [memoryview(x).nbytes for x in layers]
+        generation = self._load_gens.current(tenant)
         have = self.index.get(tenant, chunk_key)
         if have is not None:
             if (have.num_layers, have.payload) == (len(lengths), sum(lengths)):
@@ -295,7 +299,7 @@ class Pipeline(Maintenance):
             raise
         return _PutJob(
             tenant, namespace, chunk_key, layers, lengths, size, res, aead, epoch, ttl_s,
-            time.time_ns(),
+            time.time_ns(), generation,
         )  # fmt: skip
 
     @staticmethod
@@ -346,6 +350,14 @@ class Pipeline(Maintenance):
                 self._adopt(job.tenant, job.chunk_key)
                 self.counters.put_exists += 1
                 return False
+            if self._load_gens.current(job.tenant) != job.generation:
+                # Purged or revoked while being written: the object is not published.
+                with contextlib.suppress(FileNotFoundError):
+                    self._path(job.tenant, job.chunk_key).unlink()
+                raise PutCancelled(
+                    f"chunk {job.chunk_key.hex()[:16]} of {job.tenant}: purged or revoked "
+                    "while written; discarded"
+                )
             now = job.now
             expires = now + int(job.ttl_s * 1e9) if job.ttl_s else 0
             rec = ChunkRecord(

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
+from .errors import StoreError
+
 #: The test hook's variable (see the module docstring); unset in production.
 TEST_LOAD_GATE_ENV: Final = "KVO_TEST_HOOK_LOAD_GATE"
 _GATE: Final = os.environ.get(TEST_LOAD_GATE_ENV) or None
@@ -36,6 +38,10 @@ _GATE_MAX_S: Final = 60.0
 
 class LoadCancelled(Exception):
     """A load stopped because its tenant was purged or revoked while it ran."""
+
+
+class PutCancelled(StoreError):
+    """A write finished after its tenant was purged or revoked: not indexed, file removed."""
 
 
 def _test_gate() -> None:
@@ -77,4 +83,4 @@ class LoadGenerations:
         return before_layer
 
 
-__all__ = ["TEST_LOAD_GATE_ENV", "LoadCancelled", "LoadGenerations"]
+__all__ = ["TEST_LOAD_GATE_ENV", "LoadCancelled", "LoadGenerations", "PutCancelled"]
