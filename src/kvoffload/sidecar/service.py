@@ -240,11 +240,11 @@ class Service:
             "connections": connections,
         }
 
-    def purged(self, tenant: str) -> int:
+    def purged(self, tenant: str, namespace: bytes | None = None) -> int:
         """A purge of ``tenant`` (whole or a namespace): every connection's handles of
         it are released (pending stores aborted, leases dropped, pins freed);
         the store cancels the loads in flight. Handles released."""
-        return sum(s.revoke_tenants(frozenset((tenant,))) for s in self.sessions())
+        return sum(s.revoke_tenants(frozenset((tenant,)), namespace) for s in self.sessions())
 
     def enter(self, session: Session) -> None:
         """A new session (``Session.__init__``); :meth:`forget` is its ``close``."""

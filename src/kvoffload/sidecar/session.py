@@ -224,12 +224,20 @@ class Session(Transfers):
                 self._allowed[tenant] = ok
         return ok
 
-    def revoke_tenants(self, tenants: frozenset[str]) -> int:
+    def revoke_tenants(self, tenants: frozenset[str], namespace: bytes | None = None) -> int:
         """§6.1: release every handle of ``tenants`` now (pending stores aborted with
         their reservations and leased files, load pins and regions freed); the
-        handle numbers answer ``BAD_HANDLE`` from now on. How many were released."""
+        handle numbers answer ``BAD_HANDLE`` from now on. With ``namespace``
+        (a namespace purge), stores of the tenant's other namespaces are kept.
+        How many were released."""
+
+        def hit(v: Handle) -> bool:
+            if v.tenant not in tenants:
+                return False
+            return namespace is None or not isinstance(v, WriteHandle) or v.namespace == namespace
+
         with self.mu:
-            gone = [h for h, v in self.handles.items() if v.tenant in tenants]
+            gone = [h for h, v in self.handles.items() if hit(v)]
             taken = [self.handles.pop(h) for h in gone]
         self.release_all(taken)
         if taken:
@@ -396,7 +404,7 @@ class Session(Transfers):
             removed = store.purge_tenant(req.tenant, wait=True)
         else:
             removed = store.purge_tenant(req.tenant)
-        svc.purged(req.tenant)
+        svc.purged(req.tenant, req.namespace)
         if not req.tiers:
             return PurgeReply(removed)
         tiers = purge_tiers(store, events=svc.events is not None, whole=req.namespace is None)
