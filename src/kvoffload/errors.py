@@ -33,6 +33,7 @@
     │   ├── StoreLocked                     another process holds this store's index
     │   ├── StoreIOError                    the file system failed (ENOSPC, EACCES, EIO…)
     │   ├── LeaseInvalid                    a direct-path object failed its check
+    │   ├── TransferCancelled               its tenant was purged or revoked during a load/write
     │   ├── UnknownTenant                   no keys for this tenant (never created, or purged)
     │   ├── StoreKeyError                   a tenant's key file is corrupt, unreadable or unwritable
     │   └── IOBackendUnavailable            a requested I/O backend cannot work on this node
@@ -86,6 +87,7 @@ __all__ = [
     "StoreIOError",
     "StoreKeyError",
     "StoreLocked",
+    "TransferCancelled",
     "TransportClosed",
     "TransportError",
     "TransportTimeout",
@@ -351,6 +353,10 @@ class StoreIOError(StoreError):
 
 class LeaseInvalid(StoreError):
     """A worker's direct-path object failed verification; it was deleted, not stored."""
+
+
+class TransferCancelled(StoreError):
+    """A load or write of a tenant purged or revoked while it ran: a miss / not stored."""
 
 
 class UnknownTenant(StoreError):

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-from .errors import StoreError
+from kvoffload.errors import TransferCancelled
 
 #: The test hook's variable (see the module docstring); unset in production.
 TEST_LOAD_GATE_ENV: Final = "KVO_TEST_HOOK_LOAD_GATE"
@@ -36,12 +36,10 @@ _GATE: Final = os.environ.get(TEST_LOAD_GATE_ENV) or None
 _GATE_MAX_S: Final = 60.0
 
 
-class LoadCancelled(Exception):
-    """A load stopped because its tenant was purged or revoked while it ran."""
-
-
-class PutCancelled(StoreError):
-    """A write finished after its tenant was purged or revoked: not indexed, file removed."""
+#: A load stopped because its tenant was purged or revoked while it ran (a miss).
+LoadCancelled = TransferCancelled
+#: A write finished after its tenant was purged or revoked: not indexed, file removed.
+PutCancelled = TransferCancelled
 
 
 def _test_gate() -> None:
@@ -83,4 +81,10 @@ class LoadGenerations:
         return before_layer
 
 
-__all__ = ["TEST_LOAD_GATE_ENV", "LoadCancelled", "LoadGenerations", "PutCancelled"]
+__all__ = [
+    "TEST_LOAD_GATE_ENV",
+    "LoadCancelled",
+    "LoadGenerations",
+    "PutCancelled",
+    "TransferCancelled",
+]
