@@ -161,7 +161,7 @@ def test_sighup_revokes_a_grant_the_watcher_did_not_see(procs: Procs, workdir: P
 def test_a_malformed_policy_is_refused_and_the_old_one_stays_in_force(
     procs: Procs, workdir: Path
 ) -> None:
-    sidecar, _ = start(procs, workdir, policy(["beta"]))
+    sidecar, cfg = start(procs, workdir, policy(["beta"]))
     peer = session(procs, sidecar, "beta")
     assert ask(peer, op="save", seed="m", indices=[0, 1])["stored"] == [True, True]
     gen0 = generation(sidecar)
@@ -180,6 +180,8 @@ def test_a_malformed_policy_is_refused_and_the_old_one_stays_in_force(
     assert ask(peer, op="lookup", seed="m", indices=[0, 1])["found"] == 2
     refused = [e for e in audit(workdir) if e["event"] == "policy_reload_refused"]
     assert refused and f"policy.toml:{line}:" in refused[-1]["error"]
+    human = _cli(cfg, "stats")
+    assert human.returncode == 0 and "LAST RELOAD REFUSED" in human.stdout, human
     # Fixing the file applies it.
     replace_policy(workdir / "policy.toml", policy(["gamma"]))
     wait_until(lambda: sidecar.stats()["policy"]["last_reload_ok"] is True, "the fix applied")

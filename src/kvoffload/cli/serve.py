@@ -246,4 +246,14 @@ def stats_lines(s: dict[str, Any]) -> list[str]:
     errors = s.get("errors")
     if isinstance(errors, dict) and errors:
         lines.append("errors: " + ", ".join(f"{c} {int(v)}" for c, v in sorted(errors.items())))
+    policy = s.get("policy")
+    if isinstance(policy, dict):
+        line = f"policy: {policy.get('source', '?')}, generation {policy.get('generation', 0)}"
+        if policy.get("last_reload_ok") is False:
+            line += "; LAST RELOAD REFUSED, the previous policy is in force: "
+            line += str(policy.get("last_error"))
+        revoked = policy.get("revoked_tenants")
+        if isinstance(revoked, list) and revoked:
+            line += f"; revoked tenants: {', '.join(map(str, revoked))}"
+        lines.append(line)
     return lines
