@@ -240,9 +240,11 @@ def test_a_revocation_aborts_pending_stores_and_leases(procs: Procs, workdir: Pa
         return sidecar.stats()["reserved_bytes"] == 0 and not leased.exists()
 
     wait_until(released, "reservations and the leased file released")
-    # The handles are gone: nothing is written or published.
+    # The handles were released: their completion stores and publishes nothing.
+    assert ask(peer, op="complete", handle=prep["handle"]) == {"code": "OK", "stored": [False] * 2}
+    assert ask(peer, op="complete", handle=lease["handle"]) == {"code": "OK", "stored": [False]}
+    # ... once: the handle numbers are gone after that.
     assert ask(peer, op="complete", handle=prep["handle"])["code"] == "BAD_HANDLE"
-    assert ask(peer, op="complete", handle=lease["handle"])["code"] == "BAD_HANDLE"
     root = workdir / "store"
     for seed, i in (("p", 0), ("p", 1), ("q", 0)):
         assert not (root / object_relpath("beta", chunk_key(seed, i))).exists()
@@ -355,8 +357,8 @@ def test_a_purge_revokes_the_tenants_leases_and_pending_stores(procs: Procs, wor
         lambda: sidecar.stats()["reserved_bytes"] == 0 and not leased.exists(),
         "the purge released the reservation and the leased file",
     )
-    assert ask(peer, op="complete", handle=lease["handle"])["code"] == "BAD_HANDLE"
-    assert ask(peer, op="complete", handle=prep["handle"])["code"] == "BAD_HANDLE"
+    assert ask(peer, op="complete", handle=lease["handle"]) == {"code": "OK", "stored": [False]}
+    assert ask(peer, op="complete", handle=prep["handle"]) == {"code": "OK", "stored": [False]}
     assert not (workdir / "store" / object_relpath("beta", chunk_key("t", 0))).exists()
 
 

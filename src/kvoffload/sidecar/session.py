@@ -82,6 +82,8 @@ from .transfers import Transfers
 log = logging.getLogger("kvoffload.server")
 
 _H = TypeVar("_H", WriteHandle, LoadHandle)
+#: Handles released by revocation whose complete/abort is still awaited, per connection.
+_MAX_REVOKED_HANDLES = 4096
 
 
 class Session(Transfers):
@@ -102,6 +104,9 @@ class Session(Transfers):
         # §6.1: decisions of may_use, valid while the service's generation is _gen.
         self._gen = -1
         self._allowed: dict[str, bool] = {}
+        # §6.1: handles released by a revocation or purge → their chunk count
+        # (0 for a load): their complete/abort answers "nothing stored" once.
+        self.revoked_handles: dict[int, int] = {}
         service.enter(self)
 
     def __repr__(self) -> str:
@@ -239,6 +244,9 @@ class Session(Transfers):
         with self.mu:
             gone = [h for h, v in self.handles.items() if hit(v)]
             taken = [self.handles.pop(h) for h in gone]
+            for h, v in zip(gone, taken, strict=True):
+                if len(self.revoked_handles) < _MAX_REVOKED_HANDLES:
+                    self.revoked_handles[h] = len(v.slots) if isinstance(v, WriteHandle) else 0
         self.release_all(taken)
         if taken:
             log.warning("%r: %d handle(s) of %s released: access revoked or purged",
@@ -501,10 +509,17 @@ class Session(Transfers):
         if h.keys:
             store.unpin(h.tenant, h.keys)
 
+    def revoked_handle(self, h: int) -> int | None:
+        """§6.1: the chunk count of a handle a revocation or purge released (once)."""
+        with self.mu:
+            return self.revoked_handles.pop(h, None)
+
     def abort(self, req: Abort) -> Reply:
         """§5.6: release whatever the handle holds; nothing is written (§8)."""
         with self.mu:
             handle = self.handles.pop(req.handle, None)
+        if handle is None and self.revoked_handle(req.handle) is not None:
+            return Ack(Op.ABORT)  # §6.1: released already
         if handle is None:
             raise Reject(ErrorCode.BAD_HANDLE, f"no such handle {req.handle}")
         self._release(handle)
