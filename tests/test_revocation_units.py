@@ -19,10 +19,12 @@ import pytest
 
 from kvoffload import direct
 from kvoffload.errors import ConfigError
+from kvoffload.events.consumer import EventConsumer
 from kvoffload.layouts import v1
 from kvoffload.sidecar import cancel
 from kvoffload.sidecar.daemon import PolicyWatcher, reload_policy
 from kvoffload.sidecar.errors import LeaseInvalid
+from kvoffload.sidecar.events import SidecarEvents
 from kvoffload.sidecar.keyring import Kek
 from kvoffload.sidecar.metrics import Metrics
 from kvoffload.sidecar.policy import Policy, load_policy
@@ -30,6 +32,12 @@ from kvoffload.sidecar.revocation import RevokedSet, policy_diff
 from kvoffload.sidecar.server import Server, ServerConfig
 from kvoffload.sidecar.store import Store, StoreConfig
 from kvoffload.sidecar.store.leases import StoreLease
+
+from .test_events_store import NS as EV_NS
+from .test_events_store import _blocks as ev_blocks
+from .test_events_store import _held as held
+from .test_events_store import _key as ev_key
+from .test_events_store import wired as _wired_fixture  # noqa: F401 - a fixture
 
 NS = bytes(range(32))
 SENTINEL = 0xA5
@@ -260,3 +268,22 @@ def test_a_purge_on_one_node_refuses_another_nodes_lease(nodes: list[Store]) -> 
     assert not lease.tmp.exists()
     assert b.lookup("acme", [key(2)]) == 0
     assert b.stats()["reserved_bytes"] == 0
+
+
+# ---------------------------------------------------------------------------
+# Events: a namespace purge (the path gov-keys's invalidate shares) is published
+
+
+def test_a_namespace_purge_publishes_block_removed_for_exactly_its_chunks(
+    request: pytest.FixtureRequest,
+) -> None:
+    wired: tuple[Store, SidecarEvents, EventConsumer] = request.getfixturevalue("_wired_fixture")
+    store, events, consumer = wired
+    other = bytes(32)
+    for i, ns in ((1, EV_NS), (2, EV_NS), (3, other)):
+        assert store.put("acme", ns, ev_key(i), [os.urandom(4000)])
+        assert events.record("acme", ev_key(i), ev_blocks(i))
+    everything = {h for i in (1, 2, 3) for h in ev_blocks(i).hashes}
+    assert held(consumer) == everything
+    assert store.purge_namespace("acme", EV_NS) == 2
+    assert held(consumer) == set(ev_blocks(3).hashes)
