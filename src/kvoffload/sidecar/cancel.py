@@ -12,9 +12,10 @@ dropped or quarantined because of it.
 **Test hook** (never set in production): with ``KVO_TEST_HOOK_LOAD_GATE``
 naming a directory, a load about to copy a layer while ``<dir>/hold`` exists
 creates ``<dir>/waiting`` and waits (polling, at most 60 s) until ``hold`` is
-removed, then checks for cancellation as always. Tests use it to pause a load
-between layers, change the policy or purge, and see that nothing more is
-copied. The variable is read once, when this module is imported; it is
+removed, then checks for cancellation as always. ``hold`` may hold a layer
+index N: then only layers N and later wait (the layers before are copied).
+Tests use it to pause a load between layers, change the policy or purge,
+and see that nothing more is copied. The variable is read once, when this module is imported; it is
 outside the ``KVOFFLOAD_`` namespace on purpose: no product setting, never
 documented for operators.
 """
@@ -42,11 +43,15 @@ LoadCancelled = TransferCancelled
 PutCancelled = TransferCancelled
 
 
-def _test_gate() -> None:
+def _test_gate(layer: int) -> None:
     if _GATE is None:
         return
     gate = Path(_GATE)
-    if not (gate / "hold").exists():
+    try:
+        first = int((gate / "hold").read_text().strip() or 0)
+    except (OSError, ValueError):
+        return
+    if layer < first:
         return
     (gate / "waiting").touch()
     deadline = time.monotonic() + _GATE_MAX_S
@@ -73,8 +78,8 @@ class LoadGenerations:
         """The ``before_layer`` check of one load of ``tenant`` starting now."""
         start = self.current(tenant)
 
-        def before_layer(_layer: int) -> None:
-            _test_gate()
+        def before_layer(layer: int) -> None:
+            _test_gate(layer)
             if self._gen.get(tenant, 0) != start:
                 raise LoadCancelled(f"the load of a chunk of {tenant!r} was cancelled")
 
