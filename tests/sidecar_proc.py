@@ -162,13 +162,14 @@ class Child:
         user: int | None = None,
         group: int | None = None,
         stdin: bool = False,
+        script: Path = HERE,
     ) -> None:
         if user is not None:
             # The interpreter may live where other uids cannot exec it (under
             # /root): start as root, import, then drop to the uid (see main()).
             args = {**args, "as_user": [user, user if group is None else group]}
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE), command, json.dumps(args)],
+            [sys.executable, str(script), command, json.dumps(args)],
             cwd="/",
             env=clean_env(),
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,

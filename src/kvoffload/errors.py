@@ -34,6 +34,7 @@
     │   ├── StoreIOError                    the file system failed (ENOSPC, EACCES, EIO…)
     │   ├── AuditFormatError                an audit log file or anchor of an unknown version
     │   ├── LeaseInvalid                    a direct-path object failed its check
+    │   ├── TransferCancelled               its tenant was purged or revoked during a load/write
     │   ├── UnknownTenant                   no keys for this tenant (never created, or purged)
     │   ├── StoreKeyError                   a tenant's key file is corrupt, unreadable or unwritable
     │   └── IOBackendUnavailable            a requested I/O backend cannot work on this node
@@ -88,6 +89,7 @@ __all__ = [
     "StoreIOError",
     "StoreKeyError",
     "StoreLocked",
+    "TransferCancelled",
     "TransportClosed",
     "TransportError",
     "TransportTimeout",
@@ -357,6 +359,10 @@ class AuditFormatError(StoreError):
 
 class LeaseInvalid(StoreError):
     """A worker's direct-path object failed verification; it was deleted, not stored."""
+
+
+class TransferCancelled(StoreError):
+    """A load or write of a tenant purged or revoked while it ran: a miss / not stored."""
 
 
 class UnknownTenant(StoreError):

@@ -89,6 +89,8 @@ class LocalTarget:
     def __init__(self, store: Store, cfg: Config) -> None:
         self.store, self.cfg = store, cfg
         self.where = f"the store at {cfg.store_root}"
+        #: The last purge's tiers (``reached``/``outside``), for its report.
+        self.tiers: dict[str, list[str]] | None = None
 
     def _audited(self, verb: str, run: Callable[[], _T], **details: Any) -> _T:
         try:
@@ -132,17 +134,21 @@ class LocalTarget:
         )
 
     def purge_tenant(self, tenant: str) -> int:
-        return self._audited(
+        n = self._audited(
             "purge", lambda: self.store.purge_tenant(tenant, wait=True), tenant=tenant
         )
+        self.tiers = _offline_tiers(self.store, whole=True)
+        return n
 
     def purge_namespace(self, tenant: str, namespace: bytes) -> int:
-        return self._audited(
+        n = self._audited(
             "purge",
             lambda: self.store.purge_namespace(tenant, namespace),
             tenant=tenant,
             namespace=namespace.hex(),
         )
+        self.tiers = _offline_tiers(self.store, whole=False)
+        return n
 
     def purge_older(self, age_s: float, tenant: str | None) -> int:
         return self._audited(
@@ -179,6 +185,8 @@ class SidecarTarget:
         self.socket_path = socket_path
         self.where = f"the sidecar on {socket_path}"
         self.store_id: str | None = None
+        #: The last purge's tiers as the sidecar reported them (None: an older one).
+        self.tiers: dict[str, list[str]] | None = None
 
     def call(self, req: Request, timeout_s: float = QUERY_TIMEOUT_S) -> Reply:
         from ..client import call_tenantless
@@ -256,13 +264,18 @@ class SidecarTarget:
         from ..client.session import expect
         from ..protocol import Purge, PurgeReply
 
-        return expect(self.call(Purge(tenant), ADMIN_TIMEOUT_S), PurgeReply).removed
+        reply = expect(self.call(Purge(tenant, tiers=True), ADMIN_TIMEOUT_S), PurgeReply)
+        self.tiers = {k: list(v) for k, v in reply.tiers.items()} or None  # None: older server
+        return reply.removed
 
     def purge_namespace(self, tenant: str, namespace: bytes) -> int:
         from ..client.session import expect
         from ..protocol import Purge, PurgeReply
 
-        return expect(self.call(Purge(tenant, namespace), ADMIN_TIMEOUT_S), PurgeReply).removed
+        req = Purge(tenant, namespace, tiers=True)
+        reply = expect(self.call(req, ADMIN_TIMEOUT_S), PurgeReply)
+        self.tiers = {k: list(v) for k, v in reply.tiers.items()} or None
+        return reply.removed
 
     def purge_older(self, age_s: float, tenant: str | None) -> int:
         from ..client.session import expect
@@ -304,6 +317,18 @@ class SidecarTarget:
 
         req = Invalidate(**selector, tenant=tenant, dry_run=dry_run)
         return dict(expect(self.call(req, ADMIN_TIMEOUT_S), InvalidateReply).report)
+
+
+def _offline_tiers(store: Store, *, whole: bool) -> dict[str, list[str]]:
+    """An offline purge's tiers: no sidecar runs here, so no load, lease or
+    event feed of this node exists to reach; other nodes of a shared root
+    apply the journal record."""
+    from ..sidecar.admin import TIERS_OUTSIDE
+
+    reached = ["index", "objects"] + (["keys"] if whole else [])
+    if store.shared_info() is not None:
+        reached.append("shared_nodes")
+    return {"reached": reached, "outside": list(TIERS_OUTSIDE)}
 
 
 def sidecar_listening(path: Path) -> bool:

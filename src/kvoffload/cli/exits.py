@@ -113,6 +113,10 @@ class _Forbidden(_CliOutcome):
     """The sidecar refused an admin verb: this user lacks the policy's admin right."""
 
 
+class _EngineResetFailed(_CliOutcome):
+    """``purge --engine``: an engine's prefix cache was not reset (the store purge was done)."""
+
+
 class _DemoFailed(_CliOutcome):
     """A demo worker failed, or the demo cannot run here (the message says why)."""
 
@@ -132,6 +136,7 @@ EXIT_TABLE: tuple[tuple[type[BaseException], ExitCode, str], ...] = (
     (TransportError, ExitCode.UNREACHABLE, "unreachable"),
     (ProtocolError, ExitCode.UNREACHABLE, "unreachable"),
     (_DemoFailed, ExitCode.ERROR, "demo failed"),
+    (_EngineResetFailed, ExitCode.ERROR, "engine"),
     (_Forbidden, ExitCode.ERROR, "forbidden"),
     (ListenError, ExitCode.ERROR, "cannot serve"),
     (ConfigError, ExitCode.ERROR, "config error"),

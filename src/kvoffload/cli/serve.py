@@ -59,6 +59,7 @@ def serve(
     from ..sidecar import notify
     from ..sidecar.metrics import Metrics
     from ..sidecar.policy import Policy, load_policy
+    from ..sidecar.revocation import revoked_path
     from ..sidecar.server import Server, ServerConfig, load_or_create_secret, run
 
     if log_format not in ("plain", "json"):
@@ -131,6 +132,7 @@ def serve(
                 workers=cfg.workers,
                 handle_ttl_s=cfg.idle_reservation_timeout_s,
                 max_inflight_bytes=cfg.max_inflight_bytes,
+                revoked_file=revoked_path(index_dir),
             ),
             metrics=metrics,
         )
@@ -142,7 +144,12 @@ def serve(
             err.print(f"kvoffload sidecar serving store {store.layout.store_id} on {where}")
 
         try:
-            run(server, on_listening=listening, load_policy=reloader)
+            run(
+                server,
+                on_listening=listening,
+                load_policy=reloader,
+                policy_path=cfg.policy_file if reloader is not None else None,
+            )
         finally:
             metrics.stop_http()
             if events is not None:
@@ -239,4 +246,14 @@ def stats_lines(s: dict[str, Any]) -> list[str]:
     errors = s.get("errors")
     if isinstance(errors, dict) and errors:
         lines.append("errors: " + ", ".join(f"{c} {int(v)}" for c, v in sorted(errors.items())))
+    policy = s.get("policy")
+    if isinstance(policy, dict):
+        line = f"policy: {policy.get('source', '?')}, generation {policy.get('generation', 0)}"
+        if policy.get("last_reload_ok") is False:
+            line += "; LAST RELOAD REFUSED, the previous policy is in force: "
+            line += str(policy.get("last_error"))
+        revoked = policy.get("revoked_tenants")
+        if isinstance(revoked, list) and revoked:
+            line += f"; revoked tenants: {', '.join(map(str, revoked))}"
+        lines.append(line)
     return lines

@@ -22,7 +22,8 @@ from .app import (
     out,
     parse_ns,
 )
-from .exits import _Aborted, _CliUsageError, _FsckProblems, _NothingToDo
+from .exits import _Aborted, _CliUsageError, _EngineResetFailed, _FsckProblems, _NothingToDo
+from .revoke_cmds import engine_url, reset_engine
 
 
 @app.command()
@@ -139,12 +140,26 @@ def purge(
     namespace: Annotated[str | None, typer.Option("--namespace", "-n")] = None,
     older_than: Annotated[str | None, typer.Option("--older-than")] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    engine: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--engine",
+            help="After the purge, POST URL/reset_prefix_cache to this vLLM server "
+            "(repeatable). Resets EVERY tenant's prefix cache of that engine; vLLM "
+            "serves it only with VLLM_SERVER_DEV_MODE=1.",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Remove data. --tenant alone is a crypto-erase: its keys are destroyed first.
 
     Through the running sidecar when one serves the socket, else offline. A
     tenant with neither keys nor data is exit 8 (a typo?), nothing asked.
+    The report lists the tiers the purge reached (index, objects, keys, loads
+    in flight, leased files, pending stores, KV events, other nodes of a
+    shared root) and those outside kvoffload (the engines' own GPU and CPU
+    prefix caches), which --engine URL resets. An engine not reset is one
+    line each and exit 1; the store purge is done regardless.
     """
     if tenant is None and namespace is None and older_than is None:
         raise _CliUsageError(
@@ -157,6 +172,10 @@ def purge(
     check_tenant(tenant)
     ns = parse_ns(namespace)
     age = _duration(older_than, "--older-than")
+    try:
+        engines = [engine_url(e) for e in engine or []]
+    except ValueError as exc:
+        raise _CliUsageError(str(exc)) from None
     cfg = config()
     what = (
         f"tenant {tenant} (crypto-erase: keys destroyed, irreversible)"
@@ -193,7 +212,29 @@ def purge(
             with err.status(f"erasing tenant {tenant}…"):
                 n = target.purge_tenant(tenant)
             kind = "tenant"
-    emit(as_json, {"purged": kind, "tenant": tenant, "namespace": namespace, "chunks": n})
+        tiers = getattr(target, "tiers", None) if kind != "age" else None
+    results = [reset_engine(u) for u in engines]
+    report: dict[str, Any] = {"purged": kind, "tenant": tenant, "namespace": namespace, "chunks": n}
+    if tiers is not None:
+        report["tiers"] = tiers
+    if engines:
+        report["engines"] = results
+    if as_json:
+        emit(True, report)
+    else:
+        out.print(f"purged: {kind}\ntenant: {tenant}\nnamespace: {namespace}\nchunks: {n}")
+        if tiers is not None:
+            out.print(f"tiers reached: {', '.join(tiers.get('reached', []))}")
+            out.print(f"tiers outside kvoffload: {', '.join(tiers.get('outside', []))}"
+                      + ("" if engines else " (reset them with --engine URL)"))  # fmt: skip
+        for r in results:
+            out.print(f"engine {r['engine']}: {'reset' if r['ok'] else 'NOT reset'}: {r['detail']}")
+    failed = [r for r in results if not r["ok"]]
+    if failed:
+        raise _EngineResetFailed(
+            "; ".join(f"{r['engine']}: {r['detail']}" for r in failed)
+            + " (the store purge itself was done)"
+        )
 
 
 #: fsck report key → (what it lists, what --repair did about it)

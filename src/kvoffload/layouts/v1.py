@@ -493,12 +493,15 @@ def open_into(
     namespace: bytes,
     chunk_key: bytes,
     aead_for_epoch: Callable[[int], Aead | None],
+    before_layer: Callable[[int], None] | None = None,
 ) -> ObjectHeader:
     """Verify the whole object in ``buf`` and write its layers, packed, into ``out``.
 
     Raises :class:`CorruptObject` (or :class:`ObjectMismatch`) unless every
     structural check, every zero pad and every tag/checksum passed; callers
     must treat the bytes in ``out`` as garbage unless this returns.
+    ``before_layer(i)`` runs before layer ``i``'s bytes are written to ``out``;
+    whatever it raises stops the copy there (a cancelled load).
     """
     h = decode_header(buf)
     if h.chunk_key != chunk_key or h.tenant != tenant or h.namespace != namespace:
@@ -523,6 +526,8 @@ def open_into(
         nxt = h.layers[i + 1].offset if i + 1 < len(h.layers) else size
         if not _is_zero(buf[end:nxt]):
             raise CorruptObject(f"non-zero padding after layer {i}")
+        if before_layer is not None:
+            before_layer(i)
         dst = out[pos : pos + le.length]
         if h.sealed:
             assert aead is not None

@@ -125,6 +125,15 @@ class CompleteStoreReply(ReplyMessage, frozen=True):
 class PurgeReply(ReplyMessage, frozen=True):
     OP: ClassVar[Op] = Op.PURGE
     removed: UInt
+    #: Optional (revision 7, 5.11): ``reached`` (tiers the purge reached) and
+    #: ``outside`` (tiers it cannot reach), lists of tier names. Empty: not sent.
+    tiers: Mapping[str, tuple[str, ...]] = msgspec.field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"removed": self.removed}
+        if self.tiers:
+            out["tiers"] = {k: list(v) for k, v in self.tiers.items()}
+        return out
 
 
 class StatsReply(ReplyMessage, frozen=True):

@@ -237,6 +237,14 @@ class Purge(RequestMessage, frozen=True):
     OP: ClassVar[Op] = Op.PURGE
     tenant: Tenant
     namespace: Namespace | None = None
+    #: Revision 7, optional: reply with the tiers reached (sent only when true).
+    tiers: bool = False
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"tenant": self.tenant, "namespace": self.namespace}
+        if self.tiers:
+            d["tiers"] = True
+        return d
 
 
 class Fsck(RequestMessage, frozen=True):

@@ -91,3 +91,30 @@ def ls_rows(
 
 
 __all__ = ["LS_PAGE", "inspect_report", "ls_rows"]
+
+
+#: Tiers a purge can never reach: the engines' own prefix caches (HBM and their
+#: CPU offload), which ``kvoffload purge --engine URL`` resets through vLLM's
+#: ``POST /reset_prefix_cache`` (for every tenant of that engine).
+TIERS_OUTSIDE: tuple[str, ...] = ("engine_gpu_prefix_cache", "engine_cpu_cache")
+
+
+def purge_tiers(store: object, *, events: bool, whole: bool = True) -> dict[str, tuple[str, ...]]:
+    """The ``tiers`` of a purge's report (protocol-v1.md §5.11, revision 7).
+
+    ``reached``: this node's index and object files, the tenant's data keys
+    (a whole-tenant purge: crypto-erase), the loads in flight (cancelled),
+    the direct path's leased files, open connections' pending stores, the
+    KV-event feed (``BlockRemoved`` per published chunk) when it runs, and
+    the other nodes of a shared root (a journal record they apply).
+    """
+    reached = ["index", "objects"]
+    if whole:
+        reached.append("keys")
+    reached += ["loads_in_flight", "direct_leases", "pending_stores"]
+    if events:
+        reached.append("events")
+    info = getattr(store, "shared_info", None)
+    if callable(info) and info() is not None:
+        reached.append("shared_nodes")
+    return {"reached": tuple(reached), "outside": TIERS_OUTSIDE}

@@ -2,13 +2,15 @@
 
 * SIGTERM or SIGINT: ``STOPPING=1``, then drain (``Server.shutdown``); a
   second SIGINT stops at once, without draining.
+* The policy file changed (checked every :data:`POLICY_POLL_S`, see
+  :class:`PolicyWatcher`): the same reload as SIGHUP.
 * SIGHUP: :func:`reload_policy` (``RELOADING=1`` … ``READY=1``): the policy
   file is read anew and, if valid, replaces the policy; every session reads
   the policy per request (protocol-v1.md §6), so the new grants apply from
-  the next request of every connection (handles and leases already given out
-  run to their end). An invalid file keeps the old policy and is logged; a
-  sidecar without a policy file (``--dev``) logs that there is nothing to
-  reload. SIGHUP never stops the daemon.
+  the next request of every connection; handles of a tenant a connection
+  lost are released and its loads in flight cancelled (§6.1). An invalid
+  file keeps the old policy and is logged; a sidecar without a policy
+  file (``--dev``) logs that there is nothing to reload. SIGHUP never stops the daemon.
 * ``READY=1`` once the socket is listening, ``WATCHDOG=1`` at half the
   interval systemd asks for, and a one-line ``STATUS=`` (serving, chunks,
   bytes, connections) at start, after each reload and every
@@ -19,12 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import os
 import signal
+import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import notify
+from .policy import Policy
+from .revocation import format_diff, policy_diff
 
 if TYPE_CHECKING:
     from .ports import PolicyAPI
@@ -40,29 +47,134 @@ STATUS_INTERVAL_S = 10.0
 PolicyLoader = Callable[[], "PolicyAPI"]
 
 
-def reload_policy(server: Server, load: PolicyLoader | None = None) -> bool:
-    """SIGHUP: replace the server's policy with ``load()``; True if it was replaced.
+#: How often the policy file is checked for a change (stat, then a content hash).
+POLICY_POLL_S = 0.25
+
+
+def _audit(server: Server, event: str, details: dict[str, Any]) -> None:
+    record = getattr(server.store, "record_audit", None)
+    if record is None:
+        return
+    try:
+        record(event, details)
+    except Exception as exc:  # a full disk must not undo or block a reload
+        log.error("audit record %s not written: %s", event, exc)
+
+
+def reload_policy(server: Server, load: PolicyLoader | None = None, *, why: str = "SIGHUP") -> bool:
+    """Replace the server's policy with ``load()``, atomically; True if it was replaced.
 
     ``load`` is None when the policy is not read from a file (the development
     policy): then nothing changes. A ``load`` that raises (an invalid or
     unreadable file) keeps the current policy: a typo in a reload must not
-    take the node's grants away.
+    take the node's grants away, and must not half-apply. Either outcome is
+    logged, counted (``stats`` ``policy``, ``kvoffload_policy_reloads``) and
+    audited (``policy_reload`` / ``policy_reload_refused``; ``revoke`` when
+    the new policy took a tenant from a connection or revoked one).
     """
     if load is None:
-        log.warning("SIGHUP: this sidecar has no policy file to reload; nothing changed")
+        log.warning("%s: this sidecar has no policy file to reload; nothing changed", why)
         return False
+    svc = server.service
+    state = svc.policy_state
+    metrics = server.metrics
     notify.reloading()
     try:
         policy = load()
     except Exception as exc:
-        log.error("SIGHUP: the policy was not reloaded, the current one stays in force: %s", exc)
+        state.last_reload_at = time.time()
+        state.last_reload_ok = False
+        state.last_error = str(exc)
+        state.reloads_refused += 1
+        if metrics is not None:
+            metrics.policy_reloads.labels(result="refused").inc()
+            metrics.policy_reload_ok.set(0)
+        log.error("%s: the policy was not reloaded, the current one stays in force: %s", why, exc)
+        _audit(
+            server,
+            "policy_reload_refused",
+            {"trigger": why, "source": state.source, "error": str(exc),
+             "generation": svc.generation, "result": "refused"},
+        )  # fmt: skip
         return False
     finally:
         notify.ready()
-    server.policy = policy
-    log.info("SIGHUP: policy reloaded")
+    old = server.policy
+    diff: dict[str, Any] | None = None
+    if isinstance(old, Policy) and isinstance(policy, Policy):
+        diff = policy_diff(old, policy)
+    outcome = svc.swap_policy(policy)
+    state.source = str(getattr(policy, "source", state.source))
+    state.loaded_at = state.last_reload_at = time.time()
+    state.last_reload_ok = True
+    state.last_error = None
+    state.reloads_ok += 1
+    if metrics is not None:
+        metrics.policy_reloads.labels(result="ok").inc()
+        metrics.policy_reload_ok.set(1)
+        metrics.policy_generation.set(svc.generation)
+    changes = format_diff(diff) if diff is not None else []
+    log.info(
+        "%s: policy reloaded (generation %d)%s",
+        why,
+        svc.generation,
+        (": " + "; ".join(changes)) if changes else ": no change",
+    )
+    _audit(
+        server,
+        "policy_reload",
+        {"trigger": why, "source": state.source, "generation": svc.generation,
+         "diff": diff, "result": "ok"},
+    )  # fmt: skip
+    if outcome["revoked"] or outcome["restored"] or outcome["connections"]:
+        _audit(server, "revoke", {"trigger": why, **outcome, "result": "ok"})
     publish_status(server)
     return True
+
+
+class PolicyWatcher:
+    """Notices a change of the policy file: its (inode, mtime, size), then its content.
+
+    An editor's rename (new inode), an in-place write (mtime, size) and a
+    ``touch`` all change the stat; the content hash then tells a real change
+    from a touch. A file that cannot be read counts as a change (the reload
+    refuses it and says why), once per stat change.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._stat = self._sig()
+        self._digest = self._hash()
+
+    def _sig(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def _hash(self) -> bytes | None:
+        try:
+            with open(self.path, "rb") as f:
+                return hashlib.sha256(f.read()).digest()
+        except OSError:
+            return None
+
+    def changed(self) -> bool:
+        sig = self._sig()
+        if sig == self._stat:
+            return False
+        self._stat = sig
+        digest = self._hash()
+        if digest is not None and digest == self._digest:
+            return False
+        self._digest = digest
+        return True
+
+    def reloaded(self) -> None:
+        """A reload (SIGHUP) read the file: what it read is the new baseline."""
+        self._stat = self._sig()
+        self._digest = self._hash()
 
 
 def status_line(server: Server) -> str:
@@ -91,6 +203,7 @@ def run(
     *,
     on_listening: Callable[[], None] | None = None,
     load_policy: PolicyLoader | None = None,
+    policy_path: str | os.PathLike[str] | None = None,
 ) -> None:
     """Run until SIGTERM or SIGINT (a second SIGINT stops without draining).
 
@@ -117,9 +230,23 @@ def run(
                 return
             stop.set()
 
+        watcher = PolicyWatcher(policy_path) if policy_path and load_policy else None
+
         def on_reload() -> None:
             # The file is small; a pool thread would gain nothing but a race.
+            if watcher is not None:
+                watcher.reloaded()
             reload_policy(server, load_policy)
+
+        async def watch_policy() -> None:
+            assert watcher is not None
+            while True:
+                await asyncio.sleep(POLICY_POLL_S)
+                try:
+                    if watcher.changed():
+                        reload_policy(server, load_policy, why="policy file changed")
+                except Exception:  # the watcher must never stop the daemon
+                    log.exception("watching the policy file failed")
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
@@ -141,7 +268,10 @@ def run(
 
         dog = asyncio.create_task(watchdog()) if interval else None
         reporter = asyncio.create_task(status())
+        watch = asyncio.create_task(watch_policy()) if watcher is not None else None
         await stop.wait()
+        if watch is not None:
+            watch.cancel()
         if server.metrics is not None:
             server.metrics.ready = False  # /readyz: take this node out of rotation
         notify.stopping()
@@ -157,8 +287,10 @@ def run(
 
 
 __all__ = [
+    "POLICY_POLL_S",
     "RELOAD_SIGNALS",
     "STATUS_INTERVAL_S",
+    "PolicyWatcher",
     "publish_status",
     "reload_policy",
     "run",

@@ -175,6 +175,23 @@ class Metrics:
             "Bound on how long another node may use a purged tenant's cached keys",
             registry=self.registry,
         )
+        self.policy_reloads = Counter(
+            "kvoffload_policy_reloads",
+            "Policy reloads (SIGHUP or a change of the file), by result: ok or refused",
+            ["result"],
+            registry=self.registry,
+        )
+        self.policy_reload_ok = Gauge(
+            "kvoffload_policy_last_reload_success",
+            "1 if the last policy reload put the file in force, 0 if it was refused",
+            registry=self.registry,
+        )
+        self.policy_reload_ok.set(1)
+        self.policy_generation = Gauge(
+            "kvoffload_policy_generation",
+            "Policies put in force since start (each reload that succeeded adds one)",
+            registry=self.registry,
+        )
         self._http: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 

@@ -75,6 +75,8 @@ class ServerConfig:
     drain_timeout_s: float = 10.0
     maintenance_interval_s: float = 30.0
     max_inflight_bytes: int = 1 << 30
+    #: Where the revoked tenants are kept (revocation.py); None: in memory only.
+    revoked_file: Path | None = None
 
     @property
     def worker_threads(self) -> int:

@@ -33,6 +33,7 @@ from kvoffload.protocol import EngineBlocks, LeaseSlot, StoreSlot
 from .metrics import Metrics
 from .padding import LookupPadding
 from .ports import PolicyAPI, RetentionSettings, StoreAPI
+from .revocation import PolicyState, RevokedSet
 
 if TYPE_CHECKING:
     from .server import ServerConfig
@@ -170,8 +171,21 @@ class Service:
         metrics: Metrics | None = None,
     ) -> None:
         self.store = store
-        self.policy = policy
         self.config = config
+        #: Tenants revoked by a reload (revocation.py); persisted beside the index.
+        self.revoked = RevokedSet(getattr(config, "revoked_file", None))
+        #: Bumped by every policy swap; sessions re-check their decisions on a change.
+        self.generation = 0
+        self.policy_state = PolicyState(source=str(getattr(policy, "source", "<built-in>")))
+        self._policy = policy
+        # Tenants the file lost while the daemon was down are revoked now.
+        revoked, restored = self.revoked.apply(policy)
+        if revoked or restored:
+            log.warning("policy at start: revoked %s, restored %s", revoked, restored)
+            record = getattr(store, "record_audit", None)
+            if record is not None:
+                record("revoke", {"trigger": "start", "revoked": revoked,
+                                  "restored": restored, "result": "ok"})  # fmt: skip
         self.metrics = metrics
         self.store_id = config.store_id or str(store.stats().get("store_id", "unknown"))
         self.budget = ByteBudget(config.max_inflight_bytes)
@@ -202,6 +216,64 @@ class Service:
             record(event, details)
         except Exception as exc:
             log.error("audit record %s not written: %s", event, exc)
+
+    # -- the policy and revocation (protocol-v1.md §6.1) -----------------------------
+
+    @property
+    def policy(self) -> PolicyAPI:
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: PolicyAPI) -> None:
+        self.swap_policy(policy)
+
+    def swap_policy(self, policy: PolicyAPI) -> dict[str, Any]:
+        """Put ``policy`` in force now; what it took away, for the log and the audit.
+
+        Tenants the old policy named and the new one does not are revoked
+        (persisted first); a tenant a new grant names is restored. Then the
+        generation moves, so every session's next request decides afresh, and
+        what a connection may no longer hold is taken from it at once: its
+        handles of the tenants it lost are released (pending stores aborted,
+        their reservations and leased files dropped; load pins and regions
+        freed) and every load of such a tenant in flight is cancelled before
+        its next layer reaches a staging buffer.
+        """
+        before = {s: {t: s.may_use(t) for t in s.tenants} for s in self.sessions()}
+        revoked, restored = self.revoked.apply(policy)
+        with self._mu:
+            self._policy = policy
+            self.generation += 1
+            self.policy_state.generation = self.generation
+        lost_tenants: set[str] = set(revoked)
+        connections: list[dict[str, Any]] = []
+        for session, allowed in before.items():
+            lost = sorted(t for t, ok in allowed.items() if ok and not session.may_use(t))
+            if not lost:
+                continue
+            lost_tenants.update(lost)
+            released = session.revoke_tenants(frozenset(lost))
+            p = session.peer
+            connections.append(
+                {"pid": p.pid, "uid": p.uid, "gid": p.gids[0] if p.gids else None,
+                 "tenants": lost, "handles_released": released}
+            )  # fmt: skip
+        cancel = getattr(self.store, "cancel_loads", None)
+        if cancel is not None:
+            for t in sorted(lost_tenants):
+                cancel(t)
+        return {
+            "generation": self.generation,
+            "revoked": revoked,
+            "restored": restored,
+            "connections": connections,
+        }
+
+    def purged(self, tenant: str, namespace: bytes | None = None) -> int:
+        """A purge of ``tenant`` (whole or a namespace): every connection's handles of
+        it are released (pending stores aborted, leases dropped, pins freed);
+        the store cancels the loads in flight. Handles released."""
+        return sum(s.revoke_tenants(frozenset((tenant,)), namespace) for s in self.sessions())
 
     def enter(self, session: Session) -> None:
         """A new session (``Session.__init__``); :meth:`forget` is its ``close``."""

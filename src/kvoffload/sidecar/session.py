@@ -75,7 +75,7 @@ from kvoffload.protocol import (
 )
 from kvoffload.staging import RegionAllocator, StagingBuffer, StagingError
 
-from .admin import LS_PAGE, inspect_report, ls_rows
+from .admin import LS_PAGE, inspect_report, ls_rows, purge_tiers
 from .padding import Pad
 from .ports import ContractsAPI, StoreViewsAPI
 from .service import (
@@ -99,6 +99,8 @@ NAMESPACES_PAGE = 500
 _H = TypeVar("_H", WriteHandle, LoadHandle)
 #: The admin verbs (§6): each leaves an "admin" audit record, allowed or not.
 _ADMIN_REQUESTS = (Purge, Fsck, Inspect, Ls, PurgeOlder, Invalidate, Namespaces)
+#: Handles released by revocation whose complete/abort is still awaited, per connection.
+_MAX_REVOKED_HANDLES = 4096
 
 
 class Session(Transfers):
@@ -118,6 +120,12 @@ class Session(Transfers):
         #: (tenant, namespace) whose contract this connection registered (§5.19).
         self.contracts_seen: set[tuple[str, bytes]] = set()
         self.next_handle = 1
+        # §6.1: decisions of may_use, valid while the service's generation is _gen.
+        self._gen = -1
+        self._allowed: dict[str, bool] = {}
+        # §6.1: handles released by a revocation or purge → their chunk count
+        # (0 for a load): their complete/abort answers "nothing stored" once.
+        self.revoked_handles: dict[int, int] = {}
         service.enter(self)
 
     def __repr__(self) -> str:
@@ -233,8 +241,48 @@ class Session(Transfers):
         return group_salt(self.service.store.tenant_salt(tenant), group)
 
     def may_use(self, tenant: str) -> bool:
-        """§6: does the *current* policy map this peer to ``tenant``?"""
-        return self.service.policy.may_use(self.peer.uid, self.peer.gids, tenant)
+        """§6: does the *current* policy map this peer to ``tenant``?
+
+        §6.1: decided once per policy generation (one integer compared per
+        request); a revoked tenant is usable by no one.
+        """
+        svc = self.service
+        gen = svc.generation
+        if gen != self._gen:
+            self._allowed = {}
+            self._gen = gen
+        ok = self._allowed.get(tenant)
+        if ok is None:
+            ok = tenant not in svc.revoked and svc.policy.may_use(
+                self.peer.uid, self.peer.gids, tenant
+            )
+            if len(self._allowed) < 1024:
+                self._allowed[tenant] = ok
+        return ok
+
+    def revoke_tenants(self, tenants: frozenset[str], namespace: bytes | None = None) -> int:
+        """§6.1: release every handle of ``tenants`` now (pending stores aborted with
+        their reservations and leased files, load pins and regions freed); the
+        handle numbers answer ``BAD_HANDLE`` from now on. With ``namespace``
+        (a namespace purge), stores of the tenant's other namespaces are kept.
+        How many were released."""
+
+        def hit(v: Handle) -> bool:
+            if v.tenant not in tenants:
+                return False
+            return namespace is None or not isinstance(v, WriteHandle) or v.namespace == namespace
+
+        with self.mu:
+            gone = [h for h, v in self.handles.items() if hit(v)]
+            taken = [self.handles.pop(h) for h in gone]
+            for h, v in zip(gone, taken, strict=True):
+                if len(self.revoked_handles) < _MAX_REVOKED_HANDLES:
+                    self.revoked_handles[h] = len(v.slots) if isinstance(v, WriteHandle) else 0
+        self.release_all(taken)
+        if taken:
+            log.warning("%r: %d handle(s) of %s released: access revoked or purged",
+                        self, len(taken), sorted(tenants))  # fmt: skip
+        return len(taken)
 
     def direct_ok(self, tenant: str) -> bool:
         """§5.14: may this connection use the direct path for ``tenant``?
@@ -414,6 +462,12 @@ class Session(Transfers):
             "connections": svc.session_count(),
             "protocol_version": self.version,
         }
+        # §6.1: the policy in force and the last reload's outcome (revoked
+        # tenant names are about other tenants: admins only).
+        policy = svc.policy_state.to_stats(svc.revoked.tenants if admin else ())
+        if not admin:
+            policy.pop("revoked_tenants")
+        stats["policy"] = policy
         if svc.metrics is not None:
             stats.update(svc.metrics.summary())
         return StatsReply(plainify(stats))
@@ -438,12 +492,19 @@ class Session(Transfers):
         this sidecar no longer counts them.
         """
         self._admin("purge")
-        store = self.service.store
+        svc = self.service
+        store = svc.store
         if req.namespace is not None:
-            return PurgeReply(store.purge_namespace(req.tenant, req.namespace))
-        if isinstance(store, StoreViewsAPI):
-            return PurgeReply(store.purge_tenant(req.tenant, wait=True))
-        return PurgeReply(store.purge_tenant(req.tenant))
+            removed = store.purge_namespace(req.tenant, req.namespace)
+        elif isinstance(store, StoreViewsAPI):
+            removed = store.purge_tenant(req.tenant, wait=True)
+        else:
+            removed = store.purge_tenant(req.tenant)
+        svc.purged(req.tenant, req.namespace)
+        if not req.tiers:
+            return PurgeReply(removed)
+        tiers = purge_tiers(store, events=svc.events is not None, whole=req.namespace is None)
+        return PurgeReply(removed, tiers)
 
     def fsck(self, req: Fsck) -> Reply:
         """§5.12 (admin)."""
@@ -586,10 +647,17 @@ class Session(Transfers):
         if h.keys:
             store.unpin(h.tenant, h.keys)
 
+    def revoked_handle(self, h: int) -> int | None:
+        """§6.1: the chunk count of a handle a revocation or purge released (once)."""
+        with self.mu:
+            return self.revoked_handles.pop(h, None)
+
     def abort(self, req: Abort) -> Reply:
         """§5.6: release whatever the handle holds; nothing is written (§8)."""
         with self.mu:
             handle = self.handles.pop(req.handle, None)
+        if handle is None and self.revoked_handle(req.handle) is not None:
+            return Ack(Op.ABORT)  # §6.1: released already
         if handle is None:
             raise Reject(ErrorCode.BAD_HANDLE, f"no such handle {req.handle}")
         self._release(handle)

@@ -51,6 +51,7 @@ from kvoffload.protocol import (
 from kvoffload.staging import RegionAllocator, StagingBuffer
 
 from ..layouts import v1
+from .cancel import PutCancelled
 from .errors import LeaseInvalid, StoreError, StoreFull, StoreIOError
 from .ports import TenantSettings
 from .service import (
@@ -97,6 +98,7 @@ class Transfers:
         def _take_handle(self, h: int, kind: type[_H]) -> _H: ...
         def _free(self, offset: int) -> None: ...
         def _release(self, h: Handle) -> None: ...
+        def revoked_handle(self, h: int) -> int | None: ...
 
     # -- writes (§5.4, §5.5, §5.14, §8) -----------------------------------------------
 
@@ -218,8 +220,15 @@ class Transfers:
     def complete_store(self, req: CompleteStore) -> Reply:
         """§5.5, §5.14, §8: write (or verify and publish) every chunk of the handle,
         then release its regions, reservations and leftover leased files."""
+        revoked = self.revoked_handle(req.handle)
+        if revoked:  # §6.1: released by a revocation or purge: nothing was stored
+            return CompleteStoreReply(tuple(False for _ in range(revoked)))
         h = self._take_handle(req.handle, WriteHandle)
         stored = [s.status is StoreStatus.EXISTS for s in h.slots]
+        if not (self.direct_ok(h.tenant) if h.leased else self.may_use(h.tenant)):
+            # §6.1: access revoked since prepare: nothing is written or published.
+            self._release(h)
+            return CompleteStoreReply(tuple(False for _ in stored))
         try:
             if h.leased:
                 self._publish_leases(h, stored)
@@ -283,7 +292,7 @@ class Transfers:
             for sw in h.staged:
                 stored[sw.index] = True  # False from put means "already present": success
         except Exception as exc:
-            if isinstance(exc, StoreFull):
+            if isinstance(exc, StoreFull | PutCancelled):
                 log.info("%r: chunks not stored: %s", self, exc)
             else:
                 log.exception("%r: storing chunks failed", self)
@@ -440,6 +449,8 @@ class Transfers:
 
     def complete_load(self, req: CompleteLoad) -> Reply:
         """§5.8: release the regions and pins; check chunks the worker reports corrupt."""
+        if self.revoked_handle(req.handle) == 0:
+            return Ack(Op.COMPLETE_LOAD)  # §6.1: released by a revocation or purge
         h = self._take_handle(req.handle, LoadHandle)
         try:
             if h.direct:  # a staging load's bytes the sidecar verified itself

@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from kvoffload.errors import IndexFailure, StoreKeyError
 
 from ...layouts import LayoutInfo, UnknownKeyEpoch, UnknownLayoutVersion, v1
+from ..cancel import LoadGenerations
 from ..errors import StoreIOError
 from ..fileio import Durability, ScratchBuffers
 from ..index import ChunkRecord, Index
@@ -197,6 +198,8 @@ class StoreBase:
     _pipe: ThreadPoolExecutor | None
     _shared: SharedRoot | None = None
     _key_rereads: dict[str, float]
+    #: Per-tenant load generations: a purge or revocation cancels loads in flight.
+    _load_gens: LoadGenerations
     #: The KV-event feed (kvoffload.sidecar.events), told of every chunk that leaves.
     events_hook: EventsHook | None = None
     #: The tenants' current retention limits (the sidecar's policy), enforced on

@@ -32,6 +32,7 @@ from ...layouts import (
 )
 from ...layouts.store_root import ROOT_DIR_MODES
 from ...posix import atomic_create
+from ..cancel import LoadGenerations
 from ..errors import StoreError, StoreIOError, StoreLocked
 from ..fileio import Durability, ScratchBuffers, syncfs
 from ..index import ChunkRecord, Index, IndexCorrupt, IndexFailure, Usage, probe_in_child
@@ -157,6 +158,7 @@ class Store(Leases):
             self._touch_flushed = time.time_ns()
             self._seal_budget = {}
             self._key_rereads = {}
+            self._load_gens = LoadGenerations()
             self._scratch = ScratchBuffers()
             node = self.index.get_meta("node_id")
             if node is None:
@@ -343,13 +345,16 @@ class Store(Leases):
             elif r.op is Op.REMOVE:
                 sh.stats.dropped += self._drop(r.tenant, r.key, reason="journal", remove_file=False)
             elif r.op is Op.PURGE_TENANT:
-                # Stop decrypting now, not at the key cache's bound.
+                # Stop decrypting now, not at the key cache's bound, and stop
+                # this node's loads of the tenant in flight.
+                self._load_gens.cancel(r.tenant)
                 self.keyring.forget(r.tenant)
                 self.contracts.drop_tenant(r.tenant)
                 sh.stats.tenant_purges += 1
                 for old in list(self.index.records(tenant=r.tenant)):
                     self._drop(old.tenant, old.chunk_key, reason="journal", remove_file=False)
             elif r.op is Op.PURGE_NAMESPACE:
+                self._load_gens.cancel(r.tenant)
                 for old in list(self.index.records(tenant=r.tenant, namespace=r.namespace)):
                     self._drop(old.tenant, old.chunk_key, reason="journal", remove_file=False)
         if followed:
@@ -420,6 +425,11 @@ class Store(Leases):
         or data in ``details``.
         """
         self._audit(event, details)
+
+    def cancel_loads(self, tenant: str) -> None:
+        """Stop every load of ``tenant`` in flight before its next layer is copied
+        (a revocation; purges do this themselves). Those chunks are misses."""
+        self._load_gens.cancel(tenant)
 
     @boundary
     def tenant_salt(self, tenant: str) -> bytes:
@@ -493,6 +503,7 @@ class Store(Leases):
         removed in the background (``wait=True`` waits). Returns the number of
         index records scheduled for removal.
         """
+        self._load_gens.cancel(tenant)  # loads in flight stop before their next layer
         existed = self.keyring.destroy(tenant)
         if self._shared is not None:
             self._shared.journal([JournalRecord.purge_tenant(tenant)])
@@ -517,6 +528,9 @@ class Store(Leases):
     @boundary
     def purge_namespace(self, tenant: str, namespace: bytes) -> int:
         """Remove a namespace's chunks (file removal, not a crypto erase: keys are per tenant)."""
+        # Loads in flight of the tenant stop before their next layer (those of
+        # its other namespaces too: a miss is safe, and purges are rare).
+        self._load_gens.cancel(tenant)
         recs = list(self.index.records(tenant=tenant, namespace=namespace))
         if self._shared is not None:
             self._shared.journal([JournalRecord.purge_namespace(tenant, namespace)])

@@ -38,6 +38,9 @@ class StoreLease:
     final: Path
     reservation: Reservation
     ttl_s: float | None
+    #: The tenant's load generation (cancel.py) at lease time: a purge or
+    #: revocation since then refuses the lease at publication.
+    generation: int = 0
 
     @property
     def offsets(self) -> tuple[int, list[int]]:
@@ -92,6 +95,7 @@ class Leases(Pipeline):
             self.counters.put_exists += 1
             return None
         size = v1.object_size(lengths, False)
+        generation = self._load_gens.current(tenant)
         res = self.reserve(tenant, size, quota=quota)
         final = self._path(tenant, chunk_key)
         try:
@@ -106,7 +110,7 @@ class Leases(Pipeline):
             res.release()
             raise
         return StoreLease(
-            tenant, namespace, chunk_key, tuple(lengths), size, tmp, final, res, ttl_s
+            tenant, namespace, chunk_key, tuple(lengths), size, tmp, final, res, ttl_s, generation
         )  # fmt: skip
 
     def cancel_lease(self, lease: StoreLease) -> None:
@@ -123,6 +127,11 @@ class Leases(Pipeline):
         deleted, nothing is indexed) or StoreIOError. Always ends the lease.
         """
         try:
+            if self._load_gens.current(lease.tenant) != lease.generation:
+                # Purged or revoked since the lease: the worker's file is not published.
+                raise LeaseInvalid(
+                    f"chunk {lease.chunk_key.hex()[:16]}: tenant purged or revoked while leased"
+                )
             try:
                 fd = fileio.open_lease_file(lease.tmp, lease.size)
             except OSError as exc:

@@ -22,7 +22,7 @@ import contextlib
 import mmap
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ...layouts import ObjectMismatch, v1
 from .. import fileio
+from ..cancel import LoadCancelled, PutCancelled
 from ..errors import StoreError
 from ..fileio import Durability
 from ..index import ChunkRecord
@@ -72,6 +73,9 @@ class _PutJob:
     epoch: int
     ttl_s: float | None
     now: int
+    #: The tenant's generation (cancel.py) when the put began: a purge or
+    #: revocation before the index insert discards the write.
+    generation: int = 0
 
 
 class Pipeline(Maintenance):
@@ -257,6 +261,7 @@ class Pipeline(Maintenance):
         if len(chunk_key) != v1.KEY_SIZE or len(namespace) != v1.KEY_SIZE:
             raise ValueError("chunk key and namespace must be 32 bytes")
         lengths = [memoryview(x).nbytes for x in layers]
+        generation = self._load_gens.current(tenant)
         have = self.index.get(tenant, chunk_key)
         if have is not None and self._is_expired(have, time.time_ns()):
             # Past its retention: a miss on every read, so a save writes it afresh.
@@ -298,7 +303,7 @@ class Pipeline(Maintenance):
             raise
         return _PutJob(
             tenant, namespace, chunk_key, layers, lengths, size, res, aead, epoch, ttl_s,
-            time.time_ns(),
+            time.time_ns(), generation,
         )  # fmt: skip
 
     @staticmethod
@@ -349,6 +354,14 @@ class Pipeline(Maintenance):
                 self._adopt(job.tenant, job.chunk_key)
                 self.counters.put_exists += 1
                 return False
+            if self._load_gens.current(job.tenant) != job.generation:
+                # Purged or revoked while being written: the object is not published.
+                with contextlib.suppress(FileNotFoundError):
+                    self._path(job.tenant, job.chunk_key).unlink()
+                raise PutCancelled(
+                    f"chunk {job.chunk_key.hex()[:16]} of {job.tenant}: purged or revoked "
+                    "while written; discarded"
+                )
             now = job.now
             expires = now + int(job.ttl_s * 1e9) if job.ttl_s else 0
             rec = ChunkRecord(
@@ -453,11 +466,12 @@ class Pipeline(Maintenance):
         Returns the per-layer lengths, or None (a miss) if the chunk is absent
         or fails any check; then ``out`` holds garbage and the entry is dropped.
         """
+        guard = self._load_gens.guard(tenant)
         rec = self._record(tenant, key)
         if rec is None:
             self.counters.misses += 1
             return None
-        return self._load_one(tenant, rec, out)
+        return self._load_one(tenant, rec, out, guard)
 
     @boundary
     def get_many_into(
@@ -488,6 +502,7 @@ class Pipeline(Maintenance):
             return results
         pool = self._pipeline()
         streams = self.io_streams
+        guard = self._load_gens.guard(tenant)  # a purge or revocation from now on cancels
         # In order: (chunk index, its read+verify on the pool). The index is
         # consulted here, in order; each chunk is read, verified and decrypted
         # on a pool thread, straight into its own ``outs[i]``.
@@ -510,7 +525,8 @@ class Pipeline(Maintenance):
                         self.counters.misses += 1
                         missed = stop_at_miss
                     else:
-                        window.append((nxt, pool.submit(self._load_one, tenant, rec, outs[nxt])))
+                        job = pool.submit(self._load_one, tenant, rec, outs[nxt], guard)
+                        window.append((nxt, job))
                     nxt += 1
                 if not window:
                     break
@@ -533,7 +549,13 @@ class Pipeline(Maintenance):
                 results[i] = None
         return results
 
-    def _load_one(self, tenant: str, rec: ChunkRecord, out: memoryview) -> list[int] | None:
+    def _load_one(
+        self,
+        tenant: str,
+        rec: ChunkRecord,
+        out: memoryview,
+        guard: Callable[[int], None] | None = None,
+    ) -> list[int] | None:
         """:meth:`get_into` of an indexed chunk (on a pool thread for a batch): from
         its page-cache mapping where the backend maps reads, else through the
         thread's scratch buffer. Its layer lengths, or None (a miss, handled)."""
@@ -544,15 +566,21 @@ class Pipeline(Maintenance):
                 # One pass: verified and decrypted from the page cache into ``out``.
                 with fileio.mapped_object(path, MAX_OBJECT_BYTES) as mapped:
                     if mapped is not None:
-                        return self._open_into(tenant, key, rec, mapped, out)
+                        return self._open_into(tenant, key, rec, mapped, out, guard)
             buf = self.io.read_object(path, self._scratch.get, MAX_OBJECT_BYTES)
         except Exception as exc:  # every failure of a damaged file is a miss (§5)
             self._read_failed(tenant, key, exc)
             return None
-        return self._open_into(tenant, key, rec, buf, out)
+        return self._open_into(tenant, key, rec, buf, out, guard)
 
     def _open_into(
-        self, tenant: str, key: bytes, rec: ChunkRecord, buf: memoryview, out: memoryview
+        self,
+        tenant: str,
+        key: bytes,
+        rec: ChunkRecord,
+        buf: memoryview,
+        out: memoryview,
+        guard: Callable[[int], None] | None = None,
     ) -> list[int] | None:
         """Verify and decrypt a read object into ``out``; None (and the entry dropped) if bad.
 
@@ -569,11 +597,16 @@ class Pipeline(Maintenance):
                 namespace=rec.namespace,
                 chunk_key=key,
                 aead_for_epoch=self._aead_for(tenant, tk),
+                before_layer=guard,
             )
             if (h.total_size, len(h.layers), h.payload_size, h.key_epoch) != (
                 rec.size, rec.num_layers, rec.payload, rec.key_epoch,
             ):  # fmt: skip
                 raise _RecordMismatch("object differs from its index record (size or layers)")
+        except LoadCancelled:
+            # Purged or revoked while loading (cancel.py): a miss, the object untouched.
+            self.counters.misses += 1
+            return None
         except Exception as exc:
             if isinstance(exc, ObjectMismatch) and self._verifies_alone(tenant, key, rec, buf):
                 # A whole, valid object that the index describes wrongly (a

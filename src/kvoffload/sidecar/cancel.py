@@ -1,0 +1,95 @@
+"""Cancelling loads in flight: a purge or a revocation stops copying into staging.
+
+The store keeps a *load generation* per tenant. A load notes its tenant's
+generation when it starts and checks it again before each layer segment is
+copied into the caller's buffer (``v1.open_into``'s ``before_layer``); a
+purge of the tenant (or of one of its namespaces, here or on another node of
+a shared root through the journal) and a revocation bump the generation, so
+every load of that tenant then stops before its next byte reaches a staging
+buffer. A cancelled chunk is a miss, never a damaged object: nothing is
+dropped or quarantined because of it.
+
+**Test hook** (never set in production): with ``KVO_TEST_HOOK_LOAD_GATE``
+naming a directory, a load about to copy a layer while ``<dir>/hold`` exists
+creates ``<dir>/waiting`` and waits (polling, at most 60 s) until ``hold`` is
+removed, then checks for cancellation as always. ``hold`` may hold a layer
+index N: then only layers N and later wait (the layers before are copied).
+Tests use it to pause a load between layers, change the policy or purge,
+and see that nothing more is copied. The variable is read once, when this module is imported; it is
+outside the ``KVOFFLOAD_`` namespace on purpose: no product setting, never
+documented for operators.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final
+
+from kvoffload.errors import TransferCancelled
+
+#: The test hook's variable (see the module docstring); unset in production.
+TEST_LOAD_GATE_ENV: Final = "KVO_TEST_HOOK_LOAD_GATE"
+_GATE: Final = os.environ.get(TEST_LOAD_GATE_ENV) or None
+_GATE_MAX_S: Final = 60.0
+
+
+#: A load stopped because its tenant was purged or revoked while it ran (a miss).
+LoadCancelled = TransferCancelled
+#: A write finished after its tenant was purged or revoked: not indexed, file removed.
+PutCancelled = TransferCancelled
+
+
+def _test_gate(layer: int) -> None:
+    if _GATE is None:
+        return
+    gate = Path(_GATE)
+    try:
+        first = int((gate / "hold").read_text().strip() or 0)
+    except (OSError, ValueError):
+        return
+    if layer < first:
+        return
+    (gate / "waiting").touch()
+    deadline = time.monotonic() + _GATE_MAX_S
+    while (gate / "hold").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+class LoadGenerations:
+    """Per-tenant load generations (see the module docstring); thread-safe."""
+
+    def __init__(self) -> None:
+        self._mu = threading.Lock()
+        self._gen: dict[str, int] = {}
+
+    def current(self, tenant: str) -> int:
+        return self._gen.get(tenant, 0)
+
+    def cancel(self, tenant: str) -> None:
+        """Every load of ``tenant`` now in flight stops before its next layer."""
+        with self._mu:
+            self._gen[tenant] = self._gen.get(tenant, 0) + 1
+
+    def guard(self, tenant: str) -> Callable[[int], None]:
+        """The ``before_layer`` check of one load of ``tenant`` starting now."""
+        start = self.current(tenant)
+
+        def before_layer(layer: int) -> None:
+            _test_gate(layer)
+            if self._gen.get(tenant, 0) != start:
+                raise LoadCancelled(f"the load of a chunk of {tenant!r} was cancelled")
+
+        return before_layer
+
+
+__all__ = [
+    "TEST_LOAD_GATE_ENV",
+    "LoadCancelled",
+    "LoadGenerations",
+    "PutCancelled",
+    "TransferCancelled",
+]
