@@ -26,6 +26,7 @@ from .replies import (
     InspectReply,
     LeaseLoadReply,
     LeaseStoreReply,
+    LoadProgress,
     LookupReply,
     LsReply,
     PrepareLoadReply,
@@ -51,7 +52,8 @@ _REPLY_TYPES: dict[
     | type[LeaseLoadReply]
     | type[InspectReply]
     | type[LsReply]
-    | type[PurgeOlderReply],
+    | type[PurgeOlderReply]
+    | type[LoadProgress],
 ] = {
     Op.HELLO: HelloReply,
     Op.LOOKUP: LookupReply,
@@ -66,6 +68,7 @@ _REPLY_TYPES: dict[
     Op.INSPECT: InspectReply,
     Op.LS: LsReply,
     Op.PURGE_OLDER: PurgeOlderReply,
+    Op.LOAD_PROGRESS: LoadProgress,
 }
 ACK_OPS = frozenset({Op.REGISTER_STAGING, Op.ABORT, Op.COMPLETE_LOAD, Op.TOUCH, Op.BYE})
 

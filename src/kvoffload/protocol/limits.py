@@ -51,6 +51,8 @@ class Op(StrEnum):
     INSPECT = "inspect"
     LS = "ls"
     PURGE_OLDER = "purge_older"
+    #: Interim frame of a layer-wise ``prepare_load`` (revision 9, §5.26); never a request.
+    LOAD_PROGRESS = "load_progress"
     #: Server-initiated fatal error frame (id 0).
     ERROR = "error"
 

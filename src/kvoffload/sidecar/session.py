@@ -77,7 +77,7 @@ from .service import (
     WriteHandle,
     plainify,
 )
-from .transfers import Transfers
+from .transfers import EmitFn, Transfers
 
 log = logging.getLogger("kvoffload.server")
 
@@ -140,6 +140,7 @@ class Session(Transfers):
             max_staging=cfg.max_staging,
             handle_ttl_s=cfg.handle_ttl_s,
             direct=direct,
+            layerwise=True,
         )
 
     def register_staging(self, req: RegisterStaging, fds: list[int]) -> Reply:
@@ -234,8 +235,11 @@ class Session(Transfers):
 
     # -- dispatch ------------------------------------------------------------------
 
-    def execute(self, req: Request) -> Reply:
-        """Every verb after ``hello`` but ``register_staging`` and ``bye`` (§5)."""
+    def execute(self, req: Request, emit: EmitFn | None = None) -> Reply:
+        """Every verb after ``hello`` but ``register_staging`` and ``bye`` (§5).
+
+        ``emit`` sends an interim frame of this request (a layer-wise
+        ``prepare_load``, §5.26); without it such a load is answered whole."""
         op = req.OP.value
         try:
             match req:
@@ -253,7 +257,7 @@ class Session(Transfers):
                 case CompleteStore():
                     return self.complete_store(req)
                 case PrepareLoad():
-                    return self.prepare_load(req)
+                    return self.prepare_load(req, emit)
                 case CompleteLoad():
                     return self.complete_load(req)
                 case Abort():

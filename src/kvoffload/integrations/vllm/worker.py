@@ -107,6 +107,16 @@ class PagedCache:
         for i, mv in enumerate(layers):
             if mv.nbytes != want:
                 raise _BadChunk(f"layer {i} holds {mv.nbytes} bytes, expected {want}")
+        for i, mv in enumerate(layers):
+            self.scatter_layer(chunk, chunk_tokens, i, mv)
+
+    def scatter_layer(self, chunk: ChunkRef, chunk_tokens: int, i: int, mv: memoryview) -> None:
+        """Write layer ``i`` of blocks ``chunk.block_ids`` from that layer's entry."""
+        if not 0 <= i < len(self.layers):
+            raise _BadChunk(f"layer {i}, this shard has {len(self.layers)}")
+        want = self.layer_nbytes(chunk_tokens)
+        if mv.nbytes != want:
+            raise _BadChunk(f"layer {i} holds {mv.nbytes} bytes, expected {want}")
         n = len(chunk.block_ids)
         t0 = chunk.first_block * self.block_size
         t1 = t0 + n * self.block_size
@@ -117,16 +127,16 @@ class PagedCache:
         half = chunk_tokens * h * hd
         # [tokens, H, D] of n blocks -> [n, ratio, H, Nk, D], vLLM's logical order
         shape = (n, self.ratio, -1, h, hd)
-        for layer, mv in zip(self.layers, layers, strict=True):
-            # Staging memory is read-only to us; frombuffer's "not writable"
-            # warning was consumed at registration (see _quiet_frombuffer).
-            src = torch.frombuffer(mv, dtype=torch.uint8).view(self.dtype)
-            k = src[:half].view(chunk_tokens, h, hd)[t0:t1].to(self.device)
-            v = src[half:].view(chunk_tokens, h, hd)[t0:t1].to(self.device)
-            # Index-assigning into the K and V halves of the view writes the
-            # cache itself, with no intermediate K|V tensor.
-            layer[..., :hd][idx] = k.view(shape).permute(0, 1, 3, 2, 4)
-            layer[..., hd:][idx] = v.view(shape).permute(0, 1, 3, 2, 4)
+        layer = self.layers[i]
+        # Staging memory is read-only to us; frombuffer's "not writable"
+        # warning was consumed at registration (see _quiet_frombuffer).
+        src = torch.frombuffer(mv, dtype=torch.uint8).view(self.dtype)
+        k = src[:half].view(chunk_tokens, h, hd)[t0:t1].to(self.device)
+        v = src[half:].view(chunk_tokens, h, hd)[t0:t1].to(self.device)
+        # Index-assigning into the K and V halves of the view writes the
+        # cache itself, with no intermediate K|V tensor.
+        layer[..., :hd][idx] = k.view(shape).permute(0, 1, 3, 2, 4)
+        layer[..., hd:][idx] = v.view(shape).permute(0, 1, 3, 2, 4)
 
 
 def _quiet_frombuffer() -> None:

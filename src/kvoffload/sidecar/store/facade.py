@@ -15,7 +15,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from ..keyring import Kek, Keyring
 from .audit import AuditLog
 from .base import SEAL_COUNTS_LOST, Counters, StoreConfig, boundary, log, mapped_errors
 from .capacity import _Scope
+from .layerwise import PlanFn, ReportFn, get_layerwise_into
 from .leases import Leases
 from .retention import RetentionJournal
 from .shared import POSITIONS_META, SharedRoot
@@ -393,6 +394,19 @@ class Store(Leases):
         self._bg = [t for t in self._bg if t.is_alive()]
 
     # -------------------------------------------------------------- tenants
+
+    @boundary
+    def get_layerwise_into(
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        outs: Sequence[memoryview],
+        plan: PlanFn,
+        report: ReportFn,
+        cancelled: Callable[[], bool],
+    ) -> list[list[int] | None]:
+        """:meth:`get_many_into` layer by layer, reporting each layer (protocol §5.26)."""
+        return get_layerwise_into(self, tenant, keys, outs, plan, report, cancelled)
 
     @boundary
     def record_audit(self, event: str, details: dict[str, Any]) -> None:
