@@ -207,9 +207,7 @@ CATALOGUE: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
         "reply",
         _rep(
             8,
-            p.LoadProgress(
-                0, 2, (p.LoadSlot(True, 0, (10, 20)), p.LoadSlot(True, 4096, (30, 40)))
-            ),
+            p.LoadProgress(0, 2, (p.LoadSlot(True, 0, (10, 20)), p.LoadSlot(True, 4096, (30, 40)))),
         ),
     ),
     "load_progress": ("reply", _rep(8, p.LoadProgress(2, 1))),
