@@ -68,11 +68,16 @@ class ScatterSpy:
         real = PagedCache.scatter_layer
 
         def spy(
-            cache: PagedCache, chunk: ChunkRef, chunk_tokens: int, i: int, mv: memoryview
+            cache: PagedCache,
+            chunk: ChunkRef,
+            chunk_tokens: int,
+            i: int,
+            mv: memoryview,
+            non_blocking: bool = False,
         ) -> None:
             if self.hook is not None:
                 self.hook(i)
-            real(cache, chunk, chunk_tokens, i, mv)
+            real(cache, chunk, chunk_tokens, i, mv, non_blocking)
             self.calls.append((chunk.block_ids[0], i))
 
         monkeypatch.setattr(PagedCache, "scatter_layer", spy)

@@ -176,6 +176,12 @@ class SidecarClient:
         return self._staging_bytes
 
     @property
+    def staging(self) -> StagingBuffer | None:
+        """The shared-memory staging buffer, once the first connection made it (it
+        outlives reconnects); a worker may register it with its GPU driver."""
+        return self._staging
+
+    @property
     def connected(self) -> bool:
         return self._session is not None
 

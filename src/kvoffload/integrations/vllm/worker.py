@@ -56,6 +56,7 @@ from .common import (
     ordered_layer_names,
     registered_attention_backend,
 )
+from .pinned import PinnedStaging
 from .stats import FIELDS as STATS_FIELDS
 
 log = logging.getLogger(__name__)
@@ -110,8 +111,13 @@ class PagedCache:
         for i, mv in enumerate(layers):
             self.scatter_layer(chunk, chunk_tokens, i, mv)
 
-    def scatter_layer(self, chunk: ChunkRef, chunk_tokens: int, i: int, mv: memoryview) -> None:
-        """Write layer ``i`` of blocks ``chunk.block_ids`` from that layer's entry."""
+    def scatter_layer(
+        self, chunk: ChunkRef, chunk_tokens: int, i: int, mv: memoryview, non_blocking: bool = False
+    ) -> None:
+        """Write layer ``i`` of blocks ``chunk.block_ids`` from that layer's entry.
+
+        ``non_blocking`` (pinned staging on a GPU): the copies are only queued on
+        the current stream; the caller synchronizes it before ``mv`` goes away."""
         if not 0 <= i < len(self.layers):
             raise _BadChunk(f"layer {i}, this shard has {len(self.layers)}")
         want = self.layer_nbytes(chunk_tokens)
@@ -131,8 +137,8 @@ class PagedCache:
         # Staging memory is read-only to us; frombuffer's "not writable"
         # warning was consumed at registration (see _quiet_frombuffer).
         src = torch.frombuffer(mv, dtype=torch.uint8).view(self.dtype)
-        k = src[:half].view(chunk_tokens, h, hd)[t0:t1].to(self.device)
-        v = src[half:].view(chunk_tokens, h, hd)[t0:t1].to(self.device)
+        k = src[:half].view(chunk_tokens, h, hd)[t0:t1].to(self.device, non_blocking=non_blocking)
+        v = src[half:].view(chunk_tokens, h, hd)[t0:t1].to(self.device, non_blocking=non_blocking)
         # Index-assigning into the K and V halves of the view writes the
         # cache itself, with no intermediate K|V tensor.
         layer[..., :hd][idx] = k.view(shape).permute(0, 1, 3, 2, 4)
@@ -324,6 +330,7 @@ class KVOffloadWorker:
         self._layerwise = settings.layerwise
         self._step: _StepLoad | None = None
         self._layer_of: dict[str, int] = {}
+        self._pinned = PinnedStaging()
         self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-save")
         self._cache: PagedCache | None = None
         self._load_stream: _Stream | None = None
@@ -459,7 +466,18 @@ class KVOffloadWorker:
         delivered = [0] * num_layers  # per layer: leading chunks in the cache
         bad = len(chunks)  # first chunk that must not count as loaded
 
+        device = self._device_stream() is not None
+        pinned = device and self._pinned.pin(self._load_client.staging, cache.device)
+
         def on_layer(layer: int, first: int, views: Sequence[memoryview]) -> None:
+            try:
+                scatter(layer, first, views)
+            finally:
+                if device:
+                    # The views die with this call: their copies must be done.
+                    torch.cuda.current_stream().synchronize()
+
+        def scatter(layer: int, first: int, views: Sequence[memoryview]) -> None:
             nonlocal bad
             if layer >= num_layers:
                 # An object with more layers than this shard: unusable from its first chunk.
@@ -474,7 +492,7 @@ class KVOffloadWorker:
                 try:
                     if c != delivered[layer]:
                         raise _BadChunk(f"layer {layer} of chunk {c} arrived out of order")
-                    cache.scatter_layer(chunks[c], self._ct, layer, mv)
+                    cache.scatter_layer(chunks[c], self._ct, layer, mv, pinned)
                 except _BadChunk as exc:
                     log.warning("kvoffload: chunk %d of %s unusable: %s", c, job.req_id, exc)
                     bad = c
@@ -668,5 +686,6 @@ class KVOffloadWorker:
         self._save_pool.shutdown(wait=True)
         self._load_pool.shutdown(wait=True)
         self._step_pool.shutdown(wait=True)
+        self._pinned.unpin()
         self._load_client.close()
         self._save_client.close()
