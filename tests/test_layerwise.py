@@ -218,3 +218,43 @@ def test_progress_frame_refuses_inconsistent_plans() -> None:
     msg |= {"layers_done": 0, "verified": 2}
     with pytest.raises(p.ProtocolError):
         p.parse_reply(msg)
+
+
+def test_older_server_gets_whole_chunk_loads(
+    server: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server whose hello does not announce revision 9 is never sent ``layerwise``:
+    the client loads whole chunks and hands their layers out chunk by chunk."""
+    import msgspec
+
+    from kvoffload.sidecar.session import Session
+
+    real_hello = Session.hello
+
+    def old_hello(self: Session, req: p.Hello) -> p.Reply:
+        reply = real_hello(self, req)
+        assert isinstance(reply, p.HelloReply)
+        return msgspec.structs.replace(reply, layerwise=False)
+
+    monkeypatch.setattr(Session, "hello", old_hello)
+    sent: list[bool] = []
+    real_prepare = Transfers.prepare_load
+
+    def spy(self: Transfers, req: p.PrepareLoad, emit: Any = None) -> p.Reply:
+        sent.append(req.layerwise)
+        return real_prepare(self, req, emit)
+
+    monkeypatch.setattr(Transfers, "prepare_load", spy)
+    path = server.server.config.socket_path
+    assert path is not None
+    with SidecarClient(path, TENANT, staging_bytes=1 << 20) as c:
+        assert c.save(NS, [(key(i), chunk(i)) for i in range(2)]) == [True, True]
+        rec = Recorder()
+        results = c.load_layerwise([key(0), key(1)], rec)
+    assert [r.ok for r in results] == [True, True]
+    assert sent == [False]
+    assert [(lay, ch) for lay, ch, _ in rec.calls] == [(i, 0) for i in range(LAYERS)] + [
+        (i, 1) for i in range(LAYERS)
+    ]
+    for layer, ch, data in rec.calls:
+        assert data == chunk(ch)[layer]
