@@ -21,11 +21,18 @@ Threads
 -------
 Loads and saves each have their own sidecar connection and one background
 thread, so a long save never delays a load. Async loads run on the load
-thread; sync loads run inline in ``start_load_kv``, which vLLM calls before
-the forward pass when a step carries one. Async saves gather and write on the
-save thread; the scheduler keeps the blocks of finished requests until the
-save is reported, and ``handle_preemptions`` drains saves of preempted
-requests before their blocks can be overwritten.
+thread. Sync loads (``start_load_kv`` is called before the forward pass when
+a step carries one) run layer-wise on a step thread of their own: the sidecar
+reports each layer once verified, the thread copies it into the cache, and
+``wait_for_layer_load`` (called by each attention layer) returns when that
+layer of every chunk is in place, so layer i+1 streams while layer i
+computes; ``wait_for_save`` and ``get_block_ids_with_load_errors`` (after the
+forward) wait for the rest and report what failed. With ``layerwise = false``
+they run inline in ``start_load_kv``, whole chunks before the forward.
+Async saves gather and write on the save thread; the scheduler keeps the
+blocks of finished requests until the save is reported, and
+``handle_preemptions`` drains saves of preempted requests before their
+blocks can be overwritten.
 """
 
 from __future__ import annotations
