@@ -14,8 +14,16 @@ reuse
     the suffix only; with the store's object files dropped from the page
     cache first (cold) or left there (warm).
 
+reuse layer-wise
+    the same, but the load is layer-wise (protocol §5.26): the suffix prefill
+    starts at once and each attention layer waits only for its own layer of the
+    prefix (a ``DynamicCache`` whose layers fill as the sidecar reports them),
+    so layer i+1 is read and verified while layer i computes. Whole-chunk and
+    layer-wise runs alternate back to back (A/B, then B/A the next round).
+
 The prefix was computed and saved once, untimed, by this process. Each round
-runs, in this order: recompute, reuse cold, reuse warm, and the ceilings of the
+runs, in this order: recompute, reuse cold (whole-chunk and layer-wise), reuse
+warm (both), and the ceilings of the
 same run: a raw cold and a warm read of the very object files a load reads
 (``bench_store.raw_reader``), a memcpy of the KV bytes, and the suffix prefill
 with the prefix already in memory (the compute a reuse cannot avoid). Every
@@ -89,7 +97,10 @@ METHOD = (
     "+ DynamicCache from it + forward over the suffix; the client was connected (hello, salt, "
     "staging registration) before, as a worker is at start-up. Medians over the rounds, after "
     "one untimed run of each operation; one round = recompute, reuse cold, reuse warm, raw "
-    "cold read, raw warm read, memcpy, suffix prefill alone, in that order."
+    "cold read, raw warm read, memcpy, suffix prefill alone, in that order. reuse layer-wise: "
+    "the same keys and lookup, then load_layerwise on a thread while the suffix forward runs "
+    "over a cache whose layer i waits for layer i of the prefix; runs next to the whole-chunk "
+    "reuse of the same cache state, the order of the two swapped every round."
 )
 
 
@@ -131,6 +142,9 @@ class Exactness:
     recompute_run_to_run: float = 0.0  # max |diff| between recomputes of different rounds
     logits_abs_max: float = 0.0
     logits_std: float = 0.0
+    #: layer-wise reuse vs whole-chunk reuse logits: the same bytes and the same
+    #: computation, so 0 (bit-identical) is the only right answer.
+    layerwise_vs_whole_max_abs_diff: float = 0.0
 
     @property
     def within(self) -> bool:
@@ -154,6 +168,7 @@ class Bench:
     exact: Exactness = field(default_factory=Exactness)
     progress: Callable[[str], None] = lambda _m: None
     _ref_logits: torch.Tensor | None = None
+    _reuse_logits: dict[tuple[str, bool], torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.reused_chunks = self.prefix_len // self.contract.chunk_tokens
@@ -182,31 +197,43 @@ class Bench:
             self._check_recompute(full)
         return dt
 
-    def reuse(self, cache_state: str, timed: bool) -> float:
+    def reuse(self, cache_state: str, timed: bool, layerwise: bool = False) -> float:
         cached = None
         if cache_state == "cold":
             bs.drop_cache(self.obj_paths)
         if timed:
             cached = self.mincore.resident(self.obj_paths)
-        r = kd.reuse_prefill(self.model, self.client, self.contract, self.prompt)
+        fn = kd.reuse_prefill_layerwise if layerwise else kd.reuse_prefill
+        r = fn(self.model, self.client, self.contract, self.prompt)
         if r.reused_chunks != self.reused_chunks:
             raise AssertionError(
                 f"reuse {cache_state}: {r.reused_chunks} chunks reused, expected "
                 f"{self.reused_chunks} (lookup found {r.lookup_chunks})"
             )
         if timed:
-            name = f"reuse, {cache_state} load"
+            name = f"reuse{' layer-wise' if layerwise else ''}, {cache_state} load"
             self.row("ttft", name).runs.append(r.total_s)
             self.row("ttft", name).cached.append(cached)
-            for stage, s in (
-                ("chunk keys", r.keys_s),
-                ("lookup", r.lookup_s),
-                ("load", r.load_s),
-                ("DynamicCache from prefix", r.cache_s),
-                ("suffix prefill", r.compute_s),
-            ):
-                self.row("stage", f"{cache_state}/{stage}").runs.append(s)
-            self._check_reuse(r)
+            stages = (
+                (
+                    ("chunk keys", r.keys_s),
+                    ("lookup", r.lookup_s),
+                    ("load (suffix prefill running)", r.load_s),
+                    ("suffix prefill after the load", r.compute_s),
+                )
+                if layerwise
+                else (
+                    ("chunk keys", r.keys_s),
+                    ("lookup", r.lookup_s),
+                    ("load", r.load_s),
+                    ("DynamicCache from prefix", r.cache_s),
+                    ("suffix prefill", r.compute_s),
+                )
+            )
+            tag = "lw-" if layerwise else ""
+            for stage, s in stages:
+                self.row("stage", f"{tag}{cache_state}/{stage}").runs.append(s)
+            self._check_reuse(r, cache_state, layerwise)
         return r.total_s
 
     def raw_read(self, cache_state: str, timed: bool) -> float:
@@ -281,9 +308,15 @@ class Bench:
                 self.exact.recompute_run_to_run, kd.max_abs_diff(full.logits, self._ref_logits)
             )
 
-    def _check_reuse(self, r: kd.ReuseResult) -> None:
+    def _check_reuse(self, r: kd.ReuseResult, state: str, layerwise: bool) -> None:
         if self._ref_logits is None:
             raise AssertionError("no recompute to compare with")
+        other = self._reuse_logits.get((state, not layerwise))
+        if other is not None:
+            self.exact.layerwise_vs_whole_max_abs_diff = max(
+                self.exact.layerwise_vs_whole_max_abs_diff, kd.max_abs_diff(r.logits, other)
+            )
+        self._reuse_logits[(state, layerwise)] = r.logits
         diff = kd.max_abs_diff(r.logits, self._ref_logits)
         self.exact.logits_max_abs_diff = max(self.exact.logits_max_abs_diff, diff)
         same = int(r.logits.argmax()) == int(self._ref_logits.argmax())
@@ -295,7 +328,9 @@ class Bench:
         ops: list[tuple[str, Callable[[bool], float]]] = [
             ("recompute", lambda t: self._ttft("recompute", self.recompute(t), t)),
             ("reuse cold", lambda t: self.reuse("cold", t)),
+            ("reuse cold layer-wise", lambda t: self.reuse("cold", t, True)),
             ("reuse warm", lambda t: self.reuse("warm", t)),
+            ("reuse warm layer-wise", lambda t: self.reuse("warm", t, True)),
             ("raw read cold", lambda t: self.raw_read("cold", t)),
             ("raw read warm", lambda t: self.raw_read("warm", t)),
             ("memcpy", self.memcpy),
@@ -307,6 +342,8 @@ class Bench:
             self.progress(f"  {name:<22} {dt * 1e3:10.1f} ms (untimed)")
         for i in range(rounds):
             self.progress(f"round {i + 1}/{rounds}")
+            if i % 2:  # B/A: layer-wise first in every other round
+                ops[1], ops[2], ops[3], ops[4] = ops[2], ops[1], ops[4], ops[3]
             for name, op in ops:
                 dt = op(True)
                 self.progress(f"  {name:<22} {dt * 1e3:10.1f} ms")
@@ -344,6 +381,11 @@ def summary(bench: Bench) -> dict[str, Any]:
         out[f"reuse_{state}_s"] = reuse
         out[f"ratio_{state}"] = reuse / recompute if recompute > 0 else None
         out[f"speedup_{state}"] = recompute / reuse if reuse > 0 else None
+    for state in ("cold", "warm"):
+        whole = rows[f"reuse, {state} load"].median
+        lw = rows[f"reuse layer-wise, {state} load"].median
+        out[f"layerwise_{state}_s"] = lw
+        out[f"layerwise_vs_whole_{state}"] = lw / whole if whole > 0 else None
     out["target_ratio"] = TARGET_RATIO
     out["meets_target_cold"] = out["ratio_cold"] is not None and out["ratio_cold"] <= TARGET_RATIO
     out["meets_target_warm"] = out["ratio_warm"] is not None and out["ratio_warm"] <= TARGET_RATIO
@@ -392,6 +434,31 @@ def render(console: Console, facts: dict[str, str], bench: Bench, summ: dict[str
             f"<= {TARGET_RATIO} " + ("[green]met[/green]" if ok else "[red]missed[/red]"),
             _cached(r),
         )
+        lw = rows[f"reuse layer-wise, {state} load"]
+        rec_s = rows["recompute"].median
+        vs = summ[f"layerwise_vs_whole_{state}"]
+        t.add_row(
+            f"reuse layer-wise, {state} load (x whole-chunk: "
+            + (f"{vs:.3f})" if vs is not None else "-)"),
+            _ms(lw.median),
+            _ms(min(lw.runs)),
+            _ms(max(lw.runs)),
+            f"{lw.median / rec_s:.3f}" if rec_s > 0 else "-",
+            "",
+            _cached(lw),
+        )
+    console.print(t)
+
+    t = Table(title="layer-wise reuse, stage by stage (median ms)")
+    for col in ("stage", "cold", "warm"):
+        t.add_column(col, justify="left" if col == "stage" else "right")
+    for stage in (
+        "chunk keys",
+        "lookup",
+        "load (suffix prefill running)",
+        "suffix prefill after the load",
+    ):
+        t.add_row(stage, _ms(rows[f"lw-cold/{stage}"].median), _ms(rows[f"lw-warm/{stage}"].median))
     console.print(t)
 
     t = Table(title="reuse, stage by stage (median ms)")
@@ -448,6 +515,11 @@ def render(console: Console, facts: dict[str, str], bench: Bench, summ: dict[str
         f"{len(bench.prompt) - bench.prefix_len}-row suffix vs a {len(bench.prompt)}-row prompt) "
         "may use kernels that round differently, ~1e-6 relative over these layers; a wrong KV "
         f"moves logits by their spread (std here {e.logits_std:.3g})",
+    )
+    t.add_row(
+        "logits max |layer-wise - whole-chunk reuse|",
+        f"{e.layerwise_vs_whole_max_abs_diff:.3g}"
+        + (" (bit-identical)" if e.layerwise_vs_whole_max_abs_diff == 0 else " [red]DIFFER[/red]"),
     )
     t.add_row("greedy next token", "equal" if e.greedy_match else "[red]DIFFERENT[/red]")
     t.add_row("prefix KV max |loaded - recomputed|", f"{e.prefix_kv_max_abs_diff:.3g}")

@@ -269,7 +269,13 @@ def test_bench_sidecar_quick_writes_every_row_and_stops_its_sidecars(tmp_path: P
 # --------------------------------------------------------------------------- bench_ttft.py
 
 TTFT_SCRIPT = SCRIPT.parent / "bench_ttft.py"
-TTFT_ROWS = ("recompute", "reuse, cold load", "reuse, warm load")
+TTFT_ROWS = (
+    "recompute",
+    "reuse, cold load",
+    "reuse, warm load",
+    "reuse layer-wise, cold load",
+    "reuse layer-wise, warm load",
+)
 TTFT_CEILINGS = ("raw read cold", "raw read warm", "memcpy", "suffix prefill alone")
 
 
@@ -300,6 +306,8 @@ def test_bench_ttft_quick_reports_every_row_and_stops_its_sidecar(tmp_path: Path
     exact = doc["exactness"]
     assert exact["within_tolerance"] is True and exact["greedy_match"] is True
     assert exact["logits_max_abs_diff"] <= exact["logits_tolerance"]
+    # The same bytes, the same computation: layer-wise reuse changes no bit.
+    assert exact["layerwise_vs_whole_max_abs_diff"] == 0
     assert doc["config"]["torch_threads"] == 2
     assert doc["machine"]["load average 1/5/15 min (start)"]
     assert not Path(f"/proc/{doc['config']['sidecar_pid']}").exists(), "sidecar still running"

@@ -78,6 +78,10 @@ CATALOGUE: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
     "complete_store_u64": ("request", _req(6, p.CompleteStore(2**64 - 1))),
     "abort": ("request", _req(7, p.Abort(300))),
     "prepare_load": ("request", _req(8, p.PrepareLoad("acme", (K[0], K[1])))),
+    "prepare_load_layerwise": (
+        "request",
+        _req(8, p.PrepareLoad("acme", (K[0], K[1]), layerwise=True)),
+    ),
     "complete_load": ("request", _req(9, p.CompleteLoad(9))),
     "complete_load_corrupt": ("request", _req(9, p.CompleteLoad(2**33, (0, 2, 1023)))),
     "touch": ("request", _req(10, p.Touch("acme", tuple(K)))),
@@ -219,6 +223,15 @@ CATALOGUE: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
         "reply",
         _rep(8, p.PrepareLoadReply(0, ErrorCode.NOT_FOUND, (p.LoadSlot(False),))),
     ),
+    # revision 9 (§5.26): the interim frames of a layer-wise prepare_load
+    "load_progress_plan": (
+        "reply",
+        _rep(
+            8,
+            p.LoadProgress(0, 2, (p.LoadSlot(True, 0, (10, 20)), p.LoadSlot(True, 4096, (30, 40)))),
+        ),
+    ),
+    "load_progress": ("reply", _rep(8, p.LoadProgress(2, 1))),
     "stats_reply": (
         "reply",
         _rep(

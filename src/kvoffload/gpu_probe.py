@@ -217,6 +217,14 @@ def _load_libcuda(env: ProbeEnv, rep: GpuReport) -> None:
             rep.cuda_driver_version = f"{v.value // 1000}.{v.value % 1000 // 10}"
 
 
+def cuda_driver_present(env: ProbeEnv | None = None) -> bool:
+    """Whether ``libcuda.so.1`` loads here: the check that gates every CUDA-only path
+    of the worker (pinned staging). ``dlopen`` only: nothing is initialised."""
+    rep = GpuReport()
+    _load_libcuda(env or ProbeEnv(), rep)
+    return rep.driver_present
+
+
 # -------------------------------------------------------------------- child
 
 

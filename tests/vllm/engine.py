@@ -9,10 +9,12 @@ runner: schedule, bind metadata, load, "forward", save, collect the
 connector's transfer results, build a ``ModelRunnerOutput`` and feed it to
 ``update_from_output``.
 
-The forward pass writes a known function of (layer, position, token, head,
-dim) into the KV of exactly the positions vLLM scheduled, so a block that
-holds the right values for a position vLLM did *not* schedule got them from
-a load.
+The forward pass, as vLLM's attention layers do, calls the connector's
+``wait_for_layer_load`` before it touches a layer, so layer-wise loads hand
+it layer 0 while later layers are still streaming. It writes a known
+function of (layer, position, token, head, dim) into the KV of exactly the
+positions vLLM scheduled, so a block that holds the right values for a
+position vLLM did *not* schedule got them from a load.
 
 Importing this module imports vLLM: test modules import it after
 ``pytest.importorskip("vllm")``.
@@ -399,6 +401,7 @@ class Engine:
         """The fake forward over ``positions`` (contiguous, after everything before them)."""
         start, end = int(positions[0]), int(positions[-1]) + 1
         blocks, offsets = self._slots(block_ids, positions)
+        self.wait_layer(0)
         for rank, caches in enumerate(self.rank_caches):
             caches[LAYER_NAMES[0]][blocks, :, offsets, :] = kv_value(
                 0, positions, tokens, self.global_heads(rank), self.dtype
@@ -410,10 +413,17 @@ class Engine:
             for caches in self.rank_caches
         )
         term = attention_term(torch.as_tensor(digest))[start:end].view(-1, 1, 1)
-        for rank, caches in enumerate(self.rank_caches):
-            for layer, name in enumerate(LAYER_NAMES[1:], start=1):
+        for layer, name in enumerate(LAYER_NAMES[1:], start=1):
+            self.wait_layer(layer)
+            for rank, caches in enumerate(self.rank_caches):
                 own = kv_value(layer, positions, tokens, self.global_heads(rank), self.dtype)
                 caches[name][blocks, :, offsets, :] = (own.double() + term).to(self.dtype)
+
+    def wait_layer(self, layer: int) -> None:
+        """What vLLM's attention layer does first: wait for the connector's load of
+        that layer (``wait_for_layer_load``) on every rank, then read and write it."""
+        for w in self.workers:
+            w.wait_for_layer_load(LAYER_NAMES[layer])
 
     def read_kv(
         self, block_ids: Sequence[int], positions: torch.Tensor, rank: int = 0

@@ -68,6 +68,7 @@ from ..transport import DEFAULT_TIMEOUT_S, Transport, UnixTransport
 from .buffers import (
     BufferLike,
     DestCallback,
+    LayerCallback,
     LoadCallback,
     LoadedChunk,
     as_byte_view,
@@ -99,6 +100,7 @@ __all__ = [
     "BufferLike",
     "ChunkTooLarge",
     "DestCallback",
+    "LayerCallback",
     "LoadCallback",
     "LoadedChunk",
     "SidecarClient",
@@ -174,6 +176,12 @@ class SidecarClient:
     def staging_bytes(self) -> int:
         """Capacity of the staging buffer: no chunk may pack to more than this."""
         return self._staging_bytes
+
+    @property
+    def staging(self) -> StagingBuffer | None:
+        """The shared-memory staging buffer, once the first connection made it (it
+        outlives reconnects); a worker may register it with its GPU driver."""
+        return self._staging
 
     @property
     def connected(self) -> bool:
@@ -331,6 +339,40 @@ class SidecarClient:
         propagates after the server was told the loads are complete.
         """
         return self._load(check_keys(keys), into, None)
+
+    def load_layerwise(self, keys: Sequence[bytes], on_layer: LayerCallback) -> list[LoadedChunk]:
+        """Load chunks layer by layer; the ``ok`` ones form a prefix of ``keys``.
+
+        ``on_layer(layer, first, views)`` is called as layers are verified:
+        ``views[j]`` is layer ``layer`` of chunk ``first + j``, a read-only view
+        of staging valid only during the call. Within one batch of chunks the
+        layers come in order, every byte checked before its call; a chunk
+        whose later layer fails is not ``ok`` even though its earlier layers
+        were handed out (the caller must not use them as a loaded chunk). A
+        sidecar without layer-wise loads (revision 9), or the direct path,
+        hands out each chunk's layers after the whole chunk verified.
+        """
+        keys = check_keys(keys)
+        results = [LoadedChunk(k, False) for k in keys]
+        if not keys:
+            return results
+
+        def into(idx: int, _key: bytes, layers: Sequence[memoryview]) -> None:
+            for layer, view in enumerate(layers):
+                on_layer(layer, idx, [view])
+
+        with self._lock:
+            s, path = self._ensure_path()
+            if s is None or path is None:
+                return results
+            try:
+                if isinstance(path, StagedPath) and s.hello.layerwise:
+                    path.load_layerwise(s, keys, results, on_layer)
+                else:
+                    path.load(s, keys, results, into, None)
+            except CONNECTION_ERRORS as exc:
+                s.lose(exc)
+            return results
 
     def load_to(self, keys: Sequence[bytes], dest_for: DestCallback) -> list[bool]:
         """Load chunks straight into destinations the caller names; True per loaded key.

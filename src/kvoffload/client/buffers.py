@@ -18,6 +18,10 @@ LoadCallback = Callable[[int, bytes, Sequence[memoryview]], None]
 #: layers: writable host buffers or GPU tensors, one per layer, each at least
 #: its layer's size.
 DestCallback = Callable[[int, bytes, Sequence[int]], Sequence[Any]]
+#: ``on_layer(layer, first, views)`` of a layer-wise load: ``views[j]`` is layer
+#: ``layer`` of chunk ``first + j``, verified, a read-only view of staging valid
+#: only during the call.
+LayerCallback = Callable[[int, int, Sequence[memoryview]], None]
 #: ``copy_in(staging, offset, layers)``: packs a chunk's layers into staging.
 CopyInFn = Callable[[StagingBuffer, int, list[memoryview]], None]
 

@@ -25,6 +25,8 @@ from ..protocol import (
     ErrorReply,
     Hello,
     HelloReply,
+    Op,
+    PrepareLoad,
     ProtocolError,
     Reply,
     Request,
@@ -94,6 +96,8 @@ def read_reply(transport: Transport, rid: int, req: Request) -> tuple[int, Reply
     if got != rid:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"reply to request {got}, expected {rid}")
     op = reply.op if isinstance(reply, ErrorReply | Ack) else reply.OP
+    if op is Op.LOAD_PROGRESS and isinstance(req, PrepareLoad) and req.layerwise:
+        return got, reply  # §5.26: an interim frame of this request
     if op != req.OP:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"reply for {op}, expected {req.OP}")
     return got, reply
@@ -139,6 +143,12 @@ class Session:
     def take_id(self) -> int:
         rid = self.next_id
         self.next_id = rid % (2**32 - 1) + 1
+        return rid
+
+    def send(self, req: Request) -> int:
+        """Send ``req`` without waiting; its id, for :func:`read_reply`."""
+        rid = self.take_id()
+        self.transport.send(request_message(rid, req))
         return rid
 
     def call(self, req: Request, fds: Sequence[int] = ()) -> Reply:

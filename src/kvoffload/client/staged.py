@@ -23,6 +23,7 @@ from ..protocol import (
     EngineBlocks,
     ErrorCode,
     ErrorReply,
+    LoadProgress,
     PrepareLoad,
     PrepareLoadReply,
     PrepareStore,
@@ -36,13 +37,14 @@ from ..staging import StagingBuffer
 from .buffers import (
     CopyInFn,
     DestCallback,
+    LayerCallback,
     LoadCallback,
     LoadedChunk,
     check_dests,
     check_regions,
 )
 from .paths import complete_store
-from .session import CONNECTION_ERRORS, Session, expect
+from .session import CONNECTION_ERRORS, Session, expect, read_reply
 
 #: Conservative msgpack size of one chunk entry in prepare_store: key (34),
 #: map keys and headers (~24), one u64 (≤ 9 bytes) per layer size.
@@ -188,6 +190,64 @@ class StagedPath:
             if not more or not s.alive:
                 break
 
+    def load_layerwise(
+        self, s: Session, keys: list[bytes], results: list[LoadedChunk], on_layer: LayerCallback
+    ) -> None:
+        """Load ``keys`` handing out each layer as the server reports it verified (§5.26)."""
+        pos = 0
+        while pos < len(keys):
+            n, more = self._load_batch_layerwise(s, keys, pos, on_layer, results)
+            pos += n
+            if not more or not s.alive:
+                break
+
+    def _load_batch_layerwise(
+        self,
+        s: Session,
+        keys: list[bytes],
+        pos: int,
+        on_layer: LayerCallback,
+        results: list[LoadedChunk],
+    ) -> tuple[int, bool]:
+        batch = keys[pos : pos + s.hello.max_batch]
+        req = PrepareLoad(s.tenant, tuple(batch), layerwise=True)
+        rid = s.send(req)
+        lw = _Layerwise(self._staging, pos, on_layer)
+        handle = 0
+        try:
+            try:
+                while True:
+                    reply = read_reply(s.transport, rid, req)[1]
+                    if not isinstance(reply, LoadProgress):
+                        break
+                    lw.progress(reply)
+            except BaseException as exc:
+                # Frames of this request are still coming: the connection can
+                # only be dropped (the server then stops before its next layer).
+                if s.alive:
+                    s.lose(exc)
+                raise
+            if isinstance(reply, ErrorReply):
+                s.on_error_reply(reply)
+                return 0, False
+            prep = expect(reply, PrepareLoadReply)
+            handle = prep.handle
+            if len(prep.chunks) != len(batch) or prep.verified > lw.live:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "prepare_load reply disagrees")
+            n = 0
+            while n < prep.verified and lw.complete(n):
+                results[pos + n] = LoadedChunk(keys[pos + n], True)
+                n += 1
+        finally:
+            if handle:
+                try:
+                    done = s.call(CompleteLoad(handle))
+                    if isinstance(done, ErrorReply):
+                        s.on_error_reply(done)
+                except CONNECTION_ERRORS as exc:
+                    s.lose(exc)
+        return n, prep.stop is ErrorCode.BUSY and n > 0
+
     def _load_batch(
         self,
         s: Session,
@@ -256,6 +316,56 @@ class StagedPath:
                 f"kvoffload load stopped early: {prep.stop.name}",
             )
         return n, prep.stop is ErrorCode.BUSY and n > 0
+
+
+class _Layerwise:
+    """One layer-wise ``prepare_load`` batch (§5.26) as its frames arrive."""
+
+    def __init__(self, staging: StagingBuffer, first: int, on_layer: LayerCallback) -> None:
+        self.staging = staging
+        self.first = first
+        self.on_layer = on_layer
+        self.planned: list[tuple[int, tuple[int, ...]]] | None = None
+        self.starts: list[list[int]] = []
+        self.done = 0  # layers reported so far
+        self.live = 0  # leading planned chunks still verified
+
+    def progress(self, p: LoadProgress) -> None:
+        if self.planned is None:
+            if p.layers_done != 0:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "load_progress before the plan")
+            check_regions([(c.offset, sum(c.layers)) for c in p.chunks], self.staging.size)
+            self.planned = [(c.offset, c.layers) for c in p.chunks]
+            self.starts = [packed_layout(c.layers)[0] for c in p.chunks]
+            self.live = len(self.planned)
+            return
+        if p.layers_done < self.done or p.verified > self.live or p.chunks:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "load_progress out of order")
+        self.live = p.verified
+        for layer in range(self.done, p.layers_done):
+            self._deliver(layer)
+        self.done = p.layers_done
+
+    def _deliver(self, layer: int) -> None:
+        assert self.planned is not None
+        views: list[memoryview] = []
+        for c in range(self.live):
+            off, sizes = self.planned[c]
+            if layer >= len(sizes):
+                break  # a chunk with fewer layers ends what can be handed out
+            lo = off + self.starts[c][layer]
+            views.append(self.staging.view[lo : lo + sizes[layer]].toreadonly())
+        try:
+            if views:
+                self.on_layer(layer, self.first, views)
+        finally:
+            for v in views:
+                with contextlib.suppress(BufferError):
+                    v.release()
+
+    def complete(self, c: int) -> bool:
+        """Whether planned chunk ``c`` was handed out with every one of its layers."""
+        return self.planned is not None and c < self.live and self.done >= len(self.planned[c][1])
 
 
 def blocks_wire_bytes(b: EngineBlocks) -> int:

@@ -46,6 +46,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -518,6 +519,148 @@ def reuse_prefill(
         load_s=t3 - t2,
         cache_s=t4 - t3,
         compute_s=t5 - t4,
+    )
+
+
+class StreamedPrefix:
+    """A :class:`PrefixBuffer` filled layer by layer by ``SidecarClient.load_layerwise``,
+    with one event per layer: set when that layer of every chunk is in place, or
+    when the load ended (then :attr:`complete` says whether all of it arrived)."""
+
+    def __init__(
+        self, layout: LayerLayout, chunk_tokens: int, num_chunks: int, dtype: torch.dtype
+    ) -> None:
+        self.buf = PrefixBuffer(layout, chunk_tokens, num_chunks, dtype)
+        self.ready = [threading.Event() for _ in range(layout.num_layers)]
+        self._count = [0] * layout.num_layers
+        self.complete = False
+        self.error: BaseException | None = None
+
+    def on_layer(self, layer: int, first: int, views: Sequence[memoryview]) -> None:
+        b = self.buf
+        h, c = b.layout.num_kv_heads, b.chunk_tokens
+        for j, view in enumerate(views):
+            if view.nbytes != b.layer_bytes:
+                raise ValueError(f"layer {layer}: {view.nbytes} bytes, expected {b.layer_bytes}")
+            s, e = (first + j) * c, (first + j + 1) * c
+            src = np.frombuffer(view, dtype=np.uint8).reshape(2, h, c, -1)
+            np.copyto(b._k[layer][:, s:e], src[0])
+            np.copyto(b._v[layer][:, s:e], src[1])
+        self._count[layer] += len(views)
+        if self._count[layer] >= b.num_chunks:
+            self.ready[layer].set()
+
+    def load(self, client: Any, keys: Sequence[bytes]) -> None:
+        """Run the load (on a thread of its own); every event is set when it ends."""
+        try:
+            results = client.load_layerwise(keys, self.on_layer)
+            self.complete = all(r.ok for r in results)
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            for ev in self.ready:
+                ev.set()
+
+
+def streamed_cache(config: Any, prefix: StreamedPrefix, tokens: int) -> Any:
+    """A ``DynamicCache`` that says it holds ``tokens`` positions and takes each layer's
+    prefix from ``prefix`` when the model's attention first reaches that layer,
+    waiting for it there: the model computes layer i while layer i+1 loads."""
+    from transformers.cache_utils import DynamicLayer
+
+    class _Streamed(DynamicLayer):  # type: ignore[no-untyped-call]
+        def __init__(self, index: int) -> None:
+            super().__init__()  # type: ignore[no-untyped-call]
+            self._index = index
+
+        def get_seq_length(self) -> int:
+            return tokens if not self.is_initialized else int(super().get_seq_length())
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *a: Any, **kw: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.is_initialized:
+                # Set once this layer of every chunk is in place, or the load
+                # ended short (the caller then throws this prefill away).
+                prefix.ready[self._index].wait()
+                self.lazy_initialization(key_states, value_states)
+                b = prefix.buf
+                self.keys = b.keys[self._index][:, :tokens].unsqueeze(0)
+                self.values = b.values[self._index][:, :tokens].unsqueeze(0)
+            out: tuple[torch.Tensor, torch.Tensor] = super().update(key_states, value_states)
+            return out
+
+    cache = new_cache(config)
+    cache.layers = [_Streamed(i) for i in range(config.num_hidden_layers)]
+    cache.layer_class_to_replicate = None
+    return cache
+
+
+def reuse_prefill_layerwise(
+    model: Any,
+    client: Any,
+    contract: CompatContract,
+    token_ids: Sequence[int],
+    *,
+    dtype: torch.dtype = torch.float32,
+    clock: Callable[[], float] = time.perf_counter,
+) -> ReuseResult:
+    """:func:`reuse_prefill` with a layer-wise load (protocol §5.26) overlapping the
+    suffix prefill: the prefill starts at once and waits, per layer, for that layer's
+    prefix KV. A load that does not deliver every chunk is thrown away and the
+    prompt recomputed (the prefill ran on a prefix it did not fully have).
+
+    ``load_s`` is the time from the start of the load to its end, ``compute_s`` the
+    rest of the prefill after the load ended (0 when the load finished last)."""
+    t0 = clock()
+    salt = client.salt
+    if salt is None:
+        raise RuntimeError("the sidecar is not reachable")
+    keys = chunk_keys(contract, salt, token_ids)
+    t1 = clock()
+    found = client.lookup(keys)
+    n = min(found, (len(token_ids) - 1) // contract.chunk_tokens)
+    t2 = clock()
+    if not n:
+        r = reuse_prefill(model, client, contract, token_ids, dtype=dtype, clock=clock)
+        return r
+    prefix = StreamedPrefix(contract.layer_layout, contract.chunk_tokens, n, dtype)
+    ended: list[float] = []
+
+    def run() -> None:
+        prefix.load(client, keys[:n])
+        ended.append(clock())
+
+    loader = threading.Thread(target=run, name="kvoffload-demo-load")
+    loader.start()
+    tokens = n * contract.chunk_tokens
+    cache = streamed_cache(model.config, prefix, tokens)
+    try:
+        logits = prefill_suffix(model, token_ids, cache, tokens)
+    finally:
+        loader.join()
+    t5 = clock()
+    if prefix.error is not None:
+        raise prefix.error
+    if not prefix.complete:
+        # Some layer of some chunk never came: what the prefill used is not the
+        # prefix. Recompute (a real engine recomputes from the failed chunk).
+        full = prefill(model, token_ids)
+        t6 = clock()
+        return ReuseResult(full.logits, found, 0, 0, 0, None, t1 - t0, t2 - t1, 0.0, 0.0, t6 - t2)
+    t_load = ended[0]
+    return ReuseResult(
+        logits=logits,
+        lookup_chunks=found,
+        reused_chunks=n,
+        reused_tokens=tokens,
+        loaded_bytes=n * prefix.buf.layer_bytes * contract.layer_layout.num_layers,
+        prefix=prefix.buf,
+        keys_s=t1 - t0,
+        lookup_s=t2 - t1,
+        load_s=t_load - t2,
+        cache_s=0.0,
+        compute_s=max(0.0, t5 - t_load),
     )
 
 

@@ -521,26 +521,46 @@ def open_into(
         raise CorruptObject("non-zero padding after header")
     pos = 0
     for i, le in enumerate(h.layers):
-        stored = le.length + (TAG_SIZE if h.sealed else 0)
-        end = le.offset + stored
-        nxt = h.layers[i + 1].offset if i + 1 < len(h.layers) else size
-        if not _is_zero(buf[end:nxt]):
-            raise CorruptObject(f"non-zero padding after layer {i}")
         if before_layer is not None:
             before_layer(i)
-        dst = out[pos : pos + le.length]
-        if h.sealed:
-            assert aead is not None
-            if bytes(buf[le.offset + le.length : end]) != le.check:
-                raise CorruptObject(f"layer {i}: tag differs from the header's copy")
-            try:
-                aead.decrypt_into(le.nonce, buf[le.offset : end], layer_aad(h, i), dst)
-            except Exception as exc:  # cryptography's InvalidTag
-                raise CorruptObject(f"layer {i}: authentication failed") from exc
-        else:
-            src = buf[le.offset : end]
-            if xxhash.xxh3_128_digest(src) != le.check:
-                raise CorruptObject(f"layer {i}: checksum mismatch")
-            dst[:] = src
+        lo, hi = layer_slot(h, i)
+        open_layer(h, i, buf[lo:hi], out[pos : pos + le.length], aead)
         pos += le.length
     return h
+
+
+def layer_slot(h: ObjectHeader, i: int) -> tuple[int, int]:
+    """The byte range of layer ``i`` in the object: its data, its tag (sealed) and
+    the zero padding up to the next layer (or the end): what :func:`open_layer` reads."""
+    nxt = h.layers[i + 1].offset if i + 1 < len(h.layers) else h.total_size
+    return h.layers[i].offset, nxt
+
+
+def open_layer(
+    h: ObjectHeader, i: int, slot: memoryview, dst: memoryview, aead: Aead | None
+) -> None:
+    """Verify layer ``i`` from its slot (:func:`layer_slot`) and write its plaintext to ``dst``.
+
+    The per-layer half of :func:`open_into`, which a layer-wise load (protocol
+    §5.26) runs layer by layer over several objects once their headers passed
+    the whole-object checks. Raises :class:`CorruptObject` unless the padding
+    is zero and the tag (or checksum) passed; ``dst`` is garbage then.
+    """
+    le = h.layers[i]
+    stored = le.length + (TAG_SIZE if h.sealed else 0)
+    if len(slot) < stored or not _is_zero(slot[stored:]):
+        raise CorruptObject(f"non-zero padding after layer {i}")
+    if h.sealed:
+        if aead is None:
+            raise UnknownKeyEpoch(f"no key for epoch {h.key_epoch} (purged, unknown or newer)")
+        if bytes(slot[le.length : stored]) != le.check:
+            raise CorruptObject(f"layer {i}: tag differs from the header's copy")
+        try:
+            aead.decrypt_into(le.nonce, slot[:stored], layer_aad(h, i), dst[: le.length])
+        except Exception as exc:  # cryptography's InvalidTag
+            raise CorruptObject(f"layer {i}: authentication failed") from exc
+    else:
+        src = slot[:stored]
+        if xxhash.xxh3_128_digest(src) != le.check:
+            raise CorruptObject(f"layer {i}: checksum mismatch")
+        dst[: le.length] = src

@@ -27,6 +27,7 @@ from .replies import (
     InvalidateReply,
     LeaseLoadReply,
     LeaseStoreReply,
+    LoadProgress,
     LookupReply,
     LsReply,
     NamespacesReply,
@@ -55,7 +56,8 @@ _REPLY_TYPES: dict[
     | type[LsReply]
     | type[PurgeOlderReply]
     | type[InvalidateReply]
-    | type[NamespacesReply],
+    | type[NamespacesReply]
+    | type[LoadProgress],
 ] = {
     Op.HELLO: HelloReply,
     Op.LOOKUP: LookupReply,
@@ -72,6 +74,7 @@ _REPLY_TYPES: dict[
     Op.PURGE_OLDER: PurgeOlderReply,
     Op.INVALIDATE: InvalidateReply,
     Op.NAMESPACES: NamespacesReply,
+    Op.LOAD_PROGRESS: LoadProgress,
 }
 ACK_OPS = frozenset({Op.REGISTER_STAGING, Op.ABORT, Op.COMPLETE_LOAD, Op.TOUCH, Op.BYE})
 

@@ -54,6 +54,8 @@ class Op(StrEnum):
     #: Revision 5 (gov-keys): §5.20.
     INVALIDATE = "invalidate"
     NAMESPACES = "namespaces"
+    #: Interim frame of a layer-wise ``prepare_load`` (revision 9, §5.26); never a request.
+    LOAD_PROGRESS = "load_progress"
     #: Server-initiated fatal error frame (id 0).
     ERROR = "error"
 

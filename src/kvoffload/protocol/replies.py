@@ -82,6 +82,9 @@ class HelloReply(ReplyMessage, frozen=True):
     #: Optional (5.1): tenants of this hello that this connection may use the
     #: direct path for. Absent or false: staging only.
     direct: Mapping[Tenant, bool] = msgspec.field(default_factory=dict)
+    #: Optional (revision 9, §5.26): the server answers ``prepare_load`` with
+    #: ``layerwise`` by reporting layers as they are verified.
+    layerwise: bool = False
 
     def validate_wire(self, where: str) -> None:
         if self.alignment & (self.alignment - 1):
@@ -100,7 +103,7 @@ class HelloReply(ReplyMessage, frozen=True):
             "max_staging": self.max_staging,
             "handle_ttl_s": self.handle_ttl_s,
             "salts": dict(self.salts),
-        }
+        } | ({"layerwise": True} if self.layerwise else {})
 
 
 class Ack(Message, frozen=True):
@@ -473,6 +476,39 @@ class PrepareLoadReply(ReplyMessage, frozen=True):
         return cls(*_prefix_reply(m, "prepare_load reply", "verified", hit, LoadSlot(False)))
 
 
+class LoadProgress(ReplyMessage, frozen=True):
+    """§5.26: an interim frame of a layer-wise ``prepare_load`` (same ``id``, code 0).
+
+    The first frame (``layers_done`` 0) carries ``chunks``, the regions planned
+    for the leading keys; each later one says that layers ``[0, layers_done)``
+    of the first ``verified`` planned chunks are in their regions, verified.
+    """
+
+    OP: ClassVar[Op] = Op.LOAD_PROGRESS
+    WIRE_REQUIRED: ClassVar[tuple[str, ...]] = ("layers_done", "verified")
+    layers_done: Annotated[int, Meta(ge=0, le=MAX_LAYERS)] = 0
+    verified: Annotated[int, Meta(ge=0, le=MAX_BATCH)] = 0
+    chunks: Annotated[tuple[LoadSlot, ...], Meta(max_length=MAX_BATCH)] = ()
+
+    def validate_wire(self, where: str) -> None:
+        if self.chunks and self.layers_done:
+            raise bad(f"{where}: chunks are planned only in the first frame")
+        if self.chunks and self.verified != len(self.chunks):
+            raise bad(f"{where}: verified {self.verified} != {len(self.chunks)} planned chunks")
+        for i, c in enumerate(self.chunks):
+            if not c.verified or not c.layers or c.offset % ALIGNMENT:
+                raise bad(f"{where}.chunks[{i}]: not a planned region")
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"layers_done": self.layers_done, "verified": self.verified}
+        if self.chunks:
+            d["chunks"] = [
+                {"verified": True, "offset": c.offset, "layers": list(c.layers)}
+                for c in self.chunks
+            ]
+        return d
+
+
 class LeaseLoadReply(ReplyMessage, frozen=True):
     OP: ClassVar[Op] = Op.LEASE_LOAD
     handle: int
@@ -534,6 +570,7 @@ Reply = (
     | NamespacesReply
     | LeaseStoreReply
     | LeaseLoadReply
+    | LoadProgress
     | ErrorReply
 )
 
@@ -549,6 +586,7 @@ __all__ = [
     "LeaseLoadReply",
     "LeaseSlot",
     "LeaseStoreReply",
+    "LoadProgress",
     "LoadSlot",
     "LookupReply",
     "LsReply",

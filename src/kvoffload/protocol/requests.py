@@ -84,6 +84,16 @@ class Touch(_TenantKeys, frozen=True):
 
 class PrepareLoad(_TenantKeys, frozen=True):
     OP: ClassVar[Op] = Op.PREPARE_LOAD
+    #: Revision 9 (§5.26): report layers as they are verified (``load_progress``
+    #: frames before the reply). Sent only when true, and only to a server whose
+    #: ``hello`` announced ``layerwise``; ignored by ``lease_load``.
+    layerwise: bool = False
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"tenant": self.tenant, "keys": list(self.keys)}
+        if self.layerwise:
+            d["layerwise"] = True
+        return d
 
 
 class LeaseLoad(PrepareLoad, frozen=True):

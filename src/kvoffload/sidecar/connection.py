@@ -40,8 +40,10 @@ from kvoffload.protocol import (
     Frame,
     FrameDecoder,
     Hello,
+    LoadProgress,
     Lookup,
     Op,
+    PrepareLoad,
     ProtocolError,
     RegisterStaging,
     Reply,
@@ -293,12 +295,33 @@ class Connection:
         while self.tasks:
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
+    def _emitter(self, rid: int) -> Callable[[LoadProgress], bool]:
+        """§5.26: interim frames of request ``rid``, sent from its pool thread.
+
+        Each waits until its frame is written, so frames leave in order, before
+        the request's reply, and a slow client slows the load instead of
+        queueing frames; False once the connection is closing or broken."""
+        loop = asyncio.get_running_loop()
+
+        def emit(msg: LoadProgress) -> bool:
+            if self.closing:
+                return False
+            data = encode_frame(reply_message(rid, msg))
+            try:
+                asyncio.run_coroutine_threadsafe(self.send(data), loop).result()
+            except (OSError, RuntimeError):
+                return False
+            return True
+
+        return emit
+
     async def _serve_request(
         self, rid: int, req: Request, padding: tuple[Pad | None, float] = (None, 0.0)
     ) -> None:
         started = time.perf_counter()
+        emit = self._emitter(rid) if isinstance(req, PrepareLoad) and req.layerwise else None
         try:
-            reply = await self._run(self.session.execute, req)
+            reply = await self._run(self.session.execute, req, emit)
         except Exception:
             log.exception("%r: %s failed", self, req.OP.value)
             reply = ErrorReply(req.OP.value, ErrorCode.INTERNAL, "internal error")

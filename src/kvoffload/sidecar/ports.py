@@ -62,6 +62,16 @@ class StoreAPI(Protocol):
 
     def get_into(self, tenant: str, chunk_key: bytes, out: memoryview) -> list[int] | None: ...
 
+    def get_layerwise_into(
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        outs: Sequence[memoryview],
+        plan: Callable[[list[tuple[int, ...]]], None],
+        report: Callable[[int, int], None],
+        cancelled: Callable[[int], bool],
+    ) -> list[list[int] | None]: ...
+
     def payload_info(self, tenant: str, chunk_key: bytes) -> ChunkRecord | None: ...
 
     def lookup(self, tenant: str, keys: Sequence[bytes]) -> int: ...

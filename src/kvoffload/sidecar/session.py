@@ -88,7 +88,7 @@ from .service import (
     WriteHandle,
     plainify,
 )
-from .transfers import Transfers
+from .transfers import EmitFn, Transfers
 
 log = logging.getLogger("kvoffload.server")
 
@@ -173,6 +173,7 @@ class Session(Transfers):
             max_staging=cfg.max_staging,
             handle_ttl_s=cfg.handle_ttl_s,
             direct=direct,
+            layerwise=True,
         )
 
     def register_staging(self, req: RegisterStaging, fds: list[int]) -> Reply:
@@ -313,10 +314,13 @@ class Session(Transfers):
 
     # -- dispatch ------------------------------------------------------------------
 
-    def execute(self, req: Request) -> Reply:
+    def execute(self, req: Request, emit: EmitFn | None = None) -> Reply:
         """Every verb after ``hello`` but ``register_staging`` and ``bye`` (§5);
-        admin verbs and refusals leave an audit record (docs/spec/audit-v1.md §3)."""
-        reply = self._execute(req)
+        admin verbs and refusals leave an audit record (docs/spec/audit-v1.md §3).
+
+        ``emit`` sends an interim frame of this request (a layer-wise
+        ``prepare_load``, §5.26); without it such a load is answered whole."""
+        reply = self._execute(req, emit)
         refused = isinstance(reply, ErrorReply) and reply.code is ErrorCode.FORBIDDEN
         if refused or isinstance(req, _ADMIN_REQUESTS):
             self._audit_verb(req, reply, refused)
@@ -354,7 +358,7 @@ class Session(Transfers):
                 details[name] = value
         self.service.audit("admin", details)
 
-    def _execute(self, req: Request) -> Reply:
+    def _execute(self, req: Request, emit: EmitFn | None) -> Reply:
         op = req.OP.value
         try:
             match req:
@@ -372,7 +376,7 @@ class Session(Transfers):
                 case CompleteStore():
                     return self.complete_store(req)
                 case PrepareLoad():
-                    return self.prepare_load(req)
+                    return self.prepare_load(req, emit)
                 case CompleteLoad():
                     return self.complete_load(req)
                 case Abort():

@@ -34,6 +34,7 @@ from kvoffload.protocol import (
     LeaseSlot,
     LeaseStore,
     LeaseStoreReply,
+    LoadProgress,
     LoadSlot,
     Op,
     PrepareLoad,
@@ -75,6 +76,10 @@ _R = TypeVar("_R", LoadSlot, ReadSlot)
 _REPLY_ROOM = MAX_FRAME - 4096
 _LEASE_ENTRY_BYTES = 96
 _EXTENT_BYTES = 40
+
+#: Sends one interim frame of the request being served (§5.26); False when the
+#: connection is closing or gone, which stops a layer-wise load.
+EmitFn = Callable[[LoadProgress], bool]
 
 
 class Transfers:
@@ -317,9 +322,21 @@ class Transfers:
 
     # -- reads (§5.7, §5.8, §5.15) ------------------------------------------------------
 
-    def prepare_load(self, req: PrepareLoad) -> Reply:
-        """§5.7, §7: read and verify the leading chunks into regions, pinned."""
+    def load_cancelled(self, tenant: str) -> bool:
+        """Whether a layer-wise load of ``tenant`` must stop before its next layer
+        (§5.27): this connection lost the tenant (§6.1; one integer compared
+        while the policy generation holds). A purge or a revocation also stops
+        it through the store's load generation (sidecar/cancel.py)."""
+        return not self.may_use(tenant)
+
+    def prepare_load(self, req: PrepareLoad, emit: EmitFn | None = None) -> Reply:
+        """§5.7, §7: read and verify the leading chunks into regions, pinned.
+
+        With ``layerwise`` (§5.26) and a connection that can send interim
+        frames, the plan and every verified layer are reported as ``load_progress``
+        frames through ``emit`` before this reply."""
         self._open_handle_slot()
+        layerwise = emit if req.layerwise else None
         staging, alloc = self._registered()
         store = self.service.store
         align = self.service.config.alignment
@@ -351,7 +368,10 @@ class Transfers:
             outs = [staging.view[off : off + n] for off, n in zip(h.offsets, payloads, strict=True)]
             try:
                 with self.service.budget.hold(sum(payloads)):
-                    results = store.get_many_into(h.tenant, list(h.keys), outs)
+                    if layerwise is None:
+                        results = store.get_many_into(h.tenant, list(h.keys), outs)
+                    else:
+                        results = self._read_layerwise(h, outs, layerwise)
             except Exception:
                 log.exception("%r: reading chunks failed", self)
                 results = [None] * len(payloads)
@@ -377,6 +397,33 @@ class Transfers:
 
         handle, stop, slots = self._prepare_read(req, LoadSlot(False), False, fill)
         return PrepareLoadReply(handle, stop, slots)
+
+    def _read_layerwise(
+        self, h: LoadHandle, outs: list[memoryview], emit: EmitFn
+    ) -> list[list[int] | None]:
+        """§5.26, §5.27: read the planned chunks layer-major, one frame per layer."""
+        gone = False
+
+        def send(msg: LoadProgress) -> None:
+            nonlocal gone
+            if not gone and not emit(msg):
+                gone = True  # the client left: stop before the next layer
+
+        def plan(layers: list[tuple[int, ...]]) -> None:
+            slots = tuple(
+                LoadSlot(True, off, ls) for off, ls in zip(h.offsets, layers, strict=False)
+            )
+            send(LoadProgress(0, len(slots), slots))
+
+        def report(done: int, verified: int) -> None:
+            send(LoadProgress(done, verified))
+
+        def cancelled(layer: int) -> bool:
+            return gone or self.load_cancelled(h.tenant)
+
+        return self.service.store.get_layerwise_into(
+            h.tenant, list(h.keys), outs, plan, report, cancelled
+        )
 
     def lease_load(self, req: LeaseLoad) -> Reply:
         """§5.15: the leading objects' paths and checks, header checked, pinned."""

@@ -91,6 +91,10 @@ class KVOffloadSettings:
     events_token_ids: bool = False
     #: ``LOCAL`` (the node's store) or ``REMOTE`` (a store root shared by nodes).
     events_locality: str = "LOCAL"
+    #: Sync loads hand each layer to the forward pass as soon as the sidecar
+    #: verified it (protocol-v1.md §5.26), so layer i+1 streams while layer i
+    #: computes; false: the whole chunk is loaded before the forward starts.
+    layerwise: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KVOffloadSettings:
@@ -188,6 +192,7 @@ _CHECKS: dict[str, Callable[[str, object], Any]] = {
     "direct": _check_bool,
     "events_token_ids": _check_bool,
     "events_locality": _check_locality,
+    "layerwise": _check_bool,
 }
 
 

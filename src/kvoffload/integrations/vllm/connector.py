@@ -120,11 +120,11 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.worker_side.start_load_kv(self._metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Nothing to wait for per layer: a chunk object arrives with all its
-        # layers at once, so a sync load completes inside start_load_kv
-        # (which vLLM calls before the forward pass), and an async load
-        # belongs to a request that is not in this step's batch.
-        return
+        # A sync load started in start_load_kv streams layer by layer
+        # (``layerwise``, protocol §5.26): this returns once the layer is in
+        # the cache, so the next one streams while this one computes. An async
+        # load belongs to a request that is not in this step's batch.
+        self.worker_side.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

@@ -21,11 +21,18 @@ Threads
 -------
 Loads and saves each have their own sidecar connection and one background
 thread, so a long save never delays a load. Async loads run on the load
-thread; sync loads run inline in ``start_load_kv``, which vLLM calls before
-the forward pass when a step carries one. Async saves gather and write on the
-save thread; the scheduler keeps the blocks of finished requests until the
-save is reported, and ``handle_preemptions`` drains saves of preempted
-requests before their blocks can be overwritten.
+thread. Sync loads (``start_load_kv`` is called before the forward pass when
+a step carries one) run layer-wise on a step thread of their own: the sidecar
+reports each layer once verified, the thread copies it into the cache, and
+``wait_for_layer_load`` (called by each attention layer) returns when that
+layer of every chunk is in place, so layer i+1 streams while layer i
+computes; ``wait_for_save`` and ``get_block_ids_with_load_errors`` (after the
+forward) wait for the rest and report what failed. With ``layerwise = false``
+they run inline in ``start_load_kv``, whole chunks before the forward.
+Async saves gather and write on the save thread; the scheduler keeps the
+blocks of finished requests until the save is reported, and
+``handle_preemptions`` drains saves of preempted requests before their
+blocks can be overwritten.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ from .common import (
     ordered_layer_names,
     registered_attention_backend,
 )
+from .pinned import PinnedStaging
 from .stats import FIELDS as STATS_FIELDS
 
 log = logging.getLogger(__name__)
@@ -107,6 +115,21 @@ class PagedCache:
         for i, mv in enumerate(layers):
             if mv.nbytes != want:
                 raise _BadChunk(f"layer {i} holds {mv.nbytes} bytes, expected {want}")
+        for i, mv in enumerate(layers):
+            self.scatter_layer(chunk, chunk_tokens, i, mv)
+
+    def scatter_layer(
+        self, chunk: ChunkRef, chunk_tokens: int, i: int, mv: memoryview, non_blocking: bool = False
+    ) -> None:
+        """Write layer ``i`` of blocks ``chunk.block_ids`` from that layer's entry.
+
+        ``non_blocking`` (pinned staging on a GPU): the copies are only queued on
+        the current stream; the caller synchronizes it before ``mv`` goes away."""
+        if not 0 <= i < len(self.layers):
+            raise _BadChunk(f"layer {i}, this shard has {len(self.layers)}")
+        want = self.layer_nbytes(chunk_tokens)
+        if mv.nbytes != want:
+            raise _BadChunk(f"layer {i} holds {mv.nbytes} bytes, expected {want}")
         n = len(chunk.block_ids)
         t0 = chunk.first_block * self.block_size
         t1 = t0 + n * self.block_size
@@ -117,16 +140,16 @@ class PagedCache:
         half = chunk_tokens * h * hd
         # [tokens, H, D] of n blocks -> [n, ratio, H, Nk, D], vLLM's logical order
         shape = (n, self.ratio, -1, h, hd)
-        for layer, mv in zip(self.layers, layers, strict=True):
-            # Staging memory is read-only to us; frombuffer's "not writable"
-            # warning was consumed at registration (see _quiet_frombuffer).
-            src = torch.frombuffer(mv, dtype=torch.uint8).view(self.dtype)
-            k = src[:half].view(chunk_tokens, h, hd)[t0:t1].to(self.device)
-            v = src[half:].view(chunk_tokens, h, hd)[t0:t1].to(self.device)
-            # Index-assigning into the K and V halves of the view writes the
-            # cache itself, with no intermediate K|V tensor.
-            layer[..., :hd][idx] = k.view(shape).permute(0, 1, 3, 2, 4)
-            layer[..., hd:][idx] = v.view(shape).permute(0, 1, 3, 2, 4)
+        layer = self.layers[i]
+        # Staging memory is read-only to us; frombuffer's "not writable"
+        # warning was consumed at registration (see _quiet_frombuffer).
+        src = torch.frombuffer(mv, dtype=torch.uint8).view(self.dtype)
+        k = src[:half].view(chunk_tokens, h, hd)[t0:t1].to(self.device, non_blocking=non_blocking)
+        v = src[half:].view(chunk_tokens, h, hd)[t0:t1].to(self.device, non_blocking=non_blocking)
+        # Index-assigning into the K and V halves of the view writes the
+        # cache itself, with no intermediate K|V tensor.
+        layer[..., :hd][idx] = k.view(shape).permute(0, 1, 3, 2, 4)
+        layer[..., hd:][idx] = v.view(shape).permute(0, 1, 3, 2, 4)
 
 
 def _quiet_frombuffer() -> None:
@@ -206,6 +229,18 @@ class _Stream:
         event.record()
         return event
 
+    @property
+    def on_device(self) -> bool:
+        return self._stream is not None
+
+    def record(self) -> Any:
+        """An event after everything queued so far on this (side) stream."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self._stream)
+        return event
+
     @contextmanager
     def active(self, after: Any = None) -> Iterator[None]:
         if self._stream is None:
@@ -217,6 +252,49 @@ class _Stream:
             yield
         # Reported done means the bytes are in place.
         self._stream.synchronize()
+
+
+class _StepLoad:
+    """This step's sync loads, handed to the forward pass layer by layer.
+
+    Layer ``i`` is ready once every chunk of the step's sync loads either has
+    its layer ``i`` in the cache or is known not to be loaded (its blocks are
+    then reported failed after the forward, and vLLM recomputes them). On a
+    GPU the copies run on the load stream and ``events[i]`` orders the compute
+    stream after them; on the CPU the copies are done when ``ready[i]`` is set.
+    """
+
+    def __init__(self, num_layers: int, total_chunks: int, stream: _Stream | None) -> None:
+        self.ready = [threading.Event() for _ in range(num_layers)]
+        self.events: list[Any] = [None] * num_layers
+        self._count = [0] * num_layers
+        self._total = total_chunks
+        self._stream = stream
+        self._lock = threading.Lock()
+        self.future: Future[set[int]] | None = None
+
+    def add(self, layer: int, chunks: int) -> None:
+        """``chunks`` more chunks are settled for ``layer`` (in the cache, or lost)."""
+        with self._lock:
+            self._count[layer] += chunks
+            if self._count[layer] >= self._total and not self.ready[layer].is_set():
+                self._release(layer)
+
+    def release_all(self) -> None:
+        with self._lock:
+            for layer, ev in enumerate(self.ready):
+                if not ev.is_set():
+                    self._release(layer)
+
+    def _release(self, layer: int) -> None:
+        if self._stream is not None:
+            self.events[layer] = self._stream.record()
+        self.ready[layer].set()
+
+    def wait(self, layer: int) -> None:
+        self.ready[layer].wait()
+        if self.events[layer] is not None:
+            torch.cuda.current_stream().wait_event(self.events[layer])
 
 
 def local_ranks(vllm_config: Any) -> tuple[int, int]:
@@ -255,6 +333,12 @@ class KVOffloadWorker:
             settings, name=f"kvoffload-vllm-{rank}-save", staging_bytes=settings.staging_bytes
         )
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-load")
+        # Sync loads of a step, layer by layer, while the forward runs.
+        self._step_pool = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-step-load")
+        self._layerwise = settings.layerwise
+        self._step: _StepLoad | None = None
+        self._layer_of: dict[str, int] = {}
+        self._pinned = PinnedStaging()
         self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-save")
         self._cache: PagedCache | None = None
         self._load_stream: _Stream | None = None
@@ -296,6 +380,7 @@ class KVOffloadWorker:
                 f"smaller than one chunk ({packed} bytes): raise it or lower chunk_tokens"
             )
         self._cache = cache
+        self._layer_of = {name: i for i, name in enumerate(cache.layer_names)}
         self._load_stream = _Stream(cache.device)
         self._save_stream = _Stream(cache.device)
         log.info(
@@ -320,16 +405,123 @@ class KVOffloadWorker:
     # -- loads -------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVOffloadMetadata) -> None:
-        # Async loads write on a side stream: order them after what this step
-        # queued on the main one (vLLM zeroes newly allocated blocks there).
-        background = any(job.is_async for job in meta.loads)
+        self._finish_step()
+        # Async loads (and layer-wise sync ones) write on a side stream: order
+        # them after what this step queued on the main one (vLLM zeroes newly
+        # allocated blocks there).
+        sync = [job for job in meta.loads if not job.is_async]
+        layerwise = bool(sync) and self._layerwise
+        background = layerwise or any(job.is_async for job in meta.loads)
         after = self._load_stream.mark() if background and self._load_stream else None
         for job in meta.loads:
             if job.is_async:
                 self._loads[job.req_id] = self._load_pool.submit(self._run_load, job, True, after)
-            else:
+            elif not layerwise:
                 # The step's forward reads these blocks right after this returns.
                 self._load_errors |= self._run_load(job, False, None)
+        if layerwise:
+            # The forward waits for each layer in wait_for_layer_load.
+            cache = self._require_cache()
+            total = sum(len(j.chunks) for j in sync)
+            step = _StepLoad(len(cache.layers), total, self._device_stream())
+            step.future = self._step_pool.submit(self._run_step, sync, step, after)
+            self._step = step
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Return once layer ``layer_name`` of this step's sync loads is in the cache
+        (or known lost: its blocks are reported failed after the forward)."""
+        step = self._step
+        if step is None:
+            return
+        i = self._layer_of.get(layer_name)
+        if i is None:
+            # Not a layer this connector registered: wait for all of them,
+            # which is always correct.
+            for layer in range(len(step.ready)):
+                step.wait(layer)
+            return
+        step.wait(i)
+
+    def _finish_step(self) -> None:
+        """Wait for the step's layer-wise load and take its failed blocks."""
+        step, self._step = self._step, None
+        if step is not None and step.future is not None:
+            self._load_errors |= step.future.result()
+
+    def _device_stream(self) -> _Stream | None:
+        """The load stream where the cache is on a GPU (lever 6); None on the CPU."""
+        s = self._load_stream
+        return s if s is not None and s.on_device else None
+
+    def _run_step(self, jobs: list[LoadJob], step: _StepLoad, after: Any) -> set[int]:
+        failed: set[int] = set()
+        try:
+            with self._background(self._device_stream(), after):
+                for job in jobs:
+                    failed |= self._run_load_layerwise(job, step)
+        except Exception:
+            log.exception("kvoffload: layer-wise load failed")
+            failed |= {b for job in jobs for c in job.chunks for b in c.block_ids}
+        finally:
+            step.release_all()
+        return failed
+
+    def _run_load_layerwise(self, job: LoadJob, step: _StepLoad) -> set[int]:
+        """Load one request's chunks layer by layer; the block ids not verified in full."""
+        cache = self._require_cache()
+        chunks = job.chunks
+        num_layers = len(cache.layers)
+        delivered = [0] * num_layers  # per layer: leading chunks in the cache
+        bad = len(chunks)  # first chunk that must not count as loaded
+
+        device = self._device_stream() is not None
+        pinned = device and self._pinned.pin(self._load_client.staging, cache.device)
+
+        def on_layer(layer: int, first: int, views: Sequence[memoryview]) -> None:
+            try:
+                scatter(layer, first, views)
+            finally:
+                if device:
+                    # The views die with this call: their copies must be done.
+                    torch.cuda.current_stream().synchronize()
+
+        def scatter(layer: int, first: int, views: Sequence[memoryview]) -> None:
+            nonlocal bad
+            if layer >= num_layers:
+                # An object with more layers than this shard: unusable from its first chunk.
+                log.warning("kvoffload: chunk %d of %s has a layer %d", first, job.req_id, layer)
+                bad = min(bad, first)
+                return
+            before = delivered[layer]
+            for j, mv in enumerate(views):
+                c = first + j
+                if c >= bad:
+                    break
+                try:
+                    if c != delivered[layer]:
+                        raise _BadChunk(f"layer {layer} of chunk {c} arrived out of order")
+                    cache.scatter_layer(chunks[c], self._ct, layer, mv, pinned)
+                except _BadChunk as exc:
+                    log.warning("kvoffload: chunk %d of %s unusable: %s", c, job.req_id, exc)
+                    bad = c
+                    break
+                delivered[layer] = c + 1
+            step.add(layer, delivered[layer] - before)
+
+        done = 0
+        try:
+            results = self._load_client.load_layerwise(
+                [c.keys[self._shard] for c in chunks], on_layer
+            )
+            verified = next((i for i, r in enumerate(results) if not r.ok), len(results))
+            done = min(verified, bad, *delivered)
+        except Exception:
+            log.exception("kvoffload: load for %s failed", job.req_id)
+        finally:
+            for layer in range(num_layers):
+                step.add(layer, len(chunks) - delivered[layer])
+        self._count(chunks_loaded=done, chunks_load_failed=len(chunks) - done)
+        return {b for c in chunks[done:] for b in c.block_ids}
 
     def _run_load(self, job: LoadJob, background: bool, after: Any) -> set[int]:
         """Load a request's chunks; the block ids that did not get verified data."""
@@ -378,6 +570,8 @@ class KVOffloadWorker:
     # -- saves -------------------------------------------------------------------
 
     def wait_for_save(self, meta: KVOffloadMetadata) -> None:
+        # After the forward: the step's loads are over, whatever it waited for.
+        self._finish_step()
         if meta.saves:
             cache = self._require_cache()
             after = self._save_stream.mark() if self._save_stream is not None else None
@@ -491,6 +685,7 @@ class KVOffloadWorker:
         return sending, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_step()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -505,5 +700,7 @@ class KVOffloadWorker:
         # Let running saves finish (they hold nothing vLLM needs back now).
         self._save_pool.shutdown(wait=True)
         self._load_pool.shutdown(wait=True)
+        self._step_pool.shutdown(wait=True)
+        self._pinned.unpin()
         self._load_client.close()
         self._save_client.close()

@@ -15,7 +15,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from ...layouts import (
 )
 from ...layouts.store_root import ROOT_DIR_MODES
 from ...posix import atomic_create
-from ..cancel import LoadGenerations
+from ..cancel import LoadGenerations, TransferCancelled
 from ..errors import StoreError, StoreIOError, StoreLocked
 from ..fileio import Durability, ScratchBuffers, syncfs
 from ..index import ChunkRecord, Index, IndexCorrupt, IndexFailure, Usage, probe_in_child
@@ -51,6 +51,7 @@ from .base import (
 )
 from .capacity import _Scope
 from .contracts import ContractRegistry, check_selector, contract_fields, contract_matches
+from .layerwise import PlanFn, ReportFn, get_layerwise_into
 from .leases import Leases
 from .retention import RetentionJournal
 from .shared import POSITIONS_META, SharedRoot
@@ -414,6 +415,35 @@ class Store(Leases):
         self._bg = [t for t in self._bg if t.is_alive()]
 
     # -------------------------------------------------------------- tenants
+
+    @boundary
+    def get_layerwise_into(
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        outs: Sequence[memoryview],
+        plan: PlanFn,
+        report: ReportFn,
+        cancelled: Callable[[int], bool],
+    ) -> list[list[int] | None]:
+        """:meth:`get_many_into` layer by layer, reporting each layer (protocol §5.26).
+
+        ``cancelled(layer)`` is asked before each layer; a purge or revocation
+        of ``tenant`` from the start of this call on stops the load there too
+        (the same load generation as :meth:`get_many_into`'s, sidecar/cancel.py).
+        """
+        guard = self._load_gens.guard(tenant)
+
+        def stop(layer: int) -> bool:
+            if cancelled(layer):
+                return True
+            try:
+                guard(layer)
+            except TransferCancelled:
+                return True
+            return False
+
+        return get_layerwise_into(self, tenant, keys, outs, plan, report, stop)
 
     @boundary
     def record_audit(self, event: str, details: dict[str, Any]) -> None:

@@ -1,0 +1,192 @@
+"""Layer-wise loads (protocol-v1.md §5.26): every chunk's layer *l* verified before layer *l+1*.
+
+A chunk object holds its layers one after the other, each 4 KiB-aligned with
+its own tag (layout-v1.md §3), so a load can go layer-major over a batch:
+open every object and check its header and identity first (the checks
+:func:`~kvoffload.layouts.v1.open_into` makes before the layers), then for each
+layer read that layer's slot of every chunk, check padding and tag, decrypt it
+into the chunk's output, and only then report the layer. An engine that
+computes layer by layer starts on layer 0 while layer 1 is still being read.
+
+One loop, one place for each rule:
+
+- ``cancelled()`` is asked before each layer is copied: a disconnected client,
+  or a tenant whose access was revoked, stops the load there, before the next
+  byte goes into staging; every chunk is then a miss.
+- ``report(layers_done, verified)`` is called after each layer, once every
+  byte it reports was checked; ``verified`` never grows.
+- A chunk that fails (read error, tag, padding) is a miss and ends the prefix:
+  it and every later chunk are dropped from the loop, and the failure is
+  handled as any failed read is (entry dropped, file quarantined).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ...layouts import CorruptObject, ObjectMismatch, UnknownKeyEpoch, v1
+from ..index import ChunkRecord
+from .base import log
+
+if TYPE_CHECKING:
+    from .pipeline import Pipeline
+
+#: ``report(layers_done, verified)``: layers [0, layers_done) of the first
+#: ``verified`` chunks are in their outputs, verified.
+ReportFn = Callable[[int, int], None]
+#: ``plan(layers)``: the layer lengths of the leading chunks whose headers
+#: passed, before any layer is read.
+PlanFn = Callable[[list[tuple[int, ...]]], None]
+
+
+@dataclass
+class _Opened:
+    key: bytes
+    fd: int
+    header: v1.ObjectHeader
+    aead: v1.Aead | None
+    #: Where each layer's plaintext starts in the chunk's output.
+    starts: list[int]
+    scratch: bytearray
+
+
+def _open(store: Pipeline, tenant: str, rec: ChunkRecord, out: memoryview) -> _Opened:
+    """Open one object and make every check that comes before its layers."""
+    key = rec.chunk_key
+    fd = os.open(store._path(tenant, key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        if size != rec.size:
+            raise CorruptObject(f"object is {size} bytes, its index record says {rec.size}")
+        hb = os.pread(fd, v1.header_length(rec.num_layers), 0)
+        h = v1.decode_header(hb)
+        if h.chunk_key != key or h.tenant != tenant or h.namespace != rec.namespace:
+            raise ObjectMismatch("object belongs to another chunk key, tenant or namespace")
+        if (h.total_size, len(h.layers), h.payload_size, h.key_epoch) != (
+            rec.size, rec.num_layers, rec.payload, rec.key_epoch,
+        ):  # fmt: skip
+            raise ObjectMismatch("object differs from its index record (size or layers)")
+        if h.payload_size > len(out):
+            raise ObjectMismatch(f"object holds {h.payload_size} bytes, {len(out)} expected")
+        pad = os.pread(fd, h.data_offset - len(hb), len(hb))
+        if pad.count(0) != len(pad):
+            raise CorruptObject("non-zero padding after header")
+        aead: v1.Aead | None = None
+        if h.sealed:
+            tk = store.keyring.get(tenant)
+            aead = store._aead_for(tenant, tk)(h.key_epoch)
+            if aead is None:
+                raise UnknownKeyEpoch(f"no key for epoch {h.key_epoch} (purged, unknown or newer)")
+        starts, at = [], 0
+        widest = 0
+        for i, le in enumerate(h.layers):
+            starts.append(at)
+            at += le.length
+            lo, hi = v1.layer_slot(h, i)
+            widest = max(widest, hi - lo)
+        return _Opened(key, fd, h, aead, starts, bytearray(widest))
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _layer(o: _Opened, i: int, out: memoryview) -> None:
+    """Read, verify and decrypt layer ``i`` of an opened object into ``out``."""
+    h = o.header
+    if i >= len(h.layers):
+        return
+    lo, hi = v1.layer_slot(h, i)
+    slot = memoryview(o.scratch)[: hi - lo]
+    got = os.preadv(o.fd, [slot], lo)
+    if got != hi - lo:
+        raise CorruptObject(f"layer {i}: short read ({got} of {hi - lo} bytes)")
+    start = o.starts[i]
+    v1.open_layer(h, i, slot, out[start : start + h.layers[i].length], o.aead)
+
+
+def get_layerwise_into(
+    store: Pipeline,
+    tenant: str,
+    keys: Sequence[bytes],
+    outs: Sequence[memoryview],
+    plan: PlanFn,
+    report: ReportFn,
+    cancelled: Callable[[int], bool],
+) -> list[list[int] | None]:
+    """Load ``keys`` layer-major into ``outs``; per chunk its layer lengths, or None.
+
+    The non-None results form a prefix. Layers are reported through ``report``
+    as they complete (see the module's notes); the final ``report`` has
+    ``layers_done`` equal to the most layers of any chunk, unless the load
+    stopped (cancelled, or no chunk left), after which nothing more is reported.
+    """
+    if len(outs) != len(keys):
+        raise ValueError("one output buffer per key")
+    opened: list[_Opened] = []
+    try:
+        for key, out in zip(keys, outs, strict=True):
+            rec = store._record(tenant, key)
+            if rec is None:
+                store.counters.misses += 1
+                break
+            try:
+                opened.append(_open(store, tenant, rec, out))
+            except Exception as exc:
+                _failed(store, tenant, key, exc)
+                break
+        live = len(opened)
+        plan([tuple(le.length for le in o.header.layers) for o in opened])
+        layers = max((len(o.header.layers) for o in opened), default=0)
+        pool = store._pipeline() if live > 1 else None
+        for i in range(layers):
+            if live == 0:
+                break
+            # The cancel point: nothing of layer i has been copied yet.
+            if cancelled(i):
+                log.info("layer-wise load of %s stopped before layer %d", tenant, i)
+                live = 0
+                report(i, 0)
+                break
+            if pool is None:
+                errors: list[BaseException | None] = []
+                for c in range(live):
+                    try:
+                        _layer(opened[c], i, outs[c])
+                        errors.append(None)
+                    except Exception as exc:
+                        errors.append(exc)
+                        break
+            else:
+                futs = [pool.submit(_layer, opened[c], i, outs[c]) for c in range(live)]
+                errors = [f.exception() for f in futs]
+            for c, err in enumerate(errors):
+                if err is not None:
+                    _failed(store, tenant, opened[c].key, err)
+                    live = c
+                    break
+            report(i + 1, live)
+        results: list[list[int] | None] = [None] * len(keys)
+        for c in range(live):
+            h = opened[c].header
+            store._hit(tenant, opened[c].key, h.payload_size)
+            results[c] = [le.length for le in h.layers]
+        return results
+    finally:
+        for o in opened:
+            os.close(o.fd)
+
+
+def _failed(store: Pipeline, tenant: str, key: bytes, exc: BaseException) -> None:
+    if isinstance(exc, ObjectMismatch) and "index record" in str(exc):
+        # The object may be whole and the record stale: the record goes, the
+        # file stays for fsck (or a re-save) to sort out. A miss either way.
+        store.counters.misses += 1
+        store._drop_quietly(tenant, key, "record-mismatch", remove_file=False)
+        return
+    store._read_failed(tenant, key, exc)
+
+
+__all__ = ["PlanFn", "ReportFn", "get_layerwise_into"]
