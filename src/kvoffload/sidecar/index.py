@@ -560,6 +560,19 @@ class Index:
             _encode(rec)
         return self._write(lambda txn: sum(self._put_txn(txn, rec) for rec in batch))
 
+    def put_each(self, recs: Sequence[ChunkRecord]) -> list[bool]:
+        """Insert records in one transaction; per record, whether it was new.
+
+        A batch of saves commits its records together: one write transaction
+        (and one commit) per batch instead of one per chunk. Either all the
+        batch's records are committed or none is.
+        """
+        for rec in recs:
+            _encode(rec)
+        if not recs:
+            return []
+        return self._write(lambda txn: [self._put_txn(txn, rec) for rec in recs])
+
     def get(self, tenant: str, chunk_key: bytes) -> ChunkRecord | None:
         key = _index_key(tenant, chunk_key)
 
