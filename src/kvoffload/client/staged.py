@@ -28,6 +28,9 @@ from ..protocol import (
     PrepareStore,
     PrepareStoreReply,
     ProtocolError,
+    Store,
+    StoreChunk,
+    StoreReply,
     StoreStatus,
     packed_layout,
     region_size,
@@ -46,7 +49,8 @@ from .session import CONNECTION_ERRORS, Session, expect
 
 #: Conservative msgpack size of one chunk entry in prepare_store: key (34),
 #: map keys and headers (~24), one u64 (≤ 9 bytes) per layer size.
-_CHUNK_ENTRY_BYTES = 64
+#: (+ 16: a ``store`` chunk's ``offset``).
+_CHUNK_ENTRY_BYTES = 80
 _LAYER_ENTRY_BYTES = 9
 _FRAME_SLACK = 4096
 
@@ -137,6 +141,8 @@ class StagedPath:
             ChunkSpec(keys[i], tuple(v.nbytes for v in views[i]), bl[i] if bl else None)
             for i in batch
         )
+        if s.hello.store and self._store_batch(s, namespace, views, batch, specs, ttl_s, results):
+            return
         reply = s.call(PrepareStore(s.tenant, namespace, specs, ttl_s))
         if isinstance(reply, ErrorReply):
             s.on_error_reply(reply)
@@ -158,6 +164,49 @@ class StagedPath:
                 s.call(Abort(prep.handle))
             raise
         complete_store(s, prep.chunks, prep.handle, batch, results)
+
+    def _store_batch(
+        self,
+        s: Session,
+        namespace: bytes,
+        views: list[list[memoryview]],
+        batch: list[int],
+        specs: tuple[ChunkSpec, ...],
+        ttl_s: float | None,
+        results: list[bool],
+    ) -> bool:
+        """One round trip (``store``, protocol-v1.md §5.21): the layers go to regions
+        of the staging buffer packed from offset 0 (the client serializes its calls,
+        so the whole buffer is free and the batch fits it), then one request.
+        False: the server would not take it (``BUSY``, ``UNSUPPORTED``); use the
+        two-step path for this batch."""
+        align = s.hello.alignment
+        chunks: list[StoreChunk] = []
+        at = 0
+        for sp, i in zip(specs, batch, strict=True):
+            self._copy_in(self._staging, at, views[i])
+            chunks.append(StoreChunk(sp.key, sp.layers, sp.blocks, offset=at))
+            at += region_size(sp.layers, align)
+        reply = s.call(Store(s.tenant, namespace, tuple(chunks), ttl_s))
+        if isinstance(reply, ErrorReply):
+            if reply.code in (ErrorCode.BUSY, ErrorCode.UNSUPPORTED):
+                return False
+            s.on_error_reply(reply)
+            return True
+        done = expect(reply, StoreReply)
+        if len(done.stored) != len(batch):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "store reply has wrong length")
+        refused = sorted({ErrorCode.from_wire(c).name for c in done.codes if c})
+        if refused:
+            s.warn(
+                logging.WARNING,
+                "store-rejected",
+                f"kvoffload sidecar did not store {sum(1 for c in done.codes if c)} "
+                f"chunk(s): {', '.join(refused)}",
+            )
+        for ok, i in zip(done.stored, batch, strict=True):
+            results[i] = ok
+        return True
 
     # -- load ----------------------------------------------------------------
 

@@ -97,6 +97,7 @@ from .replies import (
     ReadSlot,
     Reply,
     StatsReply,
+    StoreReply,
     StoreSlot,
 )
 from .requests import (
@@ -121,6 +122,8 @@ from .requests import (
     RegisterStaging,
     Request,
     Stats,
+    Store,
+    StoreChunk,
     Touch,
 )
 
@@ -193,6 +196,9 @@ __all__ = [
     "Request",
     "Stats",
     "StatsReply",
+    "Store",
+    "StoreChunk",
+    "StoreReply",
     "StoreSlot",
     "StoreStatus",
     "Touch",

@@ -34,6 +34,7 @@ from .replies import (
     PurgeReply,
     Reply,
     StatsReply,
+    StoreReply,
 )
 from .requests import REQUEST_TYPES, Request
 
@@ -51,7 +52,8 @@ _REPLY_TYPES: dict[
     | type[LeaseLoadReply]
     | type[InspectReply]
     | type[LsReply]
-    | type[PurgeOlderReply],
+    | type[PurgeOlderReply]
+    | type[StoreReply],
 ] = {
     Op.HELLO: HelloReply,
     Op.LOOKUP: LookupReply,
@@ -66,6 +68,7 @@ _REPLY_TYPES: dict[
     Op.INSPECT: InspectReply,
     Op.LS: LsReply,
     Op.PURGE_OLDER: PurgeOlderReply,
+    Op.STORE: StoreReply,
 }
 ACK_OPS = frozenset({Op.REGISTER_STAGING, Op.ABORT, Op.COMPLETE_LOAD, Op.TOUCH, Op.BYE})
 

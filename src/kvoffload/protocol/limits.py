@@ -51,6 +51,8 @@ class Op(StrEnum):
     INSPECT = "inspect"
     LS = "ls"
     PURGE_OLDER = "purge_older"
+    #: Revision 6 (§5.21): prepare + complete of a batch in one round trip.
+    STORE = "store"
     #: Server-initiated fatal error frame (id 0).
     ERROR = "error"
 

@@ -183,6 +183,36 @@ class LeaseStore(PrepareStore, frozen=True):
     OP: ClassVar[Op] = Op.LEASE_STORE
 
 
+class StoreChunk(ChunkSpec, frozen=True, kw_only=True):
+    """A ``store`` chunk (§5.21): a ``prepare_store`` chunk plus the region of the
+    client's staging buffer that already holds its packed layers."""
+
+    #: Start of the chunk's region: a multiple of the alignment (checked against
+    #: the hello's ``alignment`` and the staging size by the server). Required.
+    offset: UInt
+
+    def to_wire(self) -> dict[str, Any]:
+        d = super().to_wire()
+        d["offset"] = self.offset
+        return d
+
+
+class Store(RequestMessage, frozen=True):
+    """§5.21 (revision 6): store chunks the client already put in its staging buffer,
+    at regions it chose, in one round trip (``prepare_store`` + ``complete_store``)."""
+
+    OP: ClassVar[Op] = Op.STORE
+    tenant: Tenant
+    namespace: Namespace
+    chunks: Annotated[tuple[StoreChunk, ...], Meta(min_length=1, max_length=MAX_BATCH)]
+    ttl_s: Seconds | None = None
+
+    def validate_wire(self, where: str) -> None:
+        distinct(tuple(c.key for c in self.chunks), f"{where}.chunks", "key")
+        for i, c in enumerate(self.chunks):
+            c.validate_wire(f"{where}.chunks[{i}]")
+
+
 class CompleteStore(RequestMessage, frozen=True):
     OP: ClassVar[Op] = Op.COMPLETE_STORE
     handle: Handle
@@ -289,6 +319,7 @@ Request = (
     | Inspect
     | Ls
     | PurgeOlder
+    | Store
 )
 
 REQUEST_TYPES: dict[Op, type[Request]] = {
@@ -312,6 +343,7 @@ REQUEST_TYPES: dict[Op, type[Request]] = {
         Inspect,
         Ls,
         PurgeOlder,
+        Store,
     )
 }
 
@@ -337,5 +369,7 @@ __all__ = [
     "Request",
     "RequestMessage",
     "Stats",
+    "Store",
+    "StoreChunk",
     "Touch",
 ]

@@ -59,6 +59,7 @@ from kvoffload.protocol import (
     Request,
     Stats,
     StatsReply,
+    Store,
     Touch,
     close_fds,
     fake_salt,
@@ -140,6 +141,7 @@ class Session(Transfers):
             max_staging=cfg.max_staging,
             handle_ttl_s=cfg.handle_ttl_s,
             direct=direct,
+            store=True,
         )
 
     def register_staging(self, req: RegisterStaging, fds: list[int]) -> Reply:
@@ -252,6 +254,8 @@ class Session(Transfers):
                     return self.prepare_store(req)
                 case CompleteStore():
                     return self.complete_store(req)
+                case Store():
+                    return self.store(req)
                 case PrepareLoad():
                     return self.prepare_load(req)
                 case CompleteLoad():
