@@ -73,6 +73,11 @@ class _TenantKeys(RequestMessage, frozen=True):
     tenant: Tenant
     keys: Keys
 
+    def to_wire(self) -> dict[str, Any]:
+        # What Message.to_wire gives, without its per-field generic path: a
+        # lookup is on the scheduler's path.
+        return {"tenant": self.tenant, "keys": list(self.keys)}
+
 
 class Lookup(_TenantKeys, frozen=True):
     OP: ClassVar[Op] = Op.LOOKUP
