@@ -8,6 +8,7 @@ on a Unix socket, and from a client process that is SIGKILLed mid-request.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -464,3 +465,77 @@ def test_lookup_with_ttls_not_due_and_one_due_elsewhere(tmp_path: Path) -> None:
 
 def test_region_size_is_what_the_client_packs() -> None:
     assert region_size([1000, 1517, 2034]) == 2 * PAGE
+
+
+# -- fan-out (layout-v1.md §2, params.fanout) ---------------------------------------
+
+DATA = Path(__file__).parent / "data" / "v1"
+
+
+def _root_with_fanout(root: Path, fanout: Any) -> None:
+    """A store root whose layout.json says ``fanout`` (as an older build wrote it)."""
+    from kvoffload.layouts import store_root
+
+    raw = json.loads((DATA / "layout-fanout-2-2.json").read_text())
+    raw["params"]["fanout"] = fanout
+    root.mkdir(parents=True)
+    for sub in ("keys", "objects", "journal"):
+        (root / sub).mkdir(mode=0o700)
+    (root / "layout.json").write_bytes(store_root._encode(raw))
+
+
+def test_golden_layouts_name_their_fanout(tmp_path: Path) -> None:
+    from kvoffload.layouts import read_layout
+
+    for name, fanout in (("layout.json", (2,)), ("layout-fanout-2-2.json", (2, 2))):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "layout.json").write_bytes((DATA / name).read_bytes())
+        assert read_layout(d).fanout == fanout
+
+
+def test_a_new_store_has_one_fanout_level(store: Any) -> None:
+    assert store.layout.fanout == (2,)
+    assert json.loads((store.root / "layout.json").read_text())["params"]["fanout"] == [2]
+    store.put("acme", NS, key(1), layers_of(1))
+    h = key(1).hex()
+    assert (store.root / "objects" / "acme" / h[:2] / f"{h}{v1.OBJECT_SUFFIX}").is_file()
+    assert len(list((store.root / "objects" / "acme").iterdir())) == 1
+
+
+def test_an_old_two_level_store_opens_loads_and_stays_two_level(
+    tmp_path: Path, kek_file: Path
+) -> None:
+    from kvoffload.sidecar.keyring import Kek
+    from kvoffload.sidecar.store import Store, StoreConfig
+
+    root = tmp_path / "store"
+    _root_with_fanout(root, [2, 2])
+    cfg = StoreConfig(root=root, durability=Durability.NONE)
+    with Store(cfg, Kek.from_file(kek_file)) as s:
+        assert s.layout.fanout == (2, 2)
+        assert s.put_many("acme", NS, [(key(i), layers_of(i)) for i in range(3)]) == [True] * 3
+    for i in range(3):
+        h = key(i).hex()
+        assert (root / "objects" / "acme" / h[:2] / h[2:4] / f"{h}{v1.OBJECT_SUFFIX}").is_file()
+    with Store(cfg, Kek.from_file(kek_file)) as s:  # reopened: same layout, same files
+        for i in range(3):
+            assert load_bytes(s, i) == b"".join(layers_of(i))
+        report = s.fsck(repair=False)
+        assert report.clean and report.objects_on_disk == 3
+        s.index.clear()  # lost index: rebuilt from the two-level tree
+        s.fsck(repair=True)
+        assert s.lookup("acme", [key(i) for i in range(3)]) == 3
+
+
+@pytest.mark.parametrize("fanout", [[1], [2, 2, 2], [], "2/2", [2.0], [True]])
+def test_an_unknown_fanout_is_refused_at_open(tmp_path: Path, kek_file: Path, fanout: Any) -> None:
+    from kvoffload.errors import LayoutError
+    from kvoffload.sidecar.keyring import Kek
+    from kvoffload.sidecar.store import Store, StoreConfig
+
+    root = tmp_path / "store"
+    _root_with_fanout(root, fanout)
+    with pytest.raises(LayoutError, match="fanout"):
+        Store(StoreConfig(root=root, durability=Durability.NONE), Kek.from_file(kek_file))
+    assert list((root / "objects").iterdir()) == []
