@@ -539,3 +539,11 @@ def test_an_unknown_fanout_is_refused_at_open(tmp_path: Path, kek_file: Path, fa
     with pytest.raises(LayoutError, match="fanout"):
         Store(StoreConfig(root=root, durability=Durability.NONE), Kek.from_file(kek_file))
     assert list((root / "objects").iterdir()) == []
+
+
+def test_a_key_twice_in_one_batch_is_stored_once(store: Any) -> None:
+    chunks = [(key(1), layers_of(1)), (key(2), layers_of(2)), (key(1), layers_of(1))]
+    assert store.put_many("acme", NS, chunks) == [True, True, False]
+    assert store.stats()["chunks"] == 2
+    assert load_bytes(store, 1) == b"".join(layers_of(1))
+    assert store.reserved_bytes == 0

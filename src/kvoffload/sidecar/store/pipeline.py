@@ -57,6 +57,17 @@ def _small(nbytes: int) -> bool:
     return nbytes < PARALLEL_MIN_BYTES
 
 
+def _repeated(key: bytes, seen: set[bytes], reservation: Reservation | None) -> bool:
+    """A key already in this batch: indexed with the batch's one commit, so the
+    repeat is "already present" (its reservation is released)."""
+    if key in seen:
+        if reservation is not None:
+            reservation.release()
+        return True
+    seen.add(key)
+    return False
+
+
 @dataclass
 class _PutJob:
     """One chunk between reservation and index insert (put / put_many)."""
@@ -194,7 +205,10 @@ class Pipeline(Maintenance):
     ) -> None:
         """Seal and write the chunks one after the other in this thread; ``done``
         gets each chunk written, for :meth:`_finish_puts`."""
+        seen: set[bytes] = set()
         for i, (key, layers) in enumerate(chunks):
+            if _repeated(key, seen, held[i]):
+                continue
             job = self._begin_put(tenant, namespace, key, layers, encrypt, ttl_s, held[i])
             if job is None:
                 continue
@@ -224,7 +238,10 @@ class Pipeline(Maintenance):
         # In order: (chunk index, job, its seal+write on the pool).
         window: deque[tuple[int, _PutJob, Future[bool]]] = deque()
         try:
+            seen: set[bytes] = set()
             for i, (key, layers) in enumerate(chunks):
+                if _repeated(key, seen, held[i]):
+                    continue
                 try:
                     job = self._begin_put(tenant, namespace, key, layers, encrypt, ttl_s, held[i])
                 except BaseException:
