@@ -333,6 +333,26 @@ def test_the_client_uses_store_when_announced_and_the_old_path_otherwise(
         st.stop()
 
 
+def test_a_large_batch_keeps_the_two_step_save(sock_dir: Path, store: Any) -> None:
+    """Above STORE_VERB_MAX_BYTES only the chunks the sidecar lacks are copied."""
+    from kvoffload.client.staged import STORE_VERB_MAX_BYTES
+
+    seen: list[str] = []
+    st = start(sock_dir, store)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for verb in ("store", "prepare_store"):
+                mp.setattr(Session, verb, _spy(seen, verb, getattr(Session, verb)))
+            big = [bytes([7]) * (STORE_VERB_MAX_BYTES // 2 + 1)] * 2
+            with SidecarClient(sock_path(st), "acme", staging_bytes=16 << 20) as c:
+                assert c.save(NS, [(key(1), big)]) == [True]
+                assert c.save(NS, [(key(2), layers_of(2))]) == [True]
+                assert [bytes(v) for v in c.load([key(1)])[0].layers] == big
+        assert seen == ["prepare_store", "store"]
+    finally:
+        st.stop()
+
+
 def _spy(seen: list[str], verb: str, real: Any) -> Any:
     def spy(self: Session, req: Any) -> Any:
         seen.append(verb)

@@ -52,6 +52,11 @@ from .session import CONNECTION_ERRORS, Session, expect
 #: (+ 16: a ``store`` chunk's ``offset``).
 _CHUNK_ENTRY_BYTES = 80
 _LAYER_ENTRY_BYTES = 9
+#: Batches of at most this many payload bytes are saved with ``store`` (one
+#: round trip, protocol-v1.md §5.21), which copies every chunk before asking;
+#: larger ones with prepare_store/complete_store, which copies only the chunks
+#: the sidecar lacks, where the copy saved outweighs the round trip.
+STORE_VERB_MAX_BYTES = 4 << 20
 _FRAME_SLACK = 4096
 
 
@@ -141,7 +146,12 @@ class StagedPath:
             ChunkSpec(keys[i], tuple(v.nbytes for v in views[i]), bl[i] if bl else None)
             for i in batch
         )
-        if s.hello.store and self._store_batch(s, namespace, views, batch, specs, ttl_s, results):
+        small = sum(sp.payload for sp in specs) <= STORE_VERB_MAX_BYTES
+        if (
+            small
+            and s.hello.store
+            and self._store_batch(s, namespace, views, batch, specs, ttl_s, results)
+        ):
             return
         reply = s.call(PrepareStore(s.tenant, namespace, specs, ttl_s))
         if isinstance(reply, ErrorReply):
