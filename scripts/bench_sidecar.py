@@ -35,7 +35,7 @@ Every kvoffload row runs interleaved op by op with its ceiling(s) (the direct
 rows with ceilings of their own: the same plaintext object bytes as plain's);
 the ratio of each row to its ceiling is printed with the targets (not
 assertions): sealed save >= 0.8x raw write, sealed cold load >= 0.8x raw cold
-read, lookup p99 < 0.5 ms.
+read, lookup of 64 keys p99 < 0.15 ms and >= 200k keys/s per connection.
 
 Usage::
 
@@ -113,7 +113,9 @@ TARGETS = {  # row name -> minimum x ceiling; printed next to the ratio, never a
     "save sealed": 0.8,
     "load sealed cold": 0.8,
 }
-LOOKUP_TARGET_P99_US = 500.0
+#: Issue 12's lookup targets: p99 < 0.15 ms and >= 200k keys/s per connection.
+LOOKUP_TARGET_P99_US = 150.0
+LOOKUP_TARGET_KEYS_PER_S = 200_000.0
 
 METHOD = (
     "GB/s = payload bytes of the timed calls / sum of their wall times (1 GB = 1e9 B), after "
@@ -164,13 +166,16 @@ class Latency:
     ceiling_p50_us: float | None = None
     ceiling_p99_us: float | None = None
     target_p99_us: float | None = None
+    #: Keys answered per second by one connection: keys per op / mean latency.
+    keys_per_s: float | None = None
+    target_keys_per_s: float | None = None
 
     @property
     def id(self) -> str:
         return f"{self.durability}/{self.name}"
 
     @classmethod
-    def of(cls, kind: str, name: str, dur: str, lat: Sequence[float]) -> Latency:
+    def of(cls, kind: str, name: str, dur: str, lat: Sequence[float], keys: int = 0) -> Latency:
         a = np.asarray(lat, dtype=np.float64) * 1e6
         return cls(
             kind,
@@ -181,6 +186,7 @@ class Latency:
             float(np.percentile(a, 99)),
             float(a.mean()),
             float(a.max()),
+            keys_per_s=keys / float(a.mean()) * 1e6 if keys else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -188,6 +194,8 @@ class Latency:
         d["id"] = self.id
         if self.target_p99_us is not None:
             d["meets_target"] = self.p99_us < self.target_p99_us
+        if self.target_keys_per_s is not None and self.keys_per_s is not None:
+            d["meets_keys_target"] = self.keys_per_s >= self.target_keys_per_s
         return d
 
 
@@ -918,16 +926,18 @@ class Bench:
         # interleaved() ran one untimed warm-up op of each: drop it.
         ceil = Latency.of("ceiling", f"unix socket round trip {req}+{rep} B", dur, lat["echo"][1:])
         rows = [
-            Latency.of("kvoffload", f"lookup {LOOKUP_KEYS} keys", dur, lat["64"][1:]),
-            Latency.of("kvoffload", "lookup 1 key", dur, lat["1"][1:]),
+            Latency.of("kvoffload", f"lookup {LOOKUP_KEYS} keys", dur, lat["64"][1:], LOOKUP_KEYS),
+            Latency.of("kvoffload", "lookup 1 key", dur, lat["1"][1:], 1),
         ]
         rows[0].target_p99_us = LOOKUP_TARGET_P99_US
+        rows[0].target_keys_per_s = LOOKUP_TARGET_KEYS_PER_S
         for r in rows:
             r.ceiling = ceil.name
             r.ceiling_p50_us, r.ceiling_p99_us = ceil.p50_us, ceil.p99_us
         for r in (ceil, *rows):
             self.latencies.append(r)
-            self.progress(f"  {r.id:<46} p50 {r.p50_us:7.1f} us  p99 {r.p99_us:7.1f} us")
+            kps = f"  {r.keys_per_s:9.0f} keys/s" if r.keys_per_s else ""
+            self.progress(f"  {r.id:<46} p50 {r.p50_us:7.1f} us  p99 {r.p99_us:7.1f} us{kps}")
 
 
 # --------------------------------------------------------------------------- output
@@ -961,7 +971,17 @@ def render(
     console.print(t)
 
     t = Table(title="ceilings (same run, same directory)")
-    cols = ("shape", "dur", "ceiling", "method", "ops", "MiB", "GB/s", "file GB/s", "p50 ms")
+    cols: tuple[str, ...] = (
+        "shape",
+        "dur",
+        "ceiling",
+        "method",
+        "ops",
+        "MiB",
+        "GB/s",
+        "file GB/s",
+        "p50 ms",
+    )
     for col in (*cols, "cached"):
         t.add_column(col, justify="left" if col in cols[:4] else "right")
     for r in results:
@@ -1008,8 +1028,8 @@ def render(
     console.print(t)
 
     t = Table(title="latency (64 present keys per lookup; us)")
-    cols = ("dur", "row", "ops", "p50", "p99", "mean", "max", "ceil p50", "ceil p99")
-    for col in (*cols, "target p99"):
+    cols = ("dur", "row", "ops", "p50", "p99", "mean", "max", "keys/s", "ceil p50", "ceil p99")
+    for col in (*cols, "target p99", "target keys/s"):
         t.add_column(col, justify="left" if col in ("dur", "row") else "right")
     for lt in latencies:
         target = ""
@@ -1018,6 +1038,11 @@ def render(
             target = (
                 f"[{'green' if ok else 'red'}]< {lt.target_p99_us:.0f} {'ok' if ok else 'MISS'}[/]"
             )
+        kt = ""
+        if lt.target_keys_per_s is not None and lt.keys_per_s is not None:
+            ok = lt.keys_per_s >= lt.target_keys_per_s
+            verdict = "green]>=" if ok else "red]>="
+            kt = f"[{verdict} {lt.target_keys_per_s:.0f} {'ok' if ok else 'MISS'}[/]"
         t.add_row(
             lt.durability,
             escape(lt.name),
@@ -1026,9 +1051,11 @@ def render(
             f"{lt.p99_us:.1f}",
             f"{lt.mean_us:.1f}",
             f"{lt.max_us:.1f}",
+            _f(lt.keys_per_s, "{:.0f}"),
             _f(lt.ceiling_p50_us, "{:.1f}"),
             _f(lt.ceiling_p99_us, "{:.1f}"),
             target,
+            kt,
         )
     console.print(t)
     console.print(f"[bold]method[/bold]: {METHOD}")

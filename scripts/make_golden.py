@@ -66,6 +66,9 @@ def main() -> None:
         "store_id": "00000000-0000-4000-8000-000000000001",
     }
     (OUT / "layout.json").write_text(json.dumps(layout, indent=2, sort_keys=True) + "\n")
+    # A root made before params.fanout was read (two levels): still readable.
+    old = {**layout, "params": {**layout["params"], "fanout": list(v1.FANOUT_TWO_LEVELS)}}
+    (OUT / "layout-fanout-2-2.json").write_text(json.dumps(old, indent=2, sort_keys=True) + "\n")
     print(f"wrote golden files to {OUT}")
 
 

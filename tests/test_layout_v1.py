@@ -166,7 +166,9 @@ def test_migrations_registry_covers_every_upgrade_step() -> None:
 
 def test_paths_are_fanned_out() -> None:
     key = bytes.fromhex("ab" * 16 + "cd" * 16)
-    assert v1.object_relpath("t", key) == f"objects/t/ab/ab/{key.hex()}.kvo"
+    assert v1.object_relpath("t", key, (2, 2)) == f"objects/t/ab/ab/{key.hex()}.kvo"
+    assert v1.object_relpath("t", key, (2,)) == f"objects/t/ab/{key.hex()}.kvo"
+    assert v1.object_relpath("t", key) == v1.object_relpath("t", key, v1.DEFAULT_FANOUT)
 
 
 def test_seal_refuses_bad_input() -> None:

@@ -132,6 +132,18 @@ CATALOGUE: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
         _req(15, p.LeaseStore("acme", NS, (p.ChunkSpec(K[3], (1,)),))),
     ),
     "lease_load": ("request", _req(16, p.LeaseLoad("acme", (K[0], K[1], K[2])))),
+    "store": (
+        "request",
+        _req(
+            19,
+            p.Store(
+                "acme",
+                NS,
+                (p.StoreChunk(K[0], (4096, 10), offset=0), p.StoreChunk(K[1], (1,), offset=8192)),
+                ttl_s=60.0,
+            ),
+        ),
+    ),
     # -- replies --------------------------------------------------------------
     "hello_reply": (
         "reply",
@@ -270,6 +282,11 @@ CATALOGUE: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
                 {"namespaces": [{"tenant": "acme", "contract": None}], "more": False}
             ),
         ),
+    ),
+    "store_reply": ("reply", _rep(19, p.StoreReply((True, False, True), (0, 7, 0)))),
+    "hello_reply_store": (
+        "reply",
+        _rep(1, p.HelloReply(1, "srv", "store", {"acme": SALT}, store=True)),
     ),
     "fsck_reply": ("reply", _rep(13, p.FsckReply({"ok": True, "problems": [], "checked": 7}))),
     "lease_store_reply": (

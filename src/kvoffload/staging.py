@@ -213,6 +213,32 @@ class RegionAllocator:
                 return off
         return None
 
+    def claim(self, offset: int, n: int) -> bool:
+        """Take the region ``[offset, offset + n)`` (rounded up to the alignment) if
+        it is all free: a region the peer chose (``store``, protocol-v1.md §5.21).
+        False, and nothing taken, if any byte of it is allocated or outside."""
+        if n <= 0:
+            raise ValueError(f"region size must be positive, got {n}")
+        if offset < 0 or offset % self._align:
+            return False
+        n = _round_up(n, self._align)
+        i = bisect.bisect_right(self._free_starts, offset) - 1
+        if i < 0:
+            return False
+        start, length = self._free_starts[i], self._free_lens[i]
+        if offset + n > start + length:
+            return False
+        del self._free_starts[i], self._free_lens[i]
+        tail = start + length - (offset + n)
+        if tail:
+            self._free_starts.insert(i, offset + n)
+            self._free_lens.insert(i, tail)
+        if offset > start:
+            self._free_starts.insert(i, start)
+            self._free_lens.insert(i, offset - start)
+        self._used[offset] = n
+        return True
+
     def free(self, offset: int) -> None:
         try:
             n = self._used.pop(offset)

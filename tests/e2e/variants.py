@@ -31,7 +31,8 @@ What a variant can change, beyond :class:`~tests.e2e.standin.VllmSchedulerDriver
   sidecar keeps serving it.
 * ``pause_save_at_copy``: the process blocks, forever, inside its N-th copy of
   a chunk into the sidecar's staging buffer (after that save's
-  ``prepare_store`` reserved space and before its ``complete_store``), having
+  ``prepare_store`` reserved space and before its ``complete_store``: this
+  process saves in two steps, not with ``store``), having
   first read the sidecar's counters over a connection of its own and written
   them to ``pause_marker``: a client hung mid-save, for the test to kill.
 
@@ -541,6 +542,13 @@ def _pause_in_copy(nth: int, marker: Path, socket_path: str) -> None:
         real(staging, offset, layers)
 
     SidecarClient._copy_in = staticmethod(copy_in)  # type: ignore[method-assign]
+    # The two-step save, as with a server before protocol revision 6: with
+    # ``store`` (5.21) the copies come before the one request, so a client hung
+    # in its copy holds nothing on the server, and the handle expiry this
+    # variant exists to exercise would not be reached.
+    from kvoffload.client.staged import StagedPath
+
+    StagedPath._store_batch = lambda *_a, **_k: False  # type: ignore[method-assign]
 
 
 def _record(r: VllmRequestResult) -> dict[str, Any]:

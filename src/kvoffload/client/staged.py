@@ -29,6 +29,9 @@ from ..protocol import (
     PrepareStore,
     PrepareStoreReply,
     ProtocolError,
+    Store,
+    StoreChunk,
+    StoreReply,
     StoreStatus,
     packed_layout,
     region_size,
@@ -48,8 +51,14 @@ from .session import CONNECTION_ERRORS, Session, expect, read_reply
 
 #: Conservative msgpack size of one chunk entry in prepare_store: key (34),
 #: map keys and headers (~24), one u64 (≤ 9 bytes) per layer size.
-_CHUNK_ENTRY_BYTES = 64
+#: (+ 16: a ``store`` chunk's ``offset``).
+_CHUNK_ENTRY_BYTES = 80
 _LAYER_ENTRY_BYTES = 9
+#: Batches of at most this many payload bytes are saved with ``store`` (one
+#: round trip, protocol-v1.md §5.21), which copies every chunk before asking;
+#: larger ones with prepare_store/complete_store, which copies only the chunks
+#: the sidecar lacks, where the copy saved outweighs the round trip.
+STORE_VERB_MAX_BYTES = 4 << 20
 _FRAME_SLACK = 4096
 
 
@@ -140,6 +149,16 @@ class StagedPath:
             for i in batch
         )
         contract = s.contract_for(namespace)
+        # store (5.21) carries no contract: a namespace's first batch on this
+        # connection registers it through prepare_store (5.19), later ones take store.
+        small = sum(sp.payload for sp in specs) <= STORE_VERB_MAX_BYTES
+        if (
+            small
+            and contract is None
+            and s.hello.store
+            and self._store_batch(s, namespace, views, batch, specs, ttl_s, results)
+        ):
+            return
         reply = s.call(PrepareStore(s.tenant, namespace, specs, ttl_s, contract))
         if contract is not None:
             s.contract_sent(namespace, reply)
@@ -163,6 +182,49 @@ class StagedPath:
                 s.call(Abort(prep.handle))
             raise
         complete_store(s, prep.chunks, prep.handle, batch, results)
+
+    def _store_batch(
+        self,
+        s: Session,
+        namespace: bytes,
+        views: list[list[memoryview]],
+        batch: list[int],
+        specs: tuple[ChunkSpec, ...],
+        ttl_s: float | None,
+        results: list[bool],
+    ) -> bool:
+        """One round trip (``store``, protocol-v1.md §5.21): the layers go to regions
+        of the staging buffer packed from offset 0 (the client serializes its calls,
+        so the whole buffer is free and the batch fits it), then one request.
+        False: the server would not take it (``BUSY``, ``UNSUPPORTED``); use the
+        two-step path for this batch."""
+        align = s.hello.alignment
+        chunks: list[StoreChunk] = []
+        at = 0
+        for sp, i in zip(specs, batch, strict=True):
+            self._copy_in(self._staging, at, views[i])
+            chunks.append(StoreChunk(sp.key, sp.layers, sp.blocks, offset=at))
+            at += region_size(sp.layers, align)
+        reply = s.call(Store(s.tenant, namespace, tuple(chunks), ttl_s))
+        if isinstance(reply, ErrorReply):
+            if reply.code in (ErrorCode.BUSY, ErrorCode.UNSUPPORTED):
+                return False
+            s.on_error_reply(reply)
+            return True
+        done = expect(reply, StoreReply)
+        if len(done.stored) != len(batch):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "store reply has wrong length")
+        refused = sorted({ErrorCode.from_wire(c).name for c in done.codes if c})
+        if refused:
+            s.warn(
+                logging.WARNING,
+                "store-rejected",
+                f"kvoffload sidecar did not store {sum(1 for c in done.codes if c)} "
+                f"chunk(s): {', '.join(refused)}",
+            )
+        for ok, i in zip(done.stored, batch, strict=True):
+            results[i] = ok
+        return True
 
     # -- load ----------------------------------------------------------------
 

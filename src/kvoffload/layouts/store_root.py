@@ -56,6 +56,8 @@ class LayoutInfo:
     kek_id: str | None = None
     #: During a KEK rotation: the id of the KEK being replaced, still accepted.
     kek_id_previous: str | None = None
+    #: ``params.fanout`` (layout-v1.md §2): where objects live below objects/<tenant>/.
+    fanout: tuple[int, ...] = (2, 2)
 
 
 def create_root(
@@ -158,8 +160,16 @@ def read_layout(root: Path) -> LayoutInfo:
         if value is not None and not (isinstance(value, str) and _KEK_ID_RE.fullmatch(value)):
             raise LayoutError(f"{path}: {field} must be 16 lower-case hex digits, not {value!r}")
         ids[field] = value
+    from . import v1
+
+    params = raw.get("params", {})
+    try:
+        fanout = v1.parse_fanout(params.get("fanout") if isinstance(params, dict) else None)
+    except ValueError as exc:
+        raise LayoutError(f"{path}: params.{exc}") from exc
     try:
         return LayoutInfo(
+            fanout=fanout,
             version=version,
             store_id=str(raw["store_id"]),
             created=str(raw["created"]),

@@ -72,9 +72,34 @@ class Aead(Protocol):
     ) -> int: ...
 
 
+#: Fan-out of ``objects/<tenant>/``: hex digits of the chunk key per directory
+#: level (layout-v1.md §2, ``params.fanout``). Stores created before the
+#: parameter was read have ``[2, 2]`` (65,536 leaves per tenant); new stores get
+#: ``[2]`` (256 leaves): a fresh leaf costs a mkdir and, at durability object,
+#: an fsync of its parent, more than a small object's own write.
+FANOUT_TWO_LEVELS: tuple[int, ...] = (2, 2)
+FANOUT_ONE_LEVEL: tuple[int, ...] = (2,)
+DEFAULT_FANOUT = FANOUT_ONE_LEVEL
+#: The values this build reads; any other is refused at open.
+FANOUTS = frozenset({FANOUT_TWO_LEVELS, FANOUT_ONE_LEVEL})
+
+
+def parse_fanout(value: Any) -> tuple[int, ...]:
+    """``params.fanout`` of a ``layout.json`` (absent: the two-level fan-out of the
+    first stores). ValueError for a value this build does not know."""
+    if value is None:
+        return FANOUT_TWO_LEVELS
+    if isinstance(value, list) and all(type(x) is int for x in value):
+        fanout = tuple(value)
+        if fanout in FANOUTS:
+            return fanout
+    known = " or ".join(str(list(f)) for f in sorted(FANOUTS))
+    raise ValueError(f"fanout {value!r} is not one this build reads ({known})")
+
+
 def default_params() -> dict[str, Any]:
     return {
-        "fanout": [2, 2],
+        "fanout": list(DEFAULT_FANOUT),
         "alignment": ALIGN,
         "object_suffix": OBJECT_SUFFIX,
         "chunk_key": "blake2b-256 keyed by tenant salt",
@@ -91,10 +116,15 @@ def header_length(num_layers: int) -> int:
     return _FIXED.size + _LAYER.size * num_layers + _CHECK_SIZE
 
 
-def object_relpath(tenant: str, chunk_key: bytes) -> str:
-    """Path of an object below the store root: a pure function of (tenant, key)."""
+def object_relpath(tenant: str, chunk_key: bytes, fanout: tuple[int, ...] = DEFAULT_FANOUT) -> str:
+    """Path of an object below the store root: a pure function of (tenant, key)
+    and the store's ``fanout``."""
     h = chunk_key.hex()
-    return f"objects/{tenant}/{h[0:2]}/{h[2:4]}/{h}{OBJECT_SUFFIX}"
+    if fanout == FANOUT_ONE_LEVEL:
+        return f"objects/{tenant}/{h[0:2]}/{h}{OBJECT_SUFFIX}"
+    if fanout == FANOUT_TWO_LEVELS:
+        return f"objects/{tenant}/{h[0:2]}/{h[2:4]}/{h}{OBJECT_SUFFIX}"
+    raise ValueError(f"unknown fanout {fanout!r}")
 
 
 def tmp_name() -> str:

@@ -100,6 +100,7 @@ from .replies import (
     ReadSlot,
     Reply,
     StatsReply,
+    StoreReply,
     StoreSlot,
 )
 from .requests import (
@@ -126,6 +127,8 @@ from .requests import (
     RegisterStaging,
     Request,
     Stats,
+    Store,
+    StoreChunk,
     Touch,
 )
 
@@ -203,6 +206,9 @@ __all__ = [
     "Request",
     "Stats",
     "StatsReply",
+    "Store",
+    "StoreChunk",
+    "StoreReply",
     "StoreSlot",
     "StoreStatus",
     "Touch",

@@ -37,6 +37,7 @@ from .replies import (
     PurgeReply,
     Reply,
     StatsReply,
+    StoreReply,
 )
 from .requests import REQUEST_TYPES, Request
 
@@ -57,7 +58,8 @@ _REPLY_TYPES: dict[
     | type[PurgeOlderReply]
     | type[InvalidateReply]
     | type[NamespacesReply]
-    | type[LoadProgress],
+    | type[LoadProgress]
+    | type[StoreReply],
 ] = {
     Op.HELLO: HelloReply,
     Op.LOOKUP: LookupReply,
@@ -75,6 +77,7 @@ _REPLY_TYPES: dict[
     Op.INVALIDATE: InvalidateReply,
     Op.NAMESPACES: NamespacesReply,
     Op.LOAD_PROGRESS: LoadProgress,
+    Op.STORE: StoreReply,
 }
 ACK_OPS = frozenset({Op.REGISTER_STAGING, Op.ABORT, Op.COMPLETE_LOAD, Op.TOUCH, Op.BYE})
 

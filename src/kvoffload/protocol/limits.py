@@ -56,6 +56,8 @@ class Op(StrEnum):
     NAMESPACES = "namespaces"
     #: Interim frame of a layer-wise ``prepare_load`` (revision 9, §5.26); never a request.
     LOAD_PROGRESS = "load_progress"
+    #: Revision 6 (§5.21): prepare + complete of a batch in one round trip.
+    STORE = "store"
     #: Server-initiated fatal error frame (id 0).
     ERROR = "error"
 

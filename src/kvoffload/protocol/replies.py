@@ -85,6 +85,8 @@ class HelloReply(ReplyMessage, frozen=True):
     #: Optional (revision 9, §5.26): the server answers ``prepare_load`` with
     #: ``layerwise`` by reporting layers as they are verified.
     layerwise: bool = False
+    #: Optional (revision 6, 5.21): the server serves ``store``. Absent: false.
+    store: bool = False
 
     def validate_wire(self, where: str) -> None:
         if self.alignment & (self.alignment - 1):
@@ -103,6 +105,7 @@ class HelloReply(ReplyMessage, frozen=True):
             "max_staging": self.max_staging,
             "handle_ttl_s": self.handle_ttl_s,
             "salts": dict(self.salts),
+            **({"store": True} if self.store else {}),
         } | ({"layerwise": True} if self.layerwise else {})
 
 
@@ -123,6 +126,22 @@ class LookupReply(ReplyMessage, frozen=True):
 class CompleteStoreReply(ReplyMessage, frozen=True):
     OP: ClassVar[Op] = Op.COMPLETE_STORE
     stored: Annotated[tuple[bool, ...], Meta(min_length=1, max_length=MAX_BATCH)]
+
+
+class StoreReply(ReplyMessage, frozen=True):
+    """§5.21: per chunk, ``stored`` as ``complete_store`` says it, and ``codes``: 0
+    where stored (or present), else why not (NO_SPACE, TOO_LARGE, INTERNAL)."""
+
+    OP: ClassVar[Op] = Op.STORE
+    stored: Annotated[tuple[bool, ...], Meta(min_length=1, max_length=MAX_BATCH)]
+    codes: Annotated[tuple[WireCode, ...], Meta(max_length=MAX_BATCH)] = ()
+
+    def validate_wire(self, where: str) -> None:
+        if self.codes and len(self.codes) != len(self.stored):
+            raise bad(f"{where}: codes and stored differ in length")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"stored": list(self.stored), "codes": list(self.codes)}
 
 
 class PurgeReply(ReplyMessage, frozen=True):
@@ -571,6 +590,7 @@ Reply = (
     | LeaseStoreReply
     | LeaseLoadReply
     | LoadProgress
+    | StoreReply
     | ErrorReply
 )
 
@@ -599,5 +619,6 @@ __all__ = [
     "Reply",
     "ReplyMessage",
     "StatsReply",
+    "StoreReply",
     "StoreSlot",
 ]

@@ -73,6 +73,11 @@ class _TenantKeys(RequestMessage, frozen=True):
     tenant: Tenant
     keys: Keys
 
+    def to_wire(self) -> dict[str, Any]:
+        # What Message.to_wire gives, without its per-field generic path: a
+        # lookup is on the scheduler's path.
+        return {"tenant": self.tenant, "keys": list(self.keys)}
+
 
 class Lookup(_TenantKeys, frozen=True):
     OP: ClassVar[Op] = Op.LOOKUP
@@ -203,6 +208,36 @@ class LeaseStore(PrepareStore, frozen=True):
     """``prepare_store``'s fields; the direct path (5.14). Match it before PrepareStore."""
 
     OP: ClassVar[Op] = Op.LEASE_STORE
+
+
+class StoreChunk(ChunkSpec, frozen=True, kw_only=True):
+    """A ``store`` chunk (§5.21): a ``prepare_store`` chunk plus the region of the
+    client's staging buffer that already holds its packed layers."""
+
+    #: Start of the chunk's region: a multiple of the alignment (checked against
+    #: the hello's ``alignment`` and the staging size by the server). Required.
+    offset: UInt
+
+    def to_wire(self) -> dict[str, Any]:
+        d = super().to_wire()
+        d["offset"] = self.offset
+        return d
+
+
+class Store(RequestMessage, frozen=True):
+    """§5.21 (revision 6): store chunks the client already put in its staging buffer,
+    at regions it chose, in one round trip (``prepare_store`` + ``complete_store``)."""
+
+    OP: ClassVar[Op] = Op.STORE
+    tenant: Tenant
+    namespace: Namespace
+    chunks: Annotated[tuple[StoreChunk, ...], Meta(min_length=1, max_length=MAX_BATCH)]
+    ttl_s: Seconds | None = None
+
+    def validate_wire(self, where: str) -> None:
+        distinct(tuple(c.key for c in self.chunks), f"{where}.chunks", "key")
+        for i, c in enumerate(self.chunks):
+            c.validate_wire(f"{where}.chunks[{i}]")
 
 
 class CompleteStore(RequestMessage, frozen=True):
@@ -376,6 +411,7 @@ Request = (
     | PurgeOlder
     | Invalidate
     | Namespaces
+    | Store
 )
 
 REQUEST_TYPES: dict[Op, type[Request]] = {
@@ -401,6 +437,7 @@ REQUEST_TYPES: dict[Op, type[Request]] = {
         PurgeOlder,
         Invalidate,
         Namespaces,
+        Store,
     )
 }
 
@@ -428,5 +465,7 @@ __all__ = [
     "Request",
     "RequestMessage",
     "Stats",
+    "Store",
+    "StoreChunk",
     "Touch",
 ]

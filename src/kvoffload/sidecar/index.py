@@ -31,7 +31,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from itertools import repeat
+from itertools import repeat, takewhile
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Final, TypeAlias, TypeVar
@@ -197,6 +197,21 @@ def _wrap(exc: lmdb.Error) -> IndexFailure:
     return IndexFailure(f"LMDB index error: {exc}")
 
 
+class _SharedHold:
+    """``with lock.shared():`` of :class:`_SharedExclusiveLock`."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self, lock: _SharedExclusiveLock) -> None:
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        self._lock._enter_shared()
+
+    def __exit__(self, *_exc: object) -> None:
+        self._lock._exit_shared()
+
+
 class _SharedExclusiveLock:
     """Many holders of the shared side, or one of the exclusive side.
 
@@ -207,24 +222,30 @@ class _SharedExclusiveLock:
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._shared = 0
         self._exclusive = False
         self._waiting = 0
+        self._hold = _SharedHold(self)
 
-    @contextmanager
-    def shared(self) -> Iterator[None]:
-        with self._cond:
+    def shared(self) -> _SharedHold:
+        """The shared side, as a context manager (one reusable object, no generator:
+        every index read takes it, lookups included)."""
+        return self._hold
+
+    def _enter_shared(self) -> None:
+        with self._lock:  # the condition's own lock
             while self._exclusive or self._waiting:
                 self._cond.wait()
             self._shared += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._shared -= 1
-                if not self._shared:
-                    self._cond.notify_all()
+
+    def _exit_shared(self) -> None:
+        with self._lock:
+            self._shared -= 1
+            # Only an exclusive request waits for the shared holders to leave.
+            if not self._shared and self._waiting:
+                self._cond.notify_all()
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -539,6 +560,19 @@ class Index:
             _encode(rec)
         return self._write(lambda txn: sum(self._put_txn(txn, rec) for rec in batch))
 
+    def put_each(self, recs: Sequence[ChunkRecord]) -> list[bool]:
+        """Insert records in one transaction; per record, whether it was new.
+
+        A batch of saves commits its records together: one write transaction
+        (and one commit) per batch instead of one per chunk. Either all the
+        batch's records are committed or none is.
+        """
+        for rec in recs:
+            _encode(rec)
+        if not recs:
+            return []
+        return self._write(lambda txn: [self._put_txn(txn, rec) for rec in recs])
+
     def get(self, tenant: str, chunk_key: bytes) -> ChunkRecord | None:
         key = _index_key(tenant, chunk_key)
 
@@ -559,10 +593,16 @@ class Index:
     ) -> int:
         """Number of leading ``keys`` present for ``tenant``: the usable prefix.
 
-        With ``now_ns``, a record whose expiry has passed ends the prefix too
-        (checked in the same read transaction: one txn per lookup, not per key);
+        With ``now_ns``, a record whose expiry has passed ends the prefix too;
         so does one created at or before ``created_after_ns`` or last accessed
         at or before ``accessed_after_ns`` (the tenant's max_age and idle_ttl).
+        One read transaction per lookup, and no Python code per key: the
+        ``expiry`` table's first entry says whether any record of the index has
+        expired yet; if none has (the common case: no TTL, or none due), the
+        keys are built, looked up and counted up to the first miss by C
+        iterators (``map``/``takewhile``). Only when some record is due, or the
+        tenant has an age or idle cutoff, are the times of the records found
+        read, key by key.
         """
         if not keys:
             return 0
@@ -571,24 +611,34 @@ class Index:
         # a lookup is on the scheduler's path, and per-key Python adds up.
         if set(map(len, keys)) != {KEY_SIZE} or not all(map(isinstance, keys, repeat(bytes))):
             raise ValueError(f"chunk_key must be {KEY_SIZE} bytes")
-        unpack, at = _U64.unpack_from, _RECORD.size - _U64.size  # expires_ns, the last field
         try:
-            # One read transaction; values as buffers into the map, not copies.
+            # Values as buffers into the map, not copies.
             with self._rw.shared(), self._require_env().begin(buffers=True) as txn:
                 cur = txn.cursor(db=self._chunks)
+                index_keys = map(prefix.__add__, keys)
+                unpack, at = _U64.unpack_from, _RECORD.size - _U64.size  # expires_ns, last
+                # The expiry table is ordered by time: its first key says whether
+                # any record of the index is due.
+                exp = txn.cursor(db=self._expiry)
+                # A tenant's max_age / idle_ttl cutoffs need each record's times.
+                due = now_ns is not None and (
+                    bool(created_after_ns or accessed_after_ns)
+                    or (exp.first() and unpack(exp.key(), 0)[0] <= now_ns)
+                )
+                if not due:
+                    return len(list(takewhile(bool, map(cur.set_key, index_keys))))
                 n = 0
-                for k in keys:
-                    if not cur.set_key(prefix + k):
+                for k in index_keys:
+                    if not cur.set_key(k):
                         break
-                    if now_ns is not None:
-                        value = cur.value()
-                        expires = unpack(value, at)[0]
-                        if 0 < expires <= now_ns:
-                            break
-                        if created_after_ns and unpack(value, at - 16)[0] <= created_after_ns:
-                            break
-                        if accessed_after_ns and unpack(value, at - 8)[0] <= accessed_after_ns:
-                            break
+                    value = cur.value()
+                    expires = unpack(value, at)[0]
+                    if 0 < expires <= now_ns:
+                        break
+                    if created_after_ns and unpack(value, at - 16)[0] <= created_after_ns:
+                        break
+                    if accessed_after_ns and unpack(value, at - 8)[0] <= accessed_after_ns:
+                        break
                     n += 1
                 return n
         except lmdb.Error as exc:

@@ -68,6 +68,7 @@ from kvoffload.protocol import (
     Request,
     Stats,
     StatsReply,
+    Store,
     Touch,
     close_fds,
     fake_salt,
@@ -174,6 +175,7 @@ class Session(Transfers):
             handle_ttl_s=cfg.handle_ttl_s,
             direct=direct,
             layerwise=True,
+            store=True,
         )
 
     def register_staging(self, req: RegisterStaging, fds: list[int]) -> Reply:
@@ -375,6 +377,8 @@ class Session(Transfers):
                     return self.prepare_store(req)
                 case CompleteStore():
                     return self.complete_store(req)
+                case Store():
+                    return self.store(req)
                 case PrepareLoad():
                     return self.prepare_load(req, emit)
                 case CompleteLoad():

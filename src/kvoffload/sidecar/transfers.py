@@ -43,6 +43,9 @@ from kvoffload.protocol import (
     PrepareStoreReply,
     ReadSlot,
     Reply,
+    Store,
+    StoreChunk,
+    StoreReply,
     StoreSlot,
     StoreStatus,
     align_up,
@@ -188,14 +191,31 @@ class Transfers:
         right: str,
         claim: Callable[[WriteHandle, int, ChunkSpec, TenantSettings], _W],
     ) -> tuple[int, tuple[_W, ...]]:
-        """§5.4, §5.14, §6: the flow of both write verbs: permission, then per chunk
-        ``exists`` or a claim on the medium; a handle only if a chunk is to be written."""
+        """§5.4, §5.14, §6: the flow of both write verbs; a handle only if a chunk
+        is to be written."""
+        h, slots = self._plan_write(req, slot, allowed, right, claim)
+        if not h.staged and not h.leased:
+            return 0, slots
+        h.created = time.monotonic()
+        return self._add_handle(h), slots
+
+    def _plan_write(
+        self,
+        req: PrepareStore | Store,
+        slot: type[_W],
+        allowed: Callable[[str], bool],
+        right: str,
+        claim: Callable[[WriteHandle, int, ChunkSpec, TenantSettings], _W],
+    ) -> tuple[WriteHandle, tuple[_W, ...]]:
+        """§5.4, §5.14, §5.21, §6: permission, then per chunk ``exists`` or a claim
+        on the medium. The handle returned is not registered."""
         self._listed(req.tenant)
         if not allowed(req.tenant):
             # §6: refused before any store access, for every forbidden name alike.
             raise Reject(ErrorCode.FORBIDDEN, f"this connection may not {right} {req.tenant!r}")
-        if req.contract is not None:
-            self._register_contract(req.tenant, req.namespace, req.contract)
+        contract = getattr(req, "contract", None)  # store (5.21) carries none
+        if contract is not None:
+            self._register_contract(req.tenant, req.namespace, contract)
         settings = self.service.policy.tenant(req.tenant)
         ttl_s = req.ttl_s if req.ttl_s is not None else settings.ttl_s
         encrypt = settings.encryption and slot is StoreSlot
@@ -217,10 +237,73 @@ class Transfers:
         h.blocks = {i: c.blocks for i, c in enumerate(req.chunks) if c.blocks is not None}
         # A chunk present already may still lack its hashes (saved without them).
         self._record_blocks(h, [sl.status is StoreStatus.EXISTS for sl in slots], req.chunks)
-        if not h.staged and not h.leased:
-            return 0, tuple(slots)
-        h.created = time.monotonic()
-        return self._add_handle(h), tuple(slots)
+        return h, tuple(slots)
+
+    # -- one-round-trip writes (§5.21) --------------------------------------------------
+
+    def store(self, req: Store) -> Reply:
+        """§5.21: ``prepare_store`` + ``complete_store`` of chunks the client already
+        put at regions of its staging buffer it chose; they are read, sealed and
+        written before the reply, and each region is the server's until then."""
+        if self.service.draining:
+            raise Reject(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down")
+        staging, _ = self._registered()
+        self._store_regions(req, staging.size)
+        h, slots = self._plan_write(
+            req, StoreSlot, self.may_use, "write tenant", self._claim_for_store
+        )
+        stored = [sl.status is StoreStatus.EXISTS for sl in slots]
+        try:
+            if h.staged:
+                self._write_staged(h, stored)
+        finally:
+            self._release(h)
+        codes = [
+            0 if ok else int(sl.code if sl.status is StoreStatus.REJECTED else ErrorCode.INTERNAL)
+            for ok, sl in zip(stored, slots, strict=True)
+        ]
+        keys = {sw.index: sw.key for sw in h.staged}
+        self._record_blocks(h, [stored[i] and i in keys for i in range(len(stored))], None, keys)
+        return StoreReply(tuple(stored), tuple(codes))
+
+    def _store_regions(self, req: Store, size: int) -> None:
+        """§5.21: the chunks' regions, aligned, inside the buffer and apart, sorted;
+        anything else is the client's mistake (BAD_REQUEST), before any effect."""
+        align = self.service.config.alignment
+        spans = sorted((c.offset, region_size(c.layers, align)) for c in req.chunks)
+        end = 0
+        for off, n in spans:
+            if off % align:
+                raise Reject(ErrorCode.BAD_REQUEST, f"region {off} is not {align}-aligned")
+            if off + n > size:
+                raise Reject(ErrorCode.BAD_REQUEST, f"region {off}+{n} exceeds the staging buffer")
+            if off < end:
+                raise Reject(ErrorCode.BAD_REQUEST, f"region {off} overlaps the one before it")
+            end = off + n
+
+    def _claim_for_store(
+        self, h: WriteHandle, i: int, c: ChunkSpec, settings: TenantSettings
+    ) -> StoreSlot:
+        """§5.21: the region the client chose for one chunk of ``store``, and store
+        space for it; ``BUSY`` if an open handle of the connection holds any of it."""
+        assert isinstance(c, StoreChunk)
+        _, alloc = self._registered()
+        with self.mu:
+            ok = alloc.claim(c.offset, region_size(c.layers, self.service.config.alignment))
+        if not ok:
+            return StoreSlot(StoreStatus.REJECTED, code=ErrorCode.BUSY)
+        try:
+            nbytes = v1.object_size(c.layers, h.encrypt)
+            res = self.service.store.reserve(h.tenant, nbytes, quota=settings.quota_bytes)
+        except StoreFull:
+            self._free(c.offset)
+            return StoreSlot(StoreStatus.REJECTED, code=ErrorCode.NO_SPACE)
+        except Exception:
+            log.exception("%r: reserving space failed", self)
+            self._free(c.offset)
+            return StoreSlot(StoreStatus.REJECTED, code=ErrorCode.INTERNAL)
+        h.staged.append(StagedWrite(i, c.key, c.layers, c.offset, res))
+        return StoreSlot(StoreStatus.WRITE, offset=c.offset)
 
     def complete_store(self, req: CompleteStore) -> Reply:
         """§5.5, §5.14, §8: write (or verify and publish) every chunk of the handle,

@@ -234,7 +234,7 @@ class StoreBase:
         )
 
     def _path(self, tenant: str, key: bytes) -> Path:
-        return self.root / v1.object_relpath(tenant, key)
+        return self.root / v1.object_relpath(tenant, key, self.layout.fanout)
 
     # ------------------------------------------------------------- dropping
 

@@ -105,7 +105,7 @@ class Maintenance(Capacity):
             try:
                 st = path.stat()
                 h = v1.decode_header(read_prefix(path, v1.ALIGN * 64))
-                if rel != v1.object_relpath(h.tenant, h.chunk_key):
+                if rel != v1.object_relpath(h.tenant, h.chunk_key, self.layout.fanout):
                     raise CorruptObject("object is not at its own path")
                 if st.st_size != h.total_size:
                     raise CorruptObject("size differs from header")
@@ -127,7 +127,7 @@ class Maintenance(Capacity):
             except Exception as exc:  # whatever a damaged file raises: it is corrupt
                 rep.corrupt_files.append(f"{rel}: {exc}")
                 to_remove.append(path)
-                corrupt_ids.add(_identity_from_path(rel))
+                corrupt_ids.add(_identity_from_path(rel, self.layout.fanout))
                 continue
             found = self._record_from_header(h, st.st_size, retention)
             if found.expires_ns and found.expires_ns <= time.time_ns():
@@ -141,13 +141,15 @@ class Maintenance(Capacity):
             g = good.get(k)
             if g is None:
                 if k not in corrupt_ids:
-                    rep.missing_files.append(v1.object_relpath(*k))
+                    rep.missing_files.append(v1.object_relpath(*k, self.layout.fanout))
             elif (g.size, g.namespace, g.key_epoch) != (r.size, r.namespace, r.key_epoch):
-                rep.mismatched_records.append(v1.object_relpath(*k))
+                rep.mismatched_records.append(v1.object_relpath(*k, self.layout.fanout))
             else:
                 rep.ok += 1
         unindexed = [g for k, g in good.items() if k not in indexed]
-        rep.unindexed_files = [v1.object_relpath(g.tenant, g.chunk_key) for g in unindexed]
+        rep.unindexed_files = [
+            v1.object_relpath(g.tenant, g.chunk_key, self.layout.fanout) for g in unindexed
+        ]
         if unindexed and not repair:
             try:
                 self._index_adopted(unindexed)
@@ -200,7 +202,7 @@ class Maintenance(Capacity):
                 except FileNotFoundError:
                     pass
                 continue
-            ident = _identity_from_path(str(path.relative_to(self.root)))
+            ident = _identity_from_path(str(path.relative_to(self.root)), self.layout.fanout)
             if ident is None or self.index.get(*ident) is not None:
                 continue
             if retention is None:
@@ -275,12 +277,15 @@ class Maintenance(Capacity):
         )
 
 
-def _identity_from_path(rel: str) -> tuple[str, bytes] | None:
+def _identity_from_path(rel: str, fanout: tuple[int, ...]) -> tuple[str, bytes] | None:
     """(tenant, chunk key) that a path under objects/ names, if it names one."""
     parts = rel.split("/")
-    if len(parts) != 5 or parts[0] != "objects" or not parts[4].endswith(v1.OBJECT_SUFFIX):
+    name = parts[-1]
+    if len(parts) != 3 + len(fanout) or parts[0] != "objects":
+        return None
+    if not name.endswith(v1.OBJECT_SUFFIX):
         return None
     try:
-        return parts[1], bytes.fromhex(parts[4][: -len(v1.OBJECT_SUFFIX)])
+        return parts[1], bytes.fromhex(name[: -len(v1.OBJECT_SUFFIX)])
     except ValueError:
         return None

@@ -58,6 +58,17 @@ def _small(nbytes: int) -> bool:
     return nbytes < PARALLEL_MIN_BYTES
 
 
+def _repeated(key: bytes, seen: set[bytes], reservation: Reservation | None) -> bool:
+    """A key already in this batch: indexed with the batch's one commit, so the
+    repeat is "already present" (its reservation is released)."""
+    if key in seen:
+        if reservation is not None:
+            reservation.release()
+        return True
+    seen.add(key)
+    return False
+
+
 @dataclass
 class _PutJob:
     """One chunk between reservation and index insert (put / put_many)."""
@@ -159,48 +170,102 @@ class Pipeline(Maintenance):
         are stored, nothing after it is (a later chunk's file already written
         is removed again), and the error is raised.
         """
-        results = [False] * len(chunks)
         held = list(reservations) if reservations is not None else [None] * len(chunks)
         if len(held) != len(chunks):
             raise ValueError("one reservation (or None) per chunk")
-        if len(chunks) < 2 or (
-            self.config.durability is not Durability.OBJECT
-            and _small(sum(memoryview(x).nbytes for _k, ls in chunks for x in ls))
-        ):
-            for i, (key, layers) in enumerate(chunks):
-                results[i] = self.put(
-                    tenant, namespace, key, layers, encrypt=encrypt, ttl_s=ttl_s,
-                    reservation=held[i],
-                )  # fmt: skip
-            return results
+        # Chunks written (or found on disk), in chunk order, waiting for their
+        # index records: the whole batch commits in one index transaction, after
+        # every object of it is written (and fsync'd, at durability object).
+        done: list[tuple[int, _PutJob, bool]] = []
+        try:
+            if len(chunks) < 2 or (
+                self.config.durability is not Durability.OBJECT
+                and _small(sum(memoryview(x).nbytes for _k, ls in chunks for x in ls))
+            ):
+                self._write_in_turn(tenant, namespace, chunks, encrypt, ttl_s, held, done)
+            else:
+                self._write_on_streams(tenant, namespace, chunks, encrypt, ttl_s, held, done)
+        except BaseException:
+            # The chunks before the failing one are written: index them, then raise.
+            try:
+                self._finish_puts(done)
+            except Exception as exc:
+                log.warning("put_many: indexing the chunks before a failure failed: %s", exc)
+            raise
+        results = [False] * len(chunks)
+        for i, ok in zip((i for i, _j, _w in done), self._finish_puts(done), strict=True):
+            results[i] = ok
+        return results
+
+    def _write_in_turn(
+        self,
+        tenant: str,
+        namespace: bytes,
+        chunks: Sequence[tuple[bytes, Sequence[memoryview | bytes | bytearray]]],
+        encrypt: bool,
+        ttl_s: float | None,
+        held: Sequence[Reservation | None],
+        done: list[tuple[int, _PutJob, bool]],
+    ) -> None:
+        """Seal and write the chunks one after the other in this thread; ``done``
+        gets each chunk written, for :meth:`_finish_puts`."""
+        seen: set[bytes] = set()
+        for i, (key, layers) in enumerate(chunks):
+            if _repeated(key, seen, held[i]):
+                continue
+            job = self._begin_put(tenant, namespace, key, layers, encrypt, ttl_s, held[i])
+            if job is None:
+                continue
+            try:
+                buf = self._scratch.get(job.size)
+                self._seal(job, buf)
+                written = self._write_verified(job, buf)
+            except BaseException:
+                job.res.release()
+                raise
+            done.append((i, job, written))
+
+    def _write_on_streams(
+        self,
+        tenant: str,
+        namespace: bytes,
+        chunks: Sequence[tuple[bytes, Sequence[memoryview | bytes | bytearray]]],
+        encrypt: bool,
+        ttl_s: float | None,
+        held: Sequence[Reservation | None],
+        done: list[tuple[int, _PutJob, bool]],
+    ) -> None:
+        """Seal and write up to :attr:`io_streams` chunks at once on the pool;
+        ``done`` gets each chunk written, in chunk order."""
         pool = self._pipeline()
         streams = self.io_streams
-        # In order: (chunk index, job, its seal+write on the pool). The index
-        # entries are made here, in order, as the writes finish.
+        # In order: (chunk index, job, its seal+write on the pool).
         window: deque[tuple[int, _PutJob, Future[bool]]] = deque()
         try:
+            seen: set[bytes] = set()
             for i, (key, layers) in enumerate(chunks):
+                if _repeated(key, seen, held[i]):
+                    continue
                 try:
                     job = self._begin_put(tenant, namespace, key, layers, encrypt, ttl_s, held[i])
                 except BaseException:
-                    while window:  # the chunks before this one are stored
-                        j, done, fut = window.popleft()
-                        results[j] = self._index_written(done, fut)
+                    while window:  # the chunks before this one are written
+                        j, later, fut = window.popleft()
+                        done.append((j, later, self._await_written(later, fut)))
                     raise
                 if job is None:
                     continue
                 window.append((i, job, pool.submit(self._seal_and_write, job)))
                 while len(window) >= streams:
-                    j, done, fut = window.popleft()
-                    results[j] = self._index_written(done, fut)
+                    j, first, fut = window.popleft()
+                    done.append((j, first, self._await_written(first, fut)))
             while window:
-                j, done, fut = window.popleft()
-                results[j] = self._index_written(done, fut)
+                j, first, fut = window.popleft()
+                done.append((j, first, self._await_written(first, fut)))
         finally:
             # An error: the writes still in flight are after the failing chunk.
             for _j, later, fut in window:
                 self._discard_written(later, fut)
-        return results
 
     @property
     def io_streams(self) -> int:
@@ -227,14 +292,14 @@ class Pipeline(Maintenance):
             job.res.release()
             raise
 
-    def _index_written(self, job: _PutJob, fut: Future[bool]) -> bool:
-        """Wait for a chunk's write, then index it (see :meth:`_write_sealed`)."""
+    @staticmethod
+    def _await_written(job: _PutJob, fut: Future[bool]) -> bool:
+        """Wait for a chunk's write (True: written, False: found on disk)."""
         try:
-            written = fut.result()
+            return fut.result()
         except BaseException:
             job.res.release()
             raise
-        return self._finish_put(job, written)
 
     def _discard_written(self, job: _PutJob, fut: Future[bool]) -> None:
         """A write after a failed chunk: let it finish, remove its file, free its space."""
@@ -347,50 +412,81 @@ class Pipeline(Maintenance):
     def _finish_put(self, job: _PutJob, written: bool) -> bool:
         """Index a written object (or adopt the one another writer put there);
         always releases the job's reservation."""
-        res = job.res
+        return self._finish_puts([(0, job, written)])[0]
+
+    def _finish_puts(self, done: Sequence[tuple[int, _PutJob, bool]]) -> list[bool]:
+        """Index the written objects of a batch in one transaction (or adopt those
+        another writer put there first); per entry, whether its record is new.
+        Always releases every job's reservation.
+
+        Every object is under its final name (and fsync'd, at durability
+        object) before the transaction starts, so a crash in between leaves
+        objects without records, which a rebuild adopts: never a record
+        without its object.
+        """
+        out = [False] * len(done)
+        cancelled: list[bytes] = []
         try:
-            if not written:
-                # Another writer (another node on a shared FS) got there first.
-                self._adopt(job.tenant, job.chunk_key)
-                self.counters.put_exists += 1
-                return False
-            if self._load_gens.current(job.tenant) != job.generation:
-                # Purged or revoked while being written: the object is not published.
-                with contextlib.suppress(FileNotFoundError):
-                    self._path(job.tenant, job.chunk_key).unlink()
-                raise PutCancelled(
-                    f"chunk {job.chunk_key.hex()[:16]} of {job.tenant}: purged or revoked "
-                    "while written; discarded"
+            recs: list[tuple[int, _PutJob, ChunkRecord]] = []
+            for n, (_i, job, written) in enumerate(done):
+                if not written:
+                    # Another writer (another node on a shared FS) got there first.
+                    self._adopt(job.tenant, job.chunk_key)
+                    self.counters.put_exists += 1
+                    continue
+                if self._load_gens.current(job.tenant) != job.generation:
+                    # Purged or revoked while being written: the object is not published.
+                    with contextlib.suppress(FileNotFoundError):
+                        self._path(job.tenant, job.chunk_key).unlink()
+                    cancelled.append(job.chunk_key)
+                    continue
+                expires = job.now + int(job.ttl_s * 1e9) if job.ttl_s else 0
+                rec = ChunkRecord(
+                    tenant=job.tenant,
+                    chunk_key=job.chunk_key,
+                    namespace=job.namespace,
+                    key_epoch=job.epoch,
+                    size=job.size,
+                    payload=sum(job.lengths),
+                    num_layers=len(job.lengths),
+                    created_ns=job.now,
+                    last_access_ns=job.now,
+                    expires_ns=expires,
                 )
-            now = job.now
-            expires = now + int(job.ttl_s * 1e9) if job.ttl_s else 0
-            rec = ChunkRecord(
-                tenant=job.tenant,
-                chunk_key=job.chunk_key,
-                namespace=job.namespace,
-                key_epoch=job.epoch,
-                size=job.size,
-                payload=sum(job.lengths),
-                num_layers=len(job.lengths),
-                created_ns=now,
-                last_access_ns=now,
-                expires_ns=expires,
-            )
+                recs.append((n, job, rec))
+            if not recs:
+                return self._cancelled_puts(cancelled, out)
             with self._mu:
-                # Turn the reservation into usage in one step: used + reserved
+                # Turn the reservations into usage in one step: used + reserved
                 # neither dips (letting another writer in) nor double counts.
-                inserted = self.index.put(rec)
-                if inserted:
-                    self._used += job.size
-                    res._commit_locked()
-            self.counters.puts += 1
-            self.counters.bytes_in += rec.payload
-            if inserted:
-                self._journal_stored(rec)
+                inserted = self.index.put_each([rec for _n, _j, rec in recs])
+                for (n, job, _rec), new in zip(recs, inserted, strict=True):
+                    if new:
+                        self._used += job.size
+                        job.res._commit_locked()
+                        out[n] = True
+            for (_n, _job, rec), new in zip(recs, inserted, strict=True):
+                self.counters.puts += 1
+                self.counters.bytes_in += rec.payload
+                if new:
+                    self._journal_stored(rec)
         finally:
-            res.release()
+            for _i, job, _w in done:
+                job.res.release()
         self._after_write()
-        return inserted
+        return self._cancelled_puts(cancelled, out)
+
+    @staticmethod
+    def _cancelled_puts(cancelled: Sequence[bytes], out: list[bool]) -> list[bool]:
+        """``out``, unless a chunk of the batch was purged or revoked while it was
+        written (its file removed, never indexed): then :class:`PutCancelled`, and
+        the caller asks the index which chunks of the batch are stored."""
+        if cancelled:
+            raise PutCancelled(
+                f"{len(cancelled)} chunk(s), first {cancelled[0].hex()[:16]}: purged or "
+                "revoked while written; discarded"
+            )
+        return out
 
     def _record(self, tenant: str, key: bytes) -> ChunkRecord | None:
         rec = self.index.get(tenant, key)
