@@ -24,7 +24,7 @@ import math
 from collections.abc import Mapping
 from enum import Enum
 from itertools import repeat
-from typing import Annotated, Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, Self, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -42,6 +42,7 @@ from .limits import (
     MAX_U16,
     MAX_U64,
     SALT_SIZE,
+    Op,
 )
 
 #: protocol-v1.md §5: ``^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$`` as a full match. ``\Z``,
@@ -181,6 +182,16 @@ def free_form(m: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
     return out
 
 
+class ReplyMessage(Message, frozen=True):
+    """Base of the OK replies that have result keys: ``OP`` is the verb."""
+
+    OP: ClassVar[Op]
+
+    @classmethod
+    def from_wire(cls, m: Mapping[str, Any]) -> Self:
+        return decode(cls, m, f"{cls.OP.value} reply")
+
+
 __all__ = [
     "TENANT_PATTERN",
     "U16",
@@ -195,6 +206,7 @@ __all__ = [
     "Namespace",
     "Path",
     "ProtocolError",
+    "ReplyMessage",
     "Salt",
     "Seconds",
     "ShortStr",

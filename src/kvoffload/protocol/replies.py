@@ -17,12 +17,23 @@ from msgspec import Meta
 
 from kvoffload.errors import ErrorCode
 
+from .admin_replies import (
+    FsckReply,
+    InspectReply,
+    InvalidateReply,
+    LsReply,
+    NamespacesReply,
+    PurgeOlderReply,
+    PurgeReply,
+    StatsReply,
+)
 from .fields import (
     Aligned,
     Check,
     LayerSizes,
     Message,
     Path,
+    ReplyMessage,
     Salt,
     Seconds,
     ShortStr,
@@ -31,7 +42,6 @@ from .fields import (
     WireCode,
     code,
     decode,
-    free_form,
 )
 from .framing import bad
 from .limits import (
@@ -47,16 +57,6 @@ from .limits import (
 
 Ident = Annotated[str, Meta(max_length=256)]
 Alignment = Annotated[int, Meta(ge=ALIGNMENT, le=MAX_ALIGNMENT)]
-
-
-class ReplyMessage(Message, frozen=True):
-    """Base of the OK replies that have result keys: ``OP`` is the verb."""
-
-    OP: ClassVar[Op]
-
-    @classmethod
-    def from_wire(cls, m: Mapping[str, Any]) -> Self:
-        return decode(cls, m, f"{cls.OP.value} reply")
 
 
 class HelloReply(ReplyMessage, frozen=True):
@@ -142,84 +142,6 @@ class StoreReply(ReplyMessage, frozen=True):
 
     def to_wire(self) -> dict[str, Any]:
         return {"stored": list(self.stored), "codes": list(self.codes)}
-
-
-class PurgeReply(ReplyMessage, frozen=True):
-    OP: ClassVar[Op] = Op.PURGE
-    removed: UInt
-    #: Optional (revision 7, 5.11): ``reached`` (tiers the purge reached) and
-    #: ``outside`` (tiers it cannot reach), lists of tier names. Empty: not sent.
-    tiers: Mapping[str, tuple[str, ...]] = msgspec.field(default_factory=dict)
-
-    def to_wire(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"removed": self.removed}
-        if self.tiers:
-            out["tiers"] = {k: list(v) for k, v in self.tiers.items()}
-        return out
-
-
-class StatsReply(ReplyMessage, frozen=True):
-    OP: ClassVar[Op] = Op.STATS
-    stats: Mapping[str, Any]
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"stats": dict(self.stats)}
-
-    @classmethod
-    def from_wire(cls, m: Mapping[str, Any]) -> Self:
-        return cls(free_form(m, "stats", "stats reply"))
-
-
-class FsckReply(ReplyMessage, frozen=True):
-    OP: ClassVar[Op] = Op.FSCK
-    report: Mapping[str, Any]
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"report": dict(self.report)}
-
-    @classmethod
-    def from_wire(cls, m: Mapping[str, Any]) -> Self:
-        return cls(free_form(m, "report", "fsck reply"))
-
-
-class _ReportReply(ReplyMessage, frozen=True):
-    """A reply whose one key is the free-form map ``report``."""
-
-    report: Mapping[str, Any]
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"report": dict(self.report)}
-
-    @classmethod
-    def from_wire(cls, m: Mapping[str, Any]) -> Self:
-        return cls(free_form(m, "report", f"{cls.OP.value} reply"))
-
-
-class InspectReply(_ReportReply, frozen=True):
-    OP: ClassVar[Op] = Op.INSPECT
-
-
-class LsReply(_ReportReply, frozen=True):
-    """``report``: ``chunks`` (a list of maps) and ``more`` (bool: a next page exists)."""
-
-    OP: ClassVar[Op] = Op.LS
-
-
-class PurgeOlderReply(ReplyMessage, frozen=True):
-    OP: ClassVar[Op] = Op.PURGE_OLDER
-    removed: UInt
-
-
-class InvalidateReply(_ReportReply, frozen=True):
-    """§5.20: what was (or, dry, would be) removed, and the unknown contracts left."""
-
-    OP: ClassVar[Op] = Op.INVALIDATE
-
-
-class NamespacesReply(_ReportReply, frozen=True):
-    """§5.20: ``namespaces``, a list of maps."""
-
-    OP: ClassVar[Op] = Op.NAMESPACES
 
 
 # -- prepare_store, lease_store: one entry per chunk, by status ---------------
