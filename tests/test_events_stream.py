@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+import time
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -285,6 +286,66 @@ def test_an_engine_without_snapshots_that_restarts_is_cleared(
             consumer.poll(0.02)
             if consumer.status("node").recoveries[Recovery.RESTART]:
                 break
+        _settle(consumer, pub)
+        with consumer.lock:
+            assert consumer.view("node").snapshot() == store.truth()
+        assert consumer.status("node").recoveries[Recovery.RESTART] == 1
+        pub.close()
+    finally:
+        consumer.close()
+
+
+def test_an_engine_that_restarted_unseen_is_cleared_even_when_its_seq_looks_next(
+    endpoints: tuple[str, str], ctx: zmq.Context
+) -> None:
+    """A lost engine comes back restarted; the consumer missed its first batches (a
+    partition, or a late subscription), so the first batch it sees carries exactly
+    the seq after its own last. That is no proof of continuity: the consumer checks
+    its last batch through the replay socket, sees the restart and clears the view."""
+    store = Store()
+    # No retry of the stale source while the test runs: the live batch is what
+    # brings it back (a retry's replay would find the restart on its own).
+    consumer = EventConsumer(
+        [_spec(endpoints, snapshots=False)],
+        context=ctx,
+        request_timeout_s=1,
+        idle_check_s=0,
+        retry_after_s=600,
+    )
+    try:
+        pub = KVEventPublisher(endpoints[0], replay_endpoint=endpoints[1], context=ctx)
+        store.pub = pub
+        for _ in range(200):
+            store.save()
+            consumer.poll(0.02)
+            if consumer.status("node").batches:
+                break
+        store.save()
+        _settle(consumer, pub)
+        last = consumer.status("node").last_seq
+        assert last is not None
+        # The stream is lost: the consumer cannot reach it and goes stale.
+        consumer.pause("node")
+        pub.close()
+        consumer.sync("node")
+        batches = consumer.status("node").batches
+        assert consumer.status("node").health is Health.STALE
+        # The engine restarts (its GPU blocks died with it) and numbers from 0 again;
+        # its batches 0..last go by while the consumer is cut off.
+        store.chunks.clear()
+        pub = KVEventPublisher(endpoints[0], replay_endpoint=endpoints[1], context=ctx)
+        store.pub = pub
+        while pub.last_seq() < last:
+            store.save()
+        assert pub.last_seq() == last
+        consumer.resume("node")
+        time.sleep(0.5)  # let the SUB socket join, so that seq last + 1 is the first it gets
+        for _ in range(200):
+            store.save()
+            consumer.poll(0.02)
+            if consumer.status("node").batches > batches:
+                break
+        assert consumer.status("node").recoveries[Recovery.RESTART] == 1
         _settle(consumer, pub)
         with consumer.lock:
             assert consumer.view("node").snapshot() == store.truth()

@@ -421,6 +421,13 @@ class EventConsumer:
             else:
                 self._recover(src, reason="restart", snapshot=False, start=last + 1, through=seq)
             return self._after_recovery(src, seq, batch)
+        if seq == last + 1 and st.health is Health.STALE and spec.replay_endpoint is not None:
+            # Back from a lost stream: the next seq proves nothing. An engine that
+            # restarted unseen numbers from 0 again, and a subscription that joins
+            # late drops its first batches, so its seq can land right after ours.
+            # The replay checks the batch of our last seq (a restart if it differs).
+            self._recover(src, reason="stale", snapshot=False, start=last + 1, through=seq)
+            return self._after_recovery(src, seq, batch)
         if seq != last + 1:
             st.gaps += 1
             log.info("events: %s: gap after seq %d (got %d)", spec.name, last, seq)
