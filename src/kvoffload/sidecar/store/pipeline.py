@@ -216,14 +216,7 @@ class Pipeline(Maintenance):
             job = self._begin_put(tenant, namespace, key, layers, encrypt, ttl_s, held[i])
             if job is None:
                 continue
-            try:
-                buf = self._scratch.get(job.size)
-                self._seal(job, buf)
-                written = self._write_verified(job, buf)
-            except BaseException:
-                job.res.release()
-                raise
-            done.append((i, job, written))
+            done.append((i, job, self._seal_and_write(job)))
 
     def _write_on_streams(
         self,
@@ -281,9 +274,10 @@ class Pipeline(Maintenance):
             return self._pipe
 
     def _seal_and_write(self, job: _PutJob) -> bool:
-        """On a pool thread: seal into that thread's scratch buffer and write the
-        file. True if written, False if the object was already on disk. Releases
-        the reservation only on an error (the caller indexes and releases)."""
+        """Seal into this thread's scratch buffer (a pool thread's, or the caller's
+        for a batch written in turn) and write the file. True if written, False
+        if the object was already on disk. Releases the reservation only on an
+        error (the caller indexes and releases)."""
         try:
             buf = self._scratch.get(job.size)
             self._seal(job, buf)
