@@ -10,12 +10,15 @@ own can go is a write refused (:class:`QuotaExceeded`, the protocol's
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvoffload.layouts import v1
 from kvoffload.sidecar.errors import QuotaExceeded, StoreFull
+from kvoffload.sidecar.index import ChunkRecord
 
 from .test_store import NS, key, layers, open_store
 
@@ -127,6 +130,54 @@ def test_concurrent_writers_never_exceed_a_quota(tmp_path: Path, kek_file: Path)
         s.close()
     assert not errors
     assert 0 < peak[0] <= quota
+
+
+def test_a_writer_that_freed_nothing_decides_full_on_one_view_of_the_room(
+    tmp_path: Path, kek_file: Path
+) -> None:
+    """The race that made a concurrent writer see a full quota: its eviction
+    freed nothing because another writer had just evicted everything (room
+    was plentiful), and then, before it looked at the room again, other
+    writes committed and filled the quota with chunks that could be evicted.
+    "Nothing to evict" from the first moment and "no room" from the second
+    must not combine into QuotaExceeded. The interleaving is forced through
+    the store's own drop and the index's listing, each still doing its real
+    work."""
+    s = open_store(tmp_path, kek_file)
+    quota = OBJ * 2
+    try:
+        assert put_with_quota(s, "acme", 1, quota)
+        assert put_with_quota(s, "acme", 2, quota)
+        real_drop = s._drop
+        real_records = s.index.records
+        state = {"dropped_by_other": False, "refilled": False}
+
+        def drop(tenant: str, k: bytes, **kw: Any) -> bool:
+            if not state["dropped_by_other"]:
+                state["dropped_by_other"] = True
+                # Another writer evicts the tenant's chunks first.
+                for i in (1, 2):
+                    real_drop("acme", key(i, "acme"), reason="quota")
+            return real_drop(tenant, k, **kw)
+
+        def records(*args: Any, **kw: Any) -> Iterator[ChunkRecord]:
+            out = list(real_records(*args, **kw))
+            if state["dropped_by_other"] and not state["refilled"] and not s._mu.locked():
+                state["refilled"] = True
+                # Two other writers commit into the room that eviction made.
+                assert put_with_quota(s, "acme", 3, quota)
+                assert put_with_quota(s, "acme", 4, quota)
+            return iter(out)
+
+        s._drop = drop  # type: ignore[method-assign,assignment]
+        s.index.records = records  # type: ignore[method-assign]
+        res = s.reserve("acme", OBJ, quota=quota)
+        assert state["dropped_by_other"]
+        assert s.put("acme", NS, key(5, "acme"), layers(5), reservation=res)
+        assert s.tenant_accounted("acme") <= quota
+        assert s.contains("acme", key(5, "acme"))
+    finally:
+        s.close()
 
 
 def test_the_sidecar_enforces_the_policy_quota(tmp_path: Path) -> None:

@@ -190,22 +190,29 @@ class Capacity(StoreBase):
                     break
                 self._evict(scope, excess)  # the holder only; each removal fenced
             raise scope.full(nbytes)
-        evicted_nothing = False
         for _attempt in range(1000):
             with self._mu:
                 over = scope.accounted_locked() + nbytes - scope.limit
                 if over <= 0:
                     scope.add_locked(nbytes)
                     return
-            if evicted_nothing:
-                # Checked again after finding nothing to evict: the rest of the
-                # room is pinned or reserved by writes in flight.
+            if self._evict(scope, over + scope.slack) > 0:
+                continue
+            # Freed nothing: another writer is evicting the same chunks, or
+            # nothing in the scope is evictable. Decide on one consistent view:
+            # the room and the evictable chunks are read under the lock that
+            # every commit takes, so a write that commits (and becomes
+            # evictable) between the two reads cannot make a full verdict.
+            if not self._may_evict():
                 raise scope.full(nbytes)
-            # Freed nothing: another writer is evicting the same chunks (try
-            # again), or nothing in the scope is evictable (one more look at
-            # the room, which that writer may have made, then give up).
-            if self._evict(scope, over + scope.slack) == 0:
-                evicted_nothing = not self._evictable(scope)
+            with self._mu:
+                over = scope.accounted_locked() + nbytes - scope.limit
+                if over <= 0:
+                    scope.add_locked(nbytes)
+                    return
+                if not self._evictable_locked(scope):
+                    # The rest of the room is pinned or reserved by writes in flight.
+                    raise scope.full(nbytes)
         raise scope.full(nbytes)
 
     def _may_evict(self) -> bool:
@@ -213,14 +220,8 @@ class Capacity(StoreBase):
         while its lease is fenced in (shared-root-v1.md §4)."""
         return self._shared is None or self._shared.lease.fence()
 
-    def _evictable(self, scope: _Scope) -> bool:
-        if not self._may_evict():
-            return False
-        for rec in scope.candidates():
-            with self._mu:
-                if not self._pins.get((rec.tenant, rec.chunk_key)):
-                    return True
-        return False
+    def _evictable_locked(self, scope: _Scope) -> bool:
+        return any(not self._pins.get((r.tenant, r.chunk_key)) for r in scope.candidates())
 
     def _evict(self, scope: _Scope, nbytes: int) -> int:
         """Evict the scope's unpinned chunks, oldest access first, until ``nbytes``
