@@ -1111,8 +1111,7 @@ def final_targets(
             continue
         lookups.append(
             LookupTarget(lt.durability, "p99", lt.p99_us, LOOKUP_TARGET_P99_US,
-                         f"{lt.ceiling} p99".replace("unix socket ", "socket "),
-                         lt.ceiling_p99_us)
+                         "socket round trip p99", lt.ceiling_p99_us)
         )  # fmt: skip
         per_rt = LOOKUP_KEYS / lt.ceiling_p50_us * 1e6 if lt.ceiling_p50_us else None
         lookups.append(
@@ -1122,14 +1121,19 @@ def final_targets(
     return rows, lookups
 
 
+def _k(x: float | None) -> float | None:
+    return None if x is None else x / 1e3
+
+
 def _short_ceiling(name: str) -> str:
     """'raw write sealed-obj x4 (O_DIRECT+fsync, 4 streams)' -> 'write O_DIRECT+fsync, 4
-    streams': every ceiling of the table moves the sealed objects of its row."""
-    if "(" not in name:
+    streams' ('raw read ... (O_DIRECT read)' -> 'O_DIRECT read'): every ceiling of the
+    table moves the sealed objects of its own row."""
+    if " (" not in name:
         return name
     head, method = name.split(" (", 1)
-    verb = "write" if head.startswith("raw write") else "read"
-    return f"{verb} {method.rstrip(')')}"
+    method = method.removesuffix(")")
+    return f"write {method}" if head.startswith("raw write") else method
 
 
 def render_targets(
@@ -1153,8 +1157,8 @@ def render_targets(
     left = ("shape", "row", "dur", "kvoffload", "best raw ceiling")
     for col in (*left, "ceiling", "x ceil", "target", "verdict"):
         t.add_column(col, justify="left" if col in left else "right")
-    for col in ("LMCache best variant", "LMCache", "x LMCache", "target ", "verdict "):
-        t.add_column(col, justify="left" if col == "LMCache best variant" else "right")
+    for col in ("LMCache best", "LMCache", "x LMCache", "target ", "verdict "):
+        t.add_column(col, justify="left" if col == "LMCache best" else "right")
     for r in rows:
         c, p = r.vs_ceiling, r.vs_lmcache
         t.add_row(
@@ -1170,10 +1174,12 @@ def render_targets(
         t.add_row(
             "-", f"lookup {LOOKUP_KEYS} keys {lk.metric}", lk.durability,
             f"{lk.value:.1f} us" if us else f"{lk.value / 1e3:.0f}k keys/s",
-            escape(lk.ceiling), _f(lk.ceiling_value, "{:.1f} us" if us else "{:,.0f}"), "-",
+            escape(lk.ceiling),
+            _f(lk.ceiling_value, "{:.1f} us") if us else _f(_k(lk.ceiling_value), "{:.0f}k"),
+            "-",
             f"< {lk.target:.0f} us" if us else f">= {lk.target / 1e3:.0f}k",
             "[green]meets[/green]" if lk.met else "[red]below[/red]",
-            "[dim]none (index in-process)[/dim]", "-", "-", "", "",
+            "[dim]- (in-process index)[/dim]", "-", "-", "", "",
         )  # fmt: skip
     console.print(t)
     console.print(f"[bold]LMCache peer[/bold]: {escape(peer_status)}")
