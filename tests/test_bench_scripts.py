@@ -228,7 +228,7 @@ def assert_target_table(stdout: str, doc: dict[str, Any]) -> dict[str, dict[str,
     targets per sidecar. Returns the throughput rows by id."""
     assert "issue 12 targets" in stdout
     table = stdout[stdout.index("issue 12 targets") :]
-    for col in ("best raw ceiling", "x ceil", "verdict", "LMCache best variant", "x LMCache"):
+    for col in ("best raw ceiling", "x ceil", "verdict", "LMCache best", "x LMCache"):
         assert col in table, col
     assert "meets" in table or "below" in table
     targets = {t["id"]: t for t in doc["targets"]}
