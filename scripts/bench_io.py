@@ -677,7 +677,7 @@ class Target:
     shape: str
     op: str  # "save" | "cold load" | "warm load"
     durability: str | None
-    ours: Row | None
+    ours: bs.Result | None  # a Row of this script or of bench_sidecar.py
     theirs_name: str
     theirs_gbps: float | None
     theirs_ratio: float | None  # the other side's x ceil, when it has one
@@ -786,10 +786,39 @@ def peer_targets(
 def run_lmcache(
     args: argparse.Namespace, base: Path, err: Console
 ) -> tuple[str, dict[str, Any] | None]:
-    """Run lmcache_peer.py in its venv; (status line, its JSON or None)."""
+    """Run lmcache_peer.py in its venv with this script's sizes; (status line, its JSON or None)."""
     if args.no_lmcache:
         return "skipped (--no-lmcache)", None
-    py = args.lmcache_python
+    return run_lmcache_peer(
+        args.lmcache_python,
+        base,
+        err,
+        quick=args.quick,
+        row_budget_s=args.row_budget_s,
+        large_mib_per_row=args.large_mib_per_row,
+        small_ops=args.small_ops,
+        large_batch=args.large_batch,
+        small_batch=args.small_batch,
+        durabilities=args.durability,
+    )
+
+
+def run_lmcache_peer(
+    py: Path,
+    base: Path,
+    err: Console,
+    *,
+    quick: bool,
+    row_budget_s: float,
+    large_mib_per_row: int,
+    small_ops: int,
+    large_batch: int,
+    small_batch: int,
+    durabilities: Sequence[str],
+    shapes: Sequence[str] = ("large", "small"),
+) -> tuple[str, dict[str, Any] | None]:
+    """Run lmcache_peer.py with ``py`` (its venv's python) on ``base``; (one status line,
+    its JSON or None). Never raises for a missing venv or a failed peer: the status says."""
     if not py.exists():
         return f"not run: {py} does not exist; create it with: {LMCACHE_HOWTO}", None
     out = base / "lmcache.json"
@@ -801,21 +830,23 @@ def run_lmcache(
         "--json",
         str(out),
         "--row-budget-s",
-        str(args.row_budget_s),
+        str(row_budget_s),
         "--large-mib-per-row",
-        str(args.large_mib_per_row),
+        str(large_mib_per_row),
         "--small-ops",
-        str(args.small_ops),
+        str(small_ops),
         "--large-batch",
-        str(args.large_batch),
+        str(large_batch),
         "--small-batch",
-        str(args.small_batch),
+        str(small_batch),
+        "--shapes",
+        ",".join(shapes),
     ]
-    durs = [d for d in args.durability if d in ("object", "none")]
+    durs = [d for d in durabilities if d in ("object", "none")]
     if not durs:
         return "not run: LMCache has only durabilities none (put) and object (put+fsync)", None
     cmd += ["--durability", ",".join(durs)]
-    if args.quick:
+    if quick:
         cmd.append("--quick")
     err.print(f"lmcache: {' '.join(cmd)}", highlight=False)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, cwd=base)
@@ -832,7 +863,15 @@ def run_lmcache(
     if rc != 0 or not out.exists():
         return f"failed: lmcache_peer.py exited with {rc} (its stderr is above)", None
     doc: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
+    out.unlink()
     return "ran", doc
+
+
+def best_lmcache(peer: dict[str, Any], shape: str, name: str) -> dict[str, Any] | None:
+    """LMCache's fastest variant (buffered / O_DIRECT, as its run configured its threads)
+    of row ``name`` (put, put+fsync, get cold, get warm) for ``shape``; None if none ran."""
+    rows = [r for r in peer.get("rows", []) if r["shape"] == shape and r["name"] == name]
+    return max(rows, key=lambda r: float(r["gbps"])) if rows else None
 
 
 # --------------------------------------------------------------------------- output

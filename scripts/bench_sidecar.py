@@ -31,16 +31,29 @@ ceilings (same run, same directory)
     Python processes over a Unix socket pair. A row's ratio is to the faster of
     the O_DIRECT and buffered ceilings, measured in the same interleaved loop.
 
+LMCache (the peer)
+    ``scripts/lmcache_peer.py`` (LMCache 0.5.6 ``LocalDiskBackend``, its
+    buffered default and its O_DIRECT variant) in its own venv
+    (``--lmcache-python``, default ``.venv-lmcache/bin/python``; a missing venv
+    is one status line, ``--no-lmcache`` skips it), run after the sidecar rows
+    on the same directory with the same chunk shapes, chunks per row, batch
+    size and row budget.
+
 Every kvoffload row runs interleaved op by op with its ceiling(s) (the direct
-rows with ceilings of their own: the same plaintext object bytes as plain's);
-the ratio of each row to its ceiling is printed with the targets (not
-assertions): sealed save >= 0.8x raw write, sealed cold load >= 0.8x raw cold
-read, lookup of 64 keys p99 < 0.15 ms and >= 200k keys/s per connection.
+rows with ceilings of their own: the same plaintext object bytes as plain's).
+The last table is issue 12's targets (printed, never asserted): every sealed
+row (save at each durability, cold and warm load) >= 0.8x the best raw ceiling
+of the same objects (the faster of one stream and min(streams, batch) streams)
+and >= 1.2x LMCache's best unencrypted variant at equal durability (its
+``put`` = our ``none``, its ``put+fsync`` = our ``object``); lookup of 64 keys
+p99 < 0.15 ms and >= 200k keys/s per connection. ``--json`` holds them as
+``targets``, ``lookup_targets`` and ``lmcache``.
 
 Usage::
 
-    .venv/bin/python scripts/bench_sidecar.py                  # ~2 min on 2 cores
+    .venv/bin/python scripts/bench_sidecar.py                  # ~3 min on 2 cores
     .venv/bin/python scripts/bench_sidecar.py --quick          # seconds
+    .venv/bin/python scripts/bench_sidecar.py --lmcache-python /path/.venv-lmcache/bin/python
     .venv/bin/python scripts/bench_sidecar.py --dir /mnt/nvme --json out.json
     .venv/bin/python scripts/bench_sidecar.py --quick --profile /tmp/prof   # cProfile both sides
 
@@ -93,12 +106,14 @@ from kvoffload.protocol import (
 from kvoffload.sidecar.store.base import default_io_streams
 
 if TYPE_CHECKING:
+    import bench_io as bio
     import bench_store as bs
 else:
     _HERE = str(Path(__file__).resolve().parent)
     if _HERE not in sys.path:
         sys.path.insert(0, _HERE)
     bs = importlib.import_module("bench_store")
+    bio = importlib.import_module("bench_io")  # the LMCache peer, Target and its verdicts
 
 MiB = bs.MiB
 SEALED_TENANT = bs.TENANT  # default tenant policy: AES-256-GCM
@@ -109,10 +124,22 @@ FORMATS = (*bs.FORMATS, "direct")  # a direct object is a plaintext layout-v1 ob
 DURABILITIES = bs.DURABILITIES
 DEFAULT_DURABILITIES = ("object", "none")
 LOOKUP_KEYS = 64
+TARGET_CEIL = bio.TARGET_CEIL  # sealed, through the sidecar / best raw ceiling: >= 0.8x
+TARGET_PEER = bio.TARGET_PEER  # sealed, through the sidecar / LMCache unencrypted: >= 1.2x
 TARGETS = {  # row name -> minimum x ceiling; printed next to the ratio, never asserted
-    "save sealed": 0.8,
-    "load sealed cold": 0.8,
+    "save sealed": TARGET_CEIL,
+    "load sealed cold": TARGET_CEIL,
+    "load sealed warm": TARGET_CEIL,
 }
+#: The final target table's rows: (op, our row name, LMCache's row at each durability).
+#: LMCache never fsyncs: its 'put' is our durability none, its 'put' + a timed fsync of its
+#: files and directory ('put+fsync') our durability object; it has no 'batch'. Its gets do
+#: not depend on durability: each of our loads (one sidecar per durability) meets the same.
+FINAL_ROWS: tuple[tuple[str, str, dict[str, str]], ...] = (
+    ("save", "save sealed", {"none": "put", "object": "put+fsync"}),
+    ("cold load", "load sealed cold", {d: "get cold" for d in DURABILITIES}),
+    ("warm load", "load sealed warm", {d: "get warm" for d in DURABILITIES}),
+)
 #: Issue 12's lookup targets: p99 < 0.15 ms and >= 200k keys/s per connection.
 LOOKUP_TARGET_P99_US = 150.0
 LOOKUP_TARGET_KEYS_PER_S = 200_000.0
@@ -940,6 +967,238 @@ class Bench:
             self.progress(f"  {r.id:<46} p50 {r.p50_us:7.1f} us  p99 {r.p99_us:7.1f} us{kps}")
 
 
+# --------------------------------------------------------------------------- targets
+
+
+@dataclass
+class FinalRow:
+    """A row of the final target table: a sealed row through the sidecar against the best
+    raw ceiling of the very same objects (one stream or min(streams, batch) streams, the
+    faster) and against LMCache's best unencrypted variant at equal durability."""
+
+    shape: str
+    op: str  # "save" | "cold load" | "warm load"
+    durability: str
+    vs_ceiling: bio.Target
+    vs_lmcache: bio.Target | None  # None: not compared, ``note`` says why
+    note: str = ""
+
+    @property
+    def id(self) -> str:
+        return f"{self.shape}/{self.durability}/{self.op}"
+
+    def to_json(self) -> dict[str, Any]:
+        c, p = self.vs_ceiling, self.vs_lmcache
+        return {
+            "id": self.id,
+            "shape": self.shape,
+            "op": self.op,
+            "durability": self.durability,
+            "ours": c.ours.id if c.ours else None,
+            "ours_gbps": c.ours.gbps if c.ours else None,
+            "ceiling": c.theirs_name,
+            "ceiling_gbps": c.theirs_gbps,
+            "x_ceiling": c.ratio,
+            "ceiling_target": c.target,
+            "meets_ceiling": c.met,
+            "lmcache": p.theirs_name if p else None,
+            "lmcache_gbps": p.theirs_gbps if p else None,
+            "lmcache_x_its_ceiling": p.theirs_ratio if p else None,
+            "x_lmcache": p.ratio if p else None,
+            "lmcache_target": TARGET_PEER,
+            "meets_lmcache": p.met if p else None,
+            "lmcache_note": self.note,
+        }
+
+
+@dataclass
+class LookupTarget:
+    """Issue 12's lookup targets, for one sidecar (durability): p99 of a 64-key lookup
+    below 150 us, and at least 200k keys/s answered by one connection."""
+
+    durability: str
+    metric: str  # "p99" | "keys/s"
+    value: float
+    target: float
+    ceiling: str  # what one connection could do at best, for context
+    ceiling_value: float | None
+
+    @property
+    def met(self) -> bool:
+        return self.value < self.target if self.metric == "p99" else self.value >= self.target
+
+    @property
+    def id(self) -> str:
+        return f"{self.durability}/lookup {LOOKUP_KEYS} keys {self.metric}"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"id": self.id, "met": self.met}
+
+
+def _peer_mismatch(peer: dict[str, Any], shape: bs.Shape, batch: int) -> str:
+    """Why LMCache's rows of ``shape`` are not comparable with ours ("" when they are):
+    another chunk (layers x layer bytes) or another batch size."""
+    theirs = next(
+        (s for s in peer.get("config", {}).get("shapes", []) if s["key"] == shape.key), None
+    )
+    if theirs is None:
+        return f"LMCache ran no {shape.key} chunk"
+    if (theirs["layers"], theirs["layer_bytes"]) != (shape.layers, shape.layer_bytes):
+        return (
+            f"not compared: LMCache's {shape.key} chunk is {theirs['layers']} x "
+            f"{theirs['layer_bytes']} B, ours {shape.layers} x {shape.layer_bytes} B"
+        )
+    if theirs["batch"] != batch:
+        return f"not compared: LMCache's batches are {theirs['batch']} chunks, ours {batch}"
+    return ""
+
+
+def final_targets(
+    results: Sequence[bs.Result],
+    latencies: Sequence[Latency],
+    peer: dict[str, Any] | None,
+    shapes: Sequence[bs.Shape],
+    durabilities: Sequence[str],
+    batch: int,
+) -> tuple[list[FinalRow], list[LookupTarget]]:
+    """Issue 12's final table: every sealed row against its best raw ceiling and against
+    LMCache's best variant (the fastest of buffered and O_DIRECT; its disk_io_threads as it
+    ran) at equal durability; and the lookup targets."""
+    ceilings = {(r.shape, r.durability, r.name): r for r in results if r.kind == "ceiling"}
+    rows: list[FinalRow] = []
+    for shape in shapes:
+        mismatch = _peer_mismatch(peer, shape, batch) if peer is not None else ""
+        for op, name, lm_rows in FINAL_ROWS:
+            for dur in durabilities:
+                ours = next(
+                    (
+                        r
+                        for r in results
+                        if r.kind == "kvoffload"
+                        and (r.shape, r.durability, r.name) == (shape.key, dur, name)
+                    ),
+                    None,
+                )
+                ceil = ceilings.get((shape.key, dur, ours.ceiling or "")) if ours else None
+                ceil_name = "-"
+                if ceil is not None:
+                    method = ceil.method if isinstance(ceil, Row) else ""
+                    ceil_name = f"{ceil.name} ({method})" if method else ceil.name
+                vs_ceiling = bio.Target(
+                    shape.key, op, dur, ours, ceil_name, ours.ceiling_gbps if ours else None,
+                    None, TARGET_CEIL,
+                )  # fmt: skip
+                vs_lm: bio.Target | None = None
+                lm = lm_rows.get(dur)
+                if peer is None:
+                    note = "LMCache not run (see its status line)"
+                elif lm is None:
+                    note = f"LMCache has no durability {dur!r}"
+                elif mismatch:
+                    note = mismatch
+                elif (best := bio.best_lmcache(peer, shape.key, lm)) is None:
+                    note = f"LMCache ran no {lm!r} row"
+                else:
+                    note = ""
+                    vs_lm = bio.Target(
+                        shape.key, op, dur, ours, f"{best['variant']} {lm}", float(best["gbps"]),
+                        best.get("ratio"), TARGET_PEER,
+                    )  # fmt: skip
+                rows.append(FinalRow(shape.key, op, dur, vs_ceiling, vs_lm, note))
+    lookups: list[LookupTarget] = []
+    for lt in latencies:
+        if lt.kind != "kvoffload" or lt.name != f"lookup {LOOKUP_KEYS} keys":
+            continue
+        lookups.append(
+            LookupTarget(lt.durability, "p99", lt.p99_us, LOOKUP_TARGET_P99_US,
+                         "socket round trip p99", lt.ceiling_p99_us)
+        )  # fmt: skip
+        per_rt = LOOKUP_KEYS / lt.ceiling_p50_us * 1e6 if lt.ceiling_p50_us else None
+        lookups.append(
+            LookupTarget(lt.durability, "keys/s", lt.keys_per_s or 0.0, LOOKUP_TARGET_KEYS_PER_S,
+                         f"{LOOKUP_KEYS} keys / socket round trip p50", per_rt)
+        )  # fmt: skip
+    return rows, lookups
+
+
+def _k(x: float | None) -> float | None:
+    return None if x is None else x / 1e3
+
+
+def _short_ceiling(name: str) -> str:
+    """'raw write sealed-obj x4 (O_DIRECT+fsync, 4 streams)' -> 'write O_DIRECT+fsync, 4
+    streams' ('raw read ... (O_DIRECT read)' -> 'O_DIRECT read'): every ceiling of the
+    table moves the sealed objects of its own row."""
+    if " (" not in name:
+        return name
+    head, method = name.split(" (", 1)
+    method = method.removesuffix(")")
+    return f"write {method}" if head.startswith("raw write") else method
+
+
+def render_targets(
+    console: Console,
+    rows: Sequence[FinalRow],
+    lookups: Sequence[LookupTarget],
+    shapes: Sequence[bs.Shape],
+    batch: int,
+    streams: int,
+    peer_status: str,
+    peer: dict[str, Any] | None,
+) -> None:
+    """The final table: one line per sealed row and per lookup target, each with its verdicts."""
+    sizes = "; ".join(f"{s.key} {s.describe()}" for s in shapes)
+    t = Table(
+        title=f"issue 12 targets: kvoffload sealed (AES-256-GCM) through the sidecar, batches of "
+        f"{batch}, vs the best raw ceiling of the same objects (1 or {min(streams, batch)} "
+        f"streams) >= {TARGET_CEIL:.1f}x, and vs LMCache's best unencrypted variant at equal "
+        f"durability >= {TARGET_PEER:.1f}x; the same payloads and batches both sides ({sizes})"
+    )
+    left = ("shape", "row", "dur", "kvoffload", "best raw ceiling")
+    for col in (*left, "ceiling", "x ceil", "target", "verdict"):
+        t.add_column(col, justify="left" if col in left else "right")
+    for col in ("LMCache best", "LMCache", "x LMCache", "target ", "verdict "):
+        t.add_column(col, justify="left" if col == "LMCache best" else "right")
+    for r in rows:
+        c, p = r.vs_ceiling, r.vs_lmcache
+        t.add_row(
+            r.shape, r.op, r.durability, _f(c.ours.gbps if c.ours else None, "{:.3f} GB/s"),
+            escape(_short_ceiling(c.theirs_name)), _f(c.theirs_gbps), _f(c.ratio, "{:.2f}x"),
+            f">= {c.target:.1f}x", bio._verdict(c),
+            escape(p.theirs_name) if p else f"[dim]{escape(r.note)}[/dim]",
+            _f(p.theirs_gbps if p else None), _f(p.ratio if p else None, "{:.2f}x"),
+            f">= {TARGET_PEER:.1f}x", bio._verdict(p) if p else "-",
+        )  # fmt: skip
+    for lk in lookups:
+        us = lk.metric == "p99"
+        t.add_row(
+            "-", f"lookup {LOOKUP_KEYS} keys {lk.metric}", lk.durability,
+            f"{lk.value:.1f} us" if us else f"{lk.value / 1e3:.0f}k keys/s",
+            escape(lk.ceiling),
+            _f(lk.ceiling_value, "{:.1f} us") if us else _f(_k(lk.ceiling_value), "{:.0f}k"),
+            "-",
+            f"< {lk.target:.0f} us" if us else f">= {lk.target / 1e3:.0f}k",
+            "[green]meets[/green]" if lk.met else "[red]below[/red]",
+            "[dim]- (in-process index)[/dim]", "-", "-", "", "",
+        )  # fmt: skip
+    console.print(t)
+    console.print(f"[bold]LMCache peer[/bold]: {escape(peer_status)}")
+    if peer is not None:
+        m = peer.get("machine", {})
+        console.print(
+            f"[bold]LMCache[/bold]: {escape(str(m.get('lmcache', '?')))} LocalDiskBackend "
+            f"(scripts/lmcache_peer.py, its own venv, its own process), disk_io_threads "
+            f"{escape(str(m.get('lmcache disk_io_threads', '?')))}; best variant = the faster "
+            "of buffered (its default) and O_DIRECT (use_odirect) per row. Its 'put' (page "
+            "cache, it never fsyncs) meets our durability none, its 'put+fsync' (fsync of its "
+            "files and directory after the batch, timed) our durability object; its gets meet "
+            "our loads at every durability. It ran after the sidecar rows, not interleaved with "
+            "them: on a shared machine the load averages above say how comparable the two are."
+        )
+        for note in peer.get("notes", []):
+            console.print(f"[bold]LMCache[/bold]: {escape(note)}")
+
+
 # --------------------------------------------------------------------------- output
 
 
@@ -1169,6 +1428,15 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="cProfile the sidecar (every thread) and this client into this dir; slows all rows",
     )
+    p.add_argument(
+        "--no-lmcache", action="store_true", help="skip the LMCache peer (its target columns)"
+    )
+    p.add_argument(
+        "--lmcache-python",
+        type=Path,
+        default=bio.LMCACHE_VENV / "bin" / "python",
+        help="the LMCache venv's python (default: .venv-lmcache/bin/python of this checkout)",
+    )
     a = p.parse_args(argv)
     a.durability = bs.parse_durabilities(p, a.durability, DEFAULT_DURABILITIES)
     a.shapes = [x.strip() for x in a.shapes.split(",") if x.strip()]
@@ -1319,6 +1587,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                 shutil.rmtree(base / dur, ignore_errors=True)
             elapsed = time.perf_counter() - t0
             facts["load average 1/5/15 min (end)"] = bs.loadavg()
+            peer: dict[str, Any] | None = None
+            if args.no_lmcache:
+                peer_status = "skipped (--no-lmcache)"
+            else:
+                bench.progress("LMCache peer (scripts/lmcache_peer.py, its own venv)")
+                facts["load average 1/5/15 min (LMCache peer start)"] = bs.loadavg()
+                # The same shapes, chunks per row, batches and row budget as the sidecar rows.
+                peer_status, peer = bio.run_lmcache_peer(
+                    args.lmcache_python,
+                    base,
+                    err,
+                    quick=args.quick,
+                    row_budget_s=args.row_budget_s,
+                    large_mib_per_row=args.large_mib_per_row,
+                    small_ops=args.small_ops,
+                    large_batch=args.batch,
+                    small_batch=args.batch,
+                    durabilities=args.durability,
+                    shapes=args.shapes,
+                )
+                facts["load average 1/5/15 min (LMCache peer end)"] = bs.loadavg()
     except KeyboardInterrupt:
         err.print("interrupted: sidecars stopped, temp files removed")
         return 130
@@ -1350,6 +1639,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         facts["WARNING"] = "--profile: every row ran under cProfile; the numbers are not valid"
     render(console, facts, shapes, bench.results, bench.latencies)
     events_doc = _events_rows(console, args.quick) if args.events else None
+    final, lookup_targets = final_targets(
+        bench.results, bench.latencies, peer, shapes, args.durability, args.batch
+    )
+    render_targets(
+        console, final, lookup_targets, shapes, args.batch, args.streams, peer_status, peer
+    )
     if args.profile is not None:
         if client_prof is not None:
             client_prof.dump_stats(str(args.profile / "client.prof"))
@@ -1378,6 +1673,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "ceilings": [r.to_json() for r in bench.results if r.kind == "ceiling"],
             "rows": [r.to_json() for r in bench.results if r.kind == "kvoffload"],
             "latency": [lt.to_json() for lt in bench.latencies],
+            "targets": [r.to_json() for r in final],
+            "lookup_targets": [lk.to_json() for lk in lookup_targets],
+            "lmcache": {
+                "status": peer_status,
+                "python": str(args.lmcache_python),
+                "result": peer,
+                "howto": bio.LMCACHE_HOWTO,
+            },
             "events": events_doc,
         }
         args.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")

@@ -1,4 +1,4 @@
-"""The LMCache peer row of scripts/bench_io.py: LMCache's ``LocalDiskBackend``, driven directly.
+"""The LMCache peer of bench_io.py and bench_sidecar.py: LMCache's ``LocalDiskBackend``, direct.
 
 Runs in its own virtual environment, never in kvoffload's (LMCache pins numpy
 and torch; this script never imports kvoffload)::
@@ -12,7 +12,11 @@ asyncio loop on a thread of its own, a ``LocalCPUBackend`` over LMCache's own
 default CPU allocator (``MixedMemoryAllocator``: page-aligned), and memory
 objects in LMCache's ``KV_2LTD`` format holding the payloads of kvoffload's
 benchmark: a Llama-3-8B chunk (32 layers x 1 MiB = 32 MiB: 256 tokens x 8 KV
-heads x 128 dim x K,V x bf16) and a small 64 KiB chunk (4 layers x 16 KiB).
+heads x 128 dim x K,V x bf16) and a small 64 KiB chunk (4 layers x 16 KiB);
+``--quick`` shrinks the large chunk's layers to 64 KiB, as the kvoffload
+benchmarks do. The callers pass their own batch sizes (``--large-batch``,
+``--small-batch``) and shapes (``--shapes``), so both sides move the same
+payloads in the same batches.
 
 Rows, per shape and per variant (``buffered``: LMCache's default;
 ``odirect``: its ``extra_config={"use_odirect": True}``):
@@ -124,8 +128,15 @@ def make_shapes(
 ) -> list[Shape]:
     if quick:
         return [
-            Shape("large", 32, 64 * KiB, 4, 2, "Llama-3-8B layer count, layers shrunk (--quick)"),
-            Shape("small", 4, 16 * KiB, 16, 4, "small chunk"),
+            Shape(
+                "large",
+                32,
+                64 * KiB,
+                max(4, large_batch),
+                large_batch,
+                "Llama-3-8B layer count, layers shrunk (--quick)",
+            ),
+            Shape("small", 4, 16 * KiB, max(16, small_batch), small_batch, "small chunk"),
         ]
     large_chunks = max(large_batch, large_mib_per_row // 32)
     return [
@@ -516,8 +527,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--durability", action="append", help="object, none (default: both)")
     p.add_argument("--large-mib-per-row", type=int, default=1024)
     p.add_argument("--small-ops", type=int, default=1024, help="chunks per small-chunk row")
-    p.add_argument("--large-batch", type=int, default=4, help="32 MiB chunks per timed batch")
-    p.add_argument("--small-batch", type=int, default=32, help="64 KiB chunks per timed batch")
+    p.add_argument(
+        "--large-batch", type=int, default=None, help="large chunks per timed batch (4; quick: 2)"
+    )
+    p.add_argument(
+        "--small-batch", type=int, default=None, help="64 KiB chunks per timed batch (32; quick: 4)"
+    )
+    p.add_argument("--shapes", default="large,small", help="comma-separated: large, small")
     p.add_argument("--threads", type=int, default=None, help="LMCache disk_io_threads")
     p.add_argument("--row-budget-s", type=float, default=None, help="default 4 (quick: 0.3)")
     a = p.parse_args(argv)
@@ -525,6 +541,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     a.durability = _split(a.durability, DURABILITIES, DURABILITIES)
     if a.row_budget_s is None:
         a.row_budget_s = 0.3 if a.quick else 4.0
+    if a.large_batch is None:
+        a.large_batch = 2 if a.quick else 4
+    if a.small_batch is None:
+        a.small_batch = 4 if a.quick else 32
+    if a.large_batch < 1 or a.small_batch < 1:
+        raise SystemExit("--large-batch and --small-batch must be at least 1")
+    a.shapes = _split([a.shapes], ("large", "small"), ("large", "small"))
     if not O_DIRECT and "odirect" in a.variant:
         a.variant.remove("odirect")
     return a
@@ -536,9 +559,13 @@ def run(argv: Sequence[str] | None) -> int:
     if not parent.is_dir():
         print(f"--dir {parent}: not a directory", file=sys.stderr)
         return 2
-    shapes = make_shapes(
-        args.quick, args.large_mib_per_row, args.small_ops, args.large_batch, args.small_batch
-    )
+    shapes = [
+        s
+        for s in make_shapes(
+            args.quick, args.large_mib_per_row, args.small_ops, args.large_batch, args.small_batch
+        )
+        if s.key in args.shapes
+    ]
     t0 = time.perf_counter()
     with scratch_dir(parent, ".lmcache_peer-") as base:
         bench = Bench(base, args.row_budget_s, args.threads)

@@ -215,9 +215,53 @@ SIDECAR_ROWS = (
 )
 
 
+TARGET_OPS = ("save", "cold load", "warm load")
+LMCACHE_SKIP = (
+    f"{LMCACHE_PYTHON} does not exist (python3 -m venv .venv-lmcache && "
+    ".venv-lmcache/bin/pip install torch==2.13.0 lmcache==0.5.6)"
+)
+
+
+def assert_target_table(stdout: str, doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The final target table is printed last and written to the JSON: one row per sealed
+    row (save at each durability, cold and warm load) with both verdicts, and the lookup
+    targets per sidecar. Returns the throughput rows by id."""
+    assert "issue 12 targets" in stdout
+    table = stdout[stdout.index("issue 12 targets") :]
+    for col in ("best raw ceiling", "x ceil", "verdict", "LMCache best", "x LMCache"):
+        assert col in table, col
+    assert "meets" in table or "below" in table
+    targets = {t["id"]: t for t in doc["targets"]}
+    assert set(targets) == {
+        f"{s}/{d}/{op}" for s in SHAPES for d in DURABILITIES for op in TARGET_OPS
+    }
+    for t in targets.values():
+        assert t["ours_gbps"] > 0 and t["ceiling_gbps"] > 0, t["id"]
+        assert t["ceiling_target"] == 0.8 and t["lmcache_target"] == 1.2, t["id"]
+        assert t["x_ceiling"] == pytest.approx(t["ours_gbps"] / t["ceiling_gbps"]), t["id"]
+        assert isinstance(t["meets_ceiling"], bool), t["id"]
+        # the ceiling of the very objects: the sealed row's own fastest raw ceiling
+        row = next(r for r in doc["rows"] if r["id"] == t["ours"])
+        assert row["name"].startswith(("save sealed", "load sealed")), t["id"]
+        assert t["ceiling"] == next(
+            f"{c['name']} ({c['method']})"
+            for c in doc["ceilings"]
+            if c["name"] == row["ceiling"] and c["shape"] == row["shape"]
+            and c["durability"] == row["durability"]
+        ), t["id"]  # fmt: skip
+    lookups = {t["id"]: t for t in doc["lookup_targets"]}
+    for d in DURABILITIES:
+        p99, kps = lookups[f"{d}/lookup 64 keys p99"], lookups[f"{d}/lookup 64 keys keys/s"]
+        assert p99["target"] == 150.0 and p99["value"] > 0 and isinstance(p99["met"], bool)
+        assert kps["target"] == 200_000.0 and kps["value"] > 0 and isinstance(kps["met"], bool)
+        assert p99["met"] == (p99["value"] < 150.0) and kps["met"] == (kps["value"] >= 200_000)
+    assert "lookup 64 keys p99" in table and "lookup 64 keys keys/s" in table
+    return targets
+
+
 @pytest.mark.slow
 def test_bench_sidecar_quick_writes_every_row_and_stops_its_sidecars(tmp_path: Path) -> None:
-    stdout, doc, work = run_quick(SIDECAR_SCRIPT, tmp_path, "--events")
+    stdout, doc, work = run_quick(SIDECAR_SCRIPT, tmp_path, "--events", "--no-lmcache")
     assert "kvoffload sidecar" in stdout
     ev = doc["events"]  # the KV-event rows, same run
     assert ev["save_off_bps"] > 0 and ev["save_on_bps"] > 0
@@ -245,7 +289,7 @@ def test_bench_sidecar_quick_writes_every_row_and_stops_its_sidecars(tmp_path: P
         assert r["bound_gbps"] > 0 and r["ratio_to_bound"] > 0, r["id"]
         if "cold" in r["name"] or "warm" in r["name"]:
             assert r["cached"] is not None, r["id"]
-        assert (r["target"] is not None) == (r["name"] in ("save sealed", "load sealed cold"))
+        assert (r["target"] is not None) == r["name"].startswith(("save sealed", "load sealed"))
     latency = {r["id"]: r for r in doc["latency"]}
     for d in DURABILITIES:
         lk = latency[f"{d}/lookup 64 keys"]
@@ -264,6 +308,42 @@ def test_bench_sidecar_quick_writes_every_row_and_stops_its_sidecars(tmp_path: P
     assert len(pids) == len(DURABILITIES)
     for pid in pids:  # each sidecar was stopped (and reaped), not left running
         assert not Path(f"/proc/{pid}").exists(), f"sidecar {pid} still running"
+    assert list(work.iterdir()) == [], "the benchmark left files behind"
+    # The target table comes last (after the events rows) and, without LMCache, says so.
+    assert stdout.index("issue 12 targets") > stdout.index("events' cost on saves")
+    targets = assert_target_table(stdout, doc)
+    assert doc["lmcache"]["status"] == "skipped (--no-lmcache)" and doc["lmcache"]["result"] is None
+    assert "LMCache peer: skipped (--no-lmcache)" in stdout
+    for t in targets.values():
+        assert t["lmcache"] is None and t["meets_lmcache"] is None, t["id"]
+        assert "LMCache not run" in t["lmcache_note"], t["id"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LMCACHE_PYTHON.exists(), reason=LMCACHE_SKIP)
+def test_bench_sidecar_quick_compares_every_sealed_row_with_lmcache(tmp_path: Path) -> None:
+    stdout, doc, work = run_quick(SIDECAR_SCRIPT, tmp_path, "--lmcache-python", str(LMCACHE_PYTHON))
+    targets = assert_target_table(stdout, doc)
+    assert doc["lmcache"]["status"] == "ran", doc["lmcache"]["status"]
+    peer = doc["lmcache"]["result"]
+    # the same payloads and batches on both sides
+    ours = {s["key"]: s for s in doc["config"]["shapes"]}
+    for s in peer["config"]["shapes"]:
+        assert (s["layers"], s["layer_bytes"]) == (ours[s["key"]]["layers"],
+                                                   ours[s["key"]]["layer_bytes"])  # fmt: skip
+        assert s["batch"] == doc["config"]["batch"]
+    lm_name = {"save": {"none": "put", "object": "put+fsync"}}
+    for t in targets.values():
+        want = lm_name.get(t["op"], {}).get(t["durability"]) or f"get {t['op'].split()[0]}"
+        variant, name = t["lmcache"].split(" ", 1)
+        assert name == want, t["id"]
+        best = max(
+            r["gbps"] for r in peer["rows"] if r["shape"] == t["shape"] and r["name"] == want
+        )
+        assert t["lmcache_gbps"] == best and variant in ("buffered", "odirect"), t["id"]
+        assert t["x_lmcache"] == pytest.approx(t["ours_gbps"] / best), t["id"]
+        assert isinstance(t["meets_lmcache"], bool), t["id"]
+    assert "LMCache peer: ran" in stdout
     assert list(work.iterdir()) == [], "the benchmark left files behind"
 
 
@@ -313,3 +393,133 @@ def test_bench_ttft_quick_reports_every_row_and_stops_its_sidecar(tmp_path: Path
     assert doc["machine"]["load average 1/5/15 min (start)"]
     assert not Path(f"/proc/{doc['config']['sidecar_pid']}").exists(), "sidecar still running"
     assert list(work.iterdir()) == [], "the benchmark left files behind"
+
+
+# --------------------------------------------------------------------------- target mapping
+
+
+def _load_script(name: str) -> Any:
+    """scripts/<name>.py as a module (scripts/ is not a package); once per process."""
+    import importlib.util
+
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, SCRIPT.parent / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up while the body runs
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _sidecar_rows(bsc: Any) -> tuple[list[Any], list[Any]]:
+    """Synthetic results of one shape ('large', 32 x 1 MiB, batches of 4) at durabilities
+    object and none: each sealed row at 1 GB/s against a ceiling at 2 GB/s (4 streams),
+    and a lookup at p99 100 us answering 64 keys in a mean of 400 us."""
+    results: list[Any] = []
+    payload = 4 * 32 * (1 << 20)
+    for dur in DURABILITIES:
+        for name in ("save sealed", "load sealed cold", "load sealed warm"):
+            ceil = f"raw {'write' if name.startswith('save') else 'read'} sealed-obj x4"
+            results.append(
+                bsc.Row("ceiling", ceil, "large", dur, 10, payload, payload, 10 * payload / 2e9,
+                        1.0, method="O_DIRECT, 4 streams")
+            )  # fmt: skip
+            row = bsc.Row("kvoffload", name, "large", dur, 10, payload, payload,
+                          10 * payload / 1e9, 1.0)  # fmt: skip
+            row.ceiling, row.ceiling_gbps, row.ratio = ceil, 2.0, 0.5
+            results.append(row)
+    lat = [bsc.Latency.of("kvoffload", "lookup 64 keys", d, [4e-4] * 99 + [1e-4], 64)
+           for d in DURABILITIES]  # fmt: skip
+    for lt in lat:
+        lt.ceiling, lt.ceiling_p50_us, lt.ceiling_p99_us = "unix socket round trip", 20.0, 30.0
+    return results, lat
+
+
+def _peer(layer_bytes: int = 1 << 20, batch: int = 4) -> dict[str, Any]:
+    rows = [
+        # (variant, name, GB/s): the best variant differs from row to row
+        ("buffered", "put", 2.0), ("odirect", "put", 1.0),
+        ("buffered", "put+fsync", 0.5), ("odirect", "put+fsync", 0.8),
+        ("buffered", "get cold", 0.6), ("odirect", "get cold", 0.9),
+        ("buffered", "get warm", 3.0),
+    ]  # fmt: skip
+    return {
+        "config": {
+            "shapes": [{"key": "large", "layers": 32, "layer_bytes": layer_bytes, "batch": batch}]
+        },
+        "rows": [
+            {"shape": "large", "variant": v, "name": n, "gbps": g, "ratio": 0.9} for v, n, g in rows
+        ],
+    }
+
+
+def test_sidecar_targets_meet_lmcache_best_variant_at_equal_durability() -> None:
+    bsc = _load_script("bench_sidecar")
+    results, lat = _sidecar_rows(bsc)
+    shape = _load_script("bench_store").Shape("large", 32, 1 << 20, "Llama", 32)
+    rows, lookups = bsc.final_targets(results, lat, _peer(), [shape], list(DURABILITIES), 4)
+    got = {r.id: r for r in rows}
+    assert set(got) == {f"large/{d}/{op}" for d in DURABILITIES for op in TARGET_OPS}
+    # LMCache's put (page cache) meets our durability none, put+fsync our object; the
+    # fastest of its variants each time; its gets meet our loads at every durability.
+    want = {
+        "large/none/save": ("buffered put", 2.0),
+        "large/object/save": ("odirect put+fsync", 0.8),
+        "large/none/cold load": ("odirect get cold", 0.9),
+        "large/object/cold load": ("odirect get cold", 0.9),
+        "large/none/warm load": ("buffered get warm", 3.0),
+        "large/object/warm load": ("buffered get warm", 3.0),
+    }
+    for rid, (name, gbps) in want.items():
+        lm = got[rid].vs_lmcache
+        assert lm is not None and (lm.theirs_name, lm.theirs_gbps) == (name, gbps), rid
+        assert lm.ratio == pytest.approx(1.0 / gbps) and lm.met == (1.0 / gbps >= 1.2), rid
+        c = got[rid].vs_ceiling
+        assert c.theirs_gbps == 2.0 and c.ratio == pytest.approx(0.5) and c.met is False, rid
+        assert c.theirs_name.endswith("(O_DIRECT, 4 streams)"), rid
+    assert got["large/object/save"].vs_lmcache.met is True  # 1.0 / 0.8 = 1.25x
+    assert got["large/none/save"].vs_lmcache.met is False  # 0.5x
+    by_id = {lk.id: lk for lk in lookups}
+    assert by_id["none/lookup 64 keys p99"].value == pytest.approx(400.0)
+    assert by_id["none/lookup 64 keys p99"].met is False  # p99 400 us >= 150 us
+    kps = by_id["object/lookup 64 keys keys/s"]
+    assert kps.value == pytest.approx(64 / (99 * 400 + 100) * 100 * 1e6) and kps.met is False
+
+
+def test_sidecar_targets_never_compare_other_shapes_batches_or_durabilities() -> None:
+    bsc = _load_script("bench_sidecar")
+    results, lat = _sidecar_rows(bsc)
+    shape = _load_script("bench_store").Shape("large", 32, 1 << 20, "Llama", 32)
+    cases = {
+        "another chunk": (_peer(layer_bytes=64 << 10), "32 x 65536 B, ours 32 x 1048576 B"),
+        "another batch": (_peer(batch=32), "batches are 32 chunks, ours 4"),
+        "no peer": (None, "LMCache not run"),
+    }
+    for case, (peer, note) in cases.items():
+        rows, _ = bsc.final_targets(results, lat, peer, [shape], list(DURABILITIES), 4)
+        for r in rows:
+            assert r.vs_lmcache is None and note in r.note, (case, r.id)
+            assert r.to_json()["meets_lmcache"] is None and r.vs_ceiling.ratio == 0.5, case
+    # LMCache has no 'batch' durability: a save at batch is compared with its ceiling only.
+    for r in results:
+        if r.durability == "none":
+            r.durability = "batch"
+    rows, _ = bsc.final_targets(results, lat, _peer(), [shape], ["batch"], 4)
+    save = next(r for r in rows if r.op == "save")
+    assert save.vs_lmcache is None and "no durability 'batch'" in save.note
+    assert all(r.vs_lmcache is not None for r in rows if r.op != "save")
+
+
+def test_missing_lmcache_venv_is_one_status_line_naming_the_install(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    bio = _load_script("bench_io")
+    status, doc = bio.run_lmcache_peer(
+        tmp_path / "no-venv" / "bin" / "python", tmp_path, Console(stderr=True), quick=True,
+        row_budget_s=0.1, large_mib_per_row=1, small_ops=1, large_batch=1, small_batch=1,
+        durabilities=["object"],
+    )  # fmt: skip
+    assert doc is None and "\n" not in status
+    assert status.startswith("not run:") and "pip install torch==2.13.0 lmcache==0.5.6" in status
+    assert list(tmp_path.iterdir()) == [], "nothing was written"
