@@ -46,6 +46,7 @@ __all__ = [
     "create_lease_file",
     "direct_ok",
     "fsync_dir",
+    "make_fanout",
     "mapped_object",
     "open_lease_file",
     "publish_lease_file",
@@ -167,6 +168,26 @@ def _make_dirs(path: Path, *, durable: bool) -> None:
             continue
         if durable:
             fsync_dir(d.parent)
+
+
+def make_fanout(tenant_dir: Path, *, durable: bool) -> None:
+    """Create ``tenant_dir`` and its 256 one-level fan-out leaves (``00``..``ff``,
+    layout-v1.md §2) that are missing; when durable and any was made, fsync
+    ``tenant_dir`` once (and its parents, as :func:`_make_dirs` does)."""
+    _make_dirs(tenant_dir, durable=durable)
+    have = set(os.listdir(tenant_dir))
+    made = False
+    for i in range(256):
+        name = f"{i:02x}"
+        if name in have:
+            continue
+        try:
+            os.mkdir(tenant_dir / name, 0o700)  # layout-v1.md §2: not listable by other uids
+        except FileExistsError:
+            continue
+        made = True
+    if made and durable:
+        fsync_dir(tenant_dir)
 
 
 def _write_all(fd: int, data: memoryview) -> None:

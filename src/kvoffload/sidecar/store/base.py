@@ -196,6 +196,8 @@ class StoreBase:
     _scratch: ScratchBuffers
     _retention: RetentionJournal
     _pipe: ThreadPoolExecutor | None
+    #: Tenants whose fan-out directories this process has made sure of.
+    _leaves_ready: set[str]
     _shared: SharedRoot | None = None
     _key_rereads: dict[str, float]
     #: Per-tenant load generations: a purge or revocation cancels loads in flight.

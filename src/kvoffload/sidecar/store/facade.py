@@ -167,6 +167,7 @@ class Store(Leases):
                 self.index.set_meta("node_id", node)
             self._retention = RetentionJournal(self.root, node.decode())
             self._pipe = None
+            self._leaves_ready = set()
             sel = select_backend(config.io, self.root / "objects")
             self._shared = None
             if config.shared:
@@ -542,6 +543,7 @@ class Store(Leases):
 
         def work() -> None:
             shutil.rmtree(self.root / "objects" / tenant, ignore_errors=True)
+            self._leaves_ready.discard(tenant)
             self._retention.drop_tenant(tenant)
             self.contracts.drop_tenant(tenant)
             self._purge_quarantine(tenant)

@@ -138,6 +138,7 @@ class Pipeline(Maintenance):
         reservation: Reservation | None = None,
     ) -> bool:
         """Store one chunk. True if written, False if it was already present."""
+        self._ensure_leaves(tenant)
         job = self._begin_put(tenant, namespace, chunk_key, layers, encrypt, ttl_s, reservation)
         if job is None:
             return False
@@ -173,6 +174,7 @@ class Pipeline(Maintenance):
         held = list(reservations) if reservations is not None else [None] * len(chunks)
         if len(held) != len(chunks):
             raise ValueError("one reservation (or None) per chunk")
+        self._ensure_leaves(tenant)
         # Chunks written (or found on disk), in chunk order, waiting for their
         # index records: the whole batch commits in one index transaction, after
         # every object of it is written (and fsync'd, at durability object).
@@ -259,6 +261,30 @@ class Pipeline(Maintenance):
             # An error: the writes still in flight are after the failing chunk.
             for _j, later, fut in window:
                 self._discard_written(later, fut)
+
+    def _ensure_leaves(self, tenant: str) -> None:
+        """Create all of a tenant's fan-out directories before its first write here.
+
+        Made one at a time by the writes, each new leaf costs its write a
+        ``mkdir`` and, at durability ``object``, an fsync of the tenant's
+        directory (layout-v1.md §4): a fresh tenant's first few hundred saves
+        paid that. A one-level fan-out has 256 leaves: they are made at once,
+        with one fsync of the tenant's directory. A two-level store (65,536
+        leaves) keeps making them as needed, and so does every write whose
+        directory is missing anyway (a purge, a failure here): this is only a
+        shortcut, never needed for a write to succeed."""
+        if tenant in self._leaves_ready:
+            return
+        if self.layout.fanout == v1.FANOUT_ONE_LEVEL:
+            top = self.root / v1.object_relpath(tenant, bytes(v1.KEY_SIZE), v1.FANOUT_ONE_LEVEL)
+            try:
+                fileio.make_fanout(
+                    top.parent.parent, durable=self.config.durability is Durability.OBJECT
+                )
+            except OSError as exc:
+                log.debug("tenant %s: making its directories ahead failed: %s", tenant, exc)
+                return
+        self._leaves_ready.add(tenant)
 
     @property
     def io_streams(self) -> int:
