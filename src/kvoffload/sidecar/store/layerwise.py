@@ -25,10 +25,11 @@ shrink it under the mapping; large enough; a kernel with MADV_POPULATE_READ)
 is mapped once, at open, from the descriptor whose size was just checked, and
 each layer's slot is faulted in (``fileio.populate``, an EIO instead of a
 SIGBUS) and verified and decrypted straight from the page cache into its place
-in the output. The kernel is asked to read the whole object ahead
-(``POSIX_FADV_WILLNEED``) when it is opened, so later layers come off the
-device while earlier ones are verified. Any other object is read layer by
-layer into a scratch buffer, as before.
+in the output. Any other object is read layer by layer into a scratch buffer.
+Every object is asked of the kernel in full when it is opened
+(``POSIX_FADV_WILLNEED``), so later layers come off the device while earlier
+ones are verified; a layer of a few small slots (under ``PARALLEL_MIN_BYTES``
+in all) is verified in the calling thread, a wider one on the I/O streams.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from ...layouts import CorruptObject, ObjectMismatch, UnknownKeyEpoch, v1
 from .. import fileio
 from ..index import ChunkRecord
 from .base import log
+from .pipeline import PARALLEL_MIN_BYTES
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -128,8 +130,8 @@ def _open(store: Pipeline, tenant: str, rec: ChunkRecord, out: memoryview) -> _O
             o.mapped = fileio.map_opened(fd, st)
         if o.mapped is not None:
             o.view = memoryview(o.mapped)
-            with contextlib.suppress(OSError):  # a hint: the layers come next
-                os.posix_fadvise(fd, h.data_offset, 0, os.POSIX_FADV_WILLNEED)
+        with contextlib.suppress(OSError):  # a hint: the layers come next
+            os.posix_fadvise(fd, h.data_offset, 0, os.POSIX_FADV_WILLNEED)
         return o
     except BaseException:
         os.close(fd)
@@ -216,6 +218,10 @@ def load_layerwise(
         layers = max((len(o.header.layers) for o in opened), default=0)
         pool = store._pipeline() if live > 1 else None
         for i in range(layers):
+            # A layer of a few small slots is verified here: the hop to a pool
+            # thread and back costs more than the work (their reads were asked
+            # for at open, POSIX_FADV_WILLNEED, so they come in together).
+            wide = pool is not None and _layer_bytes(opened, i, live) >= PARALLEL_MIN_BYTES
             if live == 0:
                 break
             # The cancel point: nothing of layer i has been copied yet.
@@ -224,7 +230,7 @@ def load_layerwise(
                 live = 0
                 report(i, 0)
                 break
-            if pool is None:
+            if pool is None or not wide:
                 errors: list[BaseException | None] = []
                 for c in range(live):
                     try:
@@ -251,6 +257,11 @@ def load_layerwise(
     finally:
         for o in opened:
             o.close()
+
+
+def _layer_bytes(opened: Sequence[_Opened], i: int, live: int) -> int:
+    """The bytes of layer ``i`` of the first ``live`` opened chunks."""
+    return sum(o.header.layers[i].length for o in opened[:live] if i < len(o.header.layers))
 
 
 def _failed(store: Pipeline, tenant: str, key: bytes, exc: BaseException) -> None:
