@@ -39,6 +39,7 @@ from kvoffload.sidecar.index import ChunkRecord
 from kvoffload.sidecar.iobackend import local_fs
 from kvoffload.sidecar.keyring import Kek
 from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.sidecar.store import layerwise as lw
 from kvoffload.sidecar.store.pipeline import Pipeline
 from tests.test_server import ServerThread, start
 
@@ -482,3 +483,44 @@ def test_a_kernel_without_populate_read_reads_layers_instead(
         assert data == chunk(c)[layer]
     assert spy.populated == 0 and spy.reads == CHUNKS * LAYERS
     assert fileio._populate_ok is False
+
+
+def test_a_layer_is_reported_while_the_next_one_is_verified(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sending layer *i*'s report waits for the client's socket: the pool verifies
+    layer *i+1* meanwhile. Layer *i*'s report waits here until a layer *i+1*
+    read has started; a load that sends it before starting layer *i+1* times out."""
+    save_all(store)
+    monkeypatch.setattr(fileio, "MAP_MIN_BYTES", 1)
+    monkeypatch.setattr(lw, "PARALLEL_MIN_BYTES", 1)  # every layer on the pool
+    started = [threading.Event() for _ in range(LAYERS)]
+    real = lw._layer
+
+    def layer(o: Any, i: int, out: memoryview) -> None:
+        started[i].set()
+        real(o, i, out)
+
+    monkeypatch.setattr(lw, "_layer", layer)
+    reports: list[tuple[int, int]] = []
+    overlapped: list[bool] = []
+
+    def report(done: int, verified: int) -> None:
+        if done < LAYERS and verified:
+            overlapped.append(started[done].wait(timeout=10))
+        reports.append((done, verified))
+
+    buf, outs, spans = fenced_regions(CHUNKS)
+    got = store.load_planned_layerwise(
+        TENANT,
+        records(store, CHUNKS),
+        outs,
+        lambda layers: None,
+        report,
+        lambda layer: False,
+        store.load_guard(TENANT),
+    )
+    assert all(g is not None for g in got)
+    assert_landed(buf, spans, range(CHUNKS))
+    assert reports == [(i + 1, CHUNKS) for i in range(LAYERS)]
+    assert overlapped == [True] * (LAYERS - 1)

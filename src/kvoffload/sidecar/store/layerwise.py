@@ -217,20 +217,32 @@ def load_layerwise(
         plan([tuple(le.length for le in o.header.layers) for o in opened])
         layers = max((len(o.header.layers) for o in opened), default=0)
         pool = store._pipeline() if live > 1 else None
+        # The report of the layer before, sent while this layer is verified on
+        # the pool (sending waits for the client's socket): it names only
+        # bytes already checked, and always goes out before any later report.
+        pending: tuple[int, int] | None = None
+
+        def flush() -> None:
+            nonlocal pending
+            if pending is not None:
+                report(*pending)
+                pending = None
+
         for i in range(layers):
-            # A layer of a few small slots is verified here: the hop to a pool
-            # thread and back costs more than the work (their reads were asked
-            # for at open, POSIX_FADV_WILLNEED, so they come in together).
-            wide = pool is not None and _layer_bytes(opened, i, live) >= PARALLEL_MIN_BYTES
             if live == 0:
                 break
             # The cancel point: nothing of layer i has been copied yet.
             if cancelled(i):
                 log.info("layer-wise load of %s stopped before layer %d", tenant, i)
+                flush()
                 live = 0
                 report(i, 0)
                 break
-            if pool is None or not wide:
+            # A layer of a few small slots is verified here: the hop to a pool
+            # thread and back costs more than the work (their reads were asked
+            # for at open, POSIX_FADV_WILLNEED, so they come in together).
+            if pool is None or _layer_bytes(opened, i, live) < PARALLEL_MIN_BYTES:
+                flush()
                 errors: list[BaseException | None] = []
                 for c in range(live):
                     try:
@@ -241,13 +253,17 @@ def load_layerwise(
                         break
             else:
                 futs = [pool.submit(_layer, opened[c], i, outs[c]) for c in range(live)]
-                errors = [f.exception() for f in futs]
+                try:
+                    flush()
+                finally:  # never close an object a pool thread still reads
+                    errors = [f.exception() for f in futs]
             for c, err in enumerate(errors):
                 if err is not None:
                     _failed(store, tenant, opened[c].key, err)
                     live = c
                     break
-            report(i + 1, live)
+            pending = (i + 1, live)
+        flush()
         results: list[list[int] | None] = [None] * len(recs)
         for c in range(live):
             h = opened[c].header
