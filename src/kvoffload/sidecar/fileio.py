@@ -47,9 +47,12 @@ __all__ = [
     "direct_ok",
     "fsync_dir",
     "make_fanout",
+    "map_opened",
     "mapped_object",
     "open_lease_file",
+    "populate",
     "publish_lease_file",
+    "read_cached",
     "read_fd",
     "read_file",
     "read_prefix",
@@ -57,6 +60,7 @@ __all__ = [
     "share_dirs",
     "sidecar_written",
     "syncfs",
+    "unmap",
     "write_atomic",
 ]
 
@@ -340,45 +344,107 @@ def sidecar_written(st: os.stat_result) -> bool:
     )
 
 
+def map_opened(fd: int, st: os.stat_result) -> mmap.mmap | None:
+    """A read-only mapping of the whole file open at ``fd`` (``st`` its fstat),
+    not yet populated; None where it may not be mapped safely: not
+    :func:`sidecar_written` (another descriptor could shrink it under the
+    mapping, and a read would then fault with SIGBUS), under
+    :data:`MAP_MIN_BYTES`, or a kernel without MADV_POPULATE_READ.
+
+    Touch a range only after :func:`populate` of it returned: a page that
+    cannot be read is then an OSError (EIO, EFAULT), never a SIGBUS.
+    """
+    if not (_populate_ok and st.st_size >= MAP_MIN_BYTES and sidecar_written(st)):
+        return None
+    return mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+
+
+def populate(m: mmap.mmap, start: int = 0, length: int = 0) -> bool:
+    """Fault ``[start, start + length)`` of a :func:`map_opened` mapping in
+    (``length`` 0: to the end), reading it from the device where it is cold.
+    False where this kernel refuses MADV_POPULATE_READ (then read instead);
+    OSError (EIO…) where a page cannot be read."""
+    global _populate_ok
+    lo = start - start % mmap.PAGESIZE
+    try:
+        if length:
+            m.madvise(MADV_POPULATE_READ, lo, start + length - lo)
+        else:
+            m.madvise(MADV_POPULATE_READ, lo)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        _populate_ok = False
+        return False
+    return True
+
+
+def unmap(m: mmap.mmap) -> None:
+    """Close a mapping; a view that outlives it (a traceback's frame) keeps it
+    until it goes: closing under it is refused, never unsafe."""
+    with contextlib.suppress(BufferError):
+        m.close()
+
+
 @contextlib.contextmanager
 def mapped_object(path: Path, max_size: int) -> Iterator[memoryview | None]:
     """The whole object as a read-only view of its page-cache pages, populated
     (read from the device where cold) before it is handed out; None where the
-    file may not be mapped safely (:func:`sidecar_written`, a kernel without
-    MADV_POPULATE_READ) or is under :data:`MAP_MIN_BYTES`: the caller reads it.
+    file may not be mapped safely (:func:`map_opened`) or is under
+    :data:`MAP_MIN_BYTES`: the caller reads it.
 
     A reader then verifies and decrypts straight from the page cache into its
     destination, one pass instead of a copy and a pass. Raises OSError as
     :func:`read_file` does (ENOENT, EFBIG, EIO while populating).
     """
-    global _populate_ok
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if st.st_size > max_size:
             raise OSError(errno.EFBIG, f"{path.name}: {st.st_size} bytes exceeds the object limit")
-        if not (_populate_ok and st.st_size >= MAP_MIN_BYTES and sidecar_written(st)):
+        m = map_opened(fd, st)
+        if m is None:
             yield None
             return
-        m = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
     finally:
         os.close(fd)  # the mapping keeps the file
     try:
-        try:
-            m.madvise(MADV_POPULATE_READ)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            _populate_ok = False
+        if not populate(m):
             yield None
             return
         with memoryview(m) as view:
             yield view
     finally:
-        # A view that outlives this (a traceback's frame) keeps the mapping
-        # until it goes: closing under it is refused, never unsafe.
-        with contextlib.suppress(BufferError):
-            m.close()
+        unmap(m)
+
+
+#: preadv2 flag: fail with EAGAIN instead of waiting for the device (Linux 4.14+).
+RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
+
+
+def read_cached(path: Path, alloc: AllocFn, max_size: int) -> memoryview | None:
+    """The whole file, read only if every byte of it is in the page cache
+    (``preadv2(RWF_NOWAIT)``: no wait on the device); None where part of it is
+    not, or where the kernel or file system cannot tell (the caller then reads
+    it the ordinary way, on a thread that may wait). Raises OSError as
+    :func:`read_file` does (ENOENT, EFBIG)."""
+    if not RWF_NOWAIT:
+        return None
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_size:
+            raise OSError(errno.EFBIG, f"{path.name}: {size} bytes exceeds the object limit")
+        buf = alloc(size)[:size]
+        try:
+            got = os.preadv(fd, [buf], 0, RWF_NOWAIT)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOTSUP):
+                return None
+            raise
+        return buf if got == size else None
+    finally:
+        os.close(fd)
 
 
 def read_range(path: Path, offset: int, out: memoryview, *, direct: bool = False) -> int:

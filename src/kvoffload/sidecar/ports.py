@@ -160,6 +160,34 @@ class StoreViewsAPI(Protocol):
 
 
 @runtime_checkable
+class PlannedLoadsAPI(Protocol):
+    """Loads of chunks whose index records ``prepare_load`` just looked up, read
+    without a second lookup each (sidecar/store/pipeline.py); the real store has
+    them, a double may not (then ``get_many_into``/``get_layerwise_into``)."""
+
+    def load_guard(self, tenant: str) -> Callable[[int], None]: ...
+
+    def load_planned(
+        self,
+        tenant: str,
+        recs: Sequence[ChunkRecord],
+        outs: Sequence[memoryview],
+        guard: Callable[[int], None],
+    ) -> list[list[int] | None]: ...
+
+    def load_planned_layerwise(
+        self,
+        tenant: str,
+        recs: Sequence[ChunkRecord],
+        outs: Sequence[memoryview],
+        plan: Callable[[list[tuple[int, ...]]], None],
+        report: Callable[[int, int], None],
+        cancelled: Callable[[int], bool],
+        guard: Callable[[int], None],
+    ) -> list[list[int] | None]: ...
+
+
+@runtime_checkable
 class ContractsAPI(Protocol):
     """Namespaces' contract fields (protocol-v1.md §5.19, §5.20; layout-v1.md §2.1);
     the real store has them, a double may not (registration is then skipped and
@@ -229,6 +257,7 @@ class PolicyAPI(Protocol):
 
 __all__ = [
     "ContractsAPI",
+    "PlannedLoadsAPI",
     "PolicyAPI",
     "ReservationAPI",
     "RetentionSettings",

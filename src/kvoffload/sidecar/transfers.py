@@ -57,7 +57,7 @@ from kvoffload.staging import RegionAllocator, StagingBuffer
 from ..layouts import v1
 from .cancel import PutCancelled
 from .errors import LeaseInvalid, StoreError, StoreFull, StoreIOError
-from .ports import TenantSettings
+from .ports import PlannedLoadsAPI, TenantSettings
 from .service import (
     DECOY_TENANT,
     Handle,
@@ -69,6 +69,9 @@ from .service import (
     WriteHandle,
     payload_of,
 )
+
+if TYPE_CHECKING:
+    from .index import ChunkRecord
 
 log = logging.getLogger("kvoffload.server")
 
@@ -424,14 +427,21 @@ class Transfers:
         store = self.service.store
         align = self.service.config.alignment
 
+        planned = store if isinstance(store, PlannedLoadsAPI) else None
+
         def fill(h: LoadHandle, keys: Sequence[bytes]) -> tuple[list[LoadSlot], ErrorCode]:
             stop = ErrorCode.OK
             payloads: list[int] = []
+            recs: list[ChunkRecord] = []
+            # A purge or revocation from now on stops the load (cancel.py): taken
+            # before the records are looked up, which the read then uses as they are.
+            guard = planned.load_guard(h.tenant) if planned is not None else None
             # Plan: regions for the leading chunks the index has, pinned before any
             # read so eviction cannot remove a file under it.
             for key in keys:
-                payload = payload_of(store.payload_info(h.tenant, key))
-                if not payload:
+                rec = store.payload_info(h.tenant, key)
+                payload = payload_of(rec)
+                if not payload or rec is None:
                     stop = ErrorCode.NOT_FOUND
                     break
                 need = align_up(payload, align)
@@ -447,14 +457,20 @@ class Transfers:
                 store.pin(h.tenant, [key])
                 h.keys.append(key)
                 payloads.append(payload)
-            # Read: one batch, so chunk n+1 is read while chunk n is verified.
+                recs.append(rec)
+            # Read: one batch, up to io_streams chunks at once, each straight into
+            # its region (sidecar/store/pipeline.py).
             outs = [staging.view[off : off + n] for off, n in zip(h.offsets, payloads, strict=True)]
             try:
                 with self.service.budget.hold(sum(payloads)):
-                    if layerwise is None:
-                        results = store.get_many_into(h.tenant, list(h.keys), outs)
+                    if layerwise is not None:
+                        results = self._read_layerwise(h, recs, outs, layerwise, guard)
+                    elif planned is not None and guard is not None:
+                        # One pass per chunk, on the store's I/O streams, with the
+                        # records just read: no second index lookup.
+                        results = planned.load_planned(h.tenant, recs, outs, guard)
                     else:
-                        results = self._read_layerwise(h, outs, layerwise)
+                        results = store.get_many_into(h.tenant, list(h.keys), outs)
             except Exception:
                 log.exception("%r: reading chunks failed", self)
                 results = [None] * len(payloads)
@@ -482,7 +498,12 @@ class Transfers:
         return PrepareLoadReply(handle, stop, slots)
 
     def _read_layerwise(
-        self, h: LoadHandle, outs: list[memoryview], emit: EmitFn
+        self,
+        h: LoadHandle,
+        recs: list[ChunkRecord],
+        outs: list[memoryview],
+        emit: EmitFn,
+        guard: Callable[[int], None] | None,
     ) -> list[list[int] | None]:
         """§5.26, §5.27: read the planned chunks layer-major, one frame per layer."""
         gone = False
@@ -504,9 +525,12 @@ class Transfers:
         def cancelled(layer: int) -> bool:
             return gone or self.load_cancelled(h.tenant)
 
-        return self.service.store.get_layerwise_into(
-            h.tenant, list(h.keys), outs, plan, report, cancelled
-        )
+        store = self.service.store
+        if isinstance(store, PlannedLoadsAPI) and guard is not None:
+            return store.load_planned_layerwise(
+                h.tenant, recs, outs, plan, report, cancelled, guard
+            )
+        return store.get_layerwise_into(h.tenant, list(h.keys), outs, plan, report, cancelled)
 
     def lease_load(self, req: LeaseLoad) -> Reply:
         """§5.15: the leading objects' paths and checks, header checked, pinned."""

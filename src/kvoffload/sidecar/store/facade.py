@@ -51,7 +51,7 @@ from .base import (
 )
 from .capacity import _Scope
 from .contracts import ContractRegistry, check_selector, contract_fields, contract_matches
-from .layerwise import PlanFn, ReportFn, get_layerwise_into
+from .layerwise import PlanFn, ReportFn, get_layerwise_into, load_layerwise
 from .leases import Leases
 from .retention import RetentionJournal
 from .shared import POSITIONS_META, SharedRoot
@@ -433,18 +433,23 @@ class Store(Leases):
         of ``tenant`` from the start of this call on stops the load there too
         (the same load generation as :meth:`get_many_into`'s, sidecar/cancel.py).
         """
-        guard = self._load_gens.guard(tenant)
-
-        def stop(layer: int) -> bool:
-            if cancelled(layer):
-                return True
-            try:
-                guard(layer)
-            except TransferCancelled:
-                return True
-            return False
-
+        stop = _stop_check(cancelled, self._load_gens.guard(tenant))
         return get_layerwise_into(self, tenant, keys, outs, plan, report, stop)
+
+    @boundary
+    def load_planned_layerwise(
+        self,
+        tenant: str,
+        recs: Sequence[ChunkRecord],
+        outs: Sequence[memoryview],
+        plan: PlanFn,
+        report: ReportFn,
+        cancelled: Callable[[int], bool],
+        guard: Callable[[int], None],
+    ) -> list[list[int] | None]:
+        """:meth:`get_layerwise_into` of chunks whose records the caller looked up
+        after taking ``guard`` (:meth:`load_guard`): no second lookup per chunk."""
+        return load_layerwise(self, tenant, recs, outs, plan, report, _stop_check(cancelled, guard))
 
     @boundary
     def record_audit(self, event: str, details: dict[str, Any]) -> None:
@@ -734,6 +739,24 @@ class Store(Leases):
             "io": self.io.describe(),
             "shared": self.shared_info(),
         }
+
+
+def _stop_check(
+    cancelled: Callable[[int], bool], guard: Callable[[int], None]
+) -> Callable[[int], bool]:
+    """A layer-wise load's check before each layer: the caller's, then the load
+    generation of its tenant (a purge or revocation since ``guard`` was taken)."""
+
+    def stop(layer: int) -> bool:
+        if cancelled(layer):
+            return True
+        try:
+            guard(layer)
+        except TransferCancelled:
+            return True
+        return False
+
+    return stop
 
 
 def _load_layout(root: Path, index_dir: Path, kek: Kek, create: bool) -> LayoutInfo:

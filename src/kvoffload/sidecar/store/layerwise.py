@@ -18,18 +18,34 @@ One loop, one place for each rule:
 - A chunk that fails (read error, tag, padding) is a miss and ends the prefix:
   it and every later chunk are dropped from the loop, and the failure is
   handled as any failed read is (entry dropped, file quarantined).
+
+One pass, as whole-chunk loads (``Pipeline._load_one``): an object the store
+may map (``fileio.map_opened``: written by the sidecar, so no descriptor can
+shrink it under the mapping; large enough; a kernel with MADV_POPULATE_READ)
+is mapped once, at open, from the descriptor whose size was just checked, and
+each layer's slot is faulted in (``fileio.populate``, an EIO instead of a
+SIGBUS) and verified and decrypted straight from the page cache into its place
+in the output. Any other object is read layer by layer into a scratch buffer.
+Every object is asked of the kernel in full when it is opened
+(``POSIX_FADV_WILLNEED``), so later layers come off the device while earlier
+ones are verified; a layer of a few small slots (under ``PARALLEL_MIN_BYTES``
+in all) is verified in the calling thread, a wider one on the I/O streams.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...layouts import CorruptObject, ObjectMismatch, UnknownKeyEpoch, v1
+from .. import fileio
 from ..index import ChunkRecord
 from .base import log
+from .pipeline import PARALLEL_MIN_BYTES
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -50,7 +66,27 @@ class _Opened:
     aead: v1.Aead | None
     #: Where each layer's plaintext starts in the chunk's output.
     starts: list[int]
-    scratch: bytearray
+    #: The widest layer slot (data, tag, padding): the scratch buffer's size.
+    widest: int
+    #: The object mapped (one pass), or None: read through ``scratch``.
+    mapped: mmap.mmap | None = None
+    view: memoryview | None = None
+    scratch: bytearray | None = None
+
+    def unmap(self) -> None:
+        view, mapped = self.view, self.mapped
+        self.view = self.mapped = None
+        if view is not None:
+            with contextlib.suppress(BufferError):
+                view.release()
+        if mapped is not None:
+            fileio.unmap(mapped)
+
+    def close(self) -> None:
+        try:
+            self.unmap()
+        finally:
+            os.close(self.fd)
 
 
 def _open(store: Pipeline, tenant: str, rec: ChunkRecord, out: memoryview) -> _Opened:
@@ -58,9 +94,9 @@ def _open(store: Pipeline, tenant: str, rec: ChunkRecord, out: memoryview) -> _O
     key = rec.chunk_key
     fd = os.open(store._path(tenant, key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
-        size = os.fstat(fd).st_size
-        if size != rec.size:
-            raise CorruptObject(f"object is {size} bytes, its index record says {rec.size}")
+        st = os.fstat(fd)
+        if st.st_size != rec.size:
+            raise CorruptObject(f"object is {st.st_size} bytes, its index record says {rec.size}")
         hb = os.pread(fd, v1.header_length(rec.num_layers), 0)
         h = v1.decode_header(hb)
         if h.chunk_key != key or h.tenant != tenant or h.namespace != rec.namespace:
@@ -87,24 +123,44 @@ def _open(store: Pipeline, tenant: str, rec: ChunkRecord, out: memoryview) -> _O
             at += le.length
             lo, hi = v1.layer_slot(h, i)
             widest = max(widest, hi - lo)
-        return _Opened(key, fd, h, aead, starts, bytearray(widest))
+        o = _Opened(key, fd, h, aead, starts, widest)
+        if getattr(store.io, "map_reads", False):
+            # The size just checked is the size mapped; only a file no other
+            # descriptor can shrink is mapped at all (fileio.map_opened).
+            o.mapped = fileio.map_opened(fd, st)
+        if o.mapped is not None:
+            o.view = memoryview(o.mapped)
+        with contextlib.suppress(OSError):  # a hint: the layers come next
+            os.posix_fadvise(fd, h.data_offset, 0, os.POSIX_FADV_WILLNEED)
+        return o
     except BaseException:
         os.close(fd)
         raise
 
 
 def _layer(o: _Opened, i: int, out: memoryview) -> None:
-    """Read, verify and decrypt layer ``i`` of an opened object into ``out``."""
+    """Verify and decrypt layer ``i`` of an opened object into its place in ``out``:
+    from the mapping (one pass), or read into the scratch buffer first."""
     h = o.header
     if i >= len(h.layers):
         return
     lo, hi = v1.layer_slot(h, i)
+    start = o.starts[i]
+    dst = out[start : start + h.layers[i].length]
+    if o.mapped is not None and o.view is not None:
+        # Faulted in before it is touched: a page that cannot be read is an
+        # OSError here (a miss), never a SIGBUS in the decrypt.
+        if fileio.populate(o.mapped, lo, hi - lo):
+            v1.open_layer(h, i, o.view[lo:hi], dst, o.aead)
+            return
+        o.unmap()  # this kernel refuses MADV_POPULATE_READ (found out now): read
+    if o.scratch is None:
+        o.scratch = bytearray(o.widest)
     slot = memoryview(o.scratch)[: hi - lo]
     got = os.preadv(o.fd, [slot], lo)
     if got != hi - lo:
         raise CorruptObject(f"layer {i}: short read ({got} of {hi - lo} bytes)")
-    start = o.starts[i]
-    v1.open_layer(h, i, slot, out[start : start + h.layers[i].length], o.aead)
+    v1.open_layer(h, i, slot, dst, o.aead)
 
 
 def get_layerwise_into(
@@ -125,32 +181,68 @@ def get_layerwise_into(
     """
     if len(outs) != len(keys):
         raise ValueError("one output buffer per key")
+    recs: list[ChunkRecord] = []
+    for key in keys:
+        rec = store._record(tenant, key)
+        if rec is None:
+            store.counters.misses += 1
+            break
+        recs.append(rec)
+    got = load_layerwise(store, tenant, recs, outs[: len(recs)], plan, report, cancelled)
+    return got + [None] * (len(keys) - len(got))
+
+
+def load_layerwise(
+    store: Pipeline,
+    tenant: str,
+    recs: Sequence[ChunkRecord],
+    outs: Sequence[memoryview],
+    plan: PlanFn,
+    report: ReportFn,
+    cancelled: Callable[[int], bool],
+) -> list[list[int] | None]:
+    """:func:`get_layerwise_into` of chunks whose index records the caller looked
+    up (in order, up to the first miss); one result per record."""
+    if len(outs) != len(recs):
+        raise ValueError("one output buffer per record")
     opened: list[_Opened] = []
     try:
-        for key, out in zip(keys, outs, strict=True):
-            rec = store._record(tenant, key)
-            if rec is None:
-                store.counters.misses += 1
-                break
+        for rec, out in zip(recs, outs, strict=True):
             try:
                 opened.append(_open(store, tenant, rec, out))
             except Exception as exc:
-                _failed(store, tenant, key, exc)
+                _failed(store, tenant, rec.chunk_key, exc)
                 break
         live = len(opened)
         plan([tuple(le.length for le in o.header.layers) for o in opened])
         layers = max((len(o.header.layers) for o in opened), default=0)
         pool = store._pipeline() if live > 1 else None
+        # The report of the layer before, sent while this layer is verified on
+        # the pool (sending waits for the client's socket): it names only
+        # bytes already checked, and always goes out before any later report.
+        pending: tuple[int, int] | None = None
+
+        def flush() -> None:
+            nonlocal pending
+            if pending is not None:
+                report(*pending)
+                pending = None
+
         for i in range(layers):
             if live == 0:
                 break
             # The cancel point: nothing of layer i has been copied yet.
             if cancelled(i):
                 log.info("layer-wise load of %s stopped before layer %d", tenant, i)
+                flush()
                 live = 0
                 report(i, 0)
                 break
-            if pool is None:
+            # A layer of a few small slots is verified here: the hop to a pool
+            # thread and back costs more than the work (their reads were asked
+            # for at open, POSIX_FADV_WILLNEED, so they come in together).
+            if pool is None or _layer_bytes(opened, i, live) < PARALLEL_MIN_BYTES:
+                flush()
                 errors: list[BaseException | None] = []
                 for c in range(live):
                     try:
@@ -161,14 +253,18 @@ def get_layerwise_into(
                         break
             else:
                 futs = [pool.submit(_layer, opened[c], i, outs[c]) for c in range(live)]
-                errors = [f.exception() for f in futs]
+                try:
+                    flush()
+                finally:  # never close an object a pool thread still reads
+                    errors = [f.exception() for f in futs]
             for c, err in enumerate(errors):
                 if err is not None:
                     _failed(store, tenant, opened[c].key, err)
                     live = c
                     break
-            report(i + 1, live)
-        results: list[list[int] | None] = [None] * len(keys)
+            pending = (i + 1, live)
+        flush()
+        results: list[list[int] | None] = [None] * len(recs)
         for c in range(live):
             h = opened[c].header
             store._hit(tenant, opened[c].key, h.payload_size)
@@ -176,7 +272,12 @@ def get_layerwise_into(
         return results
     finally:
         for o in opened:
-            os.close(o.fd)
+            o.close()
+
+
+def _layer_bytes(opened: Sequence[_Opened], i: int, live: int) -> int:
+    """The bytes of layer ``i`` of the first ``live`` opened chunks."""
+    return sum(o.header.layers[i].length for o in opened[:live] if i < len(o.header.layers))
 
 
 def _failed(store: Pipeline, tenant: str, key: bytes, exc: BaseException) -> None:
@@ -189,4 +290,4 @@ def _failed(store: Pipeline, tenant: str, key: bytes, exc: BaseException) -> Non
     store._read_failed(tenant, key, exc)
 
 
-__all__ = ["PlanFn", "ReportFn", "get_layerwise_into"]
+__all__ = ["PlanFn", "ReportFn", "get_layerwise_into", "load_layerwise"]

@@ -611,37 +611,81 @@ class Pipeline(Maintenance):
         """
         if len(outs) != len(keys):
             raise ValueError("one output buffer per key")
-        results: list[list[int] | None] = [None] * len(keys)
         if len(keys) < 2:
-            for i, k in enumerate(keys):
-                results[i] = self.get_into(tenant, k, outs[i])
-            return results
+            return [self.get_into(tenant, k, o) for k, o in zip(keys, outs, strict=True)]
+        guard = self._load_gens.guard(tenant)  # a purge or revocation from now on cancels
+        return self._load_batch(
+            tenant, len(keys), lambda i: self._record(tenant, keys[i]), outs, guard, stop_at_miss
+        )
+
+    def load_guard(self, tenant: str) -> Callable[[int], None]:
+        """The cancel check of a load of ``tenant`` that starts now (cancel.py):
+        take it before looking up the records :meth:`load_planned` is given, so
+        a purge or revocation after the lookup still stops the load."""
+        return self._load_gens.guard(tenant)
+
+    @boundary
+    def load_planned(
+        self,
+        tenant: str,
+        recs: Sequence[ChunkRecord],
+        outs: Sequence[memoryview],
+        guard: Callable[[int], None],
+    ) -> list[list[int] | None]:
+        """:meth:`get_many_into` of chunks whose index records the caller just
+        looked up (``payload_info``, after :meth:`load_guard`): the same reads and
+        checks, without a second index lookup per chunk. The object must still be
+        the one its record describes, or the chunk is a miss."""
+        if len(outs) != len(recs):
+            raise ValueError("one output buffer per record")
+        if len(recs) == 1:
+            return [self._load_one(tenant, recs[0], outs[0], guard)]
+        return self._load_batch(tenant, len(recs), recs.__getitem__, outs, guard, True)
+
+    def _load_batch(
+        self,
+        tenant: str,
+        n: int,
+        record: Callable[[int], ChunkRecord | None],
+        outs: Sequence[memoryview],
+        guard: Callable[[int], None],
+        stop_at_miss: bool,
+    ) -> list[list[int] | None]:
+        """The loop of :meth:`get_many_into`: chunk ``i``'s record is ``record(i)``,
+        asked in order. A small object whose every byte is in the page cache is
+        verified in this thread (a hop to a pool thread and back costs more than
+        the work); every other chunk is read on the pool."""
+        results: list[list[int] | None] = [None] * n
         pool = self._pipeline()
         streams = self.io_streams
-        guard = self._load_gens.guard(tenant)  # a purge or revocation from now on cancels
+        inline = getattr(self.io, "map_reads", False)
         # In order: (chunk index, its read+verify on the pool). The index is
         # consulted here, in order; each chunk is read, verified and decrypted
-        # on a pool thread, straight into its own ``outs[i]``.
+        # on a pool thread (or here), straight into its own ``outs[i]``.
         window: deque[tuple[int, Future[list[int] | None]]] = deque()
         nxt = 0
         missed = False
         try:
             while True:
-                while not missed and nxt < len(keys) and len(window) < streams:
+                while not missed and nxt < n and len(window) < streams:
                     try:
-                        rec = self._record(tenant, keys[nxt])
+                        rec = record(nxt)
                     except Exception as exc:
                         if nxt == 0:
                             raise
                         # A failing index after chunk 0: a miss here, never the loss
                         # of the chunks already verified (layout-v1.md §5).
-                        log.warning("chunk %s: looking it up failed: %s", keys[nxt].hex()[:16], exc)
+                        log.warning("chunk %d: looking it up failed: %s", nxt, exc)
                         rec = None
                     if rec is None:
                         self.counters.misses += 1
                         missed = stop_at_miss
                     else:
-                        job = pool.submit(self._load_one, tenant, rec, outs[nxt], guard)
+                        job: Future[list[int] | None] | None = None
+                        if inline and rec.size < fileio.MAP_MIN_BYTES:
+                            job = self._load_cached(tenant, rec, outs[nxt], guard)
+                        if job is None:
+                            job = pool.submit(self._load_one, tenant, rec, outs[nxt], guard)
                         window.append((nxt, job))
                     nxt += 1
                 if not window:
@@ -664,6 +708,27 @@ class Pipeline(Maintenance):
                     self.counters.bytes_out -= sum(lengths)
                 results[i] = None
         return results
+
+    def _load_cached(
+        self, tenant: str, rec: ChunkRecord, out: memoryview, guard: Callable[[int], None]
+    ) -> Future[list[int] | None] | None:
+        """:meth:`_load_one` in this thread, as a finished future, if the whole
+        object is in the page cache (no wait on the device); None otherwise, and
+        then the caller reads it on the pool."""
+        key = rec.chunk_key
+        try:
+            buf = fileio.read_cached(self._path(tenant, key), self._scratch.get, MAX_OBJECT_BYTES)
+        except Exception as exc:  # every failure of a damaged file is a miss (§5)
+            self._read_failed(tenant, key, exc)
+            buf = None
+            got: list[int] | None = None
+        else:
+            if buf is None:
+                return None
+            got = self._open_into(tenant, key, rec, buf, out, guard)
+        done: Future[list[int] | None] = Future()
+        done.set_result(got)
+        return done
 
     def _load_one(
         self,
