@@ -11,6 +11,7 @@ the store API; sockets, descriptors, threads and the event loop are real.
 from __future__ import annotations
 
 import array
+import functools
 import os
 import shutil
 import socket
@@ -101,6 +102,11 @@ def hello(w: Wire) -> None:
     assert rid == 1 and isinstance(reply, p.HelloReply)
 
 
+def _has_read(conn: Connection, n: int) -> bool:
+    """The server's decoder holds the ``n`` bytes sent so far (or the whole frame is done)."""
+    return conn.decoder.buffered in (0, n)
+
+
 def the_connection(st: ServerThread) -> Connection:
     wait_until(lambda: len(st.server.connections) == 1, "one connection")
     return next(iter(st.server.connections))
@@ -147,7 +153,7 @@ def test_frames_split_byte_by_byte_and_an_fd_with_the_first_byte(
     socket.send_fds(w.s, [reg[:1]], [buf.fd])
     for i in range(1, len(reg)):
         w.s.sendall(reg[i : i + 1])
-        wait_until(lambda i=i: conn.decoder.buffered in (0, i + 1), "byte read")
+        wait_until(functools.partial(_has_read, conn, i + 1), "byte read")
     assert w.replies(1) == [(2, p.Ack(p.Op.REGISTER_STAGING))]
     # The registered buffer works: a save through it lands in the store.
     buf.view[:5] = b"hello"
@@ -209,9 +215,9 @@ def test_a_client_that_vanishes_mid_reply_leaves_the_daemon_serving_others(
     for _ in range(3):
         w = Wire(server)
         hello(w)
-        conn = the_connection(server)
+        the_connection(server)
         w.s.sendall(w.frame(2, p.Stats()) + w.frame(3, p.Stats()))
-        wait_until(lambda conn=conn: conn._wqueued > 0, "reply partly written")
+        wait_until(lambda: the_connection(server)._wqueued > 0, "reply partly written")
         w.s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
         w.close()
         wait_until(lambda: not server.server.connections, "connection torn down")
@@ -248,7 +254,7 @@ def test_too_many_descriptors_in_one_message_are_refused_and_closed(
     w = Wire(server)
     hello(w)
     before = len(os.listdir("/proc/self/fd"))
-    fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(connection.MAX_FDS + 3)]
+    fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(p.MAX_FDS + 3)]
     reg = p.encode_frame(p.with_fds(p.request_message(2, p.RegisterStaging(PAGE)), 1))
     w.s.sendmsg([reg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())])
     for fd in fds:
