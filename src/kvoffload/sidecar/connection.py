@@ -79,6 +79,9 @@ RECV_SIZE = 256 * 1024
 #: Room for one descriptor more than a frame may carry: the decoder refuses the
 #: extra one, and more than that truncates the ancillary data (MSG_CTRUNC).
 _ANCILLARY = socket.CMSG_LEN((MAX_FDS + 1) * array.array("i").itemsize)
+# Plain ints: a flag enum's ``&`` costs a call on every read.
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)
+_MSG_CMSG_CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
 #: Reading pauses while more reply bytes than this wait to be written, and
 #: resumes below WRITE_LOW.
 WRITE_HIGH = 4 << 20
@@ -300,7 +303,7 @@ class Connection:
         descriptors it declared, is dispatched in order."""
         try:
             n, ancdata, flags, _ = self.sock.recvmsg_into(
-                [self._rbuf], _ANCILLARY, socket.MSG_CMSG_CLOEXEC
+                [self._rbuf], _ANCILLARY, _MSG_CMSG_CLOEXEC
             )
         except (BlockingIOError, InterruptedError):
             return
@@ -308,12 +311,12 @@ class Connection:
             self._finish(exc)
             return
         fds: list[int] = []
-        for level, kind, cdata in ancdata:
+        for level, kind, cdata in ancdata:  # empty but for register_staging
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 got = array.array("i")
                 got.frombytes(cdata[: len(cdata) - len(cdata) % got.itemsize])
                 fds.extend(got)
-        if flags & socket.MSG_CTRUNC:
+        if flags & _MSG_CTRUNC:
             close_fds(fds)
             self._finish(
                 ProtocolError(ErrorCode.BAD_REQUEST, "too many descriptors in one message")
