@@ -482,9 +482,11 @@ class Connection:
     def _spawn(self, rid: int, req: Request, pad: Pad | None, arrived: float) -> None:
         assert self._loop is not None
         work = _InFlight(rid, req, pad, arrived, self._loop.create_future())
-        self.tasks[rid] = work.done
         emit = self._emitter(rid) if isinstance(req, PrepareLoad) and req.layerwise else None
+        # Registered after a submit that did not raise (its completion is
+        # handled on this thread, later): no entry the teardown would wait on forever.
         self.pool.submit(self._on_pool, work, emit)
+        self.tasks[rid] = work.done
 
     def _on_pool(self, work: _InFlight, emit: Callable[[LoadProgress], bool] | None) -> None:
         """On a pool thread: run the verb, then hand the outcome to the loop
@@ -519,13 +521,17 @@ class Connection:
                 self._hold(work, reply)
 
     def _answer(self, work: _InFlight, reply: Reply | None) -> None:
-        """Send ``reply`` (None: drop it) and end the request."""
-        if reply is not None:
-            self._reply(work.rid, reply)
-        self._observe(work.req.OP.value, work.started)
-        self.tasks.pop(work.rid, None)
-        if not work.done.done():
-            work.done.set_result(None)
+        """Send ``reply`` (None: drop it) and end the request, whatever happens."""
+        try:
+            if reply is not None:
+                self._reply(work.rid, reply)
+            self._observe(work.req.OP.value, work.started)
+        except Exception:
+            log.exception("%r: the reply to %s failed", self, work.req.OP.value)
+        finally:
+            self.tasks.pop(work.rid, None)
+            if not work.done.done():
+                work.done.set_result(None)
 
     def _hold(self, work: _InFlight, reply: Reply) -> None:
         """§5.28: hold ``reply`` on a loop timer until ``arrived`` + the pad's
@@ -535,7 +541,7 @@ class Connection:
         now = self._loop.time()
         self.service.padding.count(work.pad, overrun=now > work.arrived + work.pad.floor)
         deadline = work.arrived + work.pad.delay
-        if now >= deadline:
+        if now >= deadline or self.closing:
             self._answer(work, None if self.closing else reply)
             return
         self.held[work.rid] = (work, reply)
