@@ -24,7 +24,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol, cast
 
 from kvoffload.errors import Reject
 from kvoffload.posix import atomic_create
@@ -154,6 +154,10 @@ Handle = WriteHandle | LoadHandle
 # The shared state
 
 
+#: Whether a settings class has the members of :class:`RetentionSettings`.
+_RETENTION_KINDS: dict[type, bool] = {}
+
+
 class Service:
     """What every session of one sidecar shares: the store, the policy, the secret
     behind fake salts (§5.1), the in-flight byte budget and the configuration.
@@ -204,7 +208,12 @@ class Service:
     def retention_of(self, tenant: str) -> RetentionSettings | None:
         """The tenant's retention limits under the *current* policy."""
         settings = self.policy.tenant(tenant)
-        return settings if isinstance(settings, RetentionSettings) else None
+        # isinstance of a runtime Protocol walks its members: once per class,
+        # not on every lookup.
+        fits = _RETENTION_KINDS.get(type(settings))
+        if fits is None:
+            fits = _RETENTION_KINDS[type(settings)] = isinstance(settings, RetentionSettings)
+        return cast(RetentionSettings, settings) if fits else None
 
     def audit(self, event: str, details: dict[str, Any]) -> None:
         """One audit record (docs/spec/audit-v1.md) through the store; a failure
