@@ -578,6 +578,8 @@ class Connection:
     async def _teardown(self) -> None:
         """§7: a disconnect releases everything the connection holds."""
         self.closing = True
+        if self._end is not None and not self._end.done():
+            self._end.cancel()  # run() ended before it waited on it (the magic failed)
         self._update_reading()
         if self._step is not None:
             await asyncio.wait([self._step])
