@@ -174,17 +174,23 @@ def test_a_reply_larger_than_the_socket_buffer_stays_whole_and_ahead_of_later_re
     w.s.sendall(w.frame(2, p.Stats()))
     # The client reads nothing yet: the rest of the reply waits in the server's queue.
     wait_until(lambda: conn._wqueued > 0, "stats reply partly written")
-    w.s.sendall(w.frame(3, p.Lookup("acme", (key(1),))))
-    wait_until(lambda: 3 not in conn.tasks and conn.decoder.buffered == 0, "lookup read")
+    # Then it reads slowly, a lookup after each small read: each lookup's reply
+    # must wait behind the rest of the stats reply, even when the socket has
+    # room for it at that moment.
+    n = 100
+    for i in range(n):
+        w.ready += w.dec.feed(w.s.recv(4096))
+        w.s.sendall(w.frame(3 + i, p.Lookup("acme", (key(1),))))
     # Another client is served meanwhile.
     other = Raw(server)
     other.hello()
     assert other.call(p.Lookup("acme", (key(1), key(2)))) == p.LookupReply(2)
     other.close()
-    (r1, stats), (r2, found) = w.replies(2)
-    assert (r1, r2) == (2, 3)  # written in the order they were queued, never interleaved
+    got = w.replies(n + 1)
+    assert [rid for rid, _ in got] == list(range(2, n + 3))  # in the order queued, whole
+    stats = got[0][1]
     assert isinstance(stats, p.StatsReply) and stats.stats["blob"] == "x" * BLOB
-    assert found == p.LookupReply(1)
+    assert all(reply == p.LookupReply(1) for _, reply in got[1:])
     w.close()
 
 
