@@ -1,32 +1,44 @@
-"""The asyncio frame loop of one sidecar connection (``docs/spec/protocol-v1.md`` §3).
+"""The frame loop of one sidecar connection (``docs/spec/protocol-v1.md`` §3).
 
 ::
 
     Connection.run(): magic, then frames until bye, EOF or a fatal error
+       │  the socket stays registered with the loop for the connection's life:
+       │  each readable event reads once, decodes every whole frame and
+       │  dispatches them in order, from the loop's callback itself
        │  hello, register_staging, bye and a lookup the index answers run
-       │  inline; every other request is a task whose verb runs on the thread
-       │  pool, so replies may leave in any order (§3.3); a lookup of a tenant
-       │  with a lookup_floor is held on a loop timer until its deadline (§5.28)
-       └─ on close: wait for its tasks (pool threads may still touch the
+       │  inline; every other request goes to the thread pool, and its
+       │  completion comes back through the connection's completion queue,
+       │  so replies may leave in any order (§3.3); a lookup of a tenant with
+       │  a lookup_floor is held on a loop timer until its deadline (§5.28)
+       ├─ replies are written straight to the socket when nothing waits
+       │  before them, else queued in order behind what does (§3.3, §5.26)
+       └─ on close: wait for its requests (pool threads may still touch the
           staging mapping), then release handles, pins, reservations and the
           mapping (§7)
 
 Every verb is delegated to the connection's :class:`~.session.Session`;
 this module only reads and writes frames, passes descriptors and keeps
 the dispatch rules.
+
+Flow control: reading pauses while a step that must finish before the next
+frame runs (hello on the pool, bye's barrier) and while more than
+:data:`WRITE_HIGH` bytes of replies wait for a client that does not read,
+so neither the frames read nor the replies queued grow without bound.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
+import collections
 import contextlib
-import functools
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvoffload.protocol import (
     CLIENT_MAGIC,
@@ -64,15 +76,40 @@ log = logging.getLogger("kvoffload.server")
 _T = TypeVar("_T")
 
 RECV_SIZE = 256 * 1024
+#: Room for one descriptor more than a frame may carry: the decoder refuses the
+#: extra one, and more than that truncates the ancillary data (MSG_CTRUNC).
+_ANCILLARY = socket.CMSG_LEN((MAX_FDS + 1) * array.array("i").itemsize)
+# Plain ints: a flag enum's ``&`` costs a call on every read.
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)
+_MSG_CMSG_CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
+#: Reading pauses while more reply bytes than this wait to be written, and
+#: resumes below WRITE_LOW.
+WRITE_HIGH = 4 << 20
+WRITE_LOW = 1 << 20
+
+#: What a pool thread hands back: the verb's reply, or the exception it raised.
+_Outcome = tuple[Reply | None, BaseException | None]
 
 
 class _Closed(Exception):
     pass
 
 
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
+class _InFlight:
+    """One request answered on the pool: what its reply needs once it is back."""
+
+    __slots__ = ("arrived", "done", "pad", "req", "rid", "started", "timer")
+
+    def __init__(
+        self, rid: int, req: Request, pad: Pad | None, arrived: float, done: asyncio.Future[None]
+    ) -> None:
+        self.rid = rid
+        self.req = req
+        self.pad = pad
+        self.arrived = arrived
+        self.started = time.perf_counter()
+        self.done = done
+        self.timer: asyncio.TimerHandle | None = None
 
 
 class Connection:
@@ -92,58 +129,129 @@ class Connection:
         self.peer = peer
         self.session = Session(service, peer)
         self.decoder = FrameDecoder(expect_magic=CLIENT_MAGIC, max_frame=MAX_FRAME)
-        self.tasks: dict[int, asyncio.Task[None]] = {}
-        self.write_lock = asyncio.Lock()
-        #: Padded replies waiting for their deadline (§5.28), with their timers.
-        self.held: dict[asyncio.Future[None], asyncio.TimerHandle] = {}
+        #: Requests in flight (on the pool, or held for their floor), by request
+        #: id; each future is done once its reply is queued or dropped.
+        self.tasks: dict[int, asyncio.Future[None]] = {}
+        #: Padded replies waiting for their deadline (§5.28), by request id.
+        self.held: dict[int, tuple[_InFlight, Reply]] = {}
         self.closing = False
         self._on_close = on_close
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd = sock.fileno()
+        self._rbuf = bytearray(RECV_SIZE)
+        #: Frames read and not yet dispatched (while a step blocks), with the
+        #: loop time they were read.
+        self._inbox: collections.deque[tuple[Frame, float]] = collections.deque()
+        self._reading = False
+        self._step: asyncio.Task[None] | None = None
+        self._end: asyncio.Future[None] | None = None
+        # The write side: bytes not yet taken by the kernel, in order.
+        self._wbuf: collections.deque[memoryview] = collections.deque()
+        self._wqueued = 0  # bytes in _wbuf
+        self._wtotal = 0  # bytes ever accepted by _write
+        self._wdone = 0  # bytes ever written to the socket
+        self._wwaiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+        self._wfailed: OSError | None = None
+        self._writing = False
+        # Pool completions, drained on the loop with one wake-up per batch.
+        self._completions: collections.deque[tuple[_InFlight, _Outcome]] = collections.deque()
+        self._drain_scheduled = False
 
     def __repr__(self) -> str:
         return repr(self.session)
 
-    # -- I/O -------------------------------------------------------------------
+    # -- the write side ----------------------------------------------------------
 
-    async def _wait_readable(self) -> None:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        fd = self.sock.fileno()
+    def _write(self, data: bytes) -> None:
+        """Queue ``data`` behind every earlier frame; written at once when nothing
+        waits before it. A broken socket drops it (the reader sees the end)."""
+        if self._wfailed is not None:
+            return
+        n = len(data)
+        self._wtotal += n
+        if not self._wbuf:
+            try:
+                sent = self.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self._write_failed(exc)
+                return
+            self._wdone += sent
+            if sent == n:
+                return
+            self._wbuf.append(memoryview(data)[sent:])
+            self._wqueued += n - sent
+            self._set_writing(True)
+        else:
+            self._wbuf.append(memoryview(data))
+            self._wqueued += n
+        if self._wqueued > WRITE_HIGH:
+            self._update_reading()
 
-        def wake() -> None:
+    def _on_writable(self) -> None:
+        while self._wbuf:
+            head = self._wbuf[0]
+            try:
+                sent = self.sock.send(head)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self._write_failed(exc)
+                return
+            self._wdone += sent
+            self._wqueued -= sent
+            if sent < len(head):
+                self._wbuf[0] = head[sent:]
+                break
+            self._wbuf.popleft()
+        if not self._wbuf:
+            self._set_writing(False)
+        while self._wwaiters and self._wwaiters[0][0] <= self._wdone:
+            fut = self._wwaiters.popleft()[1]
             if not fut.done():
                 fut.set_result(None)
+        if self._wqueued <= WRITE_LOW:
+            self._update_reading()
 
-        loop.add_reader(fd, wake)
-        try:
-            await fut
-        finally:
-            loop.remove_reader(fd)
+    def _write_failed(self, exc: OSError) -> None:
+        self._wfailed = exc
+        self._wbuf.clear()
+        self._wqueued = 0
+        self._set_writing(False)
+        while self._wwaiters:
+            fut = self._wwaiters.popleft()[1]
+            if not fut.done():
+                fut.set_exception(exc)
+        self._update_reading()
 
-    async def _read_frames(self) -> list[Frame]:
-        """§3.2, §3.3: the next complete frames, each with the descriptors it declared."""
-        while True:
-            try:
-                data, fds, flags, _ = socket.recv_fds(
-                    self.sock, RECV_SIZE, MAX_FDS + 1, socket.MSG_CMSG_CLOEXEC
-                )
-            except (BlockingIOError, InterruptedError):
-                await self._wait_readable()
-                continue
-            if flags & socket.MSG_CTRUNC:
-                close_fds(fds)
-                raise ProtocolError(ErrorCode.BAD_REQUEST, "too many descriptors in one message")
-            if not data:
-                close_fds(fds)
-                raise _Closed
-            frames = self.decoder.feed(data, fds)
-            if frames:
-                return frames
+    def _set_writing(self, on: bool) -> None:
+        if on == self._writing or self._loop is None:
+            return
+        self._writing = on
+        if on:
+            self._loop.add_writer(self._fd, self._on_writable)
+        else:
+            self._loop.remove_writer(self._fd)
 
     async def send(self, data: bytes) -> None:
-        async with self.write_lock:
-            await asyncio.get_running_loop().sock_sendall(self.sock, data)
+        """Queue ``data`` in order and return once the kernel has all of it;
+        OSError if the socket broke first."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        self._write(data)
+        await self._flushed(self._wtotal)
 
-    async def _reply(self, rid: int, reply: Reply) -> None:
+    async def _flushed(self, mark: int) -> None:
+        if self._wfailed is not None:
+            raise self._wfailed
+        if self._wdone >= mark:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._wwaiters.append((mark, fut))
+        await fut
+
+    def _reply(self, rid: int, reply: Reply) -> None:
         metrics = self.service.metrics
         if metrics is not None and isinstance(reply, ErrorReply):
             metrics.error(reply.code.name)
@@ -155,59 +263,158 @@ class Connection:
             data = encode_frame(
                 reply_message(rid, ErrorReply(str(op), ErrorCode.INTERNAL, "reply too large"))
             )
-        with contextlib.suppress(OSError):
-            await self.send(data)
+        self._write(data)
 
     async def _run(self, fn: Callable[..., _T], *args: object) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
+    # -- the read side -------------------------------------------------------------
+
+    def _update_reading(self) -> None:
+        """Read while the connection runs, no step blocks the frames and the
+        client takes its replies."""
+        want = (
+            not self.closing
+            and self._end is not None
+            and not self._end.done()
+            and self._step is None
+            and self._wqueued <= (WRITE_LOW if not self._reading else WRITE_HIGH)
+        )
+        if want == self._reading or self._loop is None:
+            return
+        self._reading = want
+        if want:
+            self._loop.add_reader(self._fd, self._on_readable)
+        else:
+            self._loop.remove_reader(self._fd)
+
+    def _finish(self, outcome: BaseException | None) -> None:
+        """End run(): None after bye or a refused hello, else what ended it."""
+        end = self._end
+        if end is not None and not end.done():
+            if outcome is None:
+                end.set_result(None)
+            else:
+                end.set_exception(outcome)
+        self._update_reading()
+
+    def _on_readable(self) -> None:
+        """§3.2, §3.3: one read; every frame it completes, each with the
+        descriptors it declared, is dispatched in order."""
+        try:
+            n, ancdata, flags, _ = self.sock.recvmsg_into(
+                [self._rbuf], _ANCILLARY, _MSG_CMSG_CLOEXEC
+            )
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._finish(exc)
+            return
+        fds: list[int] = []
+        for level, kind, cdata in ancdata:  # empty but for register_staging
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                got = array.array("i")
+                got.frombytes(cdata[: len(cdata) - len(cdata) % got.itemsize])
+                fds.extend(got)
+        if flags & _MSG_CTRUNC:
+            close_fds(fds)
+            self._finish(
+                ProtocolError(ErrorCode.BAD_REQUEST, "too many descriptors in one message")
+            )
+            return
+        if not n:
+            close_fds(fds)
+            self._finish(_Closed())
+            return
+        try:
+            frames = self.decoder.feed(memoryview(self._rbuf)[:n], fds)
+        except ProtocolError as exc:
+            self._finish(exc)
+            return
+        if frames:
+            assert self._loop is not None
+            arrived = self._loop.time()  # what a lookup's floor counts from (§5.28)
+            self._inbox.extend((f, arrived) for f in frames)
+            self._pump()
+
+    def _pump(self) -> None:
+        """Dispatch the frames read, in order, until one needs a step of its own."""
+        inbox = self._inbox
+        while inbox and self._step is None:
+            frame, arrived = inbox.popleft()
+            if self.closing:
+                close_fds(frame.fds)
+                continue
+            try:
+                step = self._dispatch(frame, arrived)
+            except ProtocolError as exc:
+                self._finish(exc)
+                return
+            except Exception as exc:
+                log.exception("%r: dispatch failed", self)
+                self._finish(exc)
+                return
+            if step is not None:
+                assert self._loop is not None
+                self._step = self._loop.create_task(step)
+                self._step.add_done_callback(self._step_done)
+                self._update_reading()
+                return
+        if self.closing:
+            self._finish(None)
+            return
+        if self._step is None:
+            try:
+                self.decoder.raise_if_failed()
+            except ProtocolError as exc:
+                self._finish(exc)
+
+    def _step_done(self, task: asyncio.Task[None]) -> None:
+        self._step = None
+        if not task.cancelled() and task.exception() is not None:
+            self._finish(task.exception())
+            return
+        self._pump()
+        self._update_reading()
+
     # -- main loop -----------------------------------------------------------
 
-    def _closing(self) -> bool:
-        # A method, not the attribute, so type narrowing does not assume
-        # that awaiting _dispatch() leaves it unchanged.
-        return self.closing
-
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
+        self._end = loop.create_future()
         try:
             await self.send(SERVER_MAGIC)
-            while not self._closing():
-                frames = await self._read_frames()
-                arrived = loop.time()  # what a lookup's floor counts from (§5.28)
-                for frame in frames:
-                    if self._closing():
-                        close_fds(frame.fds)
-                        continue
-                    await self._dispatch(frame, arrived)
-                self.decoder.raise_if_failed()
+            self._update_reading()
+            await self._end
         except ProtocolError as exc:
             if self.service.metrics is not None:
                 self.service.metrics.error(exc.code.name)
             if exc.code is not ErrorCode.BAD_MAGIC:
                 log.warning("%r: protocol error, closing: %s", self, exc)
-                with contextlib.suppress(OSError):
-                    await self.send(encode_frame(error_message(exc.code, exc.message)))
+                self._write(encode_frame(error_message(exc.code, exc.message)))
         except (_Closed, ConnectionError):
             pass
         except OSError as exc:
             log.info("%r: connection failed: %s", self, exc)
+        except Exception:
+            log.exception("%r: connection failed", self)
         finally:
             await self._teardown()
 
-    async def _dispatch(self, frame: Frame, arrived: float) -> None:
+    def _dispatch(self, frame: Frame, arrived: float) -> Coroutine[Any, Any, None] | None:
         """§3.3: parse, check the envelope and the order rules, then run the verb
-        (``arrived``: the loop time its frame was read)."""
+        (``arrived``: the loop time its frame was read). A step that must finish
+        before the next frame (hello, bye) is returned for the caller to run."""
         try:
             rid, req = parse_request(frame.msg)
         except ProtocolError as exc:
             close_fds(frame.fds)
             if exc.fatal or exc.request_id is None:
                 raise
-            await self._reply(exc.request_id, ErrorReply(exc.op or "error", exc.code, exc.message))
+            self._reply(exc.request_id, ErrorReply(exc.op or "error", exc.code, exc.message))
             if self.session.version is None and exc.op != Op.HELLO.value:
                 self.closing = True  # §3.3 rule 1: anything but hello first closes
-            return
+            return None
         op = req.OP.value
         session = self.session
         if rid in self.tasks:
@@ -215,41 +422,43 @@ class Connection:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"request id {rid} is already in use")
         if frame.fds and not isinstance(req, RegisterStaging):
             close_fds(frame.fds)
-            await self._reply(rid, ErrorReply(op, ErrorCode.BAD_REQUEST, f"{op} takes no fds"))
+            self._reply(rid, ErrorReply(op, ErrorCode.BAD_REQUEST, f"{op} takes no fds"))
             if session.version is None and not isinstance(req, Hello):
                 self.closing = True  # §3.3 rule 1
-            return
+            return None
         if session.version is None:
             if not isinstance(req, Hello):
                 close_fds(frame.fds)
-                await self._reply(rid, ErrorReply(op, ErrorCode.BAD_REQUEST, "hello first"))
+                self._reply(rid, ErrorReply(op, ErrorCode.BAD_REQUEST, "hello first"))
                 self.closing = True
-                return
-            await self._hello(rid, req)
-            return
-        if isinstance(req, Hello):
-            await self._reply(rid, ErrorReply(op, ErrorCode.BAD_REQUEST, "second hello"))
-        elif isinstance(req, RegisterStaging):
-            await self._reply(rid, session.register_staging(req, frame.fds))
-        elif isinstance(req, Bye):
-            await self._drain_tasks()  # the barrier: every earlier request has its reply
-            await self._reply(rid, session.bye())
-            self.closing = True
-        elif len(self.tasks) >= self.service.config.max_inflight:
-            await self._reply(rid, ErrorReply(op, ErrorCode.BUSY, "too many requests in flight"))
-        elif isinstance(req, Lookup):
+                return None
+            return self._hello(rid, req)
+        if isinstance(req, Lookup) and len(self.tasks) < self.service.config.max_inflight:
             started = time.perf_counter()
             pad = session.lookup_pad(req.tenant)
             # A padded lookup always takes the pool's path, hit or miss (§5.28).
             reply = session.lookup_inline(req) if pad is None else None
             if reply is None:
-                await self._spawn(rid, req, (pad, arrived))
+                self._spawn(rid, req, pad, arrived)
             else:
-                await self._reply(rid, reply)
-                if self.service.metrics is not None:
-                    self.service.metrics.observe(op, time.perf_counter() - started)
+                self._reply(rid, reply)
+                self._observe(op, started)
+        elif isinstance(req, Hello):
+            self._reply(rid, ErrorReply(op, ErrorCode.BAD_REQUEST, "second hello"))
+        elif isinstance(req, RegisterStaging):
+            self._reply(rid, session.register_staging(req, frame.fds))
+        elif isinstance(req, Bye):
+            return self._bye(rid)
+        elif len(self.tasks) >= self.service.config.max_inflight:
+            self._reply(rid, ErrorReply(op, ErrorCode.BUSY, "too many requests in flight"))
         else:
-            await self._spawn(rid, req)
+            self._spawn(rid, req, None, arrived)
+        return None
+
+    def _observe(self, op: str, started: float) -> None:
+        metrics = self.service.metrics
+        if metrics is not None:
+            metrics.observe(op, time.perf_counter() - started)
 
     async def _hello(self, rid: int, req: Hello) -> None:
         """§3.3 rule 1, §5.1: inline (nothing else may be in flight); the salts may
@@ -261,35 +470,86 @@ class Connection:
             reply = ErrorReply("hello", ErrorCode.INTERNAL, "keyring failure")
         if isinstance(reply, ErrorReply):
             self.closing = True
-        await self._reply(rid, reply)
+        self._reply(rid, reply)
 
-    async def _spawn(
-        self, rid: int, req: Request, padding: tuple[Pad | None, float] = (None, 0.0)
-    ) -> None:
-        task = asyncio.create_task(self._serve_request(rid, req, padding))
-        self.tasks[rid] = task
-        task.add_done_callback(functools.partial(self._task_done, rid))
+    async def _bye(self, rid: int) -> None:
+        await self._drain_tasks()  # the barrier: every earlier request has its reply
+        self._reply(rid, self.session.bye())
+        self.closing = True
 
-    async def _hold(self, pad: Pad, arrived: float) -> bool:
-        """§5.28: wait, on a loop timer, until ``arrived`` + the pad's delay; count an
-        overrun if the reply was ready only after the floor. False: the connection
-        closed meanwhile and the reply must not be sent (not even early)."""
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        self.service.padding.count(pad, overrun=now > arrived + pad.floor)
-        deadline = arrived + pad.delay
-        if now >= deadline:
-            return not self.closing
-        fut: asyncio.Future[None] = loop.create_future()
-        self.held[fut] = loop.call_at(deadline, _wake, fut)
+    # -- requests on the pool ----------------------------------------------------
+
+    def _spawn(self, rid: int, req: Request, pad: Pad | None, arrived: float) -> None:
+        assert self._loop is not None
+        work = _InFlight(rid, req, pad, arrived, self._loop.create_future())
+        emit = self._emitter(rid) if isinstance(req, PrepareLoad) and req.layerwise else None
+        # Registered after a submit that did not raise (its completion is
+        # handled on this thread, later): no entry the teardown would wait on forever.
+        self.pool.submit(self._on_pool, work, emit)
+        self.tasks[rid] = work.done
+
+    def _on_pool(self, work: _InFlight, emit: Callable[[LoadProgress], bool] | None) -> None:
+        """On a pool thread: run the verb, then hand the outcome to the loop
+        through the completion queue, waking the loop only if the queue was
+        not already due to be drained."""
+        outcome: _Outcome
         try:
-            await fut
-        finally:
-            self.held.pop(fut).cancel()
-        return not self.closing
+            outcome = (self.session.execute(work.req, emit), None)
+        except BaseException as exc:
+            outcome = (None, exc)
+        self._completions.append((work, outcome))
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            assert self._loop is not None
+            # A closed loop: nobody waits any more.
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._drain_completions)
 
-    def _task_done(self, rid: int, _task: asyncio.Task[None]) -> None:
-        self.tasks.pop(rid, None)
+    def _drain_completions(self) -> None:
+        # Cleared before draining: a completion appended after this line
+        # schedules another drain, one appended before it is drained here.
+        self._drain_scheduled = False
+        completions = self._completions
+        while completions:
+            work, (reply, exc) = completions.popleft()
+            if exc is not None or reply is None:
+                log.error("%r: %s failed", self, work.req.OP.value, exc_info=exc)
+                reply = ErrorReply(work.req.OP.value, ErrorCode.INTERNAL, "internal error")
+            if work.pad is None:
+                self._answer(work, reply)
+            else:
+                self._hold(work, reply)
+
+    def _answer(self, work: _InFlight, reply: Reply | None) -> None:
+        """Send ``reply`` (None: drop it) and end the request, whatever happens."""
+        try:
+            if reply is not None:
+                self._reply(work.rid, reply)
+            self._observe(work.req.OP.value, work.started)
+        except Exception:
+            log.exception("%r: the reply to %s failed", self, work.req.OP.value)
+        finally:
+            self.tasks.pop(work.rid, None)
+            if not work.done.done():
+                work.done.set_result(None)
+
+    def _hold(self, work: _InFlight, reply: Reply) -> None:
+        """§5.28: hold ``reply`` on a loop timer until ``arrived`` + the pad's
+        delay; count an overrun if it was ready only after the floor. A reply
+        still held when the connection closes is dropped, never sent early."""
+        assert self._loop is not None and work.pad is not None
+        now = self._loop.time()
+        self.service.padding.count(work.pad, overrun=now > work.arrived + work.pad.floor)
+        deadline = work.arrived + work.pad.delay
+        if now >= deadline or self.closing:
+            self._answer(work, None if self.closing else reply)
+            return
+        self.held[work.rid] = (work, reply)
+        work.timer = self._loop.call_at(deadline, self._release, work.rid)
+
+    def _release(self, rid: int) -> None:
+        work, reply = self.held.pop(rid)
+        self._answer(work, None if self.closing else reply)
 
     async def _drain_tasks(self) -> None:
         while self.tasks:
@@ -315,34 +575,36 @@ class Connection:
 
         return emit
 
-    async def _serve_request(
-        self, rid: int, req: Request, padding: tuple[Pad | None, float] = (None, 0.0)
-    ) -> None:
-        started = time.perf_counter()
-        emit = self._emitter(rid) if isinstance(req, PrepareLoad) and req.layerwise else None
-        try:
-            reply = await self._run(self.session.execute, req, emit)
-        except Exception:
-            log.exception("%r: %s failed", self, req.OP.value)
-            reply = ErrorReply(req.OP.value, ErrorCode.INTERNAL, "internal error")
-        pad, arrived = padding
-        if pad is None or await self._hold(pad, arrived):
-            await self._reply(rid, reply)
-        if self.service.metrics is not None:
-            self.service.metrics.observe(req.OP.value, time.perf_counter() - started)
-
     async def _teardown(self) -> None:
         """§7: a disconnect releases everything the connection holds."""
         self.closing = True
+        if self._end is not None and not self._end.done():
+            self._end.cancel()  # run() ended before it waited on it (the magic failed)
+        self._update_reading()
+        if self._step is not None:
+            await asyncio.wait([self._step])
         # A padded reply still held is dropped, never sent early: a peer that
         # only shut down its writing side could otherwise time it (§5.28).
-        for fut in list(self.held):
-            _wake(fut)  # with closing set: the reply is dropped
+        for work, _reply in list(self.held.values()):
+            if work.timer is not None:
+                work.timer.cancel()
+            self._release(work.rid)
         # Pool threads cannot be cancelled and may be writing into the
         # staging mapping: it must outlive them.
         await self._drain_tasks()
         if self.session.open_handles():
             await self._run(self.session.release_all)
+        with contextlib.suppress(OSError):
+            await self._flushed(self._wtotal)  # the last replies, then close
+        # Unregistered before the close, whatever the state: a descriptor
+        # closed while registered stays in the loop's table under a number
+        # that the next accepted socket reuses.
+        if self._loop is not None:
+            self._loop.remove_reader(self._fd)
+            self._loop.remove_writer(self._fd)
+        self._reading = self._writing = False
+        while self._inbox:
+            close_fds(self._inbox.popleft()[0].fds)
         self.decoder.close()
         self.session.close()
         self.sock.close()
