@@ -161,7 +161,8 @@ Handle = WriteHandle | LoadHandle
 _RETENTION_TYPES: dict[type, bool] = {}
 
 
-def _has_retention(kind: type, settings: object) -> bool:
+def _has_retention(settings: object) -> bool:
+    kind = type(settings)
     known = _RETENTION_TYPES.get(kind)
     if known is None:
         known = _RETENTION_TYPES[kind] = isinstance(settings, RetentionSettings)
@@ -218,7 +219,7 @@ class Service:
     def retention_of(self, tenant: str) -> RetentionSettings | None:
         """The tenant's retention limits under the *current* policy."""
         settings = self.policy.tenant(tenant)
-        if _has_retention(type(settings), settings):
+        if _has_retention(settings):
             return cast(RetentionSettings, settings)
         return None
 

@@ -276,11 +276,9 @@ class Pipeline(Maintenance):
         if tenant in self._leaves_ready:
             return
         if self.layout.fanout == v1.FANOUT_ONE_LEVEL:
-            top = self.root / v1.object_relpath(tenant, bytes(v1.KEY_SIZE), v1.FANOUT_ONE_LEVEL)
+            durable = self.config.durability is Durability.OBJECT
             try:
-                fileio.make_fanout(
-                    top.parent.parent, durable=self.config.durability is Durability.OBJECT
-                )
+                fileio.make_fanout(self.root / "objects" / tenant, durable=durable)
             except OSError as exc:
                 log.debug("tenant %s: making its directories ahead failed: %s", tenant, exc)
                 return
