@@ -263,9 +263,9 @@ def test_older_server_gets_whole_chunk_loads(
     sent: list[bool] = []
     real_prepare = Transfers.prepare_load
 
-    def spy(self: Transfers, req: p.PrepareLoad, emit: Any = None) -> p.Reply:
-        sent.append(req.layerwise)
-        return real_prepare(self, req, emit)
+    def spy(self: Transfers, req: p.PrepareLoad, emit: Any = None, **kw: Any) -> p.Reply:
+        sent.append(req.layerwise)  # on the pool or the loop (inline=True) alike
+        return real_prepare(self, req, emit, **kw)
 
     monkeypatch.setattr(Transfers, "prepare_load", spy)
     path = server.server.config.socket_path

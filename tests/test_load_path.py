@@ -266,35 +266,63 @@ def test_prepare_load_looks_each_chunk_up_once(
 ) -> None:
     save_all(store)
     asked: list[bytes] = []
-    real = Pipeline._record
+    real, real_cached = Pipeline._record, Pipeline.payload_info_cached
 
     def spy(self_: Pipeline, tenant: str, k: bytes) -> Any:
         asked.append(k)
         return real(self_, tenant, k)
 
+    def spy_cached(self_: Pipeline, tenant: str, k: bytes) -> Any:
+        asked.append(k)
+        return real_cached(self_, tenant, k)
+
+    # The pool's path (_record) and the loop's (payload_info_cached, for chunks
+    # in the page cache) alike.
     monkeypatch.setattr(Pipeline, "_record", spy)
+    monkeypatch.setattr(Pipeline, "payload_info_cached", spy_cached)
     got = client.load([key(i) for i in range(CHUNKS)])
     assert [r.ok for r in got] == [True] * CHUNKS
     assert [b"".join(r.layers or []) for r in got] == [b"".join(chunk(i)) for i in range(CHUNKS)]
     assert sorted(asked) == sorted(key(i) for i in range(CHUNKS))  # once each, not twice
 
 
-@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+@pytest.mark.parametrize(
+    ("layerwise", "on_loop"),
+    [(False, False), (True, False), (False, True)],
+    ids=["whole", "layerwise", "whole-on-the-loop"],
+)
 def test_a_purge_after_the_lookup_still_stops_the_load(
-    store: Store, client: SidecarClient, monkeypatch: pytest.MonkeyPatch, layerwise: bool
+    store: Store,
+    client: SidecarClient,
+    monkeypatch: pytest.MonkeyPatch,
+    layerwise: bool,
+    on_loop: bool,
 ) -> None:
     """The load generation is taken before prepare_load looks the chunks up: a
-    revocation or purge (``cancel_loads``) while it plans makes every chunk a miss."""
+    revocation or purge (``cancel_loads``) while it plans makes every chunk a miss.
+    On the pool every chunk is looked up before the first read; on the loop
+    (small chunks in the page cache) each is read as soon as it is looked up, so
+    the purge comes after the first lookup there."""
     save_all(store)
-    real = Pipeline.payload_info
+    if not on_loop:
+        monkeypatch.setattr(fileio, "MAP_MIN_BYTES", 1)  # every object is "large"
+    real, real_cached = Pipeline.payload_info, Pipeline.payload_info_cached
+    last = key(0) if on_loop else key(CHUNKS - 1)
 
     def info(self_: Pipeline, tenant: str, k: bytes) -> Any:
         rec = real(self_, tenant, k)
-        if k == key(CHUNKS - 1):
-            store.cancel_loads(tenant)  # after the last lookup, before any read
+        if k == last:
+            store.cancel_loads(tenant)  # after the lookup, before any read
         return rec
 
+    def info_cached(self_: Pipeline, tenant: str, k: bytes) -> Any:
+        got = real_cached(self_, tenant, k)
+        if k == last:
+            store.cancel_loads(tenant)
+        return got
+
     monkeypatch.setattr(Pipeline, "payload_info", info)
+    monkeypatch.setattr(Pipeline, "payload_info_cached", info_cached)
     handed: list[int] = []
     keys = [key(i) for i in range(CHUNKS)]
     if layerwise:

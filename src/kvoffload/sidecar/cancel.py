@@ -43,6 +43,12 @@ LoadCancelled = TransferCancelled
 PutCancelled = TransferCancelled
 
 
+def may_wait_between_layers() -> bool:
+    """Whether a load may wait between layers (the test hook is set): then no
+    load is run on the event loop, which the wait would stall."""
+    return _GATE is not None
+
+
 def _test_gate(layer: int) -> None:
     if _GATE is None:
         return

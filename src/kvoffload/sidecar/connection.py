@@ -47,6 +47,7 @@ from kvoffload.protocol import (
     SERVER_MAGIC,
     Ack,
     Bye,
+    CompleteLoad,
     ErrorCode,
     ErrorReply,
     Frame,
@@ -89,6 +90,9 @@ WRITE_LOW = 1 << 20
 
 #: What a pool thread hands back: the verb's reply, or the exception it raised.
 _Outcome = tuple[Reply | None, BaseException | None]
+
+#: Verbs Session.execute_inline may answer on the loop (the rest go to the pool).
+_INLINE_VERBS = (PrepareLoad, CompleteLoad)
 
 
 class _Closed(Exception):
@@ -451,9 +455,27 @@ class Connection:
             return self._bye(rid)
         elif len(self.tasks) >= self.service.config.max_inflight:
             self._reply(rid, ErrorReply(op, ErrorCode.BUSY, "too many requests in flight"))
-        else:
+        elif not self._inline(rid, req):
             self._spawn(rid, req, None, arrived)
         return None
+
+    def _inline(self, rid: int, req: Request) -> bool:
+        """Answer ``req`` here on the loop if it needs no wait (Session.execute_inline):
+        a small cached load and its complete_load cost less than the two thread
+        hops of the pool. False: the pool runs it."""
+        if not isinstance(req, _INLINE_VERBS):
+            return False
+        started = time.perf_counter()
+        try:
+            reply = self.session.execute_inline(req)
+        except Exception:
+            log.exception("%r: %s failed", self, req.OP.value)
+            reply = ErrorReply(req.OP.value, ErrorCode.INTERNAL, "internal error")
+        if reply is None:
+            return False
+        self._reply(rid, reply)
+        self._observe(req.OP.value, started)
+        return True
 
     def _observe(self, op: str, started: float) -> None:
         metrics = self.service.metrics

@@ -188,6 +188,23 @@ class PlannedLoadsAPI(Protocol):
 
 
 @runtime_checkable
+class CachedLoadsAPI(Protocol):
+    """Loads answered without a wait on the device (sidecar/store/pipeline.py):
+    a small batch wholly in the page cache is served on the event loop instead
+    of a hop to a pool thread and back (sidecar/connection.py)."""
+
+    def payload_info_cached(self, tenant: str, key: bytes) -> tuple[bool, ChunkRecord | None]: ...
+
+    def load_planned_cached(
+        self,
+        tenant: str,
+        recs: Sequence[ChunkRecord],
+        outs: Sequence[memoryview],
+        guard: Callable[[int], None],
+    ) -> list[list[int] | None]: ...
+
+
+@runtime_checkable
 class ContractsAPI(Protocol):
     """Namespaces' contract fields (protocol-v1.md §5.19, §5.20; layout-v1.md §2.1);
     the real store has them, a double may not (registration is then skipped and
@@ -256,6 +273,7 @@ class PolicyAPI(Protocol):
 
 
 __all__ = [
+    "CachedLoadsAPI",
     "ContractsAPI",
     "PlannedLoadsAPI",
     "PolicyAPI",

@@ -322,7 +322,27 @@ class Session(Transfers):
 
         ``emit`` sends an interim frame of this request (a layer-wise
         ``prepare_load``, §5.26); without it such a load is answered whole."""
-        reply = self._execute(req, emit)
+        return self._audited(req, self._execute(req, emit))
+
+    def execute_inline(self, req: Request) -> Reply | None:
+        """:meth:`execute` of a verb that can be answered without a wait, on the
+        event loop (a hop to a pool thread and back costs more than its work),
+        or None: then the caller runs :meth:`execute` on the pool. Inline are a
+        ``complete_load`` that reports no corrupt chunk (it only releases what
+        the handle holds) and a ``prepare_load`` answered from the index and the
+        page cache (:meth:`prepare_load_inline`)."""
+        try:
+            if type(req) is CompleteLoad and not req.corrupt:
+                reply: Reply | None = self.complete_load(req)
+            elif type(req) is PrepareLoad:
+                reply = self.prepare_load_inline(req)
+            else:
+                return None
+        except Reject as exc:
+            reply = ErrorReply(req.OP.value, exc.code, exc.message)
+        return None if reply is None else self._audited(req, reply)
+
+    def _audited(self, req: Request, reply: Reply) -> Reply:
         refused = isinstance(reply, ErrorReply) and reply.code is ErrorCode.FORBIDDEN
         if refused or isinstance(req, _ADMIN_REQUESTS):
             self._audit_verb(req, reply, refused)

@@ -57,7 +57,7 @@ from kvoffload.staging import RegionAllocator, StagingBuffer
 from ..layouts import v1
 from .cancel import PutCancelled
 from .errors import LeaseInvalid, StoreError, StoreFull, StoreIOError
-from .ports import PlannedLoadsAPI, TenantSettings
+from .ports import CachedLoadsAPI, PlannedLoadsAPI, TenantSettings
 from .service import (
     DECOY_TENANT,
     Handle,
@@ -88,6 +88,10 @@ _EXTENT_BYTES = 40
 EmitFn = Callable[[LoadProgress], bool]
 
 
+class _WouldWait(Exception):
+    """An inline ``prepare_load`` that would wait on the device or the disk."""
+
+
 class Transfers:
     """§5.4–§5.8, §5.14, §5.15: ``prepare_store``/``lease_store`` →
     ``complete_store`` and ``prepare_load``/``lease_load`` → ``complete_load``."""
@@ -96,6 +100,7 @@ class Transfers:
         # Provided by Session (session.py).
         service: Service
         mu: threading.Lock
+        tenants: frozenset[str]
 
         def may_use(self, tenant: str) -> bool: ...
         def direct_ok(self, tenant: str) -> bool: ...
@@ -415,12 +420,35 @@ class Transfers:
         it through the store's load generation (sidecar/cancel.py)."""
         return not self.may_use(tenant)
 
-    def prepare_load(self, req: PrepareLoad, emit: EmitFn | None = None) -> Reply:
+    def prepare_load_inline(self, req: PrepareLoad) -> Reply | None:
+        """:meth:`prepare_load` on the event loop, or None where it would wait.
+
+        A batch of small chunks wholly in the page cache costs less to read and
+        verify than the hop to a pool thread and back: it is answered here, with
+        the same checks (the index alone, ``RWF_NOWAIT`` reads, every tag or
+        checksum verified). Anything that needs the device or the disk (a
+        large or cold object, a miss that may be another node's file, an
+        expired entry, a layer-wise load, an unlisted tenant) returns None and
+        the caller runs :meth:`prepare_load` on the pool. A batch whose leading
+        chunks are cached and the rest not answers those chunks with ``BUSY``
+        (§5.7: ask again), and the client asks for the rest."""
+        if req.layerwise or req.tenant not in self.tenants:
+            return None
+        try:
+            return self.prepare_load(req, inline=True)
+        except _WouldWait:
+            return None
+
+    def prepare_load(
+        self, req: PrepareLoad, emit: EmitFn | None = None, *, inline: bool = False
+    ) -> Reply:
         """§5.7, §7: read and verify the leading chunks into regions, pinned.
 
         With ``layerwise`` (§5.26) and a connection that can send interim
         frames, the plan and every verified layer are reported as ``load_progress``
-        frames through ``emit`` before this reply."""
+        frames through ``emit`` before this reply. ``inline``: see
+        :meth:`prepare_load_inline` (raises :class:`_WouldWait` having released
+        everything, where no chunk could be answered without a wait)."""
         self._open_handle_slot()
         layerwise = emit if req.layerwise else None
         staging, alloc = self._registered()
@@ -428,18 +456,37 @@ class Transfers:
         align = self.service.config.alignment
 
         planned = store if isinstance(store, PlannedLoadsAPI) else None
+        cached = store if isinstance(store, CachedLoadsAPI) and inline else None
+        if inline and (cached is None or planned is None):
+            raise _WouldWait
+
+        def record(tenant: str, key: bytes) -> ChunkRecord | None:
+            if cached is None:
+                return store.payload_info(tenant, key)
+            known, rec = cached.payload_info_cached(tenant, key)
+            if not known:
+                raise _WouldWait
+            return rec
 
         def fill(h: LoadHandle, keys: Sequence[bytes]) -> tuple[list[LoadSlot], ErrorCode]:
             stop = ErrorCode.OK
+            waits = False  # stop is BUSY because the rest would wait (inline)
             payloads: list[int] = []
             recs: list[ChunkRecord] = []
+            inline: list[list[int] | None] = []  # inline: the chunks read as planned
             # A purge or revocation from now on stops the load (cancel.py): taken
             # before the records are looked up, which the read then uses as they are.
             guard = planned.load_guard(h.tenant) if planned is not None else None
             # Plan: regions for the leading chunks the index has, pinned before any
             # read so eviction cannot remove a file under it.
             for key in keys:
-                rec = store.payload_info(h.tenant, key)
+                try:
+                    rec = record(h.tenant, key)
+                except _WouldWait:
+                    if not h.keys:
+                        raise
+                    stop, waits = ErrorCode.BUSY, True  # the rest on the pool (§5.7)
+                    break
                 payload = payload_of(rec)
                 if not payload or rec is None:
                     stop = ErrorCode.NOT_FOUND
@@ -458,19 +505,40 @@ class Transfers:
                 h.keys.append(key)
                 payloads.append(payload)
                 recs.append(rec)
+                if cached is not None and guard is not None:
+                    # On the loop, chunk by chunk as planned: only what needs no
+                    # wait on the device (no budget: nothing waits on the pool).
+                    out = staging.view[off : off + payload]
+                    try:
+                        got = cached.load_planned_cached(h.tenant, [rec], [out], guard)
+                    finally:
+                        out.release()
+                    if not got:  # would wait: this chunk and the rest go to the pool
+                        del h.keys[-1], h.offsets[-1], payloads[-1], recs[-1]
+                        store.unpin(h.tenant, [key])
+                        self._free(off)
+                        stop, waits = ErrorCode.BUSY, True
+                        break
+                    inline.append(got[0])
+                    if got[0] is None:
+                        break  # a miss ends the prefix
             # Read: one batch, up to io_streams chunks at once, each straight into
             # its region (sidecar/store/pipeline.py).
             outs = [staging.view[off : off + n] for off, n in zip(h.offsets, payloads, strict=True)]
+            served = len(recs)  # chunks the read below answers (a hit or a miss)
             try:
-                with self.service.budget.hold(sum(payloads)):
-                    if layerwise is not None:
-                        results = self._read_layerwise(h, recs, outs, layerwise, guard)
-                    elif planned is not None and guard is not None:
-                        # One pass per chunk, on the store's I/O streams, with the
-                        # records just read: no second index lookup.
-                        results = planned.load_planned(h.tenant, recs, outs, guard)
-                    else:
-                        results = store.get_many_into(h.tenant, list(h.keys), outs)
+                if cached is not None:
+                    results = inline  # read above
+                else:
+                    with self.service.budget.hold(sum(payloads)):
+                        if layerwise is not None:
+                            results = self._read_layerwise(h, recs, outs, layerwise, guard)
+                        elif planned is not None and guard is not None:
+                            # One pass per chunk, on the store's I/O streams, with the
+                            # records just read: no second index lookup.
+                            results = planned.load_planned(h.tenant, recs, outs, guard)
+                        else:
+                            results = store.get_many_into(h.tenant, list(h.keys), outs)
             except Exception:
                 log.exception("%r: reading chunks failed", self)
                 results = [None] * len(payloads)
@@ -484,14 +552,16 @@ class Transfers:
                     break  # a miss ends the prefix: this chunk and all after it
                 loaded.append(LoadSlot(True, off, tuple(lengths)))
             if len(loaded) < len(h.keys):
-                if stop is ErrorCode.OK:
-                    stop = ErrorCode.NOT_FOUND
+                if stop is ErrorCode.OK or waits:
+                    stop = ErrorCode.NOT_FOUND  # a miss ends the prefix
                 n = len(loaded)
                 keys_left, offs_left = h.keys[n:], h.offsets[n:]
                 del h.keys[n:], h.offsets[n:]
                 store.unpin(h.tenant, keys_left)
                 for off in offs_left:
                     self._free(off)
+            if not served and waits:
+                raise _WouldWait  # nothing answered here, nothing held: the pool reads it
             return loaded, stop
 
         handle, stop, slots = self._prepare_read(req, LoadSlot(False), False, fill)

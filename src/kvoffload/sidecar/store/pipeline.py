@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ...layouts import ObjectMismatch, v1
 from .. import fileio
-from ..cancel import LoadCancelled, PutCancelled
+from ..cancel import LoadCancelled, PutCancelled, may_wait_between_layers
 from ..errors import StoreError
 from ..fileio import Durability
 from ..index import ChunkRecord
@@ -639,6 +639,50 @@ class Pipeline(Maintenance):
         if len(recs) == 1:
             return [self._load_one(tenant, recs[0], outs[0], guard)]
         return self._load_batch(tenant, len(recs), recs.__getitem__, outs, guard, True)
+
+    @boundary
+    def payload_info_cached(self, tenant: str, key: bytes) -> tuple[bool, ChunkRecord | None]:
+        """:meth:`payload_info` from the index alone: (True, the record or None),
+        or (False, None) where the answer needs the disk (a miss that may be
+        another node's file, or an expired entry to drop), which the caller then
+        asks on a thread that may wait."""
+        rec = self.index.get(tenant, key)
+        if rec is None:
+            return (not self.config.probe_files_on_miss), None
+        if self._is_expired(rec, time.time_ns()):
+            return False, None
+        return True, rec
+
+    @boundary
+    def load_planned_cached(
+        self,
+        tenant: str,
+        recs: Sequence[ChunkRecord],
+        outs: Sequence[memoryview],
+        guard: Callable[[int], None],
+    ) -> list[list[int] | None]:
+        """:meth:`load_planned` of the leading chunks that need no wait on the
+        device: small objects (under :data:`fileio.MAP_MIN_BYTES`) whose every byte
+        is in the page cache, read with ``RWF_NOWAIT`` and verified in this thread
+        exactly as on the pool. The result is shorter than ``recs`` where the next
+        chunk would wait (large, cold, or a backend that does not map reads): the
+        caller reads the rest the ordinary way. A miss ends it as ever (None)."""
+        if len(outs) != len(recs):
+            raise ValueError("one output buffer per record")
+        results: list[list[int] | None] = []
+        if not getattr(self.io, "map_reads", False) or may_wait_between_layers():
+            return results
+        for rec, out in zip(recs, outs, strict=True):
+            if rec.size >= fileio.MAP_MIN_BYTES:
+                break
+            job = self._load_cached(tenant, rec, out, guard)
+            if job is None:
+                break
+            got = job.result()
+            results.append(got)
+            if got is None:
+                break
+        return results
 
     def _load_batch(
         self,
