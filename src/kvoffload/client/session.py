@@ -84,8 +84,12 @@ def expect(reply: Reply, cls: type[_R]) -> _R:
     return reply
 
 
-def read_reply(transport: Transport, rid: int, req: Request) -> tuple[int, Reply]:
-    """The reply to request ``rid`` (``req``), checked for id and op."""
+def read_reply(
+    transport: Transport, rid: int, req: Request, posted: dict[int, Request] | None = None
+) -> tuple[int, Reply]:
+    """The reply to request ``rid`` (``req``), checked for id and op; or, where
+    it comes first, the reply to one of the ``posted`` requests (sent without
+    waiting), checked against that request and removed from ``posted``."""
     frame = transport.recv()
     if frame.fds:
         close_fds(frame.fds)
@@ -94,7 +98,9 @@ def read_reply(transport: Transport, rid: int, req: Request) -> tuple[int, Reply
     if got == 0 and isinstance(reply, ErrorReply):
         raise _Unavailable(f"sidecar closed the connection: {reply.code.name}: {reply.message}")
     if got != rid:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"reply to request {got}, expected {rid}")
+        if posted is None or got not in posted:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"reply to request {got}, expected {rid}")
+        req = posted.pop(got)
     op = reply.op if isinstance(reply, ErrorReply | Ack) else reply.OP
     if op is Op.LOAD_PROGRESS and isinstance(req, PrepareLoad) and req.layerwise:
         return got, reply  # §5.26: an interim frame of this request
@@ -124,6 +130,9 @@ class Session:
     contracts: dict[bytes, dict[str, Any]] = field(default_factory=dict)
     #: Namespaces whose contract this connection has registered.
     contracts_sent: set[bytes] = field(default_factory=set)
+    #: Requests sent without waiting (:meth:`post`) whose replies are still to
+    #: come, by id: read on the way to the next reply this session waits for.
+    posted: dict[int, Request] = field(default_factory=dict)
 
     def contract_for(self, namespace: bytes) -> dict[str, Any] | None:
         """§5.19: the fields to send with a write of ``namespace``: once per connection."""
@@ -154,7 +163,27 @@ class Session:
     def call(self, req: Request, fds: Sequence[int] = ()) -> Reply:
         rid = self.take_id()
         self.transport.send(request_message(rid, req), fds)
-        return read_reply(self.transport, rid, req)[1]
+        return self.reply_to(rid, req)
+
+    def post(self, req: Request) -> None:
+        """Send ``req`` and go on without its reply, which is checked when it comes
+        (on the way to the next reply waited for): for a verb whose success
+        changes nothing here, a ``complete_load``. Saves the client a round trip;
+        the sidecar answers such a verb on its loop, before any later request
+        of this connection, so what it releases is free for the next one."""
+        rid = self.take_id()
+        self.transport.send(request_message(rid, req))
+        self.posted[rid] = req
+
+    def reply_to(self, rid: int, req: Request) -> Reply:
+        """The reply to ``rid`` (``req``); replies to posted requests that arrive
+        first are taken on the way, an error among them handled as any error."""
+        while True:
+            got, reply = read_reply(self.transport, rid, req, self.posted)
+            if got == rid:
+                return reply
+            if isinstance(reply, ErrorReply):
+                self.on_error_reply(reply)
 
     def lose(self, exc: BaseException) -> None:
         """Drop the session; the server releases everything it held for it."""
