@@ -51,6 +51,7 @@ class FakeSidecar:
         self.hang = False
         self.garbage = False
         self.bad_offsets = False
+        self.bad_complete = False
         self.forbid_store = False
         self.refuse_version = False
         self.reject_no_space: set[bytes] = set()
@@ -193,6 +194,8 @@ class FakeSidecar:
                         h, next_handle = next_handle, next_handle + 1
                         handles[h] = loaded
                     reply = p.PrepareLoadReply(h, stop, tuple(loaded + pad))
+                elif isinstance(req, p.CompleteLoad) and self.bad_complete:
+                    reply = p.ErrorReply("complete_load", ErrorCode.BAD_HANDLE, "no such handle")
                 elif isinstance(req, p.CompleteLoad):
                     assert alloc is not None
                     for slot in handles.pop(req.handle):
@@ -500,6 +503,24 @@ def test_out_of_bounds_region_from_server_is_a_miss(fake: FakeSidecar, clock: Fa
         got = c.load([key(0)])
         assert got[0].ok is False
         assert not c.connected
+
+
+def test_an_error_to_a_posted_complete_load_is_handled_on_the_next_call(
+    fake: FakeSidecar, clock: FakeClock
+) -> None:
+    """complete_load is posted (its Ack read later): a BAD_HANDLE answer to it
+    still drops the connection, on the next call, and the client starts over."""
+    with make_client(fake, clock) as c:
+        fake.chunks[key(0)] = layers_of(0)
+        fake.bad_complete = True
+        assert c.load([key(0)])[0].ok  # its bytes were verified and copied out
+        assert c.connected
+        assert c.lookup([key(0)]) == 0  # the error came first: a miss, never a wrong hit
+        assert not c.connected
+        fake.bad_complete = False
+        clock.t += 60  # past the reconnect backoff
+        assert c.lookup([key(0)]) == 1
+        assert fake.connects == 2
 
 
 def test_version_refusal_is_unavailable_not_an_exception(

@@ -32,15 +32,19 @@ from typing import Any
 import pytest
 
 from kvoffload.client import SidecarClient
+from kvoffload.client.session import Session as ClientSession
 from kvoffload.layouts import v1
 from kvoffload.sidecar import fileio
+from kvoffload.sidecar.connection import Connection
 from kvoffload.sidecar.fileio import Durability
 from kvoffload.sidecar.index import ChunkRecord
 from kvoffload.sidecar.iobackend import local_fs
 from kvoffload.sidecar.keyring import Kek
+from kvoffload.sidecar.session import Session
 from kvoffload.sidecar.store import Store, StoreConfig
 from kvoffload.sidecar.store import layerwise as lw
 from kvoffload.sidecar.store.pipeline import Pipeline
+from kvoffload.sidecar.transfers import Transfers
 from tests.test_server import ServerThread, start
 
 TENANT = "acme"
@@ -357,6 +361,131 @@ def test_small_page_cache_hits_skip_the_pool_and_cold_ones_use_it(
     assert_landed(buf, spans, range(CHUNKS))
     assert len(threads.names) == CHUNKS
     assert all(n.startswith("kvoffload-io") for n in threads.names)
+
+
+# -- through the sidecar: cached small loads answered on the event loop ------------------
+
+
+class Paths:
+    """Which verbs the sidecar ran on the pool (Connection._spawn) and which it
+    answered on its loop (Session.execute_inline), with what each answered."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.pool: list[str] = []
+        self.loop: list[tuple[str, int, str]] = []  # (verb, chunks, stop)
+        real_spawn, real_inline = Connection._spawn, Session.execute_inline
+
+        def spawn(self_: Connection, rid: int, req: Any, *a: Any) -> None:
+            self.pool.append(req.OP.value)
+            real_spawn(self_, rid, req, *a)
+
+        def inline(self_: Session, req: Any) -> Any:
+            reply = real_inline(self_, req)
+            if reply is not None:
+                chunks = sum(1 for c in getattr(reply, "chunks", ()) if c.verified)
+                stop = getattr(reply, "stop", None)
+                self.loop.append((req.OP.value, chunks, "-" if stop is None else stop.name))
+            return reply
+
+        monkeypatch.setattr(Connection, "_spawn", spawn)
+        monkeypatch.setattr(Session, "execute_inline", inline)
+
+
+def drop_cached(store: Store, which: Sequence[int]) -> bool:
+    """:func:`cold` of the chunks ``which`` alone."""
+    paths = [store.root / v1.object_relpath(TENANT, key(i)) for i in which]
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return not any(resident_pages(path) for path in paths)
+
+
+def loaded_bytes(client: SidecarClient, n: int) -> list[bytes | None]:
+    got = client.load([key(i) for i in range(n)])
+    return [b"".join(bytes(v) for v in r.layers or []) if r.ok else None for r in got]
+
+
+def test_a_cached_small_load_is_answered_on_the_loop_and_a_cold_one_on_the_pool(
+    store: Store, client: SidecarClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save_all(store)
+    paths = Paths(monkeypatch)
+    assert loaded_bytes(client, CHUNKS) == [b"".join(chunk(i)) for i in range(CHUNKS)]
+    client.stats()  # a round trip: the posted complete_load was answered before it
+    assert ("prepare_load", CHUNKS, "OK") in paths.loop
+    assert [v for v, _n, _s in paths.loop].count("complete_load") == 1
+    assert "prepare_load" not in paths.pool and "complete_load" not in paths.pool
+    if not drop_cached(store, range(CHUNKS)):
+        pytest.skip("this file system keeps the pages after POSIX_FADV_DONTNEED")
+    paths.loop.clear()
+    assert loaded_bytes(client, CHUNKS) == [b"".join(chunk(i)) for i in range(CHUNKS)]
+    assert paths.pool.count("prepare_load") == 1  # cold: read on the pool
+    assert not [x for x in paths.loop if x[0] == "prepare_load"]
+
+
+def test_a_batch_cached_only_in_part_is_answered_in_two_steps(
+    store: Store, client: SidecarClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cached prefix on the loop with BUSY (ask again), the rest read when
+    asked again: on the pool, or on the loop where the refused RWF_NOWAIT read
+    started the kernel's readahead and the pages came in meanwhile. Every chunk
+    reaches the client, each verified once."""
+    save_all(store)
+    if not drop_cached(store, range(5, CHUNKS)):
+        pytest.skip("this file system keeps the pages after POSIX_FADV_DONTNEED")
+    paths = Paths(monkeypatch)
+    asked: list[int] = []
+    opened: list[bytes] = []
+    real, real_open = Transfers.prepare_load, Pipeline._open_into
+
+    def spy(self_: Transfers, req: Any, emit: Any = None, **kw: Any) -> Any:
+        asked.append(len(req.keys))
+        return real(self_, req, emit, **kw)
+
+    def open_spy(self_: Pipeline, tenant: str, k: bytes, *a: Any, **kw: Any) -> Any:
+        opened.append(k)
+        return real_open(self_, tenant, k, *a, **kw)
+
+    monkeypatch.setattr(Transfers, "prepare_load", spy)
+    monkeypatch.setattr(Pipeline, "_open_into", open_spy)
+    assert loaded_bytes(client, CHUNKS) == [b"".join(chunk(i)) for i in range(CHUNKS)]
+    assert paths.loop[0] == ("prepare_load", 5, "BUSY")
+    assert asked[:2] == [CHUNKS, CHUNKS - 5]
+    assert sorted(opened) == [key(i) for i in range(CHUNKS)]
+
+
+def test_a_load_waits_for_one_reply_per_batch(
+    server: ServerThread, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prepare_load is a call, complete_load is posted; with staging for exactly
+    one batch, the next batch's regions are free when its prepare_load arrives."""
+    save_all(store)
+    path = server.server.config.socket_path
+    assert path is not None
+    need = sum(v1.align_up(sum(len(x) for x in chunk(i))) for i in range(CHUNKS))
+    calls: list[str] = []
+    real_call, real_post = ClientSession.call, ClientSession.post
+
+    def call(self_: ClientSession, req: Any, fds: Any = ()) -> Any:
+        calls.append("call " + req.OP.value)
+        return real_call(self_, req, fds)
+
+    def post(self_: ClientSession, req: Any) -> None:
+        calls.append("post " + req.OP.value)
+        real_post(self_, req)
+
+    monkeypatch.setattr(ClientSession, "call", call)
+    monkeypatch.setattr(ClientSession, "post", post)
+    with SidecarClient(path, TENANT, staging_bytes=need) as c:
+        for _ in range(20):
+            assert loaded_bytes(c, CHUNKS) == [b"".join(chunk(i)) for i in range(CHUNKS)]
+        loads = [x for x in calls if "load" in x]
+        assert loads == ["call prepare_load", "post complete_load"] * 20  # never BUSY
+        assert c.stats()["chunks"] == CHUNKS  # the posted Acks were read on the way
 
 
 def test_a_corrupt_small_page_cache_hit_is_a_miss_and_leaves(
