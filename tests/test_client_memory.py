@@ -52,6 +52,7 @@ class FakeSidecar:
         self.garbage = False
         self.bad_offsets = False
         self.bad_complete = False
+        self.complete_in_order = True
         self.forbid_store = False
         self.refuse_version = False
         self.reject_no_space: set[bytes] = set()
@@ -113,6 +114,8 @@ class FakeSidecar:
                             "store-1",
                             {tn: SALT for tn in req.tenants},
                             max_batch=self.max_batch,
+                            # One request after the other: in order (§5.29).
+                            complete_in_order=self.complete_in_order,
                         )
                 elif isinstance(req, p.RegisterStaging):
                     assert len(frame.fds) == 1
@@ -521,6 +524,30 @@ def test_an_error_to_a_posted_complete_load_is_handled_on_the_next_call(
         clock.t += 60  # past the reconnect backoff
         assert c.lookup([key(0)]) == 1
         assert fake.connects == 2
+
+
+def test_a_server_that_does_not_answer_complete_load_in_order_gets_it_as_a_call(
+    fake: FakeSidecar, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without ``complete_in_order`` in its hello (an older server, §5.29) the
+    client waits for each complete_load's reply before its next request."""
+    from kvoffload.client.session import Session
+
+    fake.complete_in_order = False
+    posted: list[str] = []
+    real_post = Session.post
+
+    def post(self_: Session, req: p.Request) -> None:
+        posted.append(req.OP.value)
+        real_post(self_, req)
+
+    monkeypatch.setattr(Session, "post", post)
+    with make_client(fake, clock) as c:
+        fake.chunks[key(0)] = layers_of(0)
+        assert c.load([key(0)])[0].ok
+        assert len(fake.of_type(p.CompleteLoad)) == 1  # answered before load returned
+        fake.complete_in_order = True
+    assert posted == []
 
 
 def test_version_refusal_is_unavailable_not_an_exception(

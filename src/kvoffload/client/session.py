@@ -21,6 +21,7 @@ from ..protocol import (
     MIN_PROTOCOL_VERSION,
     Ack,
     Bye,
+    CompleteLoad,
     ErrorCode,
     ErrorReply,
     Hello,
@@ -168,12 +169,21 @@ class Session:
     def post(self, req: Request) -> None:
         """Send ``req`` and go on without its reply, which is checked when it comes
         (on the way to the next reply waited for): for a verb whose success
-        changes nothing here, a ``complete_load``. Saves the client a round trip;
-        the sidecar answers such a verb on its loop, before any later request
-        of this connection, so what it releases is free for the next one."""
+        changes nothing here (:meth:`complete_load`). Saves a round trip."""
         rid = self.take_id()
         self.transport.send(request_message(rid, req))
         self.posted[rid] = req
+
+    def complete_load(self, handle: int) -> None:
+        """§5.8 for a staged load whose bytes are copied out: posted where the
+        server answers it before the next request (``complete_in_order``,
+        §5.29), else a call whose error reply is handled here."""
+        if self.hello.complete_in_order:
+            self.post(CompleteLoad(handle))
+            return
+        done = self.call(CompleteLoad(handle))
+        if isinstance(done, ErrorReply):
+            self.on_error_reply(done)
 
     def reply_to(self, rid: int, req: Request) -> Reply:
         """The reply to ``rid`` (``req``); replies to posted requests that arrive

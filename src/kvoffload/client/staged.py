@@ -19,7 +19,6 @@ from .. import direct as direct_io
 from ..protocol import (
     Abort,
     ChunkSpec,
-    CompleteLoad,
     EngineBlocks,
     ErrorCode,
     ErrorReply,
@@ -303,7 +302,7 @@ class StagedPath:
         finally:
             if handle:
                 try:
-                    s.post(CompleteLoad(handle))
+                    s.complete_load(handle)
                 except CONNECTION_ERRORS as exc:
                     s.lose(exc)
         return n, prep.stop is ErrorCode.BUSY and n > 0
@@ -361,7 +360,7 @@ class StagedPath:
                 # releases the handle anyway. Its Ack is read on the way to the
                 # next reply (Session.post): one round trip less per batch.
                 try:
-                    s.post(CompleteLoad(prep.handle))
+                    s.complete_load(prep.handle)
                 except CONNECTION_ERRORS as exc:
                     s.lose(exc)
         # OK and NOT_FOUND are ordinary outcomes; BUSY after progress means "ask again".

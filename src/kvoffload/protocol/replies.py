@@ -87,26 +87,34 @@ class HelloReply(ReplyMessage, frozen=True):
     layerwise: bool = False
     #: Optional (revision 6, 5.21): the server serves ``store``. Absent: false.
     store: bool = False
+    #: Optional (revision 11, §5.29): the server answers a ``complete_load``
+    #: without ``corrupt`` before it reads the connection's next request, so a
+    #: client may send it and go on without waiting. Absent: false.
+    complete_in_order: bool = False
 
     def validate_wire(self, where: str) -> None:
         if self.alignment & (self.alignment - 1):
             raise bad(f"{where}.alignment: {self.alignment} is not a power of two")
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "direct": dict(self.direct),
-            "version": self.version,
-            "server_id": self.server_id,
-            "store_id": self.store_id,
-            "alignment": self.alignment,
-            "max_frame": self.max_frame,
-            "max_batch": self.max_batch,
-            "max_inflight": self.max_inflight,
-            "max_staging": self.max_staging,
-            "handle_ttl_s": self.handle_ttl_s,
-            "salts": dict(self.salts),
-            **({"store": True} if self.store else {}),
-        } | ({"layerwise": True} if self.layerwise else {})
+        return (
+            {
+                "direct": dict(self.direct),
+                "version": self.version,
+                "server_id": self.server_id,
+                "store_id": self.store_id,
+                "alignment": self.alignment,
+                "max_frame": self.max_frame,
+                "max_batch": self.max_batch,
+                "max_inflight": self.max_inflight,
+                "max_staging": self.max_staging,
+                "handle_ttl_s": self.handle_ttl_s,
+                "salts": dict(self.salts),
+                **({"store": True} if self.store else {}),
+            }
+            | ({"layerwise": True} if self.layerwise else {})
+            | ({"complete_in_order": True} if self.complete_in_order else {})
+        )
 
 
 class Ack(Message, frozen=True):

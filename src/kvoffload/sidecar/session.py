@@ -176,6 +176,7 @@ class Session(Transfers):
             direct=direct,
             layerwise=True,
             store=True,
+            complete_in_order=True,  # connection.py answers it on the loop (§5.29)
         )
 
     def register_staging(self, req: RegisterStaging, fds: list[int]) -> Reply:
