@@ -7,6 +7,8 @@ the daemon down), nor on a shared file system."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import mmap
 import os
 import random
 from pathlib import Path
@@ -183,3 +185,32 @@ def test_reads_are_not_mapped_with_o_direct_or_on_a_shared_file_system(
         s.close()
     b = PosixBackend(direct_write=True, direct_read=True)
     assert b.map_reads is False
+
+
+def test_populate_releases_the_gil(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MADV_POPULATE_READ of a cold object is its device read: it goes through
+    libc by ctypes (a CDLL call releases the GIL, so the other I/O streams
+    verify and decrypt meanwhile), never ``mmap.madvise`` (which holds it)."""
+    p = tmp_path / "obj"
+    p.write_bytes(os.urandom(3 * mmap.PAGESIZE))
+    real = fileio._get_libc()
+    assert isinstance(real, ctypes.CDLL) and not isinstance(real, ctypes.PyDLL)
+    calls: list[tuple[int, int]] = []
+
+    class Libc:
+        def madvise(self, addr: int, length: int, advice: int) -> int:
+            calls.append((length, advice))
+            return int(real.madvise(addr, length, advice))
+
+    monkeypatch.setattr(fileio, "_libc", Libc())
+    fd = os.open(p, os.O_RDONLY)
+    m = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+    os.close(fd)
+    try:
+        assert fileio.populate(m, mmap.PAGESIZE + 10, 100)
+        assert fileio.populate(m)
+        assert bytes(m[mmap.PAGESIZE : mmap.PAGESIZE + 8]) == p.read_bytes()[mmap.PAGESIZE :][:8]
+    finally:
+        m.close()
+    advice = fileio.MADV_POPULATE_READ
+    assert calls == [(110, advice), (3 * mmap.PAGESIZE, advice)]
