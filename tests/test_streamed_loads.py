@@ -1,8 +1,9 @@
-"""One-pass loads: the store verifies and decrypts an object straight from its
-page-cache mapping (``fileio.mapped_object``) where that is safe, and reads it
-into a buffer everywhere else. Same bytes, same misses, every byte checked;
-never a mapping of a file another descriptor could shrink (a SIGBUS would take
-the daemon down), nor on a shared file system."""
+"""Streamed loads: where reads go through the page cache of a local file
+system, the store reads a large object one layer slot at a time into a small
+per-thread buffer and verifies and decrypts it from there into the output
+(``fileio.streamed_object``, ``v1.open_read_into``), and reads a small one
+whole. Same bytes, same misses, every byte checked; no mapping of the object,
+so no SIGBUS to guard against. (Layer-wise loads still map: test_load_path.)"""
 
 from __future__ import annotations
 
@@ -39,39 +40,48 @@ def open_store(root: Path, kek_file: Path, **kw: Any) -> Store:
     return Store(StoreConfig(root=root, **kw), Kek.from_file(kek_file), create=True)
 
 
-class MapSpy:
-    """Counts objects loaded through a mapping, and through a read."""
+class LoadSpy:
+    """Objects loaded streamed and read whole, and each piece read streamed."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.mapped: list[Path] = []
+        self.streamed: list[Path] = []
         self.read: list[Path] = []
-        real_map, real_read = fileio.mapped_object, fileio.read_file
+        self.pieces: list[tuple[int, int]] = []  # (offset, length)
+        real_stream = fileio.streamed_object
+        real_read, real_pread = fileio.read_file, fileio.pread_all
 
         @contextlib.contextmanager
-        def spy_map(path: Path, max_size: int) -> Any:
-            with real_map(path, max_size) as view:
-                if view is not None:
-                    self.mapped.append(path)
-                yield view
+        def spy_stream(path: Path, max_size: int) -> Any:
+            with real_stream(path, max_size) as reader:
+                if reader is not None:
+                    self.streamed.append(path)
+                yield reader
 
         def spy_read(path: Path, *a: Any, **kw: Any) -> Any:
             self.read.append(path)
             return real_read(path, *a, **kw)
 
-        monkeypatch.setattr(fileio, "mapped_object", spy_map)
+        def spy_pread(fd: int, buf: Any, offset: int = 0, **kw: Any) -> int:
+            self.pieces.append((offset, memoryview(buf).nbytes))
+            return real_pread(fd, buf, offset, **kw)
+
+        monkeypatch.setattr(fileio, "streamed_object", spy_stream)
         monkeypatch.setattr(fileio, "read_file", spy_read)
+        monkeypatch.setattr(fileio, "pread_all", spy_pread)
 
 
 @pytest.fixture(autouse=True)
-def _map_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These objects are small: without this, they are read, never mapped."""
+def _stream_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These objects are small: without this, they are read whole, never streamed
+    (and a batch verifies a small page-cache hit in the calling thread)."""
+    monkeypatch.setattr(fileio, "STREAM_MIN_BYTES", 1)
     monkeypatch.setattr(fileio, "MAP_MIN_BYTES", 1)
 
 
 @pytest.fixture
-def mapped_store(tmp_path: Path, kek_file: Path) -> Any:
+def local_store(tmp_path: Path, kek_file: Path) -> Any:
     if not local_fs(tmp_path):
-        pytest.skip(f"{tmp_path} is not on a local file system: loads read, never map")
+        pytest.skip(f"{tmp_path} is not on a local file system: loads read whole")
     s = open_store(tmp_path / "store", kek_file)
     assert isinstance(s.io, PosixBackend) and s.io.map_reads
     yield s
@@ -79,18 +89,24 @@ def mapped_store(tmp_path: Path, kek_file: Path) -> Any:
 
 
 @pytest.mark.parametrize("encrypt", [True, False], ids=["sealed", "plain"])
-def test_mapped_loads_give_the_bytes_and_misses_of_reads(
-    mapped_store: Store, monkeypatch: pytest.MonkeyPatch, encrypt: bool
+def test_streamed_loads_give_the_bytes_and_misses_of_reads(
+    local_store: Store, monkeypatch: pytest.MonkeyPatch, encrypt: bool
 ) -> None:
-    s = mapped_store
+    s = local_store
     chunks = [(key(i), layers(i)) for i in range(4)]
     for k, lay in chunks:
         assert s.put("acme", NS, k, lay, encrypt=encrypt)
-    spy = MapSpy(monkeypatch)
+    spy = LoadSpy(monkeypatch)
     for k, lay in chunks:
         assert s.get("acme", k) == lay
-    assert spy.mapped == [s._path("acme", k) for k, _ in chunks] and spy.read == []
-    # A flipped byte anywhere in a mapped object is a miss, and the object goes.
+    outs = [memoryview(bytearray(sum(map(len, lay)))) for _k, lay in chunks]
+    got = s.get_many_into("acme", [k for k, _ in chunks], outs)  # on the I/O streams
+    assert got == [[len(x) for x in lay] for _k, lay in chunks]
+    assert [bytes(o) for o in outs] == [b"".join(lay) for _k, lay in chunks]
+    paths = [s._path("acme", k) for k, _ in chunks]
+    assert spy.streamed[:4] == paths and sorted(spy.streamed[4:]) == sorted(paths)
+    assert spy.read == []
+    # A flipped byte anywhere in a streamed object is a miss, and the object goes.
     p = s._path("acme", key(1))
     raw = bytearray(p.read_bytes())
     raw[len(raw) // 2] ^= 0x40
@@ -103,63 +119,50 @@ def test_mapped_loads_give_the_bytes_and_misses_of_reads(
     assert spy.read == [s._path("acme", k) for k, _ in chunks[2:]]
 
 
+@pytest.mark.parametrize("encrypt", [True, False], ids=["sealed", "plain"])
+def test_a_large_object_is_read_one_layer_slot_at_a_time(
+    local_store: Store, monkeypatch: pytest.MonkeyPatch, encrypt: bool
+) -> None:
+    """The header block, then each layer's slot (data, tag, padding) in turn:
+    never more than a slot in one read."""
+    s = local_store
+    lay = [random.Random(j).randbytes(v1.ALIGN * 3 + j) for j in range(5)]
+    assert s.put("acme", NS, key(0), lay, encrypt=encrypt)
+    spy = LoadSpy(monkeypatch)
+    assert s.get("acme", key(0)) == lay
+    h = v1.decode_header(s._path("acme", key(0)).read_bytes())
+    slots = [v1.layer_slot(h, i) for i in range(len(lay))]
+    assert spy.pieces == [(0, v1.ALIGN)] + [(lo, hi - lo) for lo, hi in slots]
+    assert spy.read == []
+
+
 def test_a_truncated_object_is_a_miss_not_a_crash(
-    mapped_store: Store, monkeypatch: pytest.MonkeyPatch
+    local_store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    s = mapped_store
-    for i in range(3):
+    s = local_store
+    for i in range(4):
         assert s.put("acme", NS, key(i), layers(i))
-    spy = MapSpy(monkeypatch)
-    p0, p1 = s._path("acme", key(0)), s._path("acme", key(1))
-    os.truncate(p0, v1.ALIGN + 100)  # shorter than its header says: mapped, then refused
-    os.truncate(p1, 0)  # nothing to map (under MAP_MIN_BYTES): read, then refused
-    assert s.get("acme", key(0)) is None and s.get("acme", key(1)) is None
-    assert spy.mapped == [p0] and spy.read == [p1]
-    assert not p0.exists() and not p1.exists()
-    assert s.get("acme", key(2)) == layers(2)
+    spy = LoadSpy(monkeypatch)
+    p = [s._path("acme", key(i)) for i in range(3)]
+    os.truncate(p[0], v1.ALIGN + 100)  # shorter than its header says: streamed, then refused
+    os.truncate(p[1], 0)  # nothing to stream (under STREAM_MIN_BYTES): read, then refused
+    os.truncate(p[2], 100)  # not even a header block
+    assert [s.get("acme", key(i)) for i in range(3)] == [None] * 3
+    assert spy.streamed == [p[0], p[2]] and spy.read == [p[1]]
+    assert not any(x.exists() for x in p)
+    assert s.get("acme", key(3)) == layers(3)
 
 
-def test_only_files_no_other_descriptor_can_shrink_are_mapped(
-    mapped_store: Store, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    s = mapped_store
-    for i in range(4):
-        assert s.put("acme", NS, key(i), layers(i), encrypt=False)
-    p = [s._path("acme", key(i)) for i in range(4)]
-    os.chmod(p[0], 0o440)  # a published direct-path object: its writer may hold an fd
-    os.chmod(p[1], 0o660)  # group-writable (a leased file's mode)
-    os.link(p[2], p[2].with_name("other-name"))  # another name can be opened for writing
-    spy = MapSpy(monkeypatch)
-    for i in range(4):
-        assert s.get("acme", key(i)) == layers(i)
-    assert spy.mapped == [p[3]] and spy.read == p[:3]
-
-
-def test_small_objects_are_read_not_mapped(
-    mapped_store: Store, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    s = mapped_store
+def test_small_objects_are_read_whole(local_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = local_store
     assert s.put("acme", NS, key(0), layers(0))
     size = s._path("acme", key(0)).stat().st_size
-    monkeypatch.setattr(fileio, "MAP_MIN_BYTES", size + 1)
-    spy = MapSpy(monkeypatch)
+    monkeypatch.setattr(fileio, "STREAM_MIN_BYTES", size + 1)
+    spy = LoadSpy(monkeypatch)
     assert s.get("acme", key(0)) == layers(0)
-    monkeypatch.setattr(fileio, "MAP_MIN_BYTES", size)
+    monkeypatch.setattr(fileio, "STREAM_MIN_BYTES", size)
     assert s.get("acme", key(0)) == layers(0)
-    assert spy.read == [s._path("acme", key(0))] == spy.mapped
-
-
-def test_a_kernel_without_populate_read_falls_back_to_reads(
-    mapped_store: Store, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    s = mapped_store
-    assert s.put("acme", NS, key(0), layers(0))
-    monkeypatch.setattr(fileio, "_populate_ok", True)
-    monkeypatch.setattr(fileio, "MADV_POPULATE_READ", 0x7FFF)  # EINVAL, as before Linux 5.14
-    spy = MapSpy(monkeypatch)
-    assert s.get("acme", key(0)) == layers(0)
-    assert s.get("acme", key(0)) == layers(0)
-    assert spy.mapped == [] and len(spy.read) == 2 and fileio._populate_ok is False
+    assert spy.read == [s._path("acme", key(0))] == spy.streamed
 
 
 def test_reads_are_not_mapped_with_o_direct_or_on_a_shared_file_system(
