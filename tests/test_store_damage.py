@@ -11,9 +11,19 @@ import pytest
 import xxhash
 
 from kvoffload.layouts import v1
+from kvoffload.sidecar import fileio
 from kvoffload.sidecar.store import Store
 
 NS = bytes(range(32))
+
+
+@pytest.fixture(autouse=True, params=["whole", "streamed"])
+def _reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every case twice: objects read whole, and (small as they are) read one
+    layer slot at a time (``fileio.streamed_object``, on a local file system)."""
+    if request.param == "streamed":
+        monkeypatch.setattr(fileio, "STREAM_MIN_BYTES", 1)
+        monkeypatch.setattr(fileio, "MAP_MIN_BYTES", 1)  # no small page-cache hits in a batch
 
 
 def key(i: int) -> bytes:

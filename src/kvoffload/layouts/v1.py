@@ -559,6 +559,69 @@ def open_into(
     return h
 
 
+#: ``read_at(buf, offset)``: fill ``buf`` from byte ``offset`` of an object;
+#: the count read (short only at the end of the file).
+ReadAt = Callable[[memoryview, int], int]
+
+
+def _read_exact(read_at: ReadAt, buf: memoryview, offset: int) -> memoryview:
+    if read_at(buf, offset) != len(buf):
+        raise CorruptObject(f"object ends before byte {offset + len(buf)}")
+    return buf
+
+
+def open_read_into(
+    read_at: ReadAt,
+    size: int,
+    alloc: Callable[[int], memoryview],
+    out: memoryview,
+    *,
+    tenant: str,
+    namespace: bytes,
+    chunk_key: bytes,
+    aead_for_epoch: Callable[[int], Aead | None],
+    before_layer: Callable[[int], None] | None = None,
+) -> ObjectHeader:
+    """:func:`open_into` of an object of ``size`` bytes read piece by piece
+    through ``read_at``: its header, then one layer slot (:func:`layer_slot`:
+    data, tag, padding) at a time into ``alloc(n)`` (a buffer of at least ``n``
+    bytes, reused), which is verified and decrypted into ``out`` while it is
+    still in the CPU cache. The same checks in the same order, the same
+    exceptions, and ``out`` is garbage unless this returns."""
+    head = _read_exact(read_at, alloc(min(size, ALIGN))[: min(size, ALIGN)], 0)
+    if len(head) >= 16:
+        (hl,) = struct.unpack_from("<I", head, 12)
+        if len(head) < hl <= min(size, MAX_HEADER_LENGTH):
+            head = _read_exact(read_at, alloc(hl)[:hl], 0)
+    h = decode_header(head)
+    if h.chunk_key != chunk_key or h.tenant != tenant or h.namespace != namespace:
+        raise ObjectMismatch("object belongs to another chunk key, tenant or namespace")
+    if size != h.total_size:
+        raise CorruptObject(f"object is {size} bytes, header says {h.total_size}")
+    if len(out) < h.payload_size:
+        raise ObjectMismatch(f"object holds {h.payload_size} bytes, {len(out)} expected")
+    aead = aead_for_epoch(h.key_epoch) if h.sealed else None
+    if h.sealed and aead is None:
+        raise UnknownKeyEpoch(f"no key for epoch {h.key_epoch} (purged, unknown or newer)")
+    hl = header_length(len(h.layers))
+    if len(head) >= h.data_offset:
+        pad = head[hl : h.data_offset]
+    else:
+        n = h.data_offset - hl
+        pad = _read_exact(read_at, alloc(n)[:n], hl)
+    if not _is_zero(pad):
+        raise CorruptObject("non-zero padding after header")
+    pos = 0
+    for i, le in enumerate(h.layers):
+        if before_layer is not None:
+            before_layer(i)
+        lo, hi = layer_slot(h, i)
+        slot = _read_exact(read_at, alloc(hi - lo)[: hi - lo], lo)
+        open_layer(h, i, slot, out[pos : pos + le.length], aead)
+        pos += le.length
+    return h
+
+
 def layer_slot(h: ObjectHeader, i: int) -> tuple[int, int]:
     """The byte range of layer ``i`` in the object: its data, its tag (sealed) and
     the zero padding up to the next layer (or the end): what :func:`open_layer` reads."""

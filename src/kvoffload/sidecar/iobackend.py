@@ -294,9 +294,11 @@ class PosixBackend:
         self.direct_read = direct_read and bool(O_DIRECT)
         self.direct_write_min = direct_write_min
         self.detail = detail
-        #: Loads verify and decrypt straight from the page cache
-        #: (:func:`~.fileio.mapped_object`); set by :func:`select_backend` where
-        #: reads go through the page cache and the file system is local.
+        #: Loads read through the page cache of a local file system: a large
+        #: object layer slot by layer slot (:func:`~.fileio.streamed_object`), a
+        #: layer-wise load from a mapping (:func:`~.fileio.map_opened`); set by
+        #: :func:`select_backend` where reads go through the page cache and the
+        #: file system is local.
         self.map_reads = False
 
     def write_object(self, final: Path, data: memoryview, durability: Durability) -> bool:

@@ -19,17 +19,17 @@ One loop, one place for each rule:
   it and every later chunk are dropped from the loop, and the failure is
   handled as any failed read is (entry dropped, file quarantined).
 
-One pass, as whole-chunk loads (``Pipeline._load_one``): an object the store
-may map (``fileio.map_opened``: written by the sidecar, so no descriptor can
-shrink it under the mapping; large enough; a kernel with MADV_POPULATE_READ)
-is mapped once, at open, from the descriptor whose size was just checked, and
-each layer's slot is faulted in (``fileio.populate``, an EIO instead of a
-SIGBUS) and verified and decrypted straight from the page cache into its place
-in the output. Any other object is read layer by layer into a scratch buffer.
-Every object is asked of the kernel in full when it is opened
-(``POSIX_FADV_WILLNEED``), so later layers come off the device while earlier
-ones are verified; a layer of a few small slots (under ``PARALLEL_MIN_BYTES``
-in all) is verified in the calling thread, a wider one on the I/O streams.
+One pass: an object the store may map (``fileio.map_opened``: written by the
+sidecar, so no descriptor can shrink it under the mapping; large enough; a
+kernel with MADV_POPULATE_READ) is mapped once, at open, from the descriptor
+whose size was just checked, and each layer's slot is faulted in
+(``fileio.populate``, an EIO instead of a SIGBUS) and verified and decrypted
+straight from the page cache into its place in the output. Any other object
+is read layer by layer into a scratch buffer. Every object is asked of the
+kernel in full when it is opened (``POSIX_FADV_WILLNEED``), so later layers
+come off the device while earlier ones are verified; a layer of a few small
+slots (under ``PARALLEL_MIN_BYTES`` in all) is verified in the calling thread,
+a wider one on the I/O streams.
 """
 
 from __future__ import annotations

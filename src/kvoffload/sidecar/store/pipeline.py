@@ -32,7 +32,7 @@ from ...layouts import ObjectMismatch, v1
 from .. import fileio
 from ..cancel import LoadCancelled, PutCancelled, may_wait_between_layers
 from ..errors import StoreError
-from ..fileio import Durability
+from ..fileio import Durability, ScratchBuffers
 from ..index import ChunkRecord
 from .base import (
     MAX_OBJECT_BYTES,
@@ -45,6 +45,11 @@ from .base import (
 from .capacity import Reservation
 from .fsck import Maintenance
 from .shared import SHARED_NONCE_SHARES
+
+#: Each I/O thread's buffer for one layer slot of a streamed load
+#: (:func:`fileio.streamed_object`), apart from the object-sized scratch the
+#: saves use, so that neither shrinks the other.
+_SLOTS = ScratchBuffers()
 
 #: A batch saved without fsync (durability batch or none) of fewer bytes than
 #: this runs in the caller's thread, chunk by chunk: writing small objects to
@@ -779,17 +784,20 @@ class Pipeline(Maintenance):
         out: memoryview,
         guard: Callable[[int], None] | None = None,
     ) -> list[int] | None:
-        """:meth:`get_into` of an indexed chunk (on a pool thread for a batch): from
-        its page-cache mapping where the backend maps reads, else through the
-        thread's scratch buffer. Its layer lengths, or None (a miss, handled)."""
+        """:meth:`get_into` of an indexed chunk (on a pool thread for a batch): a
+        large object one layer slot at a time where reads go through the page
+        cache of a local file system (:func:`fileio.streamed_object`), else read
+        whole into the thread's scratch buffer. Its layer lengths, or None (a
+        miss, handled)."""
         key = rec.chunk_key
         path = self._path(tenant, key)
         try:
             if getattr(self.io, "map_reads", False):
-                # One pass: verified and decrypted from the page cache into ``out``.
-                with fileio.mapped_object(path, MAX_OBJECT_BYTES) as mapped:
-                    if mapped is not None:
-                        return self._open_into(tenant, key, rec, mapped, out, guard)
+                # Layer by layer through the page cache, each slot verified and
+                # decrypted into ``out`` while it is in the CPU cache.
+                with fileio.streamed_object(path, MAX_OBJECT_BYTES) as reader:
+                    if reader is not None:
+                        return self._open_into(tenant, key, rec, reader, out, guard)
             buf = self.io.read_object(path, self._scratch.get, MAX_OBJECT_BYTES)
         except Exception as exc:  # every failure of a damaged file is a miss (§5)
             self._read_failed(tenant, key, exc)
@@ -801,11 +809,12 @@ class Pipeline(Maintenance):
         tenant: str,
         key: bytes,
         rec: ChunkRecord,
-        buf: memoryview,
+        buf: memoryview | fileio.ObjectReader,
         out: memoryview,
         guard: Callable[[int], None] | None = None,
     ) -> list[int] | None:
-        """Verify and decrypt a read object into ``out``; None (and the entry dropped) if bad.
+        """Verify and decrypt a read object (or one read layer by layer) into
+        ``out``; None (and the entry dropped) if bad.
 
         The object must also be the one the index describes (size, layers,
         payload, key epoch): anything else is a relabelled or foreign object.
@@ -813,15 +822,28 @@ class Pipeline(Maintenance):
         """
         try:
             tk = self.keyring.get(tenant) if rec.key_epoch else None
-            h = v1.open_into(
-                buf,
-                out,
-                tenant=tenant,
-                namespace=rec.namespace,
-                chunk_key=key,
-                aead_for_epoch=self._aead_for(tenant, tk),
-                before_layer=guard,
-            )
+            if isinstance(buf, fileio.ObjectReader):
+                h = v1.open_read_into(
+                    buf.read_at,
+                    buf.size,
+                    _SLOTS.get,
+                    out,
+                    tenant=tenant,
+                    namespace=rec.namespace,
+                    chunk_key=key,
+                    aead_for_epoch=self._aead_for(tenant, tk),
+                    before_layer=guard,
+                )
+            else:
+                h = v1.open_into(
+                    buf,
+                    out,
+                    tenant=tenant,
+                    namespace=rec.namespace,
+                    chunk_key=key,
+                    aead_for_epoch=self._aead_for(tenant, tk),
+                    before_layer=guard,
+                )
             if (h.total_size, len(h.layers), h.payload_size, h.key_epoch) != (
                 rec.size, rec.num_layers, rec.payload, rec.key_epoch,
             ):  # fmt: skip
@@ -846,10 +868,17 @@ class Pipeline(Maintenance):
         self._hit(tenant, key, h.payload_size)
         return [le.length for le in h.layers]
 
-    def _verifies_alone(self, tenant: str, key: bytes, rec: ChunkRecord, buf: memoryview) -> bool:
+    def _verifies_alone(
+        self, tenant: str, key: bytes, rec: ChunkRecord, buf: memoryview | fileio.ObjectReader
+    ) -> bool:
         """Whether ``buf`` is a valid object of (tenant, key, the record's
         namespace) by its own header, whatever the index record says."""
         try:
+            if isinstance(buf, fileio.ObjectReader):
+                whole = memoryview(bytearray(buf.size))
+                if buf.read_at(whole, 0) != buf.size:
+                    return False
+                buf = whole
             h = v1.decode_header(buf)
             tk = self.keyring.get(tenant) if h.sealed else None
             v1.open_into(
