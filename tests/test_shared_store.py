@@ -8,6 +8,7 @@ evictor_tick() themselves, so each step is deterministic.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 from collections.abc import Iterator
@@ -463,3 +464,37 @@ def test_a_kek_rotated_on_one_node_is_picked_up_by_nodes_given_the_new_kek(
     finally:
         for s in (a, b):
             s.close()
+
+
+def test_an_eviction_is_journaled_under_the_epoch_its_fence_allowed(nodes: Nodes) -> None:
+    """The lease may lapse between the fence and the removal's journal record (a
+    holder stalled under load): the record still names the epoch the fence
+    allowed the removal under, never 0 (shared-root-v1.md §4)."""
+    from kvoffload.sidecar.journal import JournalFollower, Reason
+
+    size = len(b"".join(layers(0)))
+    cap = 12 * (size + 8192)
+    a = nodes.node("a", capacity_bytes=cap, evictor_lease_s=3600.0)
+    lease = a._shared.lease  # type: ignore[union-attr]
+    held = lease.held
+    assert held is not None and held.epoch >= 1
+    j = 0
+    while a.counters.evictions == 0:  # fill to the capacity, until a save evicts
+        assert a.put("acme", NS, key(j), layers(j))
+        j += 1
+    real_remove = a.index.remove
+
+    def remove_as_the_lease_lapses(tenant: str, k: bytes) -> object:
+        lease._held = None  # lapsed after the fence, before the record is written
+        return real_remove(tenant, k)
+
+    a.index.remove = remove_as_the_lease_lapses  # type: ignore[method-assign]
+    with contextlib.suppress(StoreFull):
+        for _ in range(4):
+            a.put("acme", NS, key(j), layers(j))
+            j += 1
+    evicted = [
+        r for _n, r in JournalFollower(nodes.tmp / "root").poll() if r.reason is Reason.EVICTED
+    ]
+    assert evicted
+    assert [r.grant_epoch for r in evicted] == [held.epoch] * len(evicted)

@@ -244,11 +244,16 @@ class EvictorLease:
 
     def fence(self) -> bool:
         """True when this node may remove an object now (check before every removal)."""
-        if self._held is None:
-            return False
-        if self._clock() > self._deadline - self.margin_s:
-            return False
-        return not self._higher_epoch_exists(self._held.epoch)
+        return self.fenced_epoch() is not None
+
+    def fenced_epoch(self) -> int | None:
+        """:meth:`fence`, and the epoch it allowed the removal under (the one its
+        journal record names, even if the lease lapses before that record is
+        written); None when it may not remove."""
+        held = self._held
+        if held is None or self._clock() > self._deadline - self.margin_s:
+            return None
+        return None if self._higher_epoch_exists(held.epoch) else held.epoch
 
     def release(self) -> None:
         """Give the role up (clean shutdown): others may take it at once."""

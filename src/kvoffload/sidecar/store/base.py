@@ -240,7 +240,19 @@ class StoreBase:
 
     # ------------------------------------------------------------- dropping
 
-    def _drop(self, tenant: str, key: bytes, *, reason: str, remove_file: bool = True) -> bool:
+    def _drop(
+        self,
+        tenant: str,
+        key: bytes,
+        *,
+        reason: str,
+        remove_file: bool = True,
+        lease_epoch: int = 0,
+    ) -> bool:
+        """Remove a chunk: its file (unless ``remove_file`` is false), its index
+        entry and its bytes from the accounting; journaled on a shared root.
+        ``lease_epoch``: for an eviction, the evictor lease epoch its fence
+        allowed it under (the record names it even if the lease lapsed since)."""
         # The file goes first and the accounting after: the other order lets a
         # concurrent writer spend the freed bytes while the old file still
         # occupies them, so the disk would briefly hold more than the limit.
@@ -269,8 +281,10 @@ class StoreBase:
             if remove_file and self._shared is not None:
                 jr = REMOVE_REASONS.get(reason)
                 if jr is not None:
-                    held = self._shared.lease.held if jr is Reason.EVICTED else None
-                    epoch = held.epoch if held is not None else 0
+                    epoch = 0
+                    if jr is Reason.EVICTED:
+                        held = self._shared.lease.held
+                        epoch = lease_epoch or (held.epoch if held is not None else 0)
                     self._shared.journal([JournalRecord.remove(tenant, key, jr, lease_epoch=epoch)])
         return rec is not None
 

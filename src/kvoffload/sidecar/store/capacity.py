@@ -218,7 +218,12 @@ class Capacity(StoreBase):
     def _may_evict(self) -> bool:
         """On a shared root only the evictor lease's holder removes, and only
         while its lease is fenced in (shared-root-v1.md §4)."""
-        return self._shared is None or self._shared.lease.fence()
+        return self._eviction_epoch() is not None
+
+    def _eviction_epoch(self) -> int | None:
+        """:meth:`_may_evict`, with the lease epoch the removal is made under (0
+        off a shared root); None when this node may not evict now."""
+        return 0 if self._shared is None else self._shared.lease.fenced_epoch()
 
     def _evictable_locked(self, scope: _Scope) -> bool:
         return any(not self._pins.get((r.tenant, r.chunk_key)) for r in scope.candidates())
@@ -234,9 +239,10 @@ class Capacity(StoreBase):
             with self._mu:
                 if self._pins.get((rec.tenant, rec.chunk_key)):
                     continue
-            if not self._may_evict():
+            epoch = self._eviction_epoch()
+            if epoch is None:
                 break
-            if self._drop(rec.tenant, rec.chunk_key, reason=scope.reason):
+            if self._drop(rec.tenant, rec.chunk_key, reason=scope.reason, lease_epoch=epoch):
                 freed += rec.size
                 self.counters.evictions += 1
         return freed
