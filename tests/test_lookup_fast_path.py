@@ -9,6 +9,8 @@ message, and leave everything else to the generic path, which names the fault.
 
 from __future__ import annotations
 
+import signal
+import socket
 import struct
 import threading
 from typing import Any
@@ -18,7 +20,9 @@ import pytest
 
 from kvoffload import protocol as p
 from kvoffload.protocol import (
+    CLIENT_MAGIC,
     MAX_BATCH,
+    SERVER_MAGIC,
     ErrorCode,
     FrameDecoder,
     ProtocolError,
@@ -28,6 +32,7 @@ from kvoffload.protocol import (
 )
 from kvoffload.protocol import fields as fields_mod
 from kvoffload.protocol import requests as requests_mod
+from kvoffload.transport import TransportClosed, TransportTimeout, UnixTransport
 
 KEYS = [bytes([i]) * 32 for i in range(64)]
 
@@ -227,3 +232,87 @@ def test_a_bad_frame_after_a_good_one_in_a_buffered_read_is_deferred() -> None:
     assert [f.msg["id"] for f in frames] == [9]
     with pytest.raises(ProtocolError):
         dec.raise_if_failed()
+
+
+# -- the transport ------------------------------------------------------------------
+
+
+def _pair(timeout_s: float | None = 5.0) -> tuple[UnixTransport, UnixTransport]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    client = UnixTransport(
+        a, send_magic=CLIENT_MAGIC, expect_magic=SERVER_MAGIC, timeout_s=timeout_s
+    )
+    return client, UnixTransport.accept(b, timeout_s=timeout_s)
+
+
+def test_the_transport_has_no_python_timeout_and_still_times_out() -> None:
+    """A socket with a Python timeout polls before every send and every receive:
+    the transport's is blocking, sends without waiting, and keeps the timeout
+    itself, per receive and as a deadline that signals do not extend."""
+    client, server = _pair(timeout_s=0.25)
+    assert client.socket.gettimeout() is None and server.socket.gettimeout() is None
+    # The default timeout holds without a per-call one; the stream stays usable.
+    with pytest.raises(TransportTimeout):
+        server.recv()
+    assert not server.closed
+    with pytest.raises(TransportTimeout):
+        server.recv(timeout_s=0.01)
+    client.send(p.request_message(3, p.Lookup("acme", tuple(KEYS))))
+    assert parse_request(server.recv(timeout_s=30).msg) == (3, p.Lookup("acme", tuple(KEYS)))
+    assert client.socket.gettimeout() is None and server.socket.gettimeout() is None
+    # A signal every 5 ms, for at most 10 s: each would restart a timeout
+    # kept per system call, so the wait would never end.
+    ticks: list[int] = []
+
+    def tick(_sig: int, _frame: object) -> None:
+        ticks.append(1)
+        if len(ticks) > 2000:
+            raise RuntimeError("the receive timeout never fired")
+
+    old = signal.signal(signal.SIGALRM, tick)
+    signal.setitimer(signal.ITIMER_REAL, 0.005, 0.005)
+    try:
+        with pytest.raises(TransportTimeout):
+            server.recv(timeout_s=0.2)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert ticks  # the wait was interrupted, and resumed
+    client.close()
+    server.close()
+
+
+def test_no_timeout_means_waiting_for_a_frame() -> None:
+    client, server = _pair(timeout_s=None)
+    threading.Timer(0.05, lambda: client.send(p.request_message(2, p.Stats()))).start()
+    assert server.recv().msg["id"] == 2
+    client.close()
+    server.close()
+
+
+def test_a_frame_larger_than_the_socket_buffer_goes_out_whole() -> None:
+    client, server = _pair()
+    blob = {"op": "stats", "id": 4, "blob": b"x" * 900_000}
+    got: list[Any] = []
+    reader = threading.Thread(target=lambda: got.append(server.recv(timeout_s=30).msg))
+    reader.start()
+    client.send(blob)
+    reader.join()
+    assert got == [blob]
+    # Back to the blocking socket after the polling path.
+    assert client.socket.gettimeout() is None
+    client.send(p.request_message(5, p.Stats()))
+    assert server.recv(timeout_s=30).msg["id"] == 5
+    client.close()
+    server.close()
+
+
+def test_a_send_to_a_peer_that_never_reads_times_out_and_closes() -> None:
+    client, server = _pair(timeout_s=0.2)
+    with pytest.raises(TransportTimeout):
+        for i in range(1, 1000):  # fills both socket buffers, then waits
+            client.send({"op": "stats", "id": i, "blob": b"x" * 200_000})
+    assert client.closed
+    with pytest.raises(TransportClosed):
+        client.send(p.request_message(1, p.Stats()))
+    server.close()
