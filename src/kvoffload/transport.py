@@ -15,10 +15,14 @@ TransportError: it means a broken peer, not a broken pipe.
 
 from __future__ import annotations
 
+import array
 import collections
+import math
 import os
 import queue
+import select
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, Protocol
 
@@ -43,6 +47,14 @@ from .protocol import (
 MAX_FDS_PER_RECV = MAX_FDS + 1
 RECV_SIZE = 256 * 1024
 DEFAULT_TIMEOUT_S = 10.0
+_ANCILLARY = socket.CMSG_LEN(MAX_FDS_PER_RECV * array.array("i").itemsize)
+# Plain ints: a flag enum's ``|`` and ``&`` cost a call each.
+_MSG_NOSIGNAL = int(socket.MSG_NOSIGNAL)
+_MSG_SEND_NOW = int(socket.MSG_NOSIGNAL | socket.MSG_DONTWAIT)
+_MSG_RECV = int(socket.MSG_CMSG_CLOEXEC)
+_MSG_RECV_NOW = int(socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT)
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)
+_POLLIN = int(select.POLLIN)
 
 
 class Transport(Protocol):
@@ -67,6 +79,14 @@ class UnixTransport:
 
     The constructor sends this side's magic at once (protocol-v1.md §3.1) and
     expects the peer's before the first frame.
+
+    The socket stays in blocking mode, and the timeout is applied here: a
+    socket with a Python timeout polls before every send as well as every
+    receive, and toggles its mode on every change of timeout. A frame goes
+    out in one non-blocking ``send``; only one that does not fit the socket's
+    buffer at once (or that carries descriptors) waits, under the timeout as a
+    deadline for the whole frame. A receive polls (a deadline that signals do
+    not extend) and then reads without blocking.
     """
 
     def __init__(
@@ -84,7 +104,10 @@ class UnixTransport:
         self._decoder = FrameDecoder(expect_magic=expect_magic, max_frame=max_frame)
         self._ready: collections.deque[Frame] = collections.deque()
         self._closed = False
-        sock.settimeout(timeout_s)
+        self._rbuf = bytearray(RECV_SIZE)
+        sock.settimeout(None)
+        self._poll = select.poll()
+        self._poll.register(sock.fileno(), _POLLIN)
         self._send_bytes(send_magic, ())
 
     @classmethod
@@ -126,10 +149,23 @@ class UnixTransport:
         # (some engines do) must get EPIPE from a dead sidecar, not die of it.
         try:
             sent = 0
-            if fds:
-                sent = socket.send_fds(self._sock, [data], list(fds), socket.MSG_NOSIGNAL)
-            if sent < len(data):
-                self._sock.sendall(memoryview(data)[sent:], socket.MSG_NOSIGNAL)
+            if not fds:
+                try:
+                    sent = self._sock.send(data, _MSG_SEND_NOW)
+                except BlockingIOError:
+                    sent = 0
+                if sent == len(data):
+                    return
+            # The waiting path (a Python timeout: a deadline for the rest of
+            # the frame): descriptors, or a frame the buffer did not take at once.
+            self._sock.settimeout(self._timeout_s)
+            try:
+                if fds:
+                    sent = socket.send_fds(self._sock, [data], list(fds), _MSG_NOSIGNAL)
+                if sent < len(data):
+                    self._sock.sendall(memoryview(data)[sent:], _MSG_NOSIGNAL)
+            finally:
+                self._sock.settimeout(None)
         except TimeoutError as exc:
             # Part of a frame may be out: the stream can no longer be trusted.
             self.close()
@@ -144,37 +180,57 @@ class UnixTransport:
 
     def recv(self, timeout_s: float | None = None) -> Frame:
         self._check_open()
-        if timeout_s is not None:
-            self._sock.settimeout(timeout_s)
-        try:
-            while not self._ready:
-                self._receive_some()
-            return self._ready.popleft()
-        finally:
-            if timeout_s is not None and not self._closed:
-                self._sock.settimeout(self._timeout_s)
+        timeout = self._timeout_s if timeout_s is None else timeout_s
+        while not self._ready:
+            self._receive_some(timeout)
+        return self._ready.popleft()
 
-    def _receive_some(self) -> None:
+    def _wait_readable(self, timeout_s: float) -> None:
+        """Until the socket is readable; TransportTimeout after ``timeout_s``.
+        ``poll`` resumes after a signal with the time left, as a socket timeout did."""
+        ms = max(0, math.ceil(timeout_s * 1000))
         try:
-            data, fds, flags, _ = socket.recv_fds(
-                self._sock, RECV_SIZE, MAX_FDS_PER_RECV, socket.MSG_CMSG_CLOEXEC
-            )
-        except TimeoutError as exc:
-            # The decoder keeps any partial frame, so the stream stays usable.
-            raise TransportTimeout("no reply within the timeout") from exc
+            ready = self._poll.poll(ms)
         except OSError as exc:
             self.close()
             raise TransportClosed(f"receive failed: {exc}") from exc
-        if flags & socket.MSG_CTRUNC:
+        if not ready:
+            # The decoder keeps any partial frame, so the stream stays usable.
+            raise TransportTimeout("no reply within the timeout")
+
+    def _receive_some(self, timeout_s: float | None) -> None:
+        deadline = None
+        while True:
+            if timeout_s is not None:
+                if deadline is None:
+                    deadline = time.monotonic() + timeout_s
+                self._wait_readable(deadline - time.monotonic())
+            try:
+                n, ancdata, flags, _ = self._sock.recvmsg_into(
+                    [self._rbuf], _ANCILLARY, _MSG_RECV if timeout_s is None else _MSG_RECV_NOW
+                )
+                break
+            except BlockingIOError:
+                continue  # readable, then not: wait again for the time left
+            except OSError as exc:
+                self.close()
+                raise TransportClosed(f"receive failed: {exc}") from exc
+        fds: list[int] = []
+        for level, kind, cdata in ancdata:  # empty unless the peer sent descriptors
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                got = array.array("i")
+                got.frombytes(cdata[: len(cdata) - len(cdata) % got.itemsize])
+                fds.extend(got)
+        if flags & _MSG_CTRUNC:
             close_fds(fds)
             self.close()
             raise ProtocolError(ErrorCode.BAD_REQUEST, "peer sent too many descriptors")
-        if not data:
+        if not n:
             close_fds(fds)
             self.close()
             raise TransportClosed("connection closed by peer")
         try:
-            self._ready.extend(self._decoder.feed(data, fds))
+            self._ready.extend(self._decoder.feed(memoryview(self._rbuf)[:n], fds))
         except ProtocolError:
             self.close()
             raise

@@ -12,11 +12,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from kvoffload.errors import ErrorCode, ProtocolError
 
+from .fields import NATIVE_TYPES
 from .fields import code as wire_code
 from .framing import bad
-from .limits import MAX_MESSAGE, MAX_REQUEST_ID, Op
+from .limits import MAX_BATCH, MAX_MESSAGE, MAX_REQUEST_ID, Op
 from .replies import (
     Ack,
     CompleteStoreReply,
@@ -39,7 +42,7 @@ from .replies import (
     StatsReply,
     StoreReply,
 )
-from .requests import REQUEST_TYPES, Request
+from .requests import REQUEST_TYPES, Lookup, Request
 
 _REPLY_TYPES: dict[
     Op,
@@ -89,6 +92,8 @@ def request_message(request_id: int, req: Request) -> dict[str, Any]:
 
 
 def reply_message(request_id: int, reply: Reply) -> dict[str, Any]:
+    if type(reply) is LookupReply:  # the scheduler's path: no generic dispatch
+        return {"op": "lookup", "id": request_id, "code": 0, "found": reply.found}
     if isinstance(reply, ErrorReply):
         if reply.code is ErrorCode.OK:
             raise ValueError("an ErrorReply needs a non-zero code")
@@ -118,8 +123,28 @@ def _u16(v: Any, where: str) -> int:
     return v
 
 
+def _lookup_request(msg: Mapping[str, Any]) -> tuple[int, Lookup] | None:
+    """``fields.decode`` of a ``lookup`` request, less its steps that have nothing
+    to check in one (it is on the engine scheduler's path): a lookup has no
+    number, no cross-field rule and no key the wire requires beyond its
+    fields (``tests/test_protocol_typed.py`` holds it to that), so msgspec's
+    conversion is the whole check. None for anything it refuses: the generic
+    path then names the fault."""
+    rid = msg.get("id")
+    if type(rid) is not int or not 1 <= rid <= MAX_REQUEST_ID:
+        return None
+    try:
+        return rid, msgspec.convert(msg, Lookup, builtin_types=NATIVE_TYPES)
+    except msgspec.ValidationError:
+        return None
+
+
 def parse_request(msg: Mapping[str, Any]) -> tuple[int, Request]:
     """Validate one received request. Raises ProtocolError (see its ``fatal``)."""
+    if msg.get("op") == "lookup":
+        fast = _lookup_request(msg)
+        if fast is not None:
+            return fast
     rid = _envelope_id(msg, 1)
     op = msg.get("op")
     if not isinstance(op, str):
@@ -136,11 +161,35 @@ def parse_request(msg: Mapping[str, Any]) -> tuple[int, Request]:
         raise ProtocolError(exc.code, exc.message, request_id=rid, op=op) from None
 
 
+def _lookup_reply(msg: Mapping[str, Any]) -> tuple[int, LookupReply] | None:
+    """An OK ``lookup`` reply whose every field holds a valid value, checked
+    without the generic decoder; None for anything else (the generic path
+    then accepts it or names the fault). Every check is one the generic path
+    makes: the id, the code (OK, so not an error frame), ``found``."""
+    rid = msg.get("id")
+    code = msg.get("code")
+    found = msg.get("found")
+    if (
+        type(rid) is int
+        and 1 <= rid <= MAX_REQUEST_ID
+        and type(code) is int
+        and code == 0
+        and type(found) is int
+        and 0 <= found <= MAX_BATCH
+    ):
+        return rid, LookupReply(found)
+    return None
+
+
 def parse_reply(msg: Mapping[str, Any]) -> tuple[int, Reply]:
     """Validate one received reply or server-initiated error (id 0).
 
     A malformed reply is fatal: the client cannot trust the server's state.
     """
+    if msg.get("op") == "lookup":
+        fast = _lookup_reply(msg)
+        if fast is not None:
+            return fast
     rid = _envelope_id(msg, 0)
     op_raw = msg.get("op")
     if not isinstance(op_raw, str):

@@ -72,7 +72,7 @@ ShortStr = Annotated[str, Meta(max_length=16)]
 WireCode = U16
 
 #: Types the wire carries as themselves: no str is base64-decoded into a bin.
-_NATIVE = (bytes, bytearray, memoryview)
+NATIVE_TYPES = (bytes, bytearray, memoryview)
 
 S = TypeVar("S", bound="Message")
 
@@ -114,7 +114,7 @@ def decode(cls: type[S], m: Any, where: str) -> S:
         if cls.WIRE_NULLABLE:
             m = {k: v for k, v in m.items() if not (v is None and k in cls.WIRE_NULLABLE)}
     try:
-        obj = msgspec.convert(m, cls, builtin_types=_NATIVE)
+        obj = msgspec.convert(m, cls, builtin_types=NATIVE_TYPES)
     except msgspec.ValidationError as exc:
         raise bad(f"{where}: {exc}") from None
     _check_numbers(obj, where)
@@ -193,6 +193,7 @@ class ReplyMessage(Message, frozen=True):
 
 
 __all__ = [
+    "NATIVE_TYPES",
     "TENANT_PATTERN",
     "U16",
     "Aligned",

@@ -11,8 +11,10 @@ import collections
 import contextlib
 import os
 import struct
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import msgpack
@@ -41,9 +43,19 @@ def _reject_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack extension type {code} is not allowed")
 
 
+class _Packers(threading.local):
+    """One ``msgpack.Packer`` per thread: ``packb`` builds one per call."""
+
+    def __init__(self) -> None:
+        self.packer = msgpack.Packer(use_bin_type=True)
+
+
+_PACKERS = _Packers()
+
+
 def encode_frame(msg: Mapping[str, Any], max_frame: int = MAX_FRAME) -> bytes:
     """Length prefix + msgpack body. Raises ProtocolError(FRAME_TOO_LARGE) above ``max_frame``."""
-    body: bytes = msgpack.packb(msg, use_bin_type=True)
+    body: bytes = _PACKERS.packer.pack(msg)
     if len(body) > max_frame:
         raise ProtocolError(
             ErrorCode.FRAME_TOO_LARGE, f"frame body of {len(body)} bytes exceeds {max_frame}"
@@ -51,7 +63,7 @@ def encode_frame(msg: Mapping[str, Any], max_frame: int = MAX_FRAME) -> bytes:
     return _LENGTH.pack(len(body)) + body
 
 
-def decode_body(body: bytes) -> dict[str, Any]:
+def decode_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
     """One frame body → a map with string keys. Fatal ProtocolError otherwise."""
     try:
         msg = msgpack.unpackb(
@@ -59,7 +71,7 @@ def decode_body(body: bytes) -> dict[str, Any]:
         )
     except Exception as exc:  # msgpack raises a zoo: ValueError, FormatError, StackError…
         raise bad(f"undecodable frame body: {type(exc).__name__}") from None
-    if not isinstance(msg, dict) or not all(isinstance(k, str) for k in msg):
+    if type(msg) is not dict or not all(map(isinstance, msg, repeat(str))):
         raise bad("frame body is not a map with string keys")
     return msg
 
@@ -118,35 +130,19 @@ class FrameDecoder:
         if self._error is not None:
             close_fds(fds)
             raise self._error
-        self._fds.extend(fds)
-        self._buf += data
+        if fds:
+            self._fds.extend(fds)
         frames: list[Frame] = []
         try:
-            if self._magic is not None:
-                n = min(len(self._buf), MAGIC_SIZE)
-                if self._buf[:n] != self._magic[:n]:
-                    raise ProtocolError(
-                        ErrorCode.BAD_MAGIC,
-                        f"peer sent {bytes(self._buf[:n])!r}, expected magic {self._magic!r}",
-                    )
-                if n < MAGIC_SIZE:
-                    return frames
-                del self._buf[:MAGIC_SIZE]
-                self._magic = None
-            while len(self._buf) >= LENGTH_SIZE:
-                (length,) = _LENGTH.unpack_from(self._buf)
-                if length == 0:
-                    raise bad("zero-length frame")
-                if length > self._max_frame:
-                    raise ProtocolError(
-                        ErrorCode.FRAME_TOO_LARGE,
-                        f"frame of {length} bytes exceeds the limit of {self._max_frame}",
-                    )
-                if len(self._buf) < LENGTH_SIZE + length:
-                    break
-                msg = decode_body(bytes(self._buf[LENGTH_SIZE : LENGTH_SIZE + length]))
-                del self._buf[: LENGTH_SIZE + length]
-                frames.append(Frame(msg, self._claim_fds(msg)))
+            if self._buf or self._magic is not None:
+                self._buf += data
+                self._frames(self._buf, frames)
+            else:
+                # Nothing buffered (the usual case: a request arrives whole in
+                # one read): frames are decoded from ``data`` itself, and only
+                # an incomplete tail is copied.
+                with memoryview(data) as view:
+                    self._buf += view[self._frames(view, frames) :]
             if len(self._fds) > MAX_FDS:
                 raise bad(f"{len(self._fds)} descriptors sent that no frame declared")
         except ProtocolError as exc:
@@ -159,6 +155,45 @@ class FrameDecoder:
             raise exc from None
         return frames
 
+    def _frames(self, buf: bytearray | memoryview, frames: list[Frame]) -> int:
+        """Append the whole frames at the start of ``buf`` to ``frames``; how many
+        bytes they took. From the buffer (a bytearray), they are also removed."""
+        pos = 0
+        if self._magic is not None:
+            n = min(len(buf), MAGIC_SIZE)
+            if bytes(buf[:n]) != self._magic[:n]:
+                raise ProtocolError(
+                    ErrorCode.BAD_MAGIC,
+                    f"peer sent {bytes(buf[:n])!r}, expected magic {self._magic!r}",
+                )
+            if n < MAGIC_SIZE:
+                return 0
+            pos = MAGIC_SIZE
+            self._magic = None
+        end = len(buf)
+        try:
+            while end - pos >= LENGTH_SIZE:
+                (length,) = _LENGTH.unpack_from(buf, pos)
+                if length == 0:
+                    raise bad("zero-length frame")
+                if length > self._max_frame:
+                    raise ProtocolError(
+                        ErrorCode.FRAME_TOO_LARGE,
+                        f"frame of {length} bytes exceeds the limit of {self._max_frame}",
+                    )
+                start = pos + LENGTH_SIZE
+                if end - start < length:
+                    break
+                # Released before the buffer is trimmed, even when decoding fails.
+                with memoryview(buf)[start : start + length] as body:
+                    msg = decode_body(body)
+                pos = start + length
+                frames.append(Frame(msg, self._claim_fds(msg)))
+        finally:
+            if pos and type(buf) is bytearray:
+                del buf[:pos]
+        return pos
+
     def raise_if_failed(self) -> None:
         """Raise the error a previous ``feed`` deferred behind good frames, if any."""
         if self._error is not None:
@@ -166,6 +201,8 @@ class FrameDecoder:
 
     def _claim_fds(self, msg: Mapping[str, Any]) -> list[int]:
         n = msg.get("fds", 0)
+        if n == 0 and type(n) is int:
+            return []
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_FDS:
             raise bad(f"fds: {n!r} is not an integer in [0, {MAX_FDS}]")
         if n > len(self._fds):

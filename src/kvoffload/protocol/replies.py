@@ -130,6 +130,11 @@ class LookupReply(ReplyMessage, frozen=True):
     OP: ClassVar[Op] = Op.LOOKUP
     found: Annotated[int, Meta(ge=0, le=MAX_BATCH)]
 
+    def to_wire(self) -> dict[str, Any]:
+        # Message.to_wire's map, without its per-field generic path: a lookup
+        # is on the engine scheduler's path.
+        return {"found": self.found}
+
 
 class CompleteStoreReply(ReplyMessage, frozen=True):
     OP: ClassVar[Op] = Op.COMPLETE_STORE
