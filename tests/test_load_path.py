@@ -197,15 +197,7 @@ def resident_pages(path: Path) -> int:
 def cold(store: Store, n: int) -> bool:
     """Drop the objects of chunks [0, n) from the page cache; False where the
     kernel kept them (then the test cannot tell a cold read from a warm one)."""
-    paths = [store.root / v1.object_relpath(TENANT, key(i)) for i in range(n)]
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return not any(resident_pages(path) for path in paths)
+    return drop_cached(store, range(n))
 
 
 # -- whole-chunk loads: parallel, each chunk in its own region -------------------------

@@ -515,6 +515,32 @@ def _check_whole(
             raise CorruptObject(f"layer {i}: checksum mismatch")
 
 
+def _admit(
+    h: ObjectHeader,
+    size: int,
+    out: memoryview,
+    tenant: str,
+    namespace: bytes,
+    chunk_key: bytes,
+    aead_for_epoch: Callable[[int], Aead | None],
+) -> Aead | None:
+    """The whole-object checks of :func:`open_into` and :func:`open_read_into`
+    before any layer is read: the object is this chunk's, ``size`` bytes as its
+    header says, fits ``out``, and (sealed) has its key; that key, or None."""
+    if h.chunk_key != chunk_key or h.tenant != tenant or h.namespace != namespace:
+        raise ObjectMismatch("object belongs to another chunk key, tenant or namespace")
+    if size != h.total_size:
+        raise CorruptObject(f"object is {size} bytes, header says {h.total_size}")
+    if len(out) < h.payload_size:
+        # The caller sized ``out`` from what it expected of this chunk: the
+        # object is another one (relabelled, or from a store of other shapes).
+        raise ObjectMismatch(f"object holds {h.payload_size} bytes, {len(out)} expected")
+    aead = aead_for_epoch(h.key_epoch) if h.sealed else None
+    if h.sealed and aead is None:
+        raise UnknownKeyEpoch(f"no key for epoch {h.key_epoch} (purged, unknown or newer)")
+    return aead
+
+
 def open_into(
     buf: memoryview,
     out: memoryview,
@@ -534,18 +560,7 @@ def open_into(
     whatever it raises stops the copy there (a cancelled load).
     """
     h = decode_header(buf)
-    if h.chunk_key != chunk_key or h.tenant != tenant or h.namespace != namespace:
-        raise ObjectMismatch("object belongs to another chunk key, tenant or namespace")
-    size = h.total_size
-    if len(buf) != size:
-        raise CorruptObject(f"object is {len(buf)} bytes, header says {size}")
-    if len(out) < h.payload_size:
-        # The caller sized ``out`` from what it expected of this chunk: the
-        # object is another one (relabelled, or from a store of other shapes).
-        raise ObjectMismatch(f"object holds {h.payload_size} bytes, {len(out)} expected")
-    aead = aead_for_epoch(h.key_epoch) if h.sealed else None
-    if h.sealed and aead is None:
-        raise UnknownKeyEpoch(f"no key for epoch {h.key_epoch} (purged, unknown or newer)")
+    aead = _admit(h, len(buf), out, tenant, namespace, chunk_key, aead_for_epoch)
     hl = header_length(len(h.layers))
     if not _is_zero(buf[hl : h.data_offset]):
         raise CorruptObject("non-zero padding after header")
@@ -594,15 +609,7 @@ def open_read_into(
         if len(head) < hl <= min(size, MAX_HEADER_LENGTH):
             head = _read_exact(read_at, alloc(hl)[:hl], 0)
     h = decode_header(head)
-    if h.chunk_key != chunk_key or h.tenant != tenant or h.namespace != namespace:
-        raise ObjectMismatch("object belongs to another chunk key, tenant or namespace")
-    if size != h.total_size:
-        raise CorruptObject(f"object is {size} bytes, header says {h.total_size}")
-    if len(out) < h.payload_size:
-        raise ObjectMismatch(f"object holds {h.payload_size} bytes, {len(out)} expected")
-    aead = aead_for_epoch(h.key_epoch) if h.sealed else None
-    if h.sealed and aead is None:
-        raise UnknownKeyEpoch(f"no key for epoch {h.key_epoch} (purged, unknown or newer)")
+    aead = _admit(h, size, out, tenant, namespace, chunk_key, aead_for_epoch)
     hl = header_length(len(h.layers))
     if len(head) >= h.data_offset:
         pad = head[hl : h.data_offset]
