@@ -498,3 +498,53 @@ def test_an_eviction_is_journaled_under_the_epoch_its_fence_allowed(nodes: Nodes
     ]
     assert evicted
     assert [r.grant_epoch for r in evicted] == [held.epoch] * len(evicted)
+
+
+def test_a_holder_writes_only_under_a_grant_already_on_its_lease_file(nodes: Nodes) -> None:
+    """A grant the holder raises for itself between ticks is published before it is
+    used: a node that takes over after the holder pauses reads, from the file,
+    every byte the old holder may still write (shared-root-v1.md §4.1)."""
+    from kvoffload.sidecar.rootlease import EvictorLease
+
+    size = len(b"".join(layers(0)))
+    cap = 12 * (size + 8192)
+    a = nodes.node("a", capacity_bytes=cap, evictor_lease_s=3600.0)
+    node_id = a._shared.node_id  # type: ignore[union-attr]
+    observer = EvictorLease(nodes.tmp / "root", "0" * 32, "observer")
+    refills = 0
+    last_grant = 0
+    for j in range(40):  # several times the capacity: grants run out and are raised
+        with contextlib.suppress(StoreFull):
+            a.put("acme", NS, key(j), layers(j))
+        on_file = observer.current()
+        assert on_file is not None
+        grant = a.shared_info()["grant"]  # type: ignore[index]
+        assert grant["written"] <= on_file.grants.get(node_id, 0), (j, grant, on_file.grants)
+        refills += grant["bytes"] > last_grant
+        last_grant = grant["bytes"]
+    assert refills > 2  # raised between ticks, not only at a tick
+
+
+@pytest.mark.parametrize("who", ["holder", "other"])
+def test_a_node_resumed_from_a_pause_writes_nothing_until_it_reads_the_lease_again(
+    nodes: Nodes, who: str
+) -> None:
+    """A pause (SIGSTOP, a VM freeze) longer than the lease lets the others take the
+    role and stop counting the old grants; the paused node's writer must not go on
+    under what it knew before the pause."""
+    size = len(b"".join(layers(0)))
+    cap = 12 * (size + 8192)
+    a = nodes.node("a", capacity_bytes=cap, evictor_lease_s=60.0)
+    b = nodes.node("b", capacity_bytes=cap, evictor_lease_s=60.0)
+    a.evictor_tick()  # a holds the role and grants b
+    b.evictor_tick()
+    s = a if who == "holder" else b
+    assert s.put("acme", NS, key(0), layers(0))
+    lease = s._shared.lease  # type: ignore[union-attr]
+    real = lease._clock
+    lease._clock = lambda: real() + 61.0  # the pause: the monotonic clock ran on
+    with pytest.raises(StoreFull):
+        s.put("acme", NS, key(1), layers(1))
+    s.evictor_tick()  # its loop runs again: it reads the lease (and may take it)
+    s.evictor_tick()
+    assert s.put("acme", NS, key(2), layers(2))

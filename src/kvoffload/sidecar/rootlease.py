@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -142,6 +143,11 @@ class EvictorLease:
         #: When this node took the role: the lease it replaced (its grants may
         #: still be in use by nodes that have not seen the new epoch).
         self.previous: LeaseState | None = None
+        #: When (this node's monotonic clock) :meth:`tick` last read the lease file.
+        self.read_at = 0.0
+        # tick, publish and release may run on different threads (the follower's
+        # loop; a writer whose grant ran out): one renewal at a time.
+        self._lock = threading.RLock()
 
     # -- reading -------------------------------------------------------------
 
@@ -179,6 +185,10 @@ class EvictorLease:
     # -- acting --------------------------------------------------------------
 
     def tick(self) -> bool:
+        with self._lock:
+            return self._tick()
+
+    def _tick(self) -> bool:
         now = self._clock()
         if self._held is not None:
             if now < self._deadline and self._renew(now):
@@ -187,6 +197,7 @@ class EvictorLease:
         cur = self.current()
         self.last_seen = cur
         self.previous = cur
+        self.read_at = now
         if cur is None:
             return self._take(1, now)
         # Our own lease that we stopped renewing in time (a pause, a failed
@@ -239,6 +250,30 @@ class EvictorLease:
         self._held, self._deadline = state, now + self.ttl_s
         return True
 
+    def publish(self) -> bool:
+        """Write :attr:`grants` into the held lease now (a renewal), so that a grant
+        is on file before its node uses it; whether this node still holds the role."""
+        with self._lock:
+            now = self._clock()
+            held = self._held
+            if held is None or now >= self._deadline:
+                return False
+            # True only when the file now says what grants says (a failed write
+            # keeps the role until the deadline, but publishes nothing).
+            return self._renew(now) and self._held is not held
+
+    def valid_until(self) -> float:
+        """Until when (this node's monotonic clock) the lease state it knows of may
+        bound its writes (shared-root-v1.md §4.1): the holder's own deadline, or
+        ``ttl_s`` after an observer last read the lease file. A node paused past
+        it writes nothing until its next :meth:`tick`."""
+        if self._held is not None:
+            return self._deadline
+        return self.read_at + self.ttl_s
+
+    def now(self) -> float:
+        return self._clock()
+
     def _higher_epoch_exists(self, epoch: int) -> bool:
         return any(e > epoch for e in self._epochs())
 
@@ -257,6 +292,10 @@ class EvictorLease:
 
     def release(self) -> None:
         """Give the role up (clean shutdown): others may take it at once."""
+        with self._lock:
+            self._release()
+
+    def _release(self) -> None:
         if self._held is None:
             return
         state = LeaseState(

@@ -387,7 +387,10 @@ class Store(Leases):
             else:
                 sh.refresh_view_locked()
         if held and sh.lease.grants != before:
-            held = sh.lease.tick()  # publish the new grants now (a renewal)
+            sh.lease.publish()  # the new grants, on file before they are used
+            held = sh.lease.held is not None
+            with self._mu:
+                sh.refresh_view_locked()
         if to_free and cap is not None:
             self._evict(_Scope(self, cap), to_free)  # each removal fenced
         return held

@@ -87,6 +87,7 @@ class SharedRoot:
         self.written: dict[int, int] = {}  # grant epoch -> bytes this node wrote
         self.view_epoch = 0
         self.view_grant = 0
+        self.view_until = 0.0  # lease.valid_until() at the last refresh
         self._old_until = 0.0
         self._settle_epoch = 0
 
@@ -113,7 +114,11 @@ class SharedRoot:
     # -- write grants (§4.1): one capacity for the root ---------------------------
 
     def remaining_locked(self) -> int:
-        """Bytes this node may still write under the grant it knows of."""
+        """Bytes this node may still write under the grant it knows of; none once
+        that knowledge is older than the lease allows (a node resumed from a pause
+        writes nothing until its loop has read the lease again)."""
+        if self.lease.now() > self.view_until:
+            return 0
         return self.view_grant - self.written.get(self.view_epoch, 0)
 
     def committed_locked(self, nbytes: int) -> None:
@@ -129,10 +134,14 @@ class SharedRoot:
         return self.seen.get((node, epoch), 0)
 
     def refresh_view_locked(self) -> None:
-        """Take this node's grant from the lease in force (its own, when held)."""
+        """Take this node's grant from the lease file in force, as last read or, when
+        held, as last written: a grant the holder raised in memory bounds its own
+        writes only once published, so a node that takes over after a pause of the
+        holder counts every byte the old holder may still write."""
+        self.view_until = self.lease.valid_until()
         held = self.lease.held
         if held is not None:
-            epoch, grant = held.epoch, self.lease.grants.get(self.node_id, 0)
+            epoch, grant = held.epoch, held.grants.get(self.node_id, 0)
         elif self.lease.last_seen is not None and not self.lease.last_seen.released:
             cur = self.lease.last_seen
             epoch, grant = cur.epoch, cur.grants.get(self.node_id, 0)
@@ -179,8 +188,9 @@ class SharedRoot:
         return max(0, bound - int(capacity * low)) if bound > capacity * high else 0
 
     def refill_own_locked(self, used: int, capacity: int) -> None:
-        """The holder's own grant ran out between ticks: raise it from the room now
-        (the others' grants are raised at the next tick, when they can see them)."""
+        """The holder's own grant ran out between ticks: raise it from the room and
+        publish it now (the others' grants are raised at the next tick, when they
+        can see them)."""
         held = self.lease.held
         if held is None or not self.lease.fence():
             return
@@ -191,6 +201,7 @@ class SharedRoot:
             grants[self.node_id] = grants.get(self.node_id, mine) + min(
                 room, self.grant_max(capacity)
             )
+            self.lease.publish()  # on file before it is used; else it is not used
             self.refresh_view_locked()
 
     @staticmethod
