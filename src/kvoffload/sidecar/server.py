@@ -261,9 +261,14 @@ class Server:
         assert self._listener is not None
         loop = asyncio.get_running_loop()
         while True:
+            accepting = asyncio.ensure_future(loop.sock_accept(self._listener))
             try:
-                sock, _ = await loop.sock_accept(self._listener)
+                sock, _ = await accepting
             except asyncio.CancelledError:
+                # Shutdown: a connection the kernel accepted just before is
+                # closed here, not left to the garbage collector.
+                accepting.add_done_callback(_close_accepted)
+                accepting.cancel()
                 raise
             except OSError as exc:
                 # EMFILE and friends: back off rather than spin.
@@ -338,6 +343,11 @@ class Server:
         self.pool.shutdown(wait=True)
         self._stopped.set()
         log.info("stopped")
+
+
+def _close_accepted(fut: asyncio.Future[tuple[socket.socket, object]]) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        fut.result()[0].close()
 
 
 __all__ = [
