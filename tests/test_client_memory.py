@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,6 +53,8 @@ class FakeSidecar:
         self.bad_offsets = False
         self.bad_complete = False
         self.complete_in_order = True
+        self.chunkwise = False  # announce §5.30 and send a chunk frame per chunk
+        self.unsay = False  # then a reply that verifies none of them (a broken server)
         self.forbid_store = False
         self.refuse_version = False
         self.reject_no_space: set[bytes] = set()
@@ -116,6 +118,7 @@ class FakeSidecar:
                             max_batch=self.max_batch,
                             # One request after the other: in order (§5.29).
                             complete_in_order=self.complete_in_order,
+                            chunkwise=self.chunkwise,
                         )
                 elif isinstance(req, p.RegisterStaging):
                     assert len(frame.fds) == 1
@@ -191,6 +194,13 @@ class FakeSidecar:
                         if self.bad_offsets:
                             off = staging.size  # points past the end of the buffer
                         loaded.append(p.LoadSlot(True, off, tuple(sizes)))
+                        if self.chunkwise and req.chunkwise and len(loaded) < len(req.keys):
+                            j = len(loaded) - 1
+                            t.send(p.reply_message(rid, p.LoadProgress(0, j + 1, (loaded[j],), j)))
+                    if self.unsay:
+                        for slot in loaded:
+                            alloc.free(slot.offset)
+                        loaded, stop = [], ErrorCode.NOT_FOUND
                     pad = [p.LoadSlot(False)] * (len(req.keys) - len(loaded))
                     h = 0
                     if loaded:
@@ -595,3 +605,49 @@ def test_lazy_connect(fake: FakeSidecar, clock: FakeClock) -> None:
         assert not c.connected
         assert c.load([]) == []
         assert fake.connects == 0
+
+
+def test_chunk_frames_hand_each_chunk_out_before_the_reply(
+    fake: FakeSidecar, clock: FakeClock
+) -> None:
+    """To a server that announces chunk-wise loads (§5.30) the client asks for
+    them and hands out each chunk as its frame arrives; to one that does not,
+    it never sends the key."""
+    for i in range(3):
+        fake.chunks[key(i)] = layers_of(i)
+    got: list[tuple[int, bytes]] = []
+
+    def into(idx: int, _k: bytes, views: Sequence[memoryview]) -> None:
+        got.append((idx, b"".join(bytes(v) for v in views)))
+
+    with make_client(fake, clock) as c:
+        assert all(r.ok for r in c.load([key(i) for i in range(3)], into=into))
+    assert fake.of_type(p.PrepareLoad)[-1].chunkwise is False  # not announced
+    fake.chunkwise = True
+    got.clear()
+    with make_client(fake, clock) as c:
+        res = c.load([key(i) for i in range(3)], into=into)
+        assert [r.ok for r in res] == [True] * 3
+        plain = c.load([key(i) for i in range(3)])  # copies out, from frames too
+        assert [b"".join(bytes(v) for v in r.layers or []) for r in plain] == [
+            b"".join(layers_of(i)) for i in range(3)
+        ]
+        assert c.connected
+    assert fake.of_type(p.PrepareLoad)[-1].chunkwise is True
+    assert got == [(i, b"".join(layers_of(i))) for i in range(3)]
+
+
+def test_a_reply_that_unsays_a_chunk_frame_drops_the_connection(
+    fake: FakeSidecar, clock: FakeClock
+) -> None:
+    """A chunk reported in a frame is loaded (§5.30): a reply that then says it
+    is not breaks the protocol; the client drops the connection, and what the
+    frames handed out (verified bytes) stays handed out."""
+    for i in range(3):
+        fake.chunks[key(i)] = layers_of(i)
+    fake.chunkwise = fake.unsay = True
+    with make_client(fake, clock) as c:
+        res = c.load([key(i) for i in range(3)])
+        assert [r.ok for r in res] == [True, True, False]
+        assert b"".join(bytes(v) for v in res[1].layers or []) == b"".join(layers_of(1))
+        assert not c.connected

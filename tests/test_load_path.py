@@ -460,11 +460,15 @@ def test_a_load_waits_for_one_reply_per_batch(
     assert path is not None
     need = sum(v1.align_up(sum(len(x) for x in chunk(i))) for i in range(CHUNKS))
     calls: list[str] = []
-    real_call, real_post = ClientSession.call, ClientSession.post
+    real_call, real_post, real_send = ClientSession.call, ClientSession.post, ClientSession.send
 
     def call(self_: ClientSession, req: Any, fds: Any = ()) -> Any:
         calls.append("call " + req.OP.value)
         return real_call(self_, req, fds)
+
+    def send(self_: ClientSession, req: Any) -> int:  # then its replies are waited for
+        calls.append("call " + req.OP.value)
+        return real_send(self_, req)
 
     def post(self_: ClientSession, req: Any) -> None:
         calls.append("post " + req.OP.value)
@@ -472,6 +476,7 @@ def test_a_load_waits_for_one_reply_per_batch(
 
     monkeypatch.setattr(ClientSession, "call", call)
     monkeypatch.setattr(ClientSession, "post", post)
+    monkeypatch.setattr(ClientSession, "send", send)
     with SidecarClient(path, TENANT, staging_bytes=need) as c:
         for _ in range(20):
             assert loaded_bytes(c, CHUNKS) == [b"".join(chunk(i)) for i in range(CHUNKS)]

@@ -23,6 +23,7 @@ from ..protocol import (
     ErrorCode,
     ErrorReply,
     LoadProgress,
+    LoadSlot,
     PrepareLoad,
     PrepareLoadReply,
     PrepareStore,
@@ -315,46 +316,40 @@ class StagedPath:
         into: LoadCallback | None,
         results: list[LoadedChunk],
     ) -> tuple[int, bool]:
-        """Load keys[pos:] up to one batch; (chunks loaded, worth asking for more)."""
-        staging = self._staging
+        """Load keys[pos:] up to one batch; (chunks loaded, worth asking for more).
+
+        To a server with chunk-wise loads (§5.30) each chunk is handed out as its
+        frame arrives, while the server still reads the chunks after it."""
         batch = keys[pos : pos + s.hello.max_batch]
-        reply = s.call(PrepareLoad(s.tenant, tuple(batch)))
-        if isinstance(reply, ErrorReply):
-            s.on_error_reply(reply)
-            return 0, False
-        prep = expect(reply, PrepareLoadReply)
-        if len(prep.chunks) != len(batch):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "prepare_load reply has wrong length")
-        n = prep.verified
-        loaded = prep.chunks[:n]
+        out = _Handout(self._staging, keys, pos, into, results)
+        prep: PrepareLoadReply | None = None
         try:
-            check_regions([(c.offset, sum(c.layers)) for c in loaded], staging.size)
-            for j, slot in enumerate(loaded):
-                offs, _ = packed_layout(slot.layers)
-                src = [
-                    staging.view[slot.offset + lo : slot.offset + lo + size].toreadonly()
-                    for lo, size in zip(offs, slot.layers, strict=True)
-                ]
-                idx = pos + j
-                if into is None:
-                    buf = memoryview(bytearray(sum(slot.layers)))
-                    layers: list[memoryview] = []
-                    at = 0
-                    for v in src:
-                        buf[at : at + v.nbytes] = v
-                        layers.append(buf[at : at + v.nbytes])
-                        at += v.nbytes
-                    results[idx] = LoadedChunk(keys[idx], True, layers)
-                else:
-                    try:
-                        into(idx, keys[idx], src)
-                    finally:
-                        for v in src:
-                            with contextlib.suppress(BufferError):
-                                v.release()
-                    results[idx] = LoadedChunk(keys[idx], True)
+            if s.hello.chunkwise:
+                req = PrepareLoad(s.tenant, tuple(batch), chunkwise=True)
+                rid = s.send(req)
+                try:
+                    while True:
+                        reply = s.reply_to(rid, req)
+                        if not isinstance(reply, LoadProgress):
+                            break
+                        out.frame(reply)
+                except BaseException as exc:
+                    # Frames of this request may still be coming: the connection
+                    # can only be dropped (the server releases what it held).
+                    if s.alive:
+                        s.lose(exc)
+                    raise
+            else:
+                reply = s.call(PrepareLoad(s.tenant, tuple(batch)))
+            if isinstance(reply, ErrorReply):
+                s.on_error_reply(reply)
+                return out.done, False
+            prep = expect(reply, PrepareLoadReply)
+            if len(prep.chunks) != len(batch):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "prepare_load reply has wrong length")
+            out.reply(prep)
         finally:
-            if prep.handle:
+            if prep is not None and prep.handle:
                 # Everything verified is already copied out: a failure from
                 # here on cannot unmake those results, and a disconnect
                 # releases the handle anyway. Its Ack is read on the way to the
@@ -363,6 +358,8 @@ class StagedPath:
                     s.complete_load(prep.handle)
                 except CONNECTION_ERRORS as exc:
                     s.lose(exc)
+        out.raise_failure()
+        n = out.done
         # OK and NOT_FOUND are ordinary outcomes; BUSY after progress means "ask again".
         quiet = prep.stop in (ErrorCode.OK, ErrorCode.NOT_FOUND) or (
             prep.stop is ErrorCode.BUSY and n > 0
@@ -374,6 +371,82 @@ class StagedPath:
                 f"kvoffload load stopped early: {prep.stop.name}",
             )
         return n, prep.stop is ErrorCode.BUSY and n > 0
+
+
+class _Handout:
+    """The verified chunks of one ``prepare_load`` batch, handed out in order:
+    copied into ``results`` or passed to ``into`` as read-only views of staging,
+    from chunk frames (§5.30) as they arrive, then from the reply."""
+
+    def __init__(
+        self,
+        staging: StagingBuffer,
+        keys: list[bytes],
+        pos: int,
+        into: LoadCallback | None,
+        results: list[LoadedChunk],
+    ) -> None:
+        self.staging = staging
+        self.keys = keys
+        self.pos = pos
+        self.into = into
+        self.results = results
+        self.given: list[tuple[int, tuple[int, ...]]] = []  # (offset, layers) handed out
+        self.failure: BaseException | None = None  # from ``into``: raised after the reply
+
+    @property
+    def done(self) -> int:
+        return len(self.given)
+
+    def frame(self, p: LoadProgress) -> None:
+        if p.layers_done or p.first != self.done or not p.chunks:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "chunk frame out of order")
+        self._hand_out(p.chunks)
+
+    def reply(self, prep: PrepareLoadReply) -> None:
+        n = prep.verified
+        if n < self.done or any(
+            (c.offset, c.layers) != g for c, g in zip(prep.chunks, self.given, strict=False)
+        ):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "prepare_load reply unsays a chunk frame")
+        self._hand_out(prep.chunks[self.done : n])
+
+    def _hand_out(self, slots: Sequence[LoadSlot]) -> None:
+        check_regions([(c.offset, sum(c.layers)) for c in slots], self.staging.size)
+        view = self.staging.view
+        for slot in slots:
+            idx = self.pos + self.done
+            offs, _ = packed_layout(slot.layers)
+            src = [
+                view[slot.offset + lo : slot.offset + lo + size].toreadonly()
+                for lo, size in zip(offs, slot.layers, strict=True)
+            ]
+            self.given.append((slot.offset, slot.layers))
+            if self.into is None:
+                buf = memoryview(bytearray(sum(slot.layers)))
+                layers: list[memoryview] = []
+                at = 0
+                for v in src:
+                    buf[at : at + v.nbytes] = v
+                    layers.append(buf[at : at + v.nbytes])
+                    at += v.nbytes
+                self.results[idx] = LoadedChunk(self.keys[idx], True, layers)
+                continue
+            try:
+                if self.failure is None:
+                    self.into(idx, self.keys[idx], src)
+            except BaseException as exc:  # raised once the server was told (load())
+                self.failure = exc
+            finally:
+                for v in src:
+                    with contextlib.suppress(BufferError):
+                        v.release()
+            if self.failure is None:
+                self.results[idx] = LoadedChunk(self.keys[idx], True)
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
 
 
 class _Layerwise:

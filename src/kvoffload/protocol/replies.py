@@ -91,6 +91,9 @@ class HelloReply(ReplyMessage, frozen=True):
     #: without ``corrupt`` before it reads the connection's next request, so a
     #: client may send it and go on without waiting. Absent: false.
     complete_in_order: bool = False
+    #: Optional (revision 12, §5.30): the server answers ``prepare_load`` with
+    #: ``chunkwise`` by reporting chunks as they are verified. Absent: false.
+    chunkwise: bool = False
 
     def validate_wire(self, where: str) -> None:
         if self.alignment & (self.alignment - 1):
@@ -114,6 +117,7 @@ class HelloReply(ReplyMessage, frozen=True):
             }
             | ({"layerwise": True} if self.layerwise else {})
             | ({"complete_in_order": True} if self.complete_in_order else {})
+            | ({"chunkwise": True} if self.chunkwise else {})
         )
 
 
@@ -431,11 +435,13 @@ class PrepareLoadReply(ReplyMessage, frozen=True):
 
 
 class LoadProgress(ReplyMessage, frozen=True):
-    """§5.26: an interim frame of a layer-wise ``prepare_load`` (same ``id``, code 0).
+    """An interim frame of a ``prepare_load`` (same ``id``, code 0).
 
-    The first frame (``layers_done`` 0) carries ``chunks``, the regions planned
-    for the leading keys; each later one says that layers ``[0, layers_done)``
-    of the first ``verified`` planned chunks are in their regions, verified.
+    Layer-wise (§5.26): the first frame (``layers_done`` 0) carries ``chunks``,
+    the regions planned for the leading keys; each later one says that layers
+    ``[0, layers_done)`` of the first ``verified`` planned chunks are in their
+    regions, verified. Chunk-wise (§5.30): each frame carries the entries of
+    chunks ``[first, verified)``, wholly in their regions and verified.
     """
 
     OP: ClassVar[Op] = Op.LOAD_PROGRESS
@@ -443,18 +449,26 @@ class LoadProgress(ReplyMessage, frozen=True):
     layers_done: Annotated[int, Meta(ge=0, le=MAX_LAYERS)] = 0
     verified: Annotated[int, Meta(ge=0, le=MAX_BATCH)] = 0
     chunks: Annotated[tuple[LoadSlot, ...], Meta(max_length=MAX_BATCH)] = ()
+    #: Revision 12 (§5.30): the request index of ``chunks[0]`` (absent: 0).
+    first: Annotated[int, Meta(ge=0, le=MAX_BATCH)] = 0
 
     def validate_wire(self, where: str) -> None:
         if self.chunks and self.layers_done:
             raise bad(f"{where}: chunks are planned only in the first frame")
-        if self.chunks and self.verified != len(self.chunks):
-            raise bad(f"{where}: verified {self.verified} != {len(self.chunks)} planned chunks")
+        if self.first and not self.chunks:
+            raise bad(f"{where}: first {self.first} without chunks")
+        if self.chunks and self.verified != self.first + len(self.chunks):
+            raise bad(
+                f"{where}: verified {self.verified} != {self.first} + {len(self.chunks)} chunks"
+            )
         for i, c in enumerate(self.chunks):
             if not c.verified or not c.layers or c.offset % ALIGNMENT:
                 raise bad(f"{where}.chunks[{i}]: not a planned region")
 
     def to_wire(self) -> dict[str, Any]:
         d: dict[str, Any] = {"layers_done": self.layers_done, "verified": self.verified}
+        if self.first:
+            d["first"] = self.first
         if self.chunks:
             d["chunks"] = [
                 {"verified": True, "offset": c.offset, "layers": list(c.layers)}

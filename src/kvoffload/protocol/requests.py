@@ -93,11 +93,17 @@ class PrepareLoad(_TenantKeys, frozen=True):
     #: frames before the reply). Sent only when true, and only to a server whose
     #: ``hello`` announced ``layerwise``; ignored by ``lease_load``.
     layerwise: bool = False
+    #: Revision 12 (§5.30): report chunks as they are verified (chunk frames
+    #: before the reply). Sent only when true, only to a server whose ``hello``
+    #: announced ``chunkwise``, never with ``layerwise``.
+    chunkwise: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         d: dict[str, Any] = {"tenant": self.tenant, "keys": list(self.keys)}
         if self.layerwise:
             d["layerwise"] = True
+        if self.chunkwise:
+            d["chunkwise"] = True
         return d
 
 

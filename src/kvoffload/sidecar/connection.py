@@ -504,7 +504,8 @@ class Connection:
     def _spawn(self, rid: int, req: Request, pad: Pad | None, arrived: float) -> None:
         assert self._loop is not None
         work = _InFlight(rid, req, pad, arrived, self._loop.create_future())
-        emit = self._emitter(rid) if isinstance(req, PrepareLoad) and req.layerwise else None
+        interim = isinstance(req, PrepareLoad) and (req.layerwise or req.chunkwise)
+        emit = self._emitter(rid) if interim else None
         # Registered after a submit that did not raise (its completion is
         # handled on this thread, later): no entry the teardown would wait on forever.
         self.pool.submit(self._on_pool, work, emit)
@@ -578,7 +579,7 @@ class Connection:
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
     def _emitter(self, rid: int) -> Callable[[LoadProgress], bool]:
-        """§5.26: interim frames of request ``rid``, sent from its pool thread.
+        """§5.26, §5.30: interim frames of request ``rid``, sent from its pool thread.
 
         Each waits until its frame is written, so frames leave in order, before
         the request's reply, and a slow client slows the load instead of

@@ -173,6 +173,7 @@ class PlannedLoadsAPI(Protocol):
         recs: Sequence[ChunkRecord],
         outs: Sequence[memoryview],
         guard: Callable[[int], None],
+        on_chunk: Callable[[int, list[int]], None] | None = ...,
     ) -> list[list[int] | None]: ...
 
     def load_planned_layerwise(

@@ -177,6 +177,7 @@ class Session(Transfers):
             layerwise=True,
             store=True,
             complete_in_order=True,  # connection.py answers it on the loop (§5.29)
+            chunkwise=True,
         )
 
     def register_staging(self, req: RegisterStaging, fds: list[int]) -> Reply:

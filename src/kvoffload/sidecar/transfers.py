@@ -92,6 +92,48 @@ class _WouldWait(Exception):
     """An inline ``prepare_load`` that would wait on the device or the disk."""
 
 
+#: A chunk frame (protocol-v1 §5.30) once at least this much more is verified:
+#: a frame costs a hop to the event loop and a wake-up of the client, worth it
+#: where the client's copy of what it reports takes longer.
+CHUNK_FRAME_MIN_BYTES = 4 << 20
+
+
+class _ChunkFrames:
+    """The chunk frames of one chunk-wise ``prepare_load`` (§5.30), sent from the
+    thread that reads it as the verified prefix grows; never one for the
+    request's last planned chunk (the reply reports it as soon)."""
+
+    def __init__(self, h: LoadHandle, emit: EmitFn, planned: int) -> None:
+        self.h = h
+        self.emit: EmitFn | None = emit
+        self.planned = planned
+        #: Layer lengths of the chunks reported so far (a prefix).
+        self.reported: list[list[int] | None] = []
+        self.pending: list[list[int]] = []
+        self.pending_bytes = 0
+
+    def verified(self, i: int, lengths: list[int]) -> None:
+        if i != len(self.reported) + len(self.pending):
+            return  # not the next of the prefix: report nothing more
+        self.pending.append(lengths)
+        self.pending_bytes += sum(lengths)
+        if self.pending_bytes < CHUNK_FRAME_MIN_BYTES or i + 1 >= self.planned:
+            return
+        first = len(self.reported)
+        slots = tuple(
+            LoadSlot(True, self.h.offsets[first + j], tuple(ls))
+            for j, ls in enumerate(self.pending)
+        )
+        if self.emit is not None and not self.emit(
+            LoadProgress(0, first + len(slots), slots, first)
+        ):
+            self.emit = None  # the client left: the reply goes nowhere either
+        # Reported or not (a client that left reads nothing more), these stay
+        # loaded: the read's result keeps them.
+        self.reported.extend(self.pending)
+        self.pending, self.pending_bytes = [], 0
+
+
 class Transfers:
     """§5.4–§5.8, §5.14, §5.15: ``prepare_store``/``lease_store`` →
     ``complete_store`` and ``prepare_load``/``lease_load`` → ``complete_load``."""
@@ -451,6 +493,7 @@ class Transfers:
         everything, where no chunk could be answered without a wait)."""
         self._open_handle_slot()
         layerwise = emit if req.layerwise else None
+        chunkwise = emit if req.chunkwise and not req.layerwise else None
         staging, alloc = self._registered()
         store = self.service.store
         align = self.service.config.alignment
@@ -526,6 +569,7 @@ class Transfers:
             # its region (sidecar/store/pipeline.py).
             outs = [staging.view[off : off + n] for off, n in zip(h.offsets, payloads, strict=True)]
             served = len(recs)  # chunks the read below answers (a hit or a miss)
+            frames = _ChunkFrames(h, chunkwise, len(recs)) if chunkwise is not None else None
             try:
                 if cached is not None:
                     results = inline  # read above
@@ -536,12 +580,20 @@ class Transfers:
                         elif planned is not None and guard is not None:
                             # One pass per chunk, on the store's I/O streams, with the
                             # records just read: no second index lookup.
-                            results = planned.load_planned(h.tenant, recs, outs, guard)
+                            results = planned.load_planned(
+                                h.tenant,
+                                recs,
+                                outs,
+                                guard,
+                                on_chunk=None if frames is None else frames.verified,
+                            )
                         else:
                             results = store.get_many_into(h.tenant, list(h.keys), outs)
             except Exception:
                 log.exception("%r: reading chunks failed", self)
-                results = [None] * len(payloads)
+                # A chunk already reported in a chunk frame stays loaded (§5.30).
+                done = [] if frames is None else frames.reported
+                results = [*done, *[None] * (len(payloads) - len(done))]
                 stop = ErrorCode.INTERNAL
             finally:
                 for o in outs:

@@ -634,16 +634,22 @@ class Pipeline(Maintenance):
         recs: Sequence[ChunkRecord],
         outs: Sequence[memoryview],
         guard: Callable[[int], None],
+        on_chunk: Callable[[int, list[int]], None] | None = None,
     ) -> list[list[int] | None]:
         """:meth:`get_many_into` of chunks whose index records the caller just
         looked up (``payload_info``, after :meth:`load_guard`): the same reads and
         checks, without a second index lookup per chunk. The object must still be
-        the one its record describes, or the chunk is a miss."""
+        the one its record describes, or the chunk is a miss.
+
+        ``on_chunk(i, lengths)`` is called in order for each chunk of the leading
+        verified prefix as soon as it is known (protocol-v1 §5.30: the caller
+        hands it out while the later chunks are read); such a chunk is in the
+        result whatever happens to the chunks after it."""
         if len(outs) != len(recs):
             raise ValueError("one output buffer per record")
         if len(recs) == 1:
             return [self._load_one(tenant, recs[0], outs[0], guard)]
-        return self._load_batch(tenant, len(recs), recs.__getitem__, outs, guard, True)
+        return self._load_batch(tenant, len(recs), recs.__getitem__, outs, guard, True, on_chunk)
 
     @boundary
     def payload_info_cached(self, tenant: str, key: bytes) -> tuple[bool, ChunkRecord | None]:
@@ -697,6 +703,7 @@ class Pipeline(Maintenance):
         outs: Sequence[memoryview],
         guard: Callable[[int], None],
         stop_at_miss: bool,
+        on_chunk: Callable[[int, list[int]], None] | None = None,
     ) -> list[list[int] | None]:
         """The loop of :meth:`get_many_into`: chunk ``i``'s record is ``record(i)``,
         asked in order. A small object whose every byte is in the page cache is
@@ -738,10 +745,13 @@ class Pipeline(Maintenance):
                 if not window:
                     break
                 i, fut = window.popleft()
-                results[i] = fut.result()
-                if results[i] is None and stop_at_miss:
-                    missed = True
-                    break
+                got = results[i] = fut.result()
+                if got is None:
+                    if stop_at_miss:
+                        missed = True
+                        break
+                elif on_chunk is not None:
+                    on_chunk(i, got)
         finally:
             for i, fut in window:  # read past a miss (or an error): wait, then disown
                 try:
