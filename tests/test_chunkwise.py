@@ -12,8 +12,6 @@ unmakes the chunks it reported.
 from __future__ import annotations
 
 import random
-import shutil
-import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -24,11 +22,11 @@ import pytest
 from kvoffload import protocol as p
 from kvoffload.client import SidecarClient
 from kvoffload.sidecar import transfers
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.sidecar.store import Store
 from kvoffload.sidecar.store.pipeline import Pipeline
 from kvoffload.staging import StagingBuffer
 from tests.test_server import Raw, ServerThread, start
+from tests.test_server import sock_dir as sock_dir  # the fixture, shared
 
 TENANT = "acme"
 NS = b"\x44" * 32
@@ -48,28 +46,16 @@ def chunk(i: int, layer_bytes: int = LAYER_BYTES) -> list[bytes]:
 
 
 @pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="kvo-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def store(tmp_path: Path, kek_file: Path) -> Iterator[Store]:
-    s = Store(
-        StoreConfig(root=tmp_path / "root", durability="none"),
-        Kek.from_file(kek_file),
-        create=True,
-    )
+def saved(store: Store) -> Store:
+    """conftest's real store, holding the chunks of these tests."""
     for i in range(CHUNKS):
-        assert s.put(TENANT, NS, key(i), chunk(i))
-    yield s
-    s.close()
+        assert store.put(TENANT, NS, key(i), chunk(i))
+    return store
 
 
 @pytest.fixture
-def server(sock_dir: Path, store: Store) -> Iterator[ServerThread]:
-    st = start(sock_dir, store)
+def server(sock_dir: Path, saved: Store) -> Iterator[ServerThread]:
+    st = start(sock_dir, saved)
     yield st
     st.stop()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import direct as direct_io
@@ -29,6 +29,7 @@ from ..protocol import (
     PrepareStore,
     PrepareStoreReply,
     ProtocolError,
+    Reply,
     Store,
     StoreChunk,
     StoreReply,
@@ -272,23 +273,12 @@ class StagedPath:
         results: list[LoadedChunk],
     ) -> tuple[int, bool]:
         batch = keys[pos : pos + s.hello.max_batch]
-        req = PrepareLoad(s.tenant, tuple(batch), layerwise=True)
-        rid = s.send(req)
         lw = _Layerwise(self._staging, pos, on_layer)
         handle = 0
         try:
-            try:
-                while True:
-                    reply = s.reply_to(rid, req)
-                    if not isinstance(reply, LoadProgress):
-                        break
-                    lw.progress(reply)
-            except BaseException as exc:
-                # Frames of this request are still coming: the connection can
-                # only be dropped (the server then stops before its next layer).
-                if s.alive:
-                    s.lose(exc)
-                raise
+            reply = _with_frames(
+                s, PrepareLoad(s.tenant, tuple(batch), layerwise=True), lw.progress
+            )
             if isinstance(reply, ErrorReply):
                 s.on_error_reply(reply)
                 return 0, False
@@ -326,19 +316,7 @@ class StagedPath:
         try:
             if s.hello.chunkwise:
                 req = PrepareLoad(s.tenant, tuple(batch), chunkwise=True)
-                rid = s.send(req)
-                try:
-                    while True:
-                        reply = s.reply_to(rid, req)
-                        if not isinstance(reply, LoadProgress):
-                            break
-                        out.frame(reply)
-                except BaseException as exc:
-                    # Frames of this request may still be coming: the connection
-                    # can only be dropped (the server releases what it held).
-                    if s.alive:
-                        s.lose(exc)
-                    raise
+                reply = _with_frames(s, req, out.frame)
             else:
                 reply = s.call(PrepareLoad(s.tenant, tuple(batch)))
             if isinstance(reply, ErrorReply):
@@ -371,6 +349,24 @@ class StagedPath:
                 f"kvoffload load stopped early: {prep.stop.name}",
             )
         return n, prep.stop is ErrorCode.BUSY and n > 0
+
+
+def _with_frames(s: Session, req: PrepareLoad, on_frame: Callable[[LoadProgress], None]) -> Reply:
+    """Send ``req`` and pass each of its interim frames (§5.26, §5.30) to
+    ``on_frame``; its reply. A failure on the way drops the connection: frames
+    of this request may still be coming, and the server stops and releases
+    what it held once the connection is gone."""
+    rid = s.send(req)
+    try:
+        while True:
+            reply = s.reply_to(rid, req)
+            if not isinstance(reply, LoadProgress):
+                return reply
+            on_frame(reply)
+    except BaseException as exc:
+        if s.alive:
+            s.lose(exc)
+        raise
 
 
 class _Handout:
