@@ -260,16 +260,18 @@ class Server:
     async def _accept_loop(self) -> None:
         assert self._listener is not None
         loop = asyncio.get_running_loop()
+        listener = self._listener
         while True:
-            accepting = asyncio.ensure_future(loop.sock_accept(self._listener))
+            # accept(2) here, in this task's own step, and only wait (for the
+            # listener to be readable) while nothing is accepted: a shutdown that
+            # cancels this task never finds a connection accepted but not yet
+            # handed to a Connection (loop.sock_accept's can be lost so, its
+            # socket left to the garbage collector).
             try:
-                sock, _ = await accepting
-            except asyncio.CancelledError:
-                # Shutdown: a connection the kernel accepted just before is
-                # closed here, not left to the garbage collector.
-                accepting.add_done_callback(_close_accepted)
-                accepting.cancel()
-                raise
+                sock, _ = listener.accept()
+            except BlockingIOError:
+                await _readable(loop, listener)
+                continue
             except OSError as exc:
                 # EMFILE and friends: back off rather than spin.
                 log.warning("accept failed: %s", exc)
@@ -345,9 +347,20 @@ class Server:
         log.info("stopped")
 
 
-def _close_accepted(fut: asyncio.Future[tuple[socket.socket, object]]) -> None:
-    if not fut.cancelled() and fut.exception() is None:
-        fut.result()[0].close()
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    """Wait until ``sock`` is readable (for a listener: a connection to accept)."""
+    ready: asyncio.Future[None] = loop.create_future()
+    fd = sock.fileno()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(fd, wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
 
 
 __all__ = [
