@@ -103,8 +103,7 @@ def read_reply(
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"reply to request {got}, expected {rid}")
         req = posted.pop(got)
     op = reply.op if isinstance(reply, ErrorReply | Ack) else reply.OP
-    interim = isinstance(req, PrepareLoad) and (req.layerwise or req.chunkwise)
-    if op is Op.LOAD_PROGRESS and interim:
+    if op is Op.LOAD_PROGRESS and isinstance(req, PrepareLoad) and (req.layerwise or req.chunkwise):
         return got, reply  # §5.26, §5.30: an interim frame of this request
     if op != req.OP:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"reply for {op}, expected {req.OP}")

@@ -395,7 +395,7 @@ class _Handout:
         return len(self.given)
 
     def frame(self, p: LoadProgress) -> None:
-        if p.layers_done or p.first != self.done or not p.chunks:
+        if p.first != self.done or not p.chunks:  # (chunks come only with layers_done 0)
             raise ProtocolError(ErrorCode.BAD_REQUEST, "chunk frame out of order")
         self._hand_out(p.chunks)
 
