@@ -30,6 +30,7 @@ change unnoticed.
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from collections.abc import Callable, Sequence
@@ -55,6 +56,10 @@ TMP_PREFIX = ".tmp-"
 
 _FIXED = struct.Struct("<8sHHIIIIHHQ32s32s64s8x")
 _LAYER = struct.Struct("<QQ12s16s4x")
+# The same records read with their reserved bytes, which readers check are zero.
+_FIXED_READ = struct.Struct("<8sHHIIIIHHQ32s32s64s8s")
+_LAYER_READ = struct.Struct("<QQ12s16s4s")
+_ZERO4, _ZERO8, _ZERO_NONCE = bytes(4), bytes(8), bytes(12)
 _CHECK_SIZE = 16
 _AAD = struct.Struct("<8sHHIIIQ32s32sH")
 assert _FIXED.size == 176 and _LAYER.size == 48
@@ -156,12 +161,14 @@ class ObjectHeader:
     def sealed(self) -> bool:
         return bool(self.flags & FLAG_SEALED)
 
-    @property
+    # Computed once per header (a frozen dataclass's cached_property writes to
+    # the instance dict, not through __setattr__): every read asks for both.
+    @functools.cached_property
     def payload_size(self) -> int:
         """Plaintext bytes: the sum of the layer lengths."""
         return sum(le.length for le in self.layers)
 
-    @property
+    @functools.cached_property
     def total_size(self) -> int:
         return total_size(self.data_offset, [le.length for le in self.layers], self.sealed)
 
@@ -271,7 +278,7 @@ def decode_header(buf: bytes | memoryview) -> ObjectHeader:
     # the version. A flipped bit in the version field is corruption, never a
     # "newer" object that this reader would have to leave in place.
     version = peek_version(mv)
-    check_header_checksum(mv)
+    check_header_checksum(mv)  # the one XXH3 of the header: nothing below rereads it
     if version != VERSION:
         raise UnknownLayoutVersion(version, "object header")
     if len(mv) < _FIXED.size:
@@ -290,30 +297,32 @@ def decode_header(buf: bytes | memoryview) -> ObjectHeader:
         key,
         ns,
         tenant_raw,
-    ) = _FIXED.unpack_from(mv, 0)
-    if not 1 <= n <= MAX_LAYERS or hl != header_length(n) or len(mv) < hl:
+        reserved_tail,
+    ) = _FIXED_READ.unpack_from(mv, 0)
+    if not 1 <= n <= MAX_LAYERS or hl != header_length(n):
         raise CorruptObject("bad layer count or header length")
-    if xxhash.xxh3_128_digest(mv[: hl - _CHECK_SIZE]) != bytes(mv[hl - _CHECK_SIZE : hl]):
-        raise CorruptObject("header checksum mismatch")
-    if flags & ~KNOWN_FLAGS or reserved or bytes(mv[168:176]) != bytes(8):
+    if flags & ~KNOWN_FLAGS or reserved or reserved_tail != _ZERO8:
         raise CorruptObject("unknown flags or non-zero reserved field")
     if not 1 <= tlen <= MAX_TENANT or tenant_raw[tlen:] != bytes(MAX_TENANT - tlen):
         raise CorruptObject("bad tenant field")
     sealed = bool(flags & FLAG_SEALED)
     if not sealed and epoch != 0:
         raise CorruptObject("plaintext object with a key epoch")
+    # The placement rule (plan_offsets) checked as the table is read.
+    pad = TAG_SIZE if sealed else 0
+    pos = expect_do = align_up(hl)
     layers = []
-    for i in range(n):
-        off, length, nonce, check = _LAYER.unpack_from(mv, _FIXED.size + i * _LAYER.size)
-        if bytes(
-            mv[_FIXED.size + i * _LAYER.size + 44 : _FIXED.size + (i + 1) * _LAYER.size]
-        ) != bytes(4):
+    table = mv[_FIXED.size : hl - _CHECK_SIZE]
+    for off, length, nonce, check, rsv in _LAYER_READ.iter_unpack(table):
+        if rsv != _ZERO4:
             raise CorruptObject("non-zero reserved field in layer table")
-        if not sealed and nonce != bytes(NONCE_SIZE):
+        if not sealed and nonce != _ZERO_NONCE:
             raise CorruptObject("plaintext layer with a nonce")
+        if off != pos:
+            raise CorruptObject("layer offsets do not follow the v1 placement rule")
+        pos = (off + length + pad + ALIGN - 1) // ALIGN * ALIGN
         layers.append(LayerEntry(off, length, nonce, check))
-    expect_do, expect_offs = plan_offsets(n, [le.length for le in layers], sealed)
-    if data_offset != expect_do or [le.offset for le in layers] != expect_offs:
+    if data_offset != expect_do:
         raise CorruptObject("layer offsets do not follow the v1 placement rule")
     try:
         tenant = tenant_raw[:tlen].decode("utf-8")
@@ -564,13 +573,41 @@ def open_into(
     hl = header_length(len(h.layers))
     if not _is_zero(buf[hl : h.data_offset]):
         raise CorruptObject("non-zero padding after header")
-    pos = 0
-    for i, le in enumerate(h.layers):
+    # open_layer for each layer in turn, its loop-invariant work done once: the
+    # same checks in the same order (a small object's read is mostly this loop).
+    layers, sealed = h.layers, h.sealed
+    if sealed and aead is None:
+        raise UnknownKeyEpoch(f"no key for epoch {h.key_epoch} (purged, unknown or newer)")
+    t = _tenant_bytes(h.tenant)
+    tail = t  # the AAD after its fixed part (layer_aad)
+    n, size, pos = len(layers), h.total_size, 0
+    for i, le in enumerate(layers):
         if before_layer is not None:
             before_layer(i)
-        lo, hi = layer_slot(h, i)
-        open_layer(h, i, buf[lo:hi], out[pos : pos + le.length], aead)
-        pos += le.length
+        length = le.length
+        lo = le.offset
+        hi = layers[i + 1].offset if i + 1 < n else size
+        stored = length + (TAG_SIZE if sealed else 0)
+        if hi - lo < stored or not _is_zero(buf[lo + stored : hi]):
+            raise CorruptObject(f"non-zero padding after layer {i}")
+        dst = out[pos : pos + length]
+        if aead is not None:
+            if buf[lo + length : lo + stored] != le.check:
+                raise CorruptObject(f"layer {i}: tag differs from the header's copy")
+            aad = _AAD.pack(
+                b"KVOFFAAD", h.version, h.flags, h.key_epoch, n, i, length,
+                h.chunk_key, h.namespace, len(t),
+            ) + tail  # fmt: skip
+            try:
+                aead.decrypt_into(le.nonce, buf[lo : lo + stored], aad, dst)
+            except Exception as exc:  # cryptography's InvalidTag
+                raise CorruptObject(f"layer {i}: authentication failed") from exc
+        else:
+            src = buf[lo : lo + stored]
+            if xxhash.xxh3_128_digest(src) != le.check:
+                raise CorruptObject(f"layer {i}: checksum mismatch")
+            dst[:] = src
+        pos += length
     return h
 
 

@@ -449,7 +449,7 @@ def streamed_object(path: Path, max_size: int) -> Iterator[ObjectReader | None]:
 RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
 
 
-def read_cached(path: Path, alloc: AllocFn, max_size: int) -> memoryview | None:
+def read_cached(path: str | Path, alloc: AllocFn, max_size: int) -> memoryview | None:
     """The whole file, read only if every byte of it is in the page cache
     (``preadv2(RWF_NOWAIT)``: no wait on the device); None where part of it is
     not, or where the kernel or file system cannot tell (the caller then reads
@@ -461,7 +461,8 @@ def read_cached(path: Path, alloc: AllocFn, max_size: int) -> memoryview | None:
     try:
         size = os.fstat(fd).st_size
         if size > max_size:
-            raise OSError(errno.EFBIG, f"{path.name}: {size} bytes exceeds the object limit")
+            name = os.path.basename(path)
+            raise OSError(errno.EFBIG, f"{name}: {size} bytes exceeds the object limit")
         buf = alloc(size)[:size]
         try:
             got = os.preadv(fd, [buf], 0, RWF_NOWAIT)

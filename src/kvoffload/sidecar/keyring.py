@@ -168,14 +168,13 @@ class Keyring:
 
     def get(self, tenant: str) -> TenantKeys | None:
         """The tenant's keys, or None when it has no key file (never created, or destroyed)."""
-        path = self._path(tenant)
         with self._lock:
             now = self._clock()
             hit = self._cache.get(tenant)
             if hit is not None and now < hit[0]:
                 return hit[1]
             self._cache.pop(tenant, None)
-            rec = self._load(tenant, path)
+            rec = self._load(tenant, self._path(tenant))
             if rec is None:
                 return None
             self._remember(rec.keys, now)

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from kvoffload.protocol import (
     MAX_FRAME,
@@ -57,7 +57,7 @@ from kvoffload.staging import RegionAllocator, StagingBuffer
 from ..layouts import v1
 from .cancel import PutCancelled
 from .errors import LeaseInvalid, StoreError, StoreFull, StoreIOError
-from .ports import CachedLoadsAPI, PlannedLoadsAPI, TenantSettings
+from .ports import CachedLoadsAPI, PlannedLoadsAPI, TenantSettings, implements
 from .service import (
     DECOY_TENANT,
     Handle,
@@ -498,8 +498,10 @@ class Transfers:
         store = self.service.store
         align = self.service.config.alignment
 
-        planned = store if isinstance(store, PlannedLoadsAPI) else None
-        cached = store if isinstance(store, CachedLoadsAPI) and inline else None
+        planned = cast("PlannedLoadsAPI", store) if implements(store, PlannedLoadsAPI) else None
+        cached = (
+            cast("CachedLoadsAPI", store) if inline and implements(store, CachedLoadsAPI) else None
+        )
         if inline and (cached is None or planned is None):
             raise _WouldWait
 

@@ -238,6 +238,11 @@ class StoreBase:
     def _path(self, tenant: str, key: bytes) -> Path:
         return self.root / v1.object_relpath(tenant, key, self.layout.fanout)
 
+    def _path_str(self, tenant: str, key: bytes) -> str:
+        """:meth:`_path` as a string, for the read paths: building a Path costs
+        more than the open(2) it is for."""
+        return f"{self.root}/{v1.object_relpath(tenant, key, self.layout.fanout)}"
+
     # ------------------------------------------------------------- dropping
 
     def _drop(

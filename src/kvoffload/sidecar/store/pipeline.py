@@ -74,6 +74,20 @@ def _repeated(key: bytes, seen: set[bytes], reservation: Reservation | None) -> 
     return False
 
 
+class _Done:
+    """A read finished in the calling thread, where a pool read has a Future:
+    ``result()`` alike, without a Future's lock and condition (a small cached
+    object's whole read costs a few times what a Future does)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: list[int] | None) -> None:
+        self.value = value
+
+    def result(self) -> list[int] | None:
+        return self.value
+
+
 @dataclass
 class _PutJob:
     """One chunk between reservation and index insert (put / put_many)."""
@@ -689,7 +703,7 @@ class Pipeline(Maintenance):
             job = self._load_cached(tenant, rec, out, guard)
             if job is None:
                 break
-            got = job.result()
+            got = job.value
             results.append(got)
             if got is None:
                 break
@@ -716,7 +730,7 @@ class Pipeline(Maintenance):
         # In order: (chunk index, its read+verify on the pool). The index is
         # consulted here, in order; each chunk is read, verified and decrypted
         # on a pool thread (or here), straight into its own ``outs[i]``.
-        window: deque[tuple[int, Future[list[int] | None]]] = deque()
+        window: deque[tuple[int, Future[list[int] | None] | _Done]] = deque()
         nxt = 0
         missed = False
         try:
@@ -735,7 +749,7 @@ class Pipeline(Maintenance):
                         self.counters.misses += 1
                         missed = stop_at_miss
                     else:
-                        job: Future[list[int] | None] | None = None
+                        job: Future[list[int] | None] | _Done | None = None
                         if inline and rec.size < fileio.MAP_MIN_BYTES:
                             job = self._load_cached(tenant, rec, outs[nxt], guard)
                         if job is None:
@@ -768,13 +782,15 @@ class Pipeline(Maintenance):
 
     def _load_cached(
         self, tenant: str, rec: ChunkRecord, out: memoryview, guard: Callable[[int], None]
-    ) -> Future[list[int] | None] | None:
-        """:meth:`_load_one` in this thread, as a finished future, if the whole
+    ) -> _Done | None:
+        """:meth:`_load_one` in this thread, as a finished result, if the whole
         object is in the page cache (no wait on the device); None otherwise, and
         then the caller reads it on the pool."""
         key = rec.chunk_key
         try:
-            buf = fileio.read_cached(self._path(tenant, key), self._scratch.get, MAX_OBJECT_BYTES)
+            buf = fileio.read_cached(
+                self._path_str(tenant, key), self._scratch.get, MAX_OBJECT_BYTES
+            )
         except Exception as exc:  # every failure of a damaged file is a miss (§5)
             self._read_failed(tenant, key, exc)
             buf = None
@@ -783,9 +799,7 @@ class Pipeline(Maintenance):
             if buf is None:
                 return None
             got = self._open_into(tenant, key, rec, buf, out, guard)
-        done: Future[list[int] | None] = Future()
-        done.set_result(got)
-        return done
+        return _Done(got)
 
     def _load_one(
         self,
