@@ -94,15 +94,22 @@ class Message(msgspec.Struct, frozen=True):
 
 
 def _out(v: Any) -> Any:
+    if type(v) in _AS_IS:  # most fields: no isinstance walk
+        return v
     if isinstance(v, Message):
         return v.to_wire()
     if isinstance(v, tuple | list):
-        if all(map(isinstance, v, repeat(bytes))):  # keys: no per-key Python calls
+        # keys, sizes, offsets: no per-item Python calls (an int enum packs as its int)
+        if all(map(isinstance, v, repeat(bytes))) or all(map(isinstance, v, repeat(int))):
             return list(v)
         return [_out(x) for x in v]
     if isinstance(v, Enum):
         return v.value
     return v
+
+
+#: Field values msgpack takes as they are.
+_AS_IS = frozenset({int, str, bytes, bool, float, type(None)})
 
 
 def decode(cls: type[S], m: Any, where: str) -> S:
@@ -123,7 +130,11 @@ def decode(cls: type[S], m: Any, where: str) -> S:
 
 
 def _check_numbers(v: Any, where: str) -> None:
-    """Every integer of a typed message is ≤ u64, every float finite (free-form maps aside)."""
+    """Every integer of a typed message is ≤ u64, every float finite (free-form maps aside).
+
+    The common cases are settled without a call or a string per field: a
+    message's int, str and bytes fields in its own loop, a tuple of keys or of
+    ints in C; ``where`` grows only on the way into a part."""
     if isinstance(v, bool):
         return
     if isinstance(v, int):
@@ -135,11 +146,29 @@ def _check_numbers(v: Any, where: str) -> None:
     elif isinstance(v, tuple):
         if all(map(isinstance, v, repeat(bytes))):  # keys: nothing to check, in C
             return
-        for x in v:
-            _check_numbers(x, where)
+        if all(map(isinstance, v, repeat(int))):  # sizes, offsets (bools are ints)
+            if max(v) > MAX_U64:
+                _check_each(v, where)
+            return
+        _check_each(v, where)
     elif isinstance(v, msgspec.Struct):
         for name in v.__struct_fields__:
-            _check_numbers(getattr(v, name), f"{where}.{name}")
+            x = getattr(v, name)
+            t = type(x)
+            if t is int:
+                if x > MAX_U64:
+                    raise bad(f"{where}.{name}: {x} out of range [0, {MAX_U64}]")
+            elif t not in _NO_NUMBERS:
+                _check_numbers(x, f"{where}.{name}")
+
+
+#: Field values that hold no number to check.
+_NO_NUMBERS = frozenset({str, bytes, bool, type(None)})
+
+
+def _check_each(v: tuple[Any, ...], where: str) -> None:
+    for x in v:
+        _check_numbers(x, where)
 
 
 def code(v: int) -> ErrorCode:
