@@ -12,6 +12,7 @@ import ctypes
 import mmap
 import os
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from kvoffload.sidecar import fileio
 from kvoffload.sidecar.iobackend import PosixBackend, local_fs
 from kvoffload.sidecar.keyring import Kek
 from kvoffload.sidecar.store import Store, StoreConfig
+
+from .test_load_path import resident_pages
 
 NS = bytes(range(32))
 
@@ -217,3 +220,93 @@ def test_populate_releases_the_gil(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         m.close()
     advice = fileio.MADV_POPULATE_READ
     assert calls == [(110, advice), (3 * mmap.PAGESIZE, advice)]
+
+
+def _drop_from_page_cache(paths: list[Path]) -> bool:
+    """Evict the files' pages; False where this file system keeps them (tmpfs).
+    Checked with mincore(2): a read, even with RWF_NOWAIT, may start readahead."""
+    os.sync()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return not any(resident_pages(p) for p in paths)
+
+
+class _ColdSmallSpy:
+    """Which thread read each chunk the ordinary way, and the readahead asked first."""
+
+    def __init__(self, s: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.reads: list[tuple[bytes, int]] = []  # (chunk key, thread id)
+        self.will_need: list[int] = []  # file sizes
+        real_one, real_advise = s._load_one, os.posix_fadvise
+
+        def load_one(tenant: str, rec: Any, *a: Any, **kw: Any) -> Any:
+            self.reads.append((rec.chunk_key, threading.get_ident()))
+            return real_one(tenant, rec, *a, **kw)
+
+        def advise(fd: int, offset: int, length: int, advice: int) -> None:
+            if advice == os.POSIX_FADV_WILLNEED:
+                self.will_need.append(length)
+            real_advise(fd, offset, length, advice)
+
+        monkeypatch.setattr(s, "_load_one", load_one)
+        monkeypatch.setattr(os, "posix_fadvise", advise)
+
+
+def test_a_cold_batch_of_small_objects_is_read_in_the_calling_thread_after_readahead(
+    local_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small objects not in the page cache: each one's read is started (readahead)
+    as it enters the batch's window and read and verified in the calling thread
+    in its turn: no hop to a pool thread and back, which costs more than the read."""
+    monkeypatch.setattr(fileio, "MAP_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(fileio, "STREAM_MIN_BYTES", 1 << 20)
+    s = local_store
+    keys = [key(i) for i in range(4)]
+    for i, k in enumerate(keys):
+        assert s.put("acme", NS, k, layers(i))
+    if not _drop_from_page_cache([s._path("acme", k) for k in keys]):
+        pytest.skip("this file system keeps the objects in memory: no cold read here")
+    spy = _ColdSmallSpy(s, monkeypatch)
+    outs = [memoryview(bytearray(sum(map(len, layers(i))))) for i in range(4)]
+    got = s.get_many_into("acme", keys, outs)
+    assert got == [[len(x) for x in layers(i)] for i in range(4)]
+    assert [bytes(o) for o in outs] == [b"".join(layers(i)) for i in range(4)]
+    assert [k for k, _ in spy.reads] == keys
+    assert {t for _, t in spy.reads} == {threading.get_ident()}
+    sizes = [s._path("acme", k).stat().st_size for k in keys]
+    assert spy.will_need == sizes  # each object's read started before it is read
+
+
+def test_a_damaged_small_object_in_a_cold_batch_ends_the_prefix_unread_after_it(
+    local_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reads started for the objects after a damaged one are never finished
+    or verified: the prefix ends at the damage, as with reads on the pool."""
+    monkeypatch.setattr(fileio, "MAP_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(fileio, "STREAM_MIN_BYTES", 1 << 20)
+    s = local_store
+    keys = [key(i) for i in range(4)]
+    for i, k in enumerate(keys):
+        assert s.put("acme", NS, k, layers(i))
+    bad = s._path("acme", keys[1])
+    with open(bad, "r+b") as f:  # one bit of layer 0's ciphertext
+        f.seek(v1.decode_header(f.read(8192)).layers[0].offset)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 1]))
+    if not _drop_from_page_cache([s._path("acme", k) for k in keys]):
+        pytest.skip("this file system keeps the objects in memory: no cold read here")
+    spy = _ColdSmallSpy(s, monkeypatch)
+    hits = s.counters.hits
+    outs = [memoryview(bytearray(sum(map(len, layers(i))))) for i in range(4)]
+    got = s.get_many_into("acme", keys, outs)
+    assert got == [[len(x) for x in layers(0)], None, None, None]
+    assert bytes(outs[0]) == b"".join(layers(0))
+    assert [k for k, _ in spy.reads] == keys[:2]  # 2 and 3 never read
+    assert s.counters.hits == hits + 1
+    assert not bad.exists()  # the damaged object was taken out of the store
+    assert s.get("acme", keys[2]) == layers(2)  # the others are whole

@@ -449,12 +449,18 @@ def streamed_object(path: Path, max_size: int) -> Iterator[ObjectReader | None]:
 RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
 
 
-def read_cached(path: str | Path, alloc: AllocFn, max_size: int) -> memoryview | None:
+def read_cached(
+    path: str | Path, alloc: AllocFn, max_size: int, *, prefetch: bool = False
+) -> memoryview | None:
     """The whole file, read only if every byte of it is in the page cache
     (``preadv2(RWF_NOWAIT)``: no wait on the device); None where part of it is
     not, or where the kernel or file system cannot tell (the caller then reads
     it the ordinary way, on a thread that may wait). Raises OSError as
-    :func:`read_file` does (ENOENT, EFBIG)."""
+    :func:`read_file` does (ENOENT, EFBIG).
+
+    ``prefetch``: where it is not all cached, start reading it into the page
+    cache (``POSIX_FADV_WILLNEED`` submits the reads and returns), so that the
+    ordinary read that follows finds it there or on its way."""
     if not RWF_NOWAIT:
         return None
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -468,11 +474,20 @@ def read_cached(path: str | Path, alloc: AllocFn, max_size: int) -> memoryview |
             got = os.preadv(fd, [buf], 0, RWF_NOWAIT)
         except OSError as exc:
             if exc.errno in (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOTSUP):
+                if prefetch:
+                    _will_need(fd, size)
                 return None
             raise
+        if got != size and prefetch:
+            _will_need(fd, size)
         return buf if got == size else None
     finally:
         os.close(fd)
+
+
+def _will_need(fd: int, size: int) -> None:
+    with contextlib.suppress(OSError, AttributeError):  # a hint: no harm where refused
+        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
 
 
 def read_range(path: Path, offset: int, out: memoryview, *, direct: bool = False) -> int:

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
@@ -86,6 +87,20 @@ class _Done:
 
     def result(self) -> list[int] | None:
         return self.value
+
+
+class _Deferred:
+    """A read to run in the calling thread when its turn comes (``result()``):
+    its device read was started when it was queued, so the reads of a batch
+    overlap on the device while one thread verifies them in order."""
+
+    __slots__ = ("args", "fn")
+
+    def __init__(self, fn: Callable[..., list[int] | None], *args: Any) -> None:
+        self.fn, self.args = fn, args
+
+    def result(self) -> list[int] | None:
+        return self.fn(*self.args)
 
 
 @dataclass
@@ -720,17 +735,19 @@ class Pipeline(Maintenance):
         on_chunk: Callable[[int, list[int]], None] | None = None,
     ) -> list[list[int] | None]:
         """The loop of :meth:`get_many_into`: chunk ``i``'s record is ``record(i)``,
-        asked in order. A small object whose every byte is in the page cache is
-        verified in this thread (a hop to a pool thread and back costs more than
-        the work); every other chunk is read on the pool."""
+        asked in order. A small object is read and verified in this thread (a hop
+        to a pool thread and back costs more than the work): at once where every
+        byte of it is in the page cache, else in its turn, its device read
+        started (readahead) when it joined the window, so that the reads of the
+        window overlap on the device. A large object is read on the pool."""
         results: list[list[int] | None] = [None] * n
         pool = self._pipeline()
         streams = self.io_streams
         inline = getattr(self.io, "map_reads", False)
-        # In order: (chunk index, its read+verify on the pool). The index is
-        # consulted here, in order; each chunk is read, verified and decrypted
+        # In order: (chunk index, its read+verify on the pool or here). The index
+        # is consulted here, in order; each chunk is read, verified and decrypted
         # on a pool thread (or here), straight into its own ``outs[i]``.
-        window: deque[tuple[int, Future[list[int] | None] | _Done]] = deque()
+        window: deque[tuple[int, Future[list[int] | None] | _Done | _Deferred]] = deque()
         nxt = 0
         missed = False
         try:
@@ -749,9 +766,16 @@ class Pipeline(Maintenance):
                         self.counters.misses += 1
                         missed = stop_at_miss
                     else:
-                        job: Future[list[int] | None] | _Done | None = None
+                        job: Future[list[int] | None] | _Done | _Deferred | None = None
                         if inline and rec.size < fileio.MAP_MIN_BYTES:
-                            job = self._load_cached(tenant, rec, outs[nxt], guard)
+                            # Cached: read here and now. Not cached: its read is
+                            # started (readahead) and it is read here in its turn,
+                            # the device working on the next ones meanwhile: a hop
+                            # to a pool thread and back costs more than a small
+                            # object's whole read and check.
+                            job = self._load_cached(tenant, rec, outs[nxt], guard, prefetch=True)
+                            if job is None:
+                                job = _Deferred(self._load_one, tenant, rec, outs[nxt], guard)
                         if job is None:
                             job = pool.submit(self._load_one, tenant, rec, outs[nxt], guard)
                         window.append((nxt, job))
@@ -768,6 +792,8 @@ class Pipeline(Maintenance):
                     on_chunk(i, got)
         finally:
             for i, fut in window:  # read past a miss (or an error): wait, then disown
+                if isinstance(fut, _Deferred):
+                    continue  # never read: nothing to disown
                 try:
                     lengths = fut.result()
                 except Exception as exc:
@@ -781,15 +807,22 @@ class Pipeline(Maintenance):
         return results
 
     def _load_cached(
-        self, tenant: str, rec: ChunkRecord, out: memoryview, guard: Callable[[int], None]
+        self,
+        tenant: str,
+        rec: ChunkRecord,
+        out: memoryview,
+        guard: Callable[[int], None],
+        *,
+        prefetch: bool = False,
     ) -> _Done | None:
         """:meth:`_load_one` in this thread, as a finished result, if the whole
         object is in the page cache (no wait on the device); None otherwise, and
-        then the caller reads it on the pool."""
+        then the caller reads it the ordinary way (with ``prefetch``, its read
+        from the device is already under way: :func:`fileio.read_cached`)."""
         key = rec.chunk_key
         try:
             buf = fileio.read_cached(
-                self._path_str(tenant, key), self._scratch.get, MAX_OBJECT_BYTES
+                self._path_str(tenant, key), self._scratch.get, MAX_OBJECT_BYTES, prefetch=prefetch
             )
         except Exception as exc:  # every failure of a damaged file is a miss (§5)
             self._read_failed(tenant, key, exc)
