@@ -256,18 +256,23 @@ class _ColdSmallSpy:
         monkeypatch.setattr(os, "posix_fadvise", advise)
 
 
+def _four_small_objects(s: Store, monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Chunks 0-3 saved, small again (read whole, never streamed or mapped)."""
+    monkeypatch.setattr(fileio, "MAP_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(fileio, "STREAM_MIN_BYTES", 1 << 20)
+    keys = [key(i) for i in range(4)]
+    for i, k in enumerate(keys):
+        assert s.put("acme", NS, k, layers(i))
+    return keys
+
+
 def test_a_cold_batch_of_small_objects_is_read_in_the_calling_thread_after_readahead(
     local_store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Small objects not in the page cache: each one's read is started (readahead)
     as it enters the batch's window and read and verified in the calling thread
     in its turn: no hop to a pool thread and back, which costs more than the read."""
-    monkeypatch.setattr(fileio, "MAP_MIN_BYTES", 1 << 20)
-    monkeypatch.setattr(fileio, "STREAM_MIN_BYTES", 1 << 20)
-    s = local_store
-    keys = [key(i) for i in range(4)]
-    for i, k in enumerate(keys):
-        assert s.put("acme", NS, k, layers(i))
+    s, keys = local_store, _four_small_objects(local_store, monkeypatch)
     if not _drop_from_page_cache([s._path("acme", k) for k in keys]):
         pytest.skip("this file system keeps the objects in memory: no cold read here")
     spy = _ColdSmallSpy(s, monkeypatch)
@@ -286,12 +291,7 @@ def test_a_damaged_small_object_in_a_cold_batch_ends_the_prefix_unread_after_it(
 ) -> None:
     """The reads started for the objects after a damaged one are never finished
     or verified: the prefix ends at the damage, as with reads on the pool."""
-    monkeypatch.setattr(fileio, "MAP_MIN_BYTES", 1 << 20)
-    monkeypatch.setattr(fileio, "STREAM_MIN_BYTES", 1 << 20)
-    s = local_store
-    keys = [key(i) for i in range(4)]
-    for i, k in enumerate(keys):
-        assert s.put("acme", NS, k, layers(i))
+    s, keys = local_store, _four_small_objects(local_store, monkeypatch)
     bad = s._path("acme", keys[1])
     with open(bad, "r+b") as f:  # one bit of layer 0's ciphertext
         f.seek(v1.decode_header(f.read(8192)).layers[0].offset)
