@@ -585,8 +585,7 @@ def open_into(
     layers, sealed = h.layers, h.sealed
     if sealed and aead is None:
         raise UnknownKeyEpoch(f"no key for epoch {h.key_epoch} (purged, unknown or newer)")
-    t = _tenant_bytes(h.tenant)
-    tail = t  # the AAD after its fixed part (layer_aad)
+    t = _tenant_bytes(h.tenant)  # the AAD's tail (layer_aad)
     n, size, pos = len(layers), h.total_size, 0
     for i, le in enumerate(layers):
         if before_layer is not None:
@@ -604,7 +603,7 @@ def open_into(
             aad = _AAD.pack(
                 b"KVOFFAAD", h.version, h.flags, h.key_epoch, n, i, length,
                 h.chunk_key, h.namespace, len(t),
-            ) + tail  # fmt: skip
+            ) + t  # fmt: skip
             try:
                 aead.decrypt_into(le.nonce, buf[lo : lo + stored], aad, dst)
             except Exception as exc:  # cryptography's InvalidTag
