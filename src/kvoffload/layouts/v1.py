@@ -308,21 +308,17 @@ def decode_header(buf: bytes | memoryview) -> ObjectHeader:
     sealed = bool(flags & FLAG_SEALED)
     if not sealed and epoch != 0:
         raise CorruptObject("plaintext object with a key epoch")
-    # The placement rule (plan_offsets) checked as the table is read.
-    pad = TAG_SIZE if sealed else 0
-    pos = expect_do = align_up(hl)
     layers = []
-    table = mv[_FIXED.size : hl - _CHECK_SIZE]
-    for off, length, nonce, check, rsv in _LAYER_READ.iter_unpack(table):
+    for off, length, nonce, check, rsv in _LAYER_READ.iter_unpack(
+        mv[_FIXED.size : hl - _CHECK_SIZE]
+    ):
         if rsv != _ZERO4:
             raise CorruptObject("non-zero reserved field in layer table")
         if not sealed and nonce != _ZERO_NONCE:
             raise CorruptObject("plaintext layer with a nonce")
-        if off != pos:
-            raise CorruptObject("layer offsets do not follow the v1 placement rule")
-        pos = (off + length + pad + ALIGN - 1) // ALIGN * ALIGN
         layers.append(LayerEntry(off, length, nonce, check))
-    if data_offset != expect_do:
+    expect_do, expect_offs = plan_offsets(n, [le.length for le in layers], sealed)
+    if data_offset != expect_do or [le.offset for le in layers] != expect_offs:
         raise CorruptObject("layer offsets do not follow the v1 placement rule")
     try:
         tenant = tenant_raw[:tlen].decode("utf-8")
@@ -580,40 +576,13 @@ def open_into(
     hl = header_length(len(h.layers))
     if not _is_zero(buf[hl : h.data_offset]):
         raise CorruptObject("non-zero padding after header")
-    # open_layer for each layer in turn, its loop-invariant work done once: the
-    # same checks in the same order (a small object's read is mostly this loop).
-    layers, sealed = h.layers, h.sealed
-    if sealed and aead is None:
-        raise UnknownKeyEpoch(f"no key for epoch {h.key_epoch} (purged, unknown or newer)")
-    t = _tenant_bytes(h.tenant)  # the AAD's tail (layer_aad)
-    n, size, pos = len(layers), h.total_size, 0
-    for i, le in enumerate(layers):
+    pos = 0
+    for i, le in enumerate(h.layers):
         if before_layer is not None:
             before_layer(i)
-        length = le.length
-        lo = le.offset
-        hi = layers[i + 1].offset if i + 1 < n else size
-        stored = length + (TAG_SIZE if sealed else 0)
-        if hi - lo < stored or not _is_zero(buf[lo + stored : hi]):
-            raise CorruptObject(f"non-zero padding after layer {i}")
-        dst = out[pos : pos + length]
-        if aead is not None:
-            if buf[lo + length : lo + stored] != le.check:
-                raise CorruptObject(f"layer {i}: tag differs from the header's copy")
-            aad = _AAD.pack(
-                b"KVOFFAAD", h.version, h.flags, h.key_epoch, n, i, length,
-                h.chunk_key, h.namespace, len(t),
-            ) + t  # fmt: skip
-            try:
-                aead.decrypt_into(le.nonce, buf[lo : lo + stored], aad, dst)
-            except Exception as exc:  # cryptography's InvalidTag
-                raise CorruptObject(f"layer {i}: authentication failed") from exc
-        else:
-            src = buf[lo : lo + stored]
-            if xxhash.xxh3_128_digest(src) != le.check:
-                raise CorruptObject(f"layer {i}: checksum mismatch")
-            dst[:] = src
-        pos += length
+        lo, hi = layer_slot(h, i)
+        open_layer(h, i, buf[lo:hi], out[pos : pos + le.length], aead)
+        pos += le.length
     return h
 
 
