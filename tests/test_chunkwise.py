@@ -25,7 +25,7 @@ from kvoffload.sidecar import transfers
 from kvoffload.sidecar.store import Store
 from kvoffload.sidecar.store.pipeline import Pipeline
 from kvoffload.staging import StagingBuffer
-from tests.test_server import Raw, ServerThread, start
+from tests.test_server import Raw, ServerThread, sock_path, start
 from tests.test_server import sock_dir as sock_dir  # the fixture, shared
 
 TENANT = "acme"
@@ -61,9 +61,7 @@ def server(sock_dir: Path, saved: Store) -> Iterator[ServerThread]:
 
 
 def client_of(st: ServerThread) -> SidecarClient:
-    path = st.server.config.socket_path
-    assert path is not None
-    return SidecarClient(path, TENANT, staging_bytes=STAGING, timeout_s=30)
+    return SidecarClient(sock_path(st), TENANT, staging_bytes=STAGING, timeout_s=30)
 
 
 def test_a_chunk_is_handed_out_while_the_next_ones_are_still_read(

@@ -273,19 +273,6 @@ class PolicyAPI(Protocol):
     def tenant(self, tenant: str) -> TenantSettings: ...
 
 
-__all__ = [
-    "CachedLoadsAPI",
-    "ContractsAPI",
-    "PlannedLoadsAPI",
-    "PolicyAPI",
-    "ReservationAPI",
-    "RetentionSettings",
-    "StoreAPI",
-    "StoreViewsAPI",
-    "TenantSettings",
-]
-
-
 _IMPLEMENTS: dict[tuple[type, type], bool] = {}
 
 
@@ -298,3 +285,17 @@ def implements(obj: object, proto: type) -> bool:
     if hit is None:
         hit = _IMPLEMENTS[k] = isinstance(obj, proto)
     return hit
+
+
+__all__ = [
+    "CachedLoadsAPI",
+    "ContractsAPI",
+    "PlannedLoadsAPI",
+    "PolicyAPI",
+    "ReservationAPI",
+    "RetentionSettings",
+    "StoreAPI",
+    "StoreViewsAPI",
+    "TenantSettings",
+    "implements",
+]

@@ -236,7 +236,7 @@ class StoreBase:
         )
 
     def _path(self, tenant: str, key: bytes) -> Path:
-        return self.root / v1.object_relpath(tenant, key, self.layout.fanout)
+        return Path(self._path_str(tenant, key))
 
     def _path_str(self, tenant: str, key: bytes) -> str:
         """:meth:`_path` as a string, for the read paths: building a Path costs
