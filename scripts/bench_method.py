@@ -38,11 +38,13 @@ def interleaved(
     once ``budget_s`` per op is spent and every op has run ``min_ops`` times.
     """
     for op in ops:
+        check_interrupt()
         op(0)
     lat: list[list[float]] = [[] for _ in ops]
     spent = 0.0
     for i in range(1, n + 1):
         for j in range(len(ops)):
+            check_interrupt()  # a Ctrl-C that a finalizer swallowed stops the run here
             k = (i + j) % len(ops)
             s = time.perf_counter()
             ops[k](i)
@@ -138,14 +140,34 @@ def loadavg() -> str:
         return "?"
 
 
+#: Signals received inside :func:`scratch_dir`: their KeyboardInterrupt may have
+#: been raised inside a finalizer (a ``__del__`` the garbage collector ran), where
+#: Python prints it and goes on; :func:`check_interrupt` raises it again.
+_received: list[int] = []
+
+
 def raise_interrupt(signum: int, _frame: FrameType | None) -> None:
+    _received.append(signum)
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def check_interrupt() -> None:
+    """Raise KeyboardInterrupt if a signal asked for one, even one swallowed."""
+    if _received:
+        raise KeyboardInterrupt(f"signal {_received[-1]}")
 
 
 @contextlib.contextmanager
 def scratch_dir(parent: Path, prefix: str) -> Iterator[Path]:
-    """A temp dir removed on exit, Ctrl-C, SIGTERM and SIGHUP (every benchmark's)."""
-    old = {s: signal.signal(s, raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    """A temp dir removed on exit, Ctrl-C, SIGTERM and SIGHUP (every benchmark's).
+
+    Ctrl-C is taken over only where Python's own handler is in place (a job
+    started with SIGINT ignored keeps ignoring it)."""
+    sigs = [signal.SIGTERM, signal.SIGHUP]
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        sigs.append(signal.SIGINT)
+    _received.clear()
+    old = {s: signal.signal(s, raise_interrupt) for s in sigs}
     try:
         d = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
         try:

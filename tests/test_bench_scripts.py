@@ -6,6 +6,7 @@ No timing assertions: only that every expected row is there with a positive thro
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -112,6 +113,49 @@ def test_bench_store_cleans_up_when_interrupted(tmp_path: Path) -> None:
             proc.wait()
     assert proc.returncode == 130, err
     assert list(work.iterdir()) == [], "the benchmark left files behind"
+
+
+_SWALLOWED_INTERRUPT = """
+import os, signal, sys
+from pathlib import Path
+import bench_method as bm
+
+class TakesTheSignal:
+    def __del__(self):  # its KeyboardInterrupt is printed and dropped by Python
+        os.kill(os.getpid(), signal.SIGINT)
+
+ran = []
+def op(i):
+    ran.append(i)
+    if i == 1:
+        TakesTheSignal()  # collected at once, in this op
+
+try:
+    with bm.scratch_dir(Path(sys.argv[1]), ".t-"):
+        bm.interleaved([op], n=50, budget_s=60.0, min_ops=50)
+except KeyboardInterrupt:
+    print("interrupted after", ran)
+    sys.exit(130)
+print("ran to the end", ran)
+"""
+
+
+def test_an_interrupt_a_finalizer_swallowed_still_stops_the_benchmark(tmp_path: Path) -> None:
+    """Ctrl-C landing in a ``__del__`` (the GC runs finalizers at any bytecode) is
+    printed and dropped by Python; the benchmark must stop at its next op anyway
+    and clean up, not run to its end (bench_store was seen to, in CI)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _SWALLOWED_INTERRUPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(SCRIPT.parent)},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert "Exception ignored" in proc.stderr  # the interrupt was swallowed once
+    assert proc.returncode == 130, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == "interrupted after [0, 1]"
+    assert list(tmp_path.iterdir()) == []
 
 
 # --------------------------------------------------------------------------- bench_io.py
