@@ -24,7 +24,7 @@ from kvoffload.sidecar.iobackend import PosixBackend, local_fs
 from kvoffload.sidecar.keyring import Kek
 from kvoffload.sidecar.store import Store, StoreConfig
 
-from .test_load_path import resident_pages
+from .test_load_path import nowait_reads_miss, resident_pages
 
 NS = bytes(range(32))
 
@@ -275,6 +275,7 @@ def test_a_cold_batch_of_small_objects_is_read_in_the_calling_thread_after_reada
     s, keys = local_store, _four_small_objects(local_store, monkeypatch)
     if not _drop_from_page_cache([s._path("acme", k) for k in keys]):
         pytest.skip("this file system keeps the objects in memory: no cold read here")
+    nowait_reads_miss(monkeypatch)
     spy = _ColdSmallSpy(s, monkeypatch)
     outs = [memoryview(bytearray(sum(map(len, layers(i))))) for i in range(4)]
     got = s.get_many_into("acme", keys, outs)
@@ -300,6 +301,7 @@ def test_a_damaged_small_object_in_a_cold_batch_ends_the_prefix_unread_after_it(
         f.write(bytes([b[0] ^ 1]))
     if not _drop_from_page_cache([s._path("acme", k) for k in keys]):
         pytest.skip("this file system keeps the objects in memory: no cold read here")
+    nowait_reads_miss(monkeypatch)
     spy = _ColdSmallSpy(s, monkeypatch)
     hits = s.counters.hits
     outs = [memoryview(bytearray(sum(map(len, layers(i))))) for i in range(4)]
