@@ -116,3 +116,17 @@ def test_one_config_tree_with_typed_sections(tmp_path: Path) -> None:
     assert cfg.security.kek_file == Path("/k") and cfg.security.policy_file is None
     with pytest.raises(ConfigError, match=r"\[store\] capacity: bad size"):
         load_config(env={"KVOFFLOAD_STORE_CAPACITY": "lots"})
+
+
+def test_direct_read_min_reaches_the_store_config_and_refuses_nonsense(tmp_path: Path) -> None:
+    assert load_config().store.direct_read_min is None  # the backend's default
+    assert load_config().store_config().direct_read_min is None
+    cfg = load_config(env={"KVOFFLOAD_STORE_DIRECT_READ_MIN": "64MiB"})
+    assert cfg.store.direct_read_min == 64 << 20
+    assert cfg.store_config().direct_read_min == 64 << 20
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text('[store]\ndirect_read_min = "0"\n')
+    assert load_config(cfg_file).store_config().direct_read_min == 0  # never O_DIRECT
+    for bad in ("big", "-1", "1.5B"):
+        with pytest.raises(ConfigError, match=r"\[store\] direct_read_min: (bad )?size"):
+            load_config(env={"KVOFFLOAD_STORE_DIRECT_READ_MIN": bad})

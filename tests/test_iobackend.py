@@ -5,6 +5,7 @@ patching the decision), a probe child that hangs, and the batch API."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -24,6 +25,7 @@ from kvoffload.sidecar.errors import StoreFull, StoreIOError
 from kvoffload.sidecar.fileio import Durability
 from kvoffload.sidecar.gpu_probe import GpuReport, ProbeEnv, probe
 from kvoffload.sidecar.iobackend import (
+    DIRECT_READ_MIN,
     DIRECT_WRITE_MIN,
     IOBackendUnavailable,
     IOMode,
@@ -186,11 +188,110 @@ def test_default_posix_direct_writes_for_fsynced_or_large_objects_page_cache_rea
         big = [os.urandom(1 << 20) for _ in range(DIRECT_WRITE_MIN >> 20)]
         assert s.put("acme", NS, key(100), big)
         assert all(fl & fileio.O_DIRECT for fl in spy.objects(writes=True))
-        assert s.get("acme", key(100)) == big
-        assert not any(fl & fileio.O_DIRECT for fl in spy.objects(writes=False))
         assert "page-cache reads" in s.io_plan.reason
     finally:
         s.close()
+
+
+def cached_pages(path: Path) -> int | None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return fileio.cached_pages(fd)
+    finally:
+        os.close(fd)
+
+
+def drop_cached(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+class DirectReads:
+    """Records every O_DIRECT a descriptor is switched to with fcntl (the real call runs)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        real = fcntl.fcntl
+
+        def spy(fd: int, cmd: int, arg: int = 0) -> Any:
+            if cmd == fcntl.F_SETFL and arg & fileio.O_DIRECT:
+                self.count += 1
+            return real(fd, cmd, arg)
+
+        monkeypatch.setattr(fcntl, "fcntl", spy)
+
+
+@pytest.mark.parametrize("direct_read_min", [None, 0])
+def test_a_large_object_not_in_the_page_cache_is_read_with_o_direct_a_cached_one_from_memory(
+    direct_dir: Path, kek_file: Path, monkeypatch: pytest.MonkeyPatch, direct_read_min: int | None
+) -> None:
+    s = open_store(direct_dir / "store", kek_file, io="posix", direct_read_min=direct_read_min)
+    try:
+        on = direct_read_min is None
+        assert s.io.describe()["o_direct_read_min"] == (DIRECT_READ_MIN if on else 0)
+        big = [os.urandom(1 << 20) for _ in range(DIRECT_READ_MIN >> 20)]
+        small = [os.urandom(1 << 16)]
+        assert s.put("acme", NS, key(1), big) and s.put("acme", NS, key(2), small)
+        path, small_path = s._path("acme", key(1)), s._path("acme", key(2))
+        drop_cached(path)
+        drop_cached(small_path)
+        if cached_pages(path) is None:
+            pytest.skip("cachestat(2) needs Linux 6.5+: reads stay in the page cache")
+        assert cached_pages(path) == 0
+        spy = DirectReads(monkeypatch)
+        assert s.get("acme", key(1)) == big
+        assert s.get("acme", key(2)) == small
+        # On: the large cold object came off the device around the page cache;
+        # the small one, and everything where it is off, through it.
+        assert spy.count == (1 if on else 0)
+        assert (cached_pages(path) == 0) is on
+        assert cached_pages(small_path)
+        # A cached large object is served from memory, the batch API alike.
+        path.read_bytes()
+        spy.count = 0
+        outs = [memoryview(bytearray(sum(map(len, big))))]
+        assert s.get_many_into("acme", [key(1)], outs) == [[1 << 20] * len(big)]
+        assert bytes(outs[0]) == b"".join(big) and spy.count == 0
+        # Cold again and damaged: the O_DIRECT read (which sees the dirty page
+        # written through the cache) verifies like every other read: a miss.
+        drop_cached(path)
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 1]))
+        assert s.get("acme", key(1)) is None
+        assert spy.count == (1 if on else 0)
+        assert not s.contains("acme", key(1))
+    finally:
+        s.close()
+
+
+def test_read_uncached_leaves_what_it_cannot_do_to_the_page_cache(
+    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = direct_dir / "obj"
+    path.write_bytes(os.urandom(1 << 20))
+    drop_cached(path)
+    scratch = fileio.ScratchBuffers()
+    if cached_pages(path) is None:
+        pytest.skip("cachestat(2) needs Linux 6.5+")
+    with pytest.raises(OSError) as exc:
+        fileio.read_uncached(path, scratch.get, 1 << 19, 0)  # over the object limit
+    assert exc.value.errno == errno.EFBIG
+    assert fileio.read_uncached(path, scratch.get, 4 << 20, 2 << 20) is None  # too small
+    got = fileio.read_uncached(path, scratch.get, 4 << 20, 1 << 20)
+    assert got is not None and bytes(got) == path.read_bytes()  # now cached
+    assert fileio.read_uncached(path, scratch.get, 4 << 20, 1 << 20) is None  # cached
+    drop_cached(path)
+    unaligned = memoryview(bytearray(2 << 20))
+    assert fileio.read_uncached(path, lambda n: unaligned[1 : n + 1], 4 << 20, 1) is None
+    monkeypatch.setattr(fileio, "_cachestat_ok", False)  # an older kernel: cannot tell
+    assert fileio.read_uncached(path, scratch.get, 4 << 20, 1) is None
 
 
 def test_o_direct_write_of_an_unaligned_buffer_falls_back_at_run_time(direct_dir: Path) -> None:

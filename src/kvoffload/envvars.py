@@ -152,6 +152,14 @@ REGISTRY: tuple[EnvVar, ...] = (
         "[store] io_streams: chunks of a batch read/written at once; 0 = one per core, >= 4.",
     ),
     _cfg(
+        "store",
+        "direct_read_min",
+        "size",
+        "16MiB",
+        "[store] direct_read_min: objects at least this big and mostly not in the page cache "
+        "are read with O_DIRECT (posix backend); 0 = always through the page cache.",
+    ),
+    _cfg(
         "server",
         "socket",
         "path",

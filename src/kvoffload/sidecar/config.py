@@ -22,6 +22,8 @@ File format (every key optional; unknown keys are errors)::
     journal_poll = "0.5s"                  # how often other nodes' journals are read
     evictor_lease = "15s"                  # the shared root's evictor lease
     io_streams = 0                         # chunks of a batch read/written at once; 0 = auto
+    direct_read_min = "16MiB"              # O_DIRECT reads of objects this big not in the
+                                           #   page cache (posix); "0" = page cache only
 
     [server]
     socket = "/run/kvoffload/kvoffload.sock"
@@ -98,6 +100,7 @@ class StoreSection:
     key_cache_ttl_s: float
     io: IOMode
     io_streams: int = 0
+    direct_read_min: int | None = None
 
 
 @dataclass(frozen=True)
@@ -193,6 +196,8 @@ class Config:
     journal_poll_s: float = 0.5
     evictor_lease_s: float = 15.0
     io_streams: int = 0
+    #: None: the I/O backend's default (iobackend.DIRECT_READ_MIN); 0: never
+    direct_read_min: int | None = None
     # [server]
     socket_path: Path = Path("/run/kvoffload/kvoffload.sock")
     socket_group: str | None = None
@@ -251,6 +256,7 @@ class Config:
             self.key_cache_ttl_s,
             self.io,
             self.io_streams,
+            self.direct_read_min,
         )
 
     @property
@@ -305,6 +311,7 @@ class Config:
             journal_poll_s=self.journal_poll_s,
             evictor_lease_s=self.evictor_lease_s,
             io_streams=self.io_streams,
+            direct_read_min=self.direct_read_min,
             audit_max_bytes=self.audit_max_bytes,
             audit_keep=self.audit_keep,
         )
@@ -328,6 +335,12 @@ def _parse_streams(raw: object) -> int:
     n = int(raw)
     if n < 0:
         raise ValueError("must be >= 0 (0: one per core, at least 4)")
+    return n
+
+
+def _direct_read_min(raw: object) -> int:
+    n = parse_size(raw, allow_none=False, whole=True)  # refuses a negative size
+    assert n is not None
     return n
 
 
@@ -371,6 +384,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("store", "journal_poll"): ("journal_poll_s", parse_duration),
     ("store", "evictor_lease"): ("evictor_lease_s", parse_duration),
     ("store", "io_streams"): ("io_streams", _parse_streams),
+    ("store", "direct_read_min"): ("direct_read_min", _direct_read_min),
     ("server", "socket"): ("socket_path", Path),
     ("server", "socket_group"): ("socket_group", str),
     ("server", "workers"): ("workers", int),

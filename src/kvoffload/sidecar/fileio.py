@@ -60,6 +60,7 @@ __all__ = [
     "read_file",
     "read_prefix",
     "read_range",
+    "read_uncached",
     "share_dirs",
     "sidecar_written",
     "streamed_object",
@@ -101,6 +102,38 @@ def _get_libc() -> ctypes.CDLL:
         lib.madvise.restype = ctypes.c_int
         _libc = lib
     return _libc
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")
+    ]
+
+
+#: cachestat(2), Linux 6.5+: one number on every architecture (the generic table).
+_NR_CACHESTAT = 451
+#: Whether cachestat may work here (cleared at the first ENOSYS, EPERM: seccomp).
+_cachestat_ok = os.uname().sysname == "Linux"
+
+
+def cached_pages(fd: int) -> int | None:
+    """How many pages of the open file are in the page cache (cachestat(2): no
+    side effect on the cache, unlike a probe read); None where the kernel cannot
+    tell (before Linux 6.5, a seccomp filter, another OS)."""
+    global _cachestat_ok
+    if not _cachestat_ok:
+        return None
+    rng, out = _CachestatRange(0, 0), _Cachestat()  # len 0: to the end of the file
+    if _get_libc().syscall(_NR_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(out), 0) == 0:
+        return int(out.nr_cache)
+    if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):
+        _cachestat_ok = False
+    return None
 
 
 def _syncfs(fd: int) -> None:
@@ -321,6 +354,47 @@ def read_file(
         if direct and not direct_ok(buf[:want]):
             _drop_direct(fd)
             want = size
+        done = _pread_into(fd, buf, 0, want)
+        return buf[: min(done, size)]
+    finally:
+        os.close(fd)
+
+
+def read_uncached(
+    path: str | Path, alloc: AllocFn, max_size: int, min_size: int
+) -> memoryview | None:
+    """The whole object read with O_DIRECT into a buffer from ``alloc``, where it
+    is at least ``min_size`` bytes and less than half of it is in the page cache;
+    None otherwise (and where the kernel cannot tell, or the buffer or the file
+    system cannot take O_DIRECT): the caller reads it through the page cache.
+    Raises OSError as :func:`read_file` does (ENOENT, EFBIG; EIO from a read).
+
+    A cold large object then comes off the device in a few large requests, at
+    the device's speed and without evicting hot objects to make room for it;
+    one that is cached is still served from memory. Objects this large are
+    written with O_DIRECT too (:data:`~.iobackend.DIRECT_WRITE_MIN`), so the
+    page cache holds them only where something else put them there."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_size:
+            name = os.path.basename(path)
+            raise OSError(errno.EFBIG, f"{name}: {size} bytes exceeds the object limit")
+        if size < min_size or not O_DIRECT:
+            return None
+        cached = cached_pages(fd)
+        if cached is None or cached * mmap.PAGESIZE * 2 >= size:
+            return None
+        want = v1.align_up(size, DIRECT_ALIGN)
+        buf = alloc(want)
+        if not direct_ok(buf[:want]):
+            return None
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:  # this file system turns O_DIRECT down
+                return None
+            raise
         done = _pread_into(fd, buf, 0, want)
         return buf[: min(done, size)]
     finally:

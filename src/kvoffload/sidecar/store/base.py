@@ -86,6 +86,9 @@ class StoreConfig:
     #: Chunks of one batch sealed/written or read/verified at once (a pool of I/O
     #: threads, shared by all requests); 0: :func:`default_io_streams`.
     io_streams: int = 0
+    #: Objects at least this big, mostly not in the page cache, are read with
+    #: O_DIRECT (posix backend; 0: never); None: iobackend.DIRECT_READ_MIN.
+    direct_read_min: int | None = None
     #: At open, move a corrupt index aside and rebuild it from the files (the
     #: index is a cache of them); False: refuse to open (StoreIOError).
     rebuild_corrupt_index: bool = True
@@ -108,6 +111,8 @@ class StoreConfig:
             raise ValueError("capacity_bytes must be positive")
         if self.io_streams < 0:
             raise ValueError("io_streams must be >= 0 (0: one per core, at least 4)")
+        if self.direct_read_min is not None and self.direct_read_min < 0:
+            raise ValueError("direct_read_min must be >= 0 (0: never)")
 
 
 #: The most I/O streams the default picks (more rarely helps one NVMe device).

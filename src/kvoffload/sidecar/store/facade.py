@@ -168,7 +168,9 @@ class Store(Leases):
             self._retention = RetentionJournal(self.root, node.decode())
             self._pipe = None
             self._leaves_ready = set()
-            sel = select_backend(config.io, self.root / "objects")
+            sel = select_backend(
+                config.io, self.root / "objects", direct_read_min=config.direct_read_min
+            )
             self._shared = None
             if config.shared:
                 self._shared = SharedRoot(

@@ -842,13 +842,19 @@ class Pipeline(Maintenance):
         guard: Callable[[int], None] | None = None,
     ) -> list[int] | None:
         """:meth:`get_into` of an indexed chunk (on a pool thread for a batch): a
-        large object one layer slot at a time where reads go through the page
-        cache of a local file system (:func:`fileio.streamed_object`), else read
-        whole into the thread's scratch buffer. Its layer lengths, or None (a
-        miss, handled)."""
+        large object mostly not in the page cache read whole with O_DIRECT where
+        the backend asks for it (:func:`fileio.read_uncached`); else one layer
+        slot at a time where reads go through the page cache of a local file
+        system (:func:`fileio.streamed_object`); else read whole into the
+        thread's scratch buffer. Its layer lengths, or None (a miss, handled)."""
         key = rec.chunk_key
         path = self._path(tenant, key)
         try:
+            direct_min = getattr(self.io, "direct_read_min", 0)
+            if direct_min and rec.size >= direct_min:
+                got = fileio.read_uncached(path, self._scratch.get, MAX_OBJECT_BYTES, direct_min)
+                if got is not None:
+                    return self._open_into(tenant, key, rec, got, out, guard)
             if getattr(self.io, "map_reads", False):
                 # Layer by layer through the page cache, each slot verified and
                 # decrypted into ``out`` while it is in the CPU cache.
