@@ -47,6 +47,7 @@ __all__ = [
     "ObjectReader",
     "ScratchBuffers",
     "buffer_address",
+    "cached_pages",
     "create_lease_file",
     "direct_ok",
     "fsync_dir",
