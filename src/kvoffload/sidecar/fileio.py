@@ -332,6 +332,15 @@ def _pread_into(fd: int, buf: memoryview, offset: int, want: int) -> int:
     )
 
 
+def _object_size(fd: int, path: str | Path, max_size: int) -> int:
+    """The size of an open object file; EFBIG (a miss) over ``max_size``."""
+    size = os.fstat(fd).st_size
+    if size > max_size:
+        name = os.path.basename(path)
+        raise OSError(errno.EFBIG, f"{name}: {size} bytes exceeds the object limit")
+    return size
+
+
 def read_file(
     path: Path,
     scratch: ScratchBuffers | AllocFn,
@@ -347,9 +356,7 @@ def read_file(
     alloc = scratch.get if isinstance(scratch, ScratchBuffers) else scratch
     fd = _open_read(path, direct)
     try:
-        size = os.fstat(fd).st_size
-        if size > max_size:
-            raise OSError(errno.EFBIG, f"{path.name}: {size} bytes exceeds the object limit")
+        size = _object_size(fd, path, max_size)
         want = v1.align_up(size, DIRECT_ALIGN) if direct else size
         buf = alloc(want)
         if direct and not direct_ok(buf[:want]):
@@ -377,10 +384,7 @@ def read_uncached(
     page cache holds them only where something else put them there."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
-        if size > max_size:
-            name = os.path.basename(path)
-            raise OSError(errno.EFBIG, f"{name}: {size} bytes exceeds the object limit")
+        size = _object_size(fd, path, max_size)
         if size < min_size or not O_DIRECT:
             return None
         cached = cached_pages(fd)
@@ -505,9 +509,7 @@ def streamed_object(path: Path, max_size: int) -> Iterator[ObjectReader | None]:
     """
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
-        if size > max_size:
-            raise OSError(errno.EFBIG, f"{path.name}: {size} bytes exceeds the object limit")
+        size = _object_size(fd, path, max_size)
         if size < STREAM_MIN_BYTES:
             yield None
             return
@@ -540,10 +542,7 @@ def read_cached(
         return None
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
-        if size > max_size:
-            name = os.path.basename(path)
-            raise OSError(errno.EFBIG, f"{name}: {size} bytes exceeds the object limit")
+        size = _object_size(fd, path, max_size)
         buf = alloc(size)[:size]
         try:
             got = os.preadv(fd, [buf], 0, RWF_NOWAIT)
