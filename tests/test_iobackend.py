@@ -870,3 +870,20 @@ def test_report_serialises(tmp_path: Path) -> None:
     json.dumps(d)
     assert d["backend"] == "posix" and d["gpu"]["driver_present"] is False
     assert isinstance(GpuReport().to_dict(), dict)
+
+
+def test_only_posix_page_cache_reads_plan_o_direct_for_uncached_large_objects(
+    direct_dir: Path,
+) -> None:
+    def read_min(mode: str, **kw: Any) -> int:
+        p = plan(mode, direct_dir, **kw)
+        assert p.to_dict()["o_direct_read_min"] == p.direct_read_min
+        return p.direct_read_min
+
+    assert read_min("posix") == DIRECT_READ_MIN
+    assert "O_DIRECT for uncached objects >= 16.0 MiB" in plan("posix", direct_dir).describe()
+    assert read_min("posix", direct_read_min=64 << 20) == 64 << 20
+    assert read_min("posix", direct_read_min=0) == 0
+    # Page cache only; O_DIRECT for every read already; not the posix backend's reads.
+    for mode in ("posix-buffered", "posix-direct", "kvikio", "cufile"):
+        assert read_min(mode) == 0, mode

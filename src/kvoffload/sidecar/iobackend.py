@@ -271,7 +271,7 @@ def probe_direct(directory: Path) -> DirectProbe:
 DIRECT_WRITE_MIN = 16 << 20
 #: ``posix`` reads an object of at least this size with O_DIRECT where less than
 #: half of it is in the page cache (cachestat(2); Linux 6.5+, else through the
-#: page cache). Cold 32 MiB objects, 4 at a time through a sidecar: 2.0-2.7
+#: page cache). Cold 32 MiB objects, 4 at a time through a sidecar: 1.7-2.7
 #: GB/s with O_DIRECT against 0.7-1.0 through the page cache (ext4 on virtio).
 DIRECT_READ_MIN = DIRECT_WRITE_MIN
 
@@ -616,7 +616,7 @@ def plan(
         if not gpu.kvikio_usable:
             p.error = gpu.kvikio_reason
     elif req is IOMode.CUFILE:
-        p.backend = "cufile"
+        p.backend, p.direct_read_min = "cufile", 0  # its host reads are whole-object preadv
         p.reason = f"{gpu.cufile_reason}; host buffers through posix: {posix_why}"
         if not gpu.cufile_usable:
             p.error = gpu.cufile_reason
