@@ -40,6 +40,7 @@ from kvoffload.sidecar.keyring import Kek
 from kvoffload.sidecar.store import Store, StoreConfig
 
 from .ramfs import run_on_ramfs
+from .test_load_path import evict
 
 NS = bytes(range(32))
 REPO = Path(__file__).resolve().parent.parent
@@ -201,15 +202,6 @@ def cached_pages(path: Path) -> int | None:
         os.close(fd)
 
 
-def drop_cached(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 class DirectReads:
     """Records every O_DIRECT a descriptor is switched to with fcntl (the real call runs)."""
 
@@ -237,8 +229,7 @@ def test_a_large_object_not_in_the_page_cache_is_read_with_o_direct_a_cached_one
         small = [os.urandom(1 << 16)]
         assert s.put("acme", NS, key(1), big) and s.put("acme", NS, key(2), small)
         path, small_path = s._path("acme", key(1)), s._path("acme", key(2))
-        drop_cached(path)
-        drop_cached(small_path)
+        evict([path, small_path])
         if cached_pages(path) is None:
             pytest.skip("cachestat(2) needs Linux 6.5+: reads stay in the page cache")
         assert cached_pages(path) == 0
@@ -258,7 +249,7 @@ def test_a_large_object_not_in_the_page_cache_is_read_with_o_direct_a_cached_one
         assert bytes(outs[0]) == b"".join(big) and spy.count == 0
         # Cold again and damaged: the O_DIRECT read (which sees the dirty page
         # written through the cache) verifies like every other read: a miss.
-        drop_cached(path)
+        evict([path])
         with open(path, "r+b") as f:
             f.seek(os.path.getsize(path) // 2)
             byte = f.read(1)
@@ -276,7 +267,7 @@ def test_read_uncached_leaves_what_it_cannot_do_to_the_page_cache(
 ) -> None:
     path = direct_dir / "obj"
     path.write_bytes(os.urandom(1 << 20))
-    drop_cached(path)
+    evict([path])
     scratch = fileio.ScratchBuffers()
     if cached_pages(path) is None:
         pytest.skip("cachestat(2) needs Linux 6.5+")
@@ -287,7 +278,7 @@ def test_read_uncached_leaves_what_it_cannot_do_to_the_page_cache(
     got = fileio.read_uncached(path, scratch.get, 4 << 20, 1 << 20)
     assert got is not None and bytes(got) == path.read_bytes()  # now cached
     assert fileio.read_uncached(path, scratch.get, 4 << 20, 1 << 20) is None  # cached
-    drop_cached(path)
+    evict([path])
     unaligned = memoryview(bytearray(2 << 20))
     assert fileio.read_uncached(path, lambda n: unaligned[1 : n + 1], 4 << 20, 1) is None
     monkeypatch.setattr(fileio, "_cachestat_ok", False)  # an older kernel: cannot tell

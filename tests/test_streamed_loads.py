@@ -24,7 +24,7 @@ from kvoffload.sidecar.iobackend import PosixBackend, local_fs
 from kvoffload.sidecar.keyring import Kek
 from kvoffload.sidecar.store import Store, StoreConfig
 
-from .test_load_path import nowait_reads_miss, resident_pages
+from .test_load_path import evict, nowait_reads_miss
 
 NS = bytes(range(32))
 
@@ -222,19 +222,6 @@ def test_populate_releases_the_gil(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert calls == [(110, advice), (3 * mmap.PAGESIZE, advice)]
 
 
-def _drop_from_page_cache(paths: list[Path]) -> bool:
-    """Evict the files' pages; False where this file system keeps them (tmpfs).
-    Checked with mincore(2): a read, even with RWF_NOWAIT, may start readahead."""
-    os.sync()
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return not any(resident_pages(p) for p in paths)
-
-
 class _ColdSmallSpy:
     """Which thread read each chunk the ordinary way, and the readahead asked first."""
 
@@ -273,7 +260,7 @@ def test_a_cold_batch_of_small_objects_is_read_in_the_calling_thread_after_reada
     as it enters the batch's window and read and verified in the calling thread
     in its turn: no hop to a pool thread and back, which costs more than the read."""
     s, keys = local_store, _four_small_objects(local_store, monkeypatch)
-    if not _drop_from_page_cache([s._path("acme", k) for k in keys]):
+    if not evict([s._path("acme", k) for k in keys]):
         pytest.skip("this file system keeps the objects in memory: no cold read here")
     nowait_reads_miss(monkeypatch)
     spy = _ColdSmallSpy(s, monkeypatch)
@@ -299,7 +286,7 @@ def test_a_damaged_small_object_in_a_cold_batch_ends_the_prefix_unread_after_it(
         b = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 1]))
-    if not _drop_from_page_cache([s._path("acme", k) for k in keys]):
+    if not evict([s._path("acme", k) for k in keys]):
         pytest.skip("this file system keeps the objects in memory: no cold read here")
     nowait_reads_miss(monkeypatch)
     spy = _ColdSmallSpy(s, monkeypatch)
