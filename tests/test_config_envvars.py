@@ -130,3 +130,18 @@ def test_direct_read_min_reaches_the_store_config_and_refuses_nonsense(tmp_path:
     for bad in ("big", "-1", "1.5B"):
         with pytest.raises(ConfigError, match=r"\[store\] direct_read_min: (bad )?size"):
             load_config(env={"KVOFFLOAD_STORE_DIRECT_READ_MIN": bad})
+
+
+def test_ram_cache_reaches_the_store_config_and_refuses_nonsense(tmp_path: Path) -> None:
+    assert load_config().store_config().ram_cache is None  # auto
+    cfg = load_config(env={"KVOFFLOAD_STORE_RAM_CACHE": "2GiB"})
+    assert cfg.store.ram_cache == 2 << 30
+    assert cfg.store_config().ram_cache == 2 << 30
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text('[store]\nram_cache = "0"\n')
+    assert load_config(cfg_file).store_config().ram_cache == 0  # no RAM tier
+    cfg_file.write_text('[store]\nram_cache = "auto"\n')
+    assert load_config(cfg_file).store_config().ram_cache is None
+    for bad in ("lots", "-1", "1.5B", "none"):
+        with pytest.raises(ConfigError, match=r"\[store\] ram_cache: (bad )?size"):
+            load_config(env={"KVOFFLOAD_STORE_RAM_CACHE": bad})

@@ -96,6 +96,7 @@ CATALOGUE: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
     "ls_filtered": ("request", _req(17, p.Ls("acme", NS, 3600.0, 60.5, 100, 200))),
     "purge_older": ("request", _req(18, p.PurgeOlder(86400.0))),
     "purge_older_tenant": ("request", _req(18, p.PurgeOlder(0.5, "acme"))),
+    "drop_cache": ("request", _req(24, p.DropCache())),
     # revision 5 (gov-keys): §5.19, §5.20
     "prepare_store_contract": (
         "request",
@@ -270,6 +271,7 @@ CATALOGUE: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
         _rep(17, p.LsReply({"chunks": [{"tenant": "acme", "bytes": 5}], "more": False})),
     ),
     "purge_older_reply": ("reply", _rep(18, p.PurgeOlderReply(3))),
+    "drop_cache_reply": ("reply", _rep(24, p.DropCacheReply(2, 64 << 20))),
     "invalidate_reply": (
         "reply",
         _rep(19, p.InvalidateReply({"dry_run": False, "removed_chunks": 6, "namespaces": []})),

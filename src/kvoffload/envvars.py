@@ -160,6 +160,14 @@ REGISTRY: tuple[EnvVar, ...] = (
         "are read with O_DIRECT (posix backend); 0 = always through the page cache.",
     ),
     _cfg(
+        "store",
+        "ram_cache",
+        "size",
+        "auto",
+        "[store] ram_cache: the RAM tier for the sealed images of objects read or written "
+        "around the page cache; auto = 1/16 of memory, at most 8GiB; 0 = none.",
+    ),
+    _cfg(
         "server",
         "socket",
         "path",

@@ -277,6 +277,14 @@ class SidecarTarget:
         self.tiers = {k: list(v) for k, v in reply.tiers.items()} or None
         return reply.removed
 
+    def drop_cache(self) -> tuple[int, int]:
+        """§5.31: (images dropped, bytes the tier still maps)."""
+        from ..client.session import expect
+        from ..protocol import DropCache, DropCacheReply
+
+        reply = expect(self.call(DropCache()), DropCacheReply)
+        return reply.dropped, reply.held_bytes
+
     def purge_older(self, age_s: float, tenant: str | None) -> int:
         from ..client.session import expect
         from ..protocol import PurgeOlder, PurgeOlderReply

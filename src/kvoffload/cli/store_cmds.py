@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from .admin import admin_target, offline_audit
+from .admin import SidecarTarget, admin_target, offline_audit, sidecar_listening
 from .app import (
     JsonOpt,
     app,
@@ -234,6 +234,35 @@ def purge(
         raise _EngineResetFailed(
             "; ".join(f"{r['engine']}: {r['detail']}" for r in failed)
             + " (the store purge itself was done)"
+        )
+
+
+@app.command("drop-cache")
+def drop_cache(as_json: JsonOpt = False) -> None:
+    """Empty the running sidecar's RAM tier: the next load of every chunk reads its file.
+
+    For cold measurements, or to see what a load costs from disk. The tier's
+    memory stays mapped as spare buffers; the stored data is untouched. With
+    no sidecar running nothing is held in memory: nothing to drop.
+    """
+    cfg = config()
+    if not sidecar_listening(cfg.socket_path):
+        data: dict[str, Any] = {"sidecar": None, "dropped": 0, "held_bytes": 0}
+        if as_json:
+            emit(True, data)
+        else:
+            out.print(f"no sidecar serves {cfg.socket_path}: no RAM tier to drop")
+        return
+    target = SidecarTarget(cfg.socket_path)
+    target.check_store(cfg)
+    dropped, held = target.drop_cache()
+    data = {"sidecar": str(cfg.socket_path), "dropped": dropped, "held_bytes": held}
+    if as_json:
+        emit(True, data)
+    else:
+        out.print(
+            f"dropped {dropped} chunk image(s) from the RAM tier of {target.where}; "
+            f"{human_bytes(held)} stay mapped as spare buffers"
         )
 
 

@@ -73,6 +73,15 @@ class PurgeOlderReply(ReplyMessage, frozen=True):
     removed: UInt
 
 
+class DropCacheReply(ReplyMessage, frozen=True):
+    """§5.31: the images dropped; ``held_bytes``, the tier's memory still mapped
+    (kept as spare buffers)."""
+
+    OP: ClassVar[Op] = Op.DROP_CACHE
+    dropped: UInt
+    held_bytes: UInt = 0
+
+
 class InvalidateReply(_ReportReply, frozen=True):
     """§5.20: what was (or, dry, would be) removed, and the unknown contracts left."""
 
@@ -86,6 +95,7 @@ class NamespacesReply(_ReportReply, frozen=True):
 
 
 __all__ = [
+    "DropCacheReply",
     "FsckReply",
     "InspectReply",
     "InvalidateReply",

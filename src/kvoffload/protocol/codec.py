@@ -23,6 +23,7 @@ from .limits import MAX_BATCH, MAX_MESSAGE, MAX_REQUEST_ID, Op
 from .replies import (
     Ack,
     CompleteStoreReply,
+    DropCacheReply,
     ErrorReply,
     FsckReply,
     HelloReply,
@@ -62,7 +63,8 @@ _REPLY_TYPES: dict[
     | type[InvalidateReply]
     | type[NamespacesReply]
     | type[LoadProgress]
-    | type[StoreReply],
+    | type[StoreReply]
+    | type[DropCacheReply],
 ] = {
     Op.HELLO: HelloReply,
     Op.LOOKUP: LookupReply,
@@ -81,6 +83,7 @@ _REPLY_TYPES: dict[
     Op.NAMESPACES: NamespacesReply,
     Op.LOAD_PROGRESS: LoadProgress,
     Op.STORE: StoreReply,
+    Op.DROP_CACHE: DropCacheReply,
 }
 ACK_OPS = frozenset({Op.REGISTER_STAGING, Op.ABORT, Op.COMPLETE_LOAD, Op.TOUCH, Op.BYE})
 

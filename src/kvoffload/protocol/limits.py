@@ -58,6 +58,8 @@ class Op(StrEnum):
     LOAD_PROGRESS = "load_progress"
     #: Revision 6 (§5.21): prepare + complete of a batch in one round trip.
     STORE = "store"
+    #: Revision 13 (§5.31, admin): empty the sidecar's RAM tier.
+    DROP_CACHE = "drop_cache"
     #: Server-initiated fatal error frame (id 0).
     ERROR = "error"
 

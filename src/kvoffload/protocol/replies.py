@@ -18,6 +18,7 @@ from msgspec import Meta
 from kvoffload.errors import ErrorCode
 
 from .admin_replies import (
+    DropCacheReply,
     FsckReply,
     InspectReply,
     InvalidateReply,
@@ -540,12 +541,14 @@ Reply = (
     | LeaseLoadReply
     | LoadProgress
     | StoreReply
+    | DropCacheReply
     | ErrorReply
 )
 
 __all__ = [
     "Ack",
     "CompleteStoreReply",
+    "DropCacheReply",
     "ErrorReply",
     "FsckReply",
     "HelloReply",

@@ -280,6 +280,12 @@ class Stats(RequestMessage, frozen=True):
     OP: ClassVar[Op] = Op.STATS
 
 
+class DropCache(RequestMessage, frozen=True):
+    """§5.31 (admin, revision 13): empty the sidecar's RAM tier."""
+
+    OP: ClassVar[Op] = Op.DROP_CACHE
+
+
 class Bye(RequestMessage, frozen=True):
     OP: ClassVar[Op] = Op.BYE
 
@@ -418,6 +424,7 @@ Request = (
     | Invalidate
     | Namespaces
     | Store
+    | DropCache
 )
 
 REQUEST_TYPES: dict[Op, type[Request]] = {
@@ -444,6 +451,7 @@ REQUEST_TYPES: dict[Op, type[Request]] = {
         Invalidate,
         Namespaces,
         Store,
+        DropCache,
     )
 }
 
@@ -454,6 +462,7 @@ __all__ = [
     "ChunkSpec",
     "CompleteLoad",
     "CompleteStore",
+    "DropCache",
     "Fsck",
     "Hello",
     "Inspect",

@@ -112,6 +112,8 @@ def purge_tiers(store: object, *, events: bool, whole: bool = True) -> dict[str,
     if whole:
         reached.append("keys")
     reached += ["loads_in_flight", "direct_leases", "pending_stores"]
+    if getattr(store, "has_ram_tier", False):
+        reached.append("ram_tier")
     if events:
         reached.append("events")
     info = getattr(store, "shared_info", None)

@@ -24,6 +24,8 @@ File format (every key optional; unknown keys are errors)::
     io_streams = 0                         # chunks of a batch read/written at once; 0 = auto
     direct_read_min = "16MiB"              # O_DIRECT reads of objects this big not in the
                                            #   page cache (posix); "0" = page cache only
+    ram_cache = "auto"                     # RAM tier of those large objects' sealed images:
+                                           #   a size, "0" = none; auto = 1/16 of memory, <= 8GiB
 
     [server]
     socket = "/run/kvoffload/kvoffload.sock"
@@ -101,6 +103,7 @@ class StoreSection:
     io: IOMode
     io_streams: int = 0
     direct_read_min: int | None = None
+    ram_cache: int | None = None
 
 
 @dataclass(frozen=True)
@@ -198,6 +201,8 @@ class Config:
     io_streams: int = 0
     #: None: the I/O backend's default (iobackend.DIRECT_READ_MIN); 0: never
     direct_read_min: int | None = None
+    #: None: "auto" (store.ramtier.auto_capacity); 0: no RAM tier
+    ram_cache: int | None = None
     # [server]
     socket_path: Path = Path("/run/kvoffload/kvoffload.sock")
     socket_group: str | None = None
@@ -257,6 +262,7 @@ class Config:
             self.io,
             self.io_streams,
             self.direct_read_min,
+            self.ram_cache,
         )
 
     @property
@@ -312,6 +318,7 @@ class Config:
             evictor_lease_s=self.evictor_lease_s,
             io_streams=self.io_streams,
             direct_read_min=self.direct_read_min,
+            ram_cache=self.ram_cache,
             audit_max_bytes=self.audit_max_bytes,
             audit_keep=self.audit_keep,
         )
@@ -340,6 +347,14 @@ def _parse_streams(raw: object) -> int:
 
 def _direct_read_min(raw: object) -> int:
     n = parse_size(raw, allow_none=False, whole=True)  # refuses a negative size
+    assert n is not None
+    return n
+
+
+def _ram_cache(raw: object) -> int | None:
+    if raw == "auto":
+        return None
+    n = parse_size(raw, allow_none=False, whole=True, what='size (or "auto")')
     assert n is not None
     return n
 
@@ -385,6 +400,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("store", "evictor_lease"): ("evictor_lease_s", parse_duration),
     ("store", "io_streams"): ("io_streams", _parse_streams),
     ("store", "direct_read_min"): ("direct_read_min", _direct_read_min),
+    ("store", "ram_cache"): ("ram_cache", _ram_cache),
     ("server", "socket"): ("socket_path", Path),
     ("server", "socket_group"): ("socket_group", str),
     ("server", "workers"): ("workers", int),

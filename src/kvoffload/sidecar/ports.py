@@ -117,6 +117,13 @@ class StoreAPI(Protocol):
 
 
 @runtime_checkable
+class CacheAPI(Protocol):
+    """What ``drop_cache`` (protocol-v1.md §5.31) needs: a store with a RAM tier."""
+
+    def drop_cache(self) -> tuple[int, int]: ...
+
+
+@runtime_checkable
 class StoreViewsAPI(Protocol):
     """What the admin verbs inspect, ls and purge_older (protocol-v1.md §5.16-5.18) need,
     beyond :class:`StoreAPI`; the real store has it, a double may not (then: UNSUPPORTED)."""
@@ -288,6 +295,7 @@ def implements(obj: object, proto: type) -> bool:
 
 
 __all__ = [
+    "CacheAPI",
     "CachedLoadsAPI",
     "ContractsAPI",
     "PlannedLoadsAPI",

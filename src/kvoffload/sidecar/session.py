@@ -37,6 +37,8 @@ from kvoffload.protocol import (
     Ack,
     CompleteLoad,
     CompleteStore,
+    DropCache,
+    DropCacheReply,
     ErrorCode,
     ErrorReply,
     Fsck,
@@ -78,7 +80,7 @@ from kvoffload.staging import RegionAllocator, StagingBuffer, StagingError
 
 from .admin import LS_PAGE, inspect_report, ls_rows, purge_tiers
 from .padding import Pad
-from .ports import ContractsAPI, StoreViewsAPI
+from .ports import CacheAPI, ContractsAPI, StoreViewsAPI
 from .service import (
     DECOY_TENANT,
     Handle,
@@ -99,7 +101,7 @@ NAMESPACES_PAGE = 500
 
 _H = TypeVar("_H", WriteHandle, LoadHandle)
 #: The admin verbs (§6): each leaves an "admin" audit record, allowed or not.
-_ADMIN_REQUESTS = (Purge, Fsck, Inspect, Ls, PurgeOlder, Invalidate, Namespaces)
+_ADMIN_REQUESTS = (Purge, Fsck, Inspect, Ls, PurgeOlder, Invalidate, Namespaces, DropCache)
 #: Handles released by revocation whose complete/abort is still awaited, per connection.
 _MAX_REVOKED_HANDLES = 4096
 
@@ -423,6 +425,8 @@ class Session(Transfers):
                     return self.invalidate(req)
                 case Namespaces():
                     return self.namespaces(req)
+                case DropCache():
+                    return self.drop_cache()
                 case _:
                     raise Reject(ErrorCode.UNSUPPORTED, f"{op} is not served here")
         except Reject as exc:
@@ -619,6 +623,15 @@ class Session(Transfers):
         page = rows[req.skip : req.skip + NAMESPACES_PAGE]
         more = len(rows) > req.skip + NAMESPACES_PAGE
         return NamespacesReply({"namespaces": plainify(page), "more": more})
+
+    def drop_cache(self) -> Reply:
+        """§5.31 (admin): empty the RAM tier; the next load of every chunk reads its file."""
+        self._admin("drop_cache")
+        store = self.service.store
+        if not isinstance(store, CacheAPI):
+            raise Reject(ErrorCode.UNSUPPORTED, "drop_cache: this store has no RAM tier")
+        dropped, held = store.drop_cache()
+        return DropCacheReply(dropped, held)
 
     def purge_older(self, req: PurgeOlder) -> Reply:
         """§5.18 (admin): remove chunks older than ``older_than_s``, of one tenant or all."""

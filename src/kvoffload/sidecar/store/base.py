@@ -38,6 +38,7 @@ from ..journal import JournalRecord, Reason
 from ..keyring import Keyring, KeyringError, TenantKeys
 from ..ports import RetentionSettings
 from .audit import AuditLog
+from .ramtier import RamTier
 from .retention import RetentionJournal
 from .shared import REMOVE_REASONS, SharedRoot
 
@@ -89,6 +90,9 @@ class StoreConfig:
     #: Objects at least this big, mostly not in the page cache, are read with
     #: O_DIRECT (posix backend; 0: never); None: iobackend.DIRECT_READ_MIN.
     direct_read_min: int | None = None
+    #: The RAM tier's size in bytes (ramtier.py: sealed images of the large
+    #: objects the page cache does not keep); 0: none; None: ramtier.auto_capacity().
+    ram_cache: int | None = None
     #: At open, move a corrupt index aside and rebuild it from the files (the
     #: index is a cache of them); False: refuse to open (StoreIOError).
     rebuild_corrupt_index: bool = True
@@ -113,6 +117,8 @@ class StoreConfig:
             raise ValueError("io_streams must be >= 0 (0: one per core, at least 4)")
         if self.direct_read_min is not None and self.direct_read_min < 0:
             raise ValueError("direct_read_min must be >= 0 (0: never)")
+        if self.ram_cache is not None and self.ram_cache < 0:
+            raise ValueError("ram_cache must be >= 0 (0: no RAM tier)")
 
 
 #: The most I/O streams the default picks (more rarely helps one NVMe device).
@@ -204,6 +210,8 @@ class StoreBase:
     #: Tenants whose fan-out directories this process has made sure of.
     _leaves_ready: set[str]
     _shared: SharedRoot | None = None
+    #: The RAM tier (ramtier.py); None: off.
+    _ram: RamTier | None = None
     _key_rereads: dict[str, float]
     #: Per-tenant load generations: a purge or revocation cancels loads in flight.
     _load_gens: LoadGenerations
@@ -266,6 +274,9 @@ class StoreBase:
         # The file goes first and the accounting after: the other order lets a
         # concurrent writer spend the freed bytes while the old file still
         # occupies them, so the disk would briefly hold more than the limit.
+        # Its RAM image goes before either: no load is served it from here on.
+        if self._ram is not None:
+            self._ram.discard(tenant, key)
         if remove_file:
             try:
                 self._path(tenant, key).unlink()

@@ -36,7 +36,7 @@ from ..cancel import LoadGenerations, TransferCancelled
 from ..errors import StoreError, StoreIOError, StoreLocked
 from ..fileio import Durability, ScratchBuffers, syncfs
 from ..index import ChunkRecord, Index, IndexCorrupt, IndexFailure, Usage, probe_in_child
-from ..iobackend import select_backend
+from ..iobackend import DIRECT_WRITE_MIN, IOPlan, select_backend
 from ..journal import JournalRecord, Op
 from ..keyring import Kek, Keyring
 from .audit import AuditLog
@@ -46,6 +46,7 @@ from .base import (
     RetentionProvider,
     StoreConfig,
     boundary,
+    default_io_streams,
     log,
     mapped_errors,
 )
@@ -53,6 +54,7 @@ from .capacity import _Scope
 from .contracts import ContractRegistry, check_selector, contract_fields, contract_matches
 from .layerwise import PlanFn, ReportFn, get_layerwise_into, load_layerwise
 from .leases import Leases
+from .ramtier import RamTier, auto_capacity
 from .retention import RetentionJournal
 from .shared import POSITIONS_META, SharedRoot
 
@@ -186,6 +188,7 @@ class Store(Leases):
             raise
         self.io = sel.backend
         self.io_plan = sel.plan
+        self._ram = _ram_tier(config, sel.plan)
 
     def _open_index(self, index_dir: Path) -> Index:
         """Open the index; a corrupt one (garbage ``data.mdb``, undecodable records,
@@ -268,6 +271,8 @@ class Store(Leases):
         if self._pipe is not None:
             self._pipe.shutdown(wait=True)
         self.io.close()
+        if self._ram is not None:
+            self._ram.close()
         with mapped_errors("close"):
             try:
                 self._flush_touches()
@@ -469,8 +474,20 @@ class Store(Leases):
 
     def cancel_loads(self, tenant: str) -> None:
         """Stop every load of ``tenant`` in flight before its next layer is copied
-        (a revocation; purges do this themselves). Those chunks are misses."""
+        (a revocation; purges do this themselves). Those chunks are misses, and
+        the tenant's images leave the RAM tier."""
         self._load_gens.cancel(tenant)
+        if self._ram is not None:
+            self._ram.drop_tenant(tenant)
+
+    @property
+    def has_ram_tier(self) -> bool:
+        return self._ram is not None
+
+    def drop_cache(self) -> tuple[int, int]:
+        """Empty the RAM tier (protocol-v1 §5.31): every chunk's next load reads
+        its file. (images dropped, bytes the tier still maps as spare buffers)."""
+        return (0, 0) if self._ram is None else self._ram.clear()
 
     @boundary
     def tenant_salt(self, tenant: str) -> bytes:
@@ -545,6 +562,8 @@ class Store(Leases):
         index records scheduled for removal.
         """
         self._load_gens.cancel(tenant)  # loads in flight stop before their next layer
+        if self._ram is not None:  # after the cancel: no load of it takes an image again
+            self._ram.drop_tenant(tenant)
         existed = self.keyring.destroy(tenant)
         if self._shared is not None:
             self._shared.journal([JournalRecord.purge_tenant(tenant)])
@@ -743,7 +762,20 @@ class Store(Leases):
             "durability": str(self.config.durability),
             "io": self.io.describe(),
             "shared": self.shared_info(),
+            "ram_tier": None if self._ram is None else self._ram.stats(),
         }
+
+
+def _ram_tier(config: StoreConfig, plan: IOPlan) -> RamTier | None:
+    """The RAM tier this store's settings and I/O plan call for: objects the
+    backend writes or reads around the page cache (posix: those of at least
+    direct_read_min, 16 MiB), sized by ``ram_cache``. None where it is 0, or
+    where the page cache already keeps every object (posix-buffered)."""
+    capacity = auto_capacity() if config.ram_cache is None else config.ram_cache
+    if not capacity or not (plan.direct_write or plan.direct_read or plan.direct_read_min):
+        return None
+    min_size = plan.direct_read_min or plan.direct_write_min or DIRECT_WRITE_MIN
+    return RamTier(capacity, min_size, spares=config.io_streams or default_io_streams())
 
 
 def _stop_check(

@@ -19,6 +19,11 @@ One loop, one place for each rule:
   it and every later chunk are dropped from the loop, and the failure is
   handled as any failed read is (entry dropped, file quarantined).
 
+From memory: an object with an image in the RAM tier (ramtier.py) taken from
+the very file just opened (its identity checked against the descriptor's
+``fstat``) is verified and decrypted layer by layer from that image; an image
+that fails is dropped and the chunk is a miss, its file left alone.
+
 One pass: an object the store may map (``fileio.map_opened``: written by the
 sidecar, so no descriptor can shrink it under the mapping; large enough; a
 kernel with MADV_POPULATE_READ) is mapped once, at open, from the descriptor
@@ -46,6 +51,7 @@ from .. import fileio
 from ..index import ChunkRecord
 from .base import log
 from .pipeline import PARALLEL_MIN_BYTES
+from .ramtier import Image, RamTier
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -72,6 +78,9 @@ class _Opened:
     mapped: mmap.mmap | None = None
     view: memoryview | None = None
     scratch: bytearray | None = None
+    #: The object's RAM image, pinned until :meth:`close` (then nothing is mapped).
+    image: Image | None = None
+    ram: RamTier | None = None
 
     def unmap(self) -> None:
         view, mapped = self.view, self.mapped
@@ -85,6 +94,9 @@ class _Opened:
     def close(self) -> None:
         try:
             self.unmap()
+            if self.image is not None and self.ram is not None:
+                self.ram.unpin(self.image)
+                self.image = None
         finally:
             os.close(self.fd)
 
@@ -124,6 +136,12 @@ def _open(store: Pipeline, tenant: str, rec: ChunkRecord, out: memoryview) -> _O
             lo, hi = v1.layer_slot(h, i)
             widest = max(widest, hi - lo)
         o = _Opened(key, fd, h, aead, starts, widest)
+        ram = store._ram
+        if ram is not None and ram.admits(rec.size):
+            o.image = ram.pinned(tenant, key, "", st)
+            if o.image is not None:
+                o.ram = ram
+                return o
         if getattr(store.io, "map_reads", False):
             # The size just checked is the size mapped; only a file no other
             # descriptor can shrink is mapped at all (fileio.map_opened).
@@ -147,6 +165,9 @@ def _layer(o: _Opened, i: int, out: memoryview) -> None:
     lo, hi = v1.layer_slot(h, i)
     start = o.starts[i]
     dst = out[start : start + h.layers[i].length]
+    if o.image is not None:
+        v1.open_layer(h, i, o.image.data[lo:hi], dst, o.aead)
+        return
     if o.mapped is not None and o.view is not None:
         # Faulted in before it is touched: a page that cannot be read is an
         # OSError here (a miss), never a SIGBUS in the decrypt.
@@ -259,7 +280,7 @@ def load_layerwise(
                     errors = [f.exception() for f in futs]
             for c, err in enumerate(errors):
                 if err is not None:
-                    _failed(store, tenant, opened[c].key, err)
+                    _failed(store, tenant, opened[c], err)
                     live = c
                     break
             pending = (i + 1, live)
@@ -280,7 +301,15 @@ def _layer_bytes(opened: Sequence[_Opened], i: int, live: int) -> int:
     return sum(o.header.layers[i].length for o in opened[:live] if i < len(o.header.layers))
 
 
-def _failed(store: Pipeline, tenant: str, key: bytes, exc: BaseException) -> None:
+def _failed(store: Pipeline, tenant: str, o: _Opened | bytes, exc: BaseException) -> None:
+    """A chunk that failed (``o``: opened, or the key of one that failed to open)."""
+    if isinstance(o, _Opened) and o.image is not None and o.ram is not None:
+        # The RAM tier's failure, not the file's: the image goes, the file stays.
+        log.warning("chunk %s of %s: its RAM image %s; a miss", o.key.hex()[:16], tenant, exc)
+        o.ram.failed(o.image)
+        store.counters.misses += 1
+        return
+    key = o.key if isinstance(o, _Opened) else o
     if isinstance(exc, ObjectMismatch) and "index record" in str(exc):
         # The object may be whole and the record stale: the record goes, the
         # file stays for fsck (or a re-save) to sort out. A miss either way.

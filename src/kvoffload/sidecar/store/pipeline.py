@@ -45,6 +45,7 @@ from .base import (
 )
 from .capacity import Reservation
 from .fsck import Maintenance
+from .ramtier import RamTier, Slot
 from .shared import SHARED_NONCE_SHARES
 
 #: Each I/O thread's buffer for one layer slot of a streamed load
@@ -176,13 +177,7 @@ class Pipeline(Maintenance):
         job = self._begin_put(tenant, namespace, chunk_key, layers, encrypt, ttl_s, reservation)
         if job is None:
             return False
-        try:
-            buf = self._scratch.get(job.size)
-            self._seal(job, buf)
-        except BaseException:
-            job.res.release()
-            raise
-        return self._write_sealed(job, buf)
+        return self._finish_put(job, self._seal_and_write(job))
 
     @boundary
     def put_many(
@@ -336,13 +331,29 @@ class Pipeline(Maintenance):
         for a batch written in turn) and write the file. True if written, False
         if the object was already on disk. Releases the reservation only on an
         error (the caller indexes and releases)."""
+        ram = self._ram
+        slot = ram.lend(job.size) if ram is not None else None
+        written = False
         try:
-            buf = self._scratch.get(job.size)
+            # Sealed into a buffer of the RAM tier where one is ready: the image
+            # written is then kept, and the next load of the chunk is warm.
+            buf = slot.view[: job.size] if slot is not None else self._scratch.get(job.size)
             self._seal(job, buf)
-            return self._write_verified(job, buf)
+            written = self._write_verified(job, buf)
+            return written
         except BaseException:
             job.res.release()
             raise
+        finally:
+            if slot is not None and ram is not None:
+                if written:
+                    path, gen = self._path_str(job.tenant, job.chunk_key), job.generation
+                    ram.keep(
+                        job.tenant, job.chunk_key, slot, job.size, path,
+                        lambda: self._load_gens.current(job.tenant) == gen,
+                    )  # fmt: skip
+                else:
+                    ram.give_back(slot)
 
     @staticmethod
     def _await_written(job: _PutJob, fut: Future[bool]) -> bool:
@@ -435,15 +446,6 @@ class Pipeline(Maintenance):
             key_epoch=job.epoch,
             created_ns=job.now,
         )
-
-    def _write_sealed(self, job: _PutJob, buf: memoryview) -> bool:
-        """Write a sealed object and index it; always releases the job's reservation."""
-        try:
-            written = self._write_verified(job, buf)
-        except BaseException:
-            job.res.release()
-            raise
-        return self._finish_put(job, written)
 
     def _write_verified(self, job: _PutJob, buf: memoryview) -> bool:
         """Write the object; True if written, False if a verifying one was there.
@@ -848,13 +850,18 @@ class Pipeline(Maintenance):
         system (:func:`fileio.streamed_object`); else read whole into the
         thread's scratch buffer. Its layer lengths, or None (a miss, handled)."""
         key = rec.chunk_key
+        ram = self._ram
+        if ram is not None and ram.admits(rec.size):
+            got = self._load_image(ram, tenant, rec, out, guard)
+            if not isinstance(got, _NoImage):
+                return got
         path = self._path(tenant, key)
         try:
             direct_min = getattr(self.io, "direct_read_min", 0)
             if direct_min and rec.size >= direct_min:
-                got = fileio.read_uncached(path, self._scratch.get, MAX_OBJECT_BYTES, direct_min)
-                if got is not None:
-                    return self._open_into(tenant, key, rec, got, out, guard)
+                got = self._load_uncached(tenant, rec, out, guard, direct_min)
+                if not isinstance(got, _NoImage):
+                    return got
             if getattr(self.io, "map_reads", False):
                 # Layer by layer through the page cache, each slot verified and
                 # decrypted into ``out`` while it is in the CPU cache.
@@ -867,6 +874,70 @@ class Pipeline(Maintenance):
             return None
         return self._open_into(tenant, key, rec, buf, out, guard)
 
+    def _load_image(
+        self,
+        ram: RamTier,
+        tenant: str,
+        rec: ChunkRecord,
+        out: memoryview,
+        guard: Callable[[int], None] | None,
+    ) -> list[int] | _NoImage | None:
+        """The chunk from its RAM image, verified and decrypted as a read of its
+        file would be; :data:`_NO_IMAGE` where there is none (or it failed its
+        checks, and is dropped): then the caller reads the file."""
+        key = rec.chunk_key
+        img = ram.pinned(tenant, key, self._path_str(tenant, key))
+        if img is None:
+            return _NO_IMAGE
+        try:
+            return self._open_into(tenant, key, rec, img.data, out, guard, image=True)
+        except _ImageFailed as exc:
+            log.warning("chunk %s of %s: its RAM image %s; reading the file", key.hex()[:16],
+                        tenant, exc.__cause__)  # fmt: skip
+            ram.failed(img)
+            return _NO_IMAGE
+        finally:
+            ram.unpin(img)
+
+    def _load_uncached(
+        self,
+        tenant: str,
+        rec: ChunkRecord,
+        out: memoryview,
+        guard: Callable[[int], None] | None,
+        direct_min: int,
+    ) -> list[int] | _NoImage | None:
+        """:meth:`_load_one` of a large object mostly not in the page cache: read
+        whole with O_DIRECT (:func:`fileio.read_uncached`), into a buffer of the
+        RAM tier where one is ready (the image is then kept). :data:`_NO_IMAGE`
+        where it was not read so (cached, or O_DIRECT refused): the caller reads
+        it through the page cache. OSError as a read raises it."""
+        key = rec.chunk_key
+        path = self._path_str(tenant, key)
+        ram = self._ram
+        slot: Slot | None = None
+        gen = self._load_gens.current(tenant)
+        got: list[int] | None = None
+
+        def alloc(n: int) -> memoryview:  # asked only once it is to be read so
+            nonlocal slot
+            slot = ram.lend(rec.size) if ram is not None else None
+            return self._scratch.get(n) if slot is None else slot.alloc(n)
+
+        try:
+            buf = fileio.read_uncached(path, alloc, MAX_OBJECT_BYTES, direct_min)
+            if buf is not None:
+                got = self._open_into(tenant, key, rec, buf, out, guard)
+                return got
+        finally:
+            if slot is not None and ram is not None:
+                if got is not None:
+                    ram.keep(tenant, key, slot, rec.size, path,
+                             lambda: self._load_gens.current(tenant) == gen)  # fmt: skip
+                else:
+                    ram.give_back(slot)
+        return _NO_IMAGE
+
     def _open_into(
         self,
         tenant: str,
@@ -875,6 +946,8 @@ class Pipeline(Maintenance):
         buf: memoryview | fileio.ObjectReader,
         out: memoryview,
         guard: Callable[[int], None] | None = None,
+        *,
+        image: bool = False,
     ) -> list[int] | None:
         """Verify and decrypt a read object (or one read layer by layer) into
         ``out``; None (and the entry dropped) if bad.
@@ -916,6 +989,8 @@ class Pipeline(Maintenance):
             self.counters.misses += 1
             return None
         except Exception as exc:
+            if image:  # the RAM tier's failure, not the file's: the caller reads it
+                raise _ImageFailed from exc
             if isinstance(exc, ObjectMismatch) and self._verifies_alone(tenant, key, rec, buf):
                 # A whole, valid object that the index describes wrongly (a
                 # damaged or stale record): the record goes, the object stays
@@ -1005,6 +1080,18 @@ class Pipeline(Maintenance):
     def touch(self, tenant: str, keys: Sequence[bytes]) -> None:
         for k in keys:
             self._touch_later(tenant, k)  # the index ignores keys it does not hold
+
+
+class _ImageFailed(Exception):
+    """A RAM image that failed its checks (its cause): dropped, the file is read."""
+
+
+class _NoImage:
+    """Not served this way (no RAM image; not read with O_DIRECT): read the file
+    the ordinary way."""
+
+
+_NO_IMAGE = _NoImage()
 
 
 class _RecordMismatch(ObjectMismatch):
