@@ -215,7 +215,7 @@ def _lend(ram: RamTier, size: int) -> Slot:
 def test_the_tier_keeps_within_its_capacity_and_never_reuses_a_pinned_buffer(
     tmp_path: Path,
 ) -> None:
-    ram = RamTier(capacity=3 * 8192, min_size=4096, spares=1)
+    ram = RamTier(capacity=3 * 8192, min_size=4096)
     try:
         paths = _slot_files(tmp_path, 6)
         assert not ram.admits(100) and not ram.admits(4 * 8192) and ram.admits(8192)

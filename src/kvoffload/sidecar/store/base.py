@@ -258,6 +258,14 @@ class StoreBase:
 
     # ------------------------------------------------------------- dropping
 
+    def _stop_tenant(self, tenant: str) -> None:
+        """A purge or revocation of ``tenant``: its loads in flight stop before
+        their next layer (cancel.py), then its RAM images go; in that order, no
+        load of it keeps an image again (ramtier.py, ``still``)."""
+        self._load_gens.cancel(tenant)
+        if self._ram is not None:
+            self._ram.drop_tenant(tenant)
+
     def _drop(
         self,
         tenant: str,

@@ -46,7 +46,6 @@ from .base import (
     RetentionProvider,
     StoreConfig,
     boundary,
-    default_io_streams,
     log,
     mapped_errors,
 )
@@ -356,7 +355,7 @@ class Store(Leases):
             elif r.op is Op.PURGE_TENANT:
                 # Stop decrypting now, not at the key cache's bound, and stop
                 # this node's loads of the tenant in flight.
-                self._load_gens.cancel(r.tenant)
+                self._stop_tenant(r.tenant)
                 self.keyring.forget(r.tenant)
                 self.contracts.drop_tenant(r.tenant)
                 sh.stats.tenant_purges += 1
@@ -476,9 +475,7 @@ class Store(Leases):
         """Stop every load of ``tenant`` in flight before its next layer is copied
         (a revocation; purges do this themselves). Those chunks are misses, and
         the tenant's images leave the RAM tier."""
-        self._load_gens.cancel(tenant)
-        if self._ram is not None:
-            self._ram.drop_tenant(tenant)
+        self._stop_tenant(tenant)
 
     @property
     def has_ram_tier(self) -> bool:
@@ -561,9 +558,7 @@ class Store(Leases):
         removed in the background (``wait=True`` waits). Returns the number of
         index records scheduled for removal.
         """
-        self._load_gens.cancel(tenant)  # loads in flight stop before their next layer
-        if self._ram is not None:  # after the cancel: no load of it takes an image again
-            self._ram.drop_tenant(tenant)
+        self._stop_tenant(tenant)  # loads in flight stop before their next layer
         existed = self.keyring.destroy(tenant)
         if self._shared is not None:
             self._shared.journal([JournalRecord.purge_tenant(tenant)])
@@ -775,7 +770,7 @@ def _ram_tier(config: StoreConfig, plan: IOPlan) -> RamTier | None:
     if not capacity or not (plan.direct_write or plan.direct_read or plan.direct_read_min):
         return None
     min_size = plan.direct_read_min or plan.direct_write_min or DIRECT_WRITE_MIN
-    return RamTier(capacity, min_size, spares=config.io_streams or default_io_streams())
+    return RamTier(capacity, min_size)
 
 
 def _stop_check(

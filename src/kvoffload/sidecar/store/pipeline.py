@@ -368,6 +368,8 @@ class Pipeline(Maintenance):
         """A write after a failed chunk: let it finish, remove its file, free its space."""
         try:
             if fut.result():
+                if self._ram is not None:
+                    self._ram.discard(job.tenant, job.chunk_key)
                 with contextlib.suppress(FileNotFoundError):
                     self._path(job.tenant, job.chunk_key).unlink()
         except Exception as exc:
@@ -490,6 +492,8 @@ class Pipeline(Maintenance):
                     continue
                 if self._load_gens.current(job.tenant) != job.generation:
                     # Purged or revoked while being written: the object is not published.
+                    if self._ram is not None:
+                        self._ram.discard(job.tenant, job.chunk_key)
                     with contextlib.suppress(FileNotFoundError):
                         self._path(job.tenant, job.chunk_key).unlink()
                     cancelled.append(job.chunk_key)

@@ -25,13 +25,17 @@ Rules (each one a test in ``tests/test_ramtier.py``):
   revocation of its tenant began since its read or save began (``still``).
 - **Bounded**: every buffer the tier owns (images, spares, buffers lent to a
   read or a save in progress) counts against ``capacity``.
-- **Faulted in off the load path.** A fresh anonymous mapping costs a page
-  fault per 4 KiB (32 MiB took 23 ms here, more than reading it from the
-  device), so a read or a save gets a buffer from the tier only if one is
-  ready: a spare, or the least recently used image of the same size. Else it
-  uses its scratch buffer as before (no image taken this time), and a filler
-  thread maps spares of that size with ``MAP_POPULATE`` (12 ms for 32 MiB, on
-  another core) for the next ones.
+- **Faulted in off the load path, once.** A fresh anonymous mapping costs a
+  page fault per 4 KiB (32 MiB took 23 ms here, more than reading it from
+  the device), so a read or a save gets a buffer from the tier only if one
+  is ready: a spare, or the least recently used image of the same size. Else
+  it uses its scratch buffer as before (no image taken this time). The first
+  such miss of a size starts a filler thread, at the lowest CPU priority,
+  that maps spares of that size with ``MAP_POPULATE`` until the tier's
+  capacity is mapped: the tier then holds its capacity for the life of the
+  process (as an engine's preallocated CPU cache does), and reuses it
+  without faulting. Dropping images (``drop_cache``, a removal) keeps their
+  buffers as spares; a purge or revocation unmaps its tenant's.
 """
 
 from __future__ import annotations
@@ -117,17 +121,15 @@ class TierCounters:
 @dataclass
 class RamTier:
     """Sealed images of objects of at least ``min_size`` bytes, at most
-    ``capacity`` bytes of buffers in all; ``spares``: buffers the filler keeps
-    ready per size that reads and saves ask for."""
+    ``capacity`` bytes of buffers in all."""
 
     capacity: int
     min_size: int
-    spares: int = 4
     counters: TierCounters = field(default_factory=TierCounters)
 
     def __post_init__(self) -> None:
-        if self.capacity < 0 or self.min_size < 0 or self.spares < 1:
-            raise ValueError("capacity and min_size must be >= 0, spares >= 1")
+        if self.capacity < 0 or self.min_size < 0:
+            raise ValueError("capacity and min_size must be >= 0")
         self._mu = threading.Lock()
         self._want = threading.Condition(self._mu)
         self._images: OrderedDict[tuple[str, bytes], Image] = OrderedDict()
@@ -161,8 +163,8 @@ class RamTier:
             free = self._free.get(want)
             if free:
                 slot = free.pop()
-                if len(free) < self.spares:
-                    self._ask_locked(want)
+                if self._held + want <= self.capacity:
+                    self._ask_locked(want)  # room for more: the filler maps it
                 return slot
             if self._held + want > self.capacity:
                 # Full: the least recently used image of this size gives its
@@ -277,9 +279,8 @@ class RamTier:
             return len(gone)
 
     def clear(self) -> tuple[int, int]:
-        """``drop_cache``: every image goes; their buffers stay mapped as spares
-        (up to :attr:`spares` per size), so the next reads do not fault them in
-        again. (images dropped, bytes still mapped)."""
+        """``drop_cache``: every image goes; their buffers stay mapped as spares,
+        so the next reads do not fault them in again. (images dropped, bytes still mapped)."""
         with self._mu:
             gone = list(self._images.values())
             for img in gone:
@@ -319,6 +320,8 @@ class RamTier:
                 "dropped": c.dropped,
                 "no_buffer": c.no_buffer,
                 "failed": c.failed,
+                # The filler is mapping spares (once per process, up to the capacity).
+                "filling": bool(self._wanted),
             }
 
     def holds(self, tenant: str, key: bytes) -> bool:
@@ -346,11 +349,10 @@ class RamTier:
             self._spare_locked(slot)
 
     def _spare_locked(self, slot: Slot) -> None:
-        free = self._free.setdefault(slot.nbytes, [])
-        if self._closed or len(free) >= self.spares:
+        if self._closed:
             self._held -= slot.nbytes
         else:
-            free.append(slot)
+            self._free.setdefault(slot.nbytes, []).append(slot)
 
     def _evict_locked(self, nbytes: int) -> None:
         """Unmap spares, then the least recently used unpinned images, until
@@ -379,7 +381,10 @@ class RamTier:
         self._want.notify()
 
     def _fill(self) -> None:
-        """Map and fault in spares of the sizes asked for, within the capacity."""
+        """Map and fault in spares of the sizes asked for, up to the capacity, at
+        the lowest CPU priority: loads and saves in flight come first."""
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
             with self._mu:
                 while not self._wanted and not self._closed:
@@ -387,8 +392,7 @@ class RamTier:
                 if self._closed:
                     return
                 want = next(iter(self._wanted))
-                free = self._free.setdefault(want, [])
-                if len(free) >= self.spares or self._held + want > self.capacity:
+                if self._held + want > self.capacity:
                     self._wanted.discard(want)
                     continue
                 self._held += want  # counted before it exists: never over the bound
