@@ -138,7 +138,7 @@ def _open(store: Pipeline, tenant: str, rec: ChunkRecord, out: memoryview) -> _O
         o = _Opened(key, fd, h, aead, starts, widest)
         ram = store._ram
         if ram is not None and ram.admits(rec.size):
-            o.image = ram.pinned(tenant, key, "", st)
+            o.image = ram.pinned(tenant, key, st)  # the file just opened
             if o.image is not None:
                 o.ram = ram
                 return o

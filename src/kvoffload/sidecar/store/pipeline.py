@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -346,14 +347,9 @@ class Pipeline(Maintenance):
             raise
         finally:
             if slot is not None and ram is not None:
-                if written:
-                    path, gen = self._path_str(job.tenant, job.chunk_key), job.generation
-                    ram.keep(
-                        job.tenant, job.chunk_key, slot, job.size, path,
-                        lambda: self._load_gens.current(job.tenant) == gen,
-                    )  # fmt: skip
-                else:
-                    ram.give_back(slot)
+                path = self._path_str(job.tenant, job.chunk_key)
+                self._settle(ram, slot, job.tenant, job.chunk_key, job.size, path,
+                             written, job.generation)  # fmt: skip
 
     @staticmethod
     def _await_written(job: _PutJob, fut: Future[bool]) -> bool:
@@ -847,23 +843,25 @@ class Pipeline(Maintenance):
         out: memoryview,
         guard: Callable[[int], None] | None = None,
     ) -> list[int] | None:
-        """:meth:`get_into` of an indexed chunk (on a pool thread for a batch): a
+        """:meth:`get_into` of an indexed chunk (on a pool thread for a batch): from
+        its image in the RAM tier where it has one (:meth:`_load_image`); else a
         large object mostly not in the page cache read whole with O_DIRECT where
         the backend asks for it (:func:`fileio.read_uncached`); else one layer
         slot at a time where reads go through the page cache of a local file
         system (:func:`fileio.streamed_object`); else read whole into the
         thread's scratch buffer. Its layer lengths, or None (a miss, handled)."""
         key = rec.chunk_key
+        spath = self._path_str(tenant, key)
         ram = self._ram
         if ram is not None and ram.admits(rec.size):
-            got = self._load_image(ram, tenant, rec, out, guard)
+            got = self._load_image(ram, tenant, rec, spath, out, guard)
             if not isinstance(got, _NoImage):
                 return got
-        path = self._path(tenant, key)
+        path = Path(spath)
         try:
             direct_min = getattr(self.io, "direct_read_min", 0)
             if direct_min and rec.size >= direct_min:
-                got = self._load_uncached(tenant, rec, out, guard, direct_min)
+                got = self._load_uncached(tenant, rec, spath, out, guard, direct_min)
                 if not isinstance(got, _NoImage):
                     return got
             if getattr(self.io, "map_reads", False):
@@ -883,6 +881,7 @@ class Pipeline(Maintenance):
         ram: RamTier,
         tenant: str,
         rec: ChunkRecord,
+        path: str,
         out: memoryview,
         guard: Callable[[int], None] | None,
     ) -> list[int] | _NoImage | None:
@@ -890,7 +889,7 @@ class Pipeline(Maintenance):
         file would be; :data:`_NO_IMAGE` where there is none (or it failed its
         checks, and is dropped): then the caller reads the file."""
         key = rec.chunk_key
-        img = ram.pinned(tenant, key, self._path_str(tenant, key))
+        img = ram.pinned(tenant, key, path)
         if img is None:
             return _NO_IMAGE
         try:
@@ -907,6 +906,7 @@ class Pipeline(Maintenance):
         self,
         tenant: str,
         rec: ChunkRecord,
+        path: str,
         out: memoryview,
         guard: Callable[[int], None] | None,
         direct_min: int,
@@ -917,7 +917,6 @@ class Pipeline(Maintenance):
         where it was not read so (cached, or O_DIRECT refused): the caller reads
         it through the page cache. OSError as a read raises it."""
         key = rec.chunk_key
-        path = self._path_str(tenant, key)
         ram = self._ram
         slot: Slot | None = None
         gen = self._load_gens.current(tenant)
@@ -935,12 +934,25 @@ class Pipeline(Maintenance):
                 return got
         finally:
             if slot is not None and ram is not None:
-                if got is not None:
-                    ram.keep(tenant, key, slot, rec.size, path,
-                             lambda: self._load_gens.current(tenant) == gen)  # fmt: skip
-                else:
-                    ram.give_back(slot)
+                self._settle(ram, slot, tenant, key, rec.size, path, got is not None, gen)
         return _NO_IMAGE
+
+    def _settle(
+        self, ram: RamTier, slot: Slot, tenant: str, key: bytes, size: int, path: str,
+        verified: bool, generation: int,
+    ) -> None:  # fmt: skip
+        """A tier buffer after its read or save: kept as the chunk's image if the
+        object in it was written or verified and no purge or revocation of the
+        tenant began since ``generation`` (asked under the tier's lock); else
+        given back."""
+        if not verified:
+            ram.give_back(slot)
+            return
+
+        def still() -> bool:
+            return self._load_gens.current(tenant) == generation
+
+        ram.keep(tenant, key, slot, size, path, still)
 
     def _open_into(
         self,

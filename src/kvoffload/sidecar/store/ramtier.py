@@ -218,23 +218,18 @@ class RamTier:
 
     # ------------------------------------------------------------- hits
 
-    def pinned(
-        self, tenant: str, key: bytes, path: str, st: os.stat_result | None = None
-    ) -> Image | None:
-        """The image of (tenant, key), pinned (:meth:`unpin` it), if the file at
-        ``path`` (``st``: its stat, where the caller just took it) is still the
-        one it was taken from; else None (and a stale image is dropped)."""
+    def pinned(self, tenant: str, key: bytes, where: str | os.stat_result) -> Image | None:
+        """The image of (tenant, key), pinned (:meth:`unpin` it), if the file
+        ``where`` names (its path, or the stat of it the caller just took) is
+        still the one it was taken from; else None (and a stale image is dropped)."""
         with self._mu:
             img = self._images.get((tenant, key))
             if img is None:
                 return None
             img.pins += 1  # held across the stat: nothing reuses its buffer
         ident: Identity | None = None
-        if st is not None:
-            ident = identity(st)
-        else:
-            with contextlib.suppress(OSError):
-                ident = identity(os.stat(path))
+        with contextlib.suppress(OSError):
+            ident = identity(where if isinstance(where, os.stat_result) else os.stat(where))
         with self._mu:
             if ident == img.ident and not img.gone:
                 self._images.move_to_end((tenant, key))
@@ -405,9 +400,7 @@ class RamTier:
                     self._wanted.discard(want)
                 continue
             with self._mu:
-                self._held -= want
-                self._held += slot.nbytes
-                self._spare_locked(slot)
+                self._spare_locked(slot)  # already counted in _held
 
 
 #: ``[store] ram_cache = "auto"``: this share of the memory the sidecar may use
