@@ -49,6 +49,13 @@ and >= 1.2x LMCache's best unencrypted variant at equal durability (its
 p99 < 0.15 ms and >= 200k keys/s per connection. ``--json`` holds them as
 ``targets``, ``lookup_targets`` and ``lmcache``.
 
+Before it, "where the time goes" (``scripts/bench_profile.py``): per kvoffload
+row, the CPU seconds per GB of the sidecar (every thread) and of the client's
+calls, and the cores they kept busy: a row with about every core busy is bound
+by this machine's CPU. With ``--spy DIR`` py-spy samples the sidecar and this
+process during every sealed row (raw stacks in DIR) and the table names the
+frames where the samples fell; the rows' ``cpu`` and ``profiles`` in the JSON.
+
 Usage::
 
     .venv/bin/python scripts/bench_sidecar.py                  # ~3 min on 2 cores
@@ -56,6 +63,7 @@ Usage::
     .venv/bin/python scripts/bench_sidecar.py --lmcache-python /path/.venv-lmcache/bin/python
     .venv/bin/python scripts/bench_sidecar.py --dir /mnt/nvme --json out.json
     .venv/bin/python scripts/bench_sidecar.py --quick --profile /tmp/prof   # cProfile both sides
+    .venv/bin/python scripts/bench_sidecar.py --spy /tmp/spy   # py-spy: where each row's time goes
 
 Nothing is left behind: sidecars are stopped and the temp dir removed on exit,
 Ctrl-C and SIGTERM (and a sidecar dies with the benchmark even on SIGKILL).
@@ -107,6 +115,7 @@ from kvoffload.sidecar.store.base import default_io_streams
 
 if TYPE_CHECKING:
     import bench_io as bio
+    import bench_profile as bp
     import bench_store as bs
 else:
     _HERE = str(Path(__file__).resolve().parent)
@@ -114,6 +123,7 @@ else:
         sys.path.insert(0, _HERE)
     bs = importlib.import_module("bench_store")
     bio = importlib.import_module("bench_io")  # the LMCache peer, Target and its verdicts
+    bp = importlib.import_module("bench_profile")  # CPU per row, py-spy of both processes
 
 MiB = bs.MiB
 SEALED_TENANT = bs.TENANT  # default tenant policy: AES-256-GCM
@@ -175,6 +185,10 @@ class Row(bs.Result):
     #: Of a load row's chunk hits, the share the sidecar served from its RAM
     #: tier (stats ``ram_tier.hits``), not from a file; None: not a load, or no tier.
     ram: float | None = None
+    #: A kvoffload row's CPU seconds per GB, sidecar and client (bench_profile.CpuSplit).
+    cpu: dict[str, float] | None = None
+    #: With --spy: where each process's samples fell during the row (sealed rows).
+    profiles: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         d = super().to_json()
@@ -664,6 +678,9 @@ class Bench:
     latencies: list[Latency] = field(default_factory=list)
     mincore: bs.Mincore = field(default_factory=bs.Mincore)
     progress: Callable[[str], None] = lambda _m: None
+    #: --spy: py-spy's path and the directory of its recordings (sealed rows).
+    spy_exe: str | None = None
+    spy_dir: Path | None = None
 
     def add(self, r: bs.Result) -> bs.Result:
         self.results.append(r)
@@ -681,6 +698,41 @@ class Bench:
     def add_cpu(self, data: ShapeData) -> None:
         for r in data.cpu.values():
             self.add(r)
+
+    @contextlib.contextmanager
+    def observed(
+        self, sc: Sidecar, fmt: str, stem: str
+    ) -> Iterator[tuple[bp.RowCpu, list[bp.Profile]]]:
+        """The CPU of one row's kvoffload calls (wrap them with ``meter.wrap``) and,
+        with --spy and a sealed row, py-spy of the sidecar and of this process; the
+        profiles are in the list once the block has ended."""
+        meter = bp.RowCpu(sc.proc.pid)
+        profiles: list[bp.Profile] = []
+        spies, files = bp.spied(
+            self.spy_exe if fmt == "sealed" else None,
+            [("sidecar", sc.proc.pid), ("client", os.getpid())],
+            self.spy_dir,
+            stem,
+        )
+        with contextlib.ExitStack() as stack:
+            for spy in spies:
+                stack.enter_context(spy)
+            stack.enter_context(meter)
+            yield meter, profiles
+        for name, path in files:
+            # This process also runs the raw ceilings: keep its calls into the client.
+            only = "kvoffload/client/" if name == "client" else None
+            n, top = bp.leaf_frames(path, only=only)
+            profiles.append(bp.Profile(name, n, top, str(path)))
+
+    @staticmethod
+    def measured(
+        row: Row, meter: bp.RowCpu, profiles: Sequence[bp.Profile], data: ShapeData
+    ) -> Row:
+        split = meter.split(data.batch * data.shape.payload)
+        row.cpu = None if split is None else split.to_json()
+        row.profiles = [p.to_json() for p in profiles]
+        return row
 
     def write_methods(self, dur: str) -> tuple[str, str]:
         """(O_DIRECT method, buffered method) of a raw write at this durability."""
@@ -802,15 +854,21 @@ class Bench:
             sc.fill_ram_tier(
                 client, [(chunk_key(shape, f"{fmt}-fill", j), data.layers) for j in range(batch)]
             )
-            timings = bs.interleaved(
-                [w[2] for w in writers] + [save], n=data.ops, budget_s=budget, min_ops=3
-            )
+            stem = f"{dur}-{shape.key}-{fmt}"
+            with self.observed(sc, fmt, f"{stem}-save") as (meter, profiles):
+                timings = bs.interleaved(
+                    [w[2] for w in writers] + [meter.wrap(save)],
+                    n=data.ops,
+                    budget_s=budget,
+                    min_ops=3,
+                )
             os.sync()  # untimed: reads and the next rows start with no dirty pages
             ceils = [
                 self.add(self._row("ceiling", name, data, dur, fmt, t, method))
                 for (name, method, _op), t in zip(writers, timings, strict=False)
             ]
             row = self._row("kvoffload", f"save {fmt}", data, dur, fmt, timings[-1], "")
+            self.measured(row, meter, profiles, data)
             self._finish(row, max(ceils, key=lambda c: c.gbps), data, fmt, "save")
 
             # -- load: cold, then warm; raw read(s) and SidecarClient.load, interleaved
@@ -919,9 +977,13 @@ class Bench:
                 cached = [self.mincore.resident(r[3][batch : (n + 1) * batch]) for r in readers]
                 obj_cached = self.mincore.resident(obj_paths[batch : (n + 1) * batch])
                 hits0 = sc.ram_and_store_hits()
-                timings = bs.interleaved(
-                    [r[2] for r in readers] + [load], n=n, budget_s=budget, min_ops=min(3, n)
-                )
+                with self.observed(sc, fmt, f"{stem}-{cache}") as (meter, profiles):
+                    timings = bs.interleaved(
+                        [r[2] for r in readers] + [meter.wrap(load)],
+                        n=n,
+                        budget_s=budget,
+                        min_ops=min(3, n),
+                    )
                 hits1 = sc.ram_and_store_hits()
                 n = min(n, *(t[0] for t in timings))  # warm rows read only what cold rows read
                 ceils = [
@@ -933,6 +995,7 @@ class Bench:
                 )
                 if hits0 is not None and hits1 is not None and hits1[1] > hits0[1]:
                     row.ram = (hits1[0] - hits0[0]) / (hits1[1] - hits0[1])
+                self.measured(row, meter, profiles, data)
                 self._finish(row, max(ceils, key=lambda c: c.gbps), data, fmt, "load")
             expect = np.tile(data.payload, batch)
             if not np.array_equal(dst_arr[: batch * payload], expect):
@@ -1251,6 +1314,57 @@ def render_targets(
             console.print(f"[bold]LMCache[/bold]: {escape(note)}")
 
 
+def _frames(profiles: Sequence[dict[str, Any]], process: str, top: int) -> str:
+    prof = next((p for p in profiles if p["process"] == process), None)
+    if prof is None:
+        return "-"
+    if not prof["samples"]:
+        return "no samples"
+    return "\n".join(f"{f['share']:.0%} {f['frame']}" for f in prof["top"][:top])
+
+
+def render_cpu(console: Console, results: Sequence[bs.Result], spied: bool) -> None:
+    """Where each kvoffload row's time goes: CPU seconds per GB of the sidecar
+    (every thread) and of the client's calls, the cores they kept busy, and with
+    --spy the frames where the samples of each process fell (sealed rows)."""
+    rows = [r for r in results if isinstance(r, Row) and r.kind == "kvoffload" and r.cpu]
+    if not rows:
+        return
+    cores = os.cpu_count() or 1
+    t = Table(
+        title=f"where the time goes: CPU seconds per GB of payload of each row's calls "
+        f"(sidecar: every thread; client: the calling thread), cores busy of {cores}, and "
+        f"the GB/s that CPU work allows spread over all {cores} cores"
+    )
+    for col in ("shape", "row", "dur", "GB/s", "wall s/GB", "sidecar CPU s/GB",
+                "client CPU s/GB", "cores busy", "CPU-bound GB/s"):  # fmt: skip
+        t.add_column(col, justify="left" if col in ("shape", "row", "dur") else "right")
+    if spied:
+        t.add_column("sidecar: where its samples fell")
+        t.add_column("client: where its samples fell")
+    for r in rows:
+        c = r.cpu or {}
+        cells = [
+            r.shape, r.name, r.durability or "-", f"{r.gbps:.3f}",
+            f"{c['wall_s_per_gb']:.3f}", f"{c['sidecar_cpu_s_per_gb']:.3f}",
+            f"{c['client_cpu_s_per_gb']:.3f}", f"{c['cores_busy']:.2f}",
+            f"{c['cpu_bound_gbps']:.3f}",
+        ]  # fmt: skip
+        if spied:
+            cells += [escape(_frames(r.profiles, "sidecar", 4)),
+                      escape(_frames(r.profiles, "client", 3))]  # fmt: skip
+        t.add_row(*cells)
+    console.print(t)
+    console.print(
+        "cpu: the sidecar's CPU is read from /proc/PID/stat over the whole row (it idles "
+        "while the raw ceilings run), the client's with time.thread_time() around each call; "
+        "both per GB of the calls' payload, the untimed warm-up call included. Cores busy near "
+        f"{cores} means the row is bound by this machine's CPU: no I/O lever makes it faster. "
+        "Frames (--spy): py-spy --nonblocking (idle threads not sampled), the leaf frame of "
+        "each sample; a line calling native code (AES-GCM, preadv) stands for that code."
+    )
+
+
 # --------------------------------------------------------------------------- output
 
 
@@ -1500,6 +1614,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="cProfile the sidecar (every thread) and this client into this dir; slows all rows",
     )
     p.add_argument(
+        "--spy",
+        type=Path,
+        default=None,
+        help="record py-spy of the sidecar and this client during every sealed row into "
+        "this dir and print where the samples fell (needs py-spy: pip install py-spy)",
+    )
+    p.add_argument(
         "--no-lmcache", action="store_true", help="skip the LMCache peer (its target columns)"
     )
     p.add_argument(
@@ -1604,6 +1725,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.profile is not None:
         args.profile = args.profile.resolve()
         args.profile.mkdir(parents=True, exist_ok=True)
+    spy_exe = None
+    if args.spy is not None:
+        spy_exe = bp.find_py_spy()
+        if spy_exe is None:
+            err.print("--spy: py-spy is not installed here (pip install py-spy)")
+            return 2
+        args.spy = args.spy.resolve()
+        try:
+            args.spy.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            err.print(f"--spy {args.spy}: {exc.strerror or exc}")
+            return 2
     shapes = [
         s
         for s in bs.make_shapes(args.quick, args.large_mib_per_row, args.small_ops)
@@ -1628,6 +1761,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             o_direct = supports_o_direct(base)
             bench = Bench(base, args.row_budget_s, staging, o_direct, args.lookups, args.streams)
             bench.progress = lambda m: err.print(m, highlight=False)
+            bench.spy_exe, bench.spy_dir = spy_exe, args.spy
             t0 = time.perf_counter()
             bench.progress("CPU ceilings and object images")
             datas = [prepare(s, args.batch, args.row_budget_s) for s in shapes]
@@ -1718,6 +1852,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     final, lookup_targets = final_targets(
         bench.results, bench.latencies, peer, shapes, args.durability, args.batch
     )
+    render_cpu(console, bench.results, args.spy is not None)
     render_targets(
         console, final, lookup_targets, shapes, args.batch, args.streams, peer_status, peer
     )

@@ -305,7 +305,10 @@ def assert_target_table(stdout: str, doc: dict[str, Any]) -> dict[str, dict[str,
 
 @pytest.mark.slow
 def test_bench_sidecar_quick_writes_every_row_and_stops_its_sidecars(tmp_path: Path) -> None:
-    stdout, doc, work = run_quick(SIDECAR_SCRIPT, tmp_path, "--events", "--no-lmcache")
+    spy = tmp_path / "spy"
+    stdout, doc, work = run_quick(
+        SIDECAR_SCRIPT, tmp_path, "--events", "--no-lmcache", "--spy", str(spy)
+    )
     assert "kvoffload sidecar" in stdout
     ev = doc["events"]  # the KV-event rows, same run
     assert ev["save_off_bps"] > 0 and ev["save_on_bps"] > 0
@@ -334,6 +337,18 @@ def test_bench_sidecar_quick_writes_every_row_and_stops_its_sidecars(tmp_path: P
         if "cold" in r["name"] or "warm" in r["name"]:
             assert r["cached"] is not None, r["id"]
         assert (r["target"] is not None) == r["name"].startswith(("save sealed", "load sealed"))
+        # where the time went: both processes' CPU, and with --spy py-spy of the sealed rows
+        cpu = r["cpu"]
+        assert cpu["client_cpu_s_per_gb"] > 0 and cpu["sidecar_cpu_s_per_gb"] > 0, r["id"]
+        assert cpu["cores_busy"] > 0 and cpu["wall_s_per_gb"] > 0, r["id"]
+        sealed = r["name"].startswith(("save sealed", "load sealed"))
+        assert [p["process"] for p in r["profiles"]] == (["sidecar", "client"] if sealed else [])
+        for p in r["profiles"]:
+            assert Path(p["path"]).is_file() and p["path"].startswith(str(spy)), r["id"]
+            assert sum(f["share"] for f in p["top"]) <= 1.0 + 1e-9, r["id"]
+    samples = [p["samples"] for r in rows.values() for p in r["profiles"]]
+    assert sum(samples) > 0, "py-spy recorded nothing"
+    assert stdout.index("where the time goes") < stdout.index("issue 12 targets")
     latency = {r["id"]: r for r in doc["latency"]}
     for d in DURABILITIES:
         lk = latency[f"{d}/lookup 64 keys"]
