@@ -3,7 +3,7 @@
 ``RowCpu`` measures, for the kvoffload calls of one row, the CPU time of the
 calling thread (``time.thread_time`` around each call: the client's own work,
 never the raw ceilings interleaved with it) and of the whole sidecar process
-(every thread, from ``/proc/PID/stat``, over the row: the sidecar idles while
+(every thread, its process CPU-time clock, over the row: the sidecar idles while
 the ceilings run). Per GB of payload, with the wall time beside them, they say
 whether a row is bound by the CPU of this machine: ``cores busy`` near the core
 count means it is, and then no I/O lever can make it faster.

@@ -1356,8 +1356,9 @@ def render_cpu(console: Console, results: Sequence[bs.Result], spied: bool) -> N
         t.add_row(*cells)
     console.print(t)
     console.print(
-        "cpu: the sidecar's CPU is read from /proc/PID/stat over the whole row (it idles "
-        "while the raw ceilings run), the client's with time.thread_time() around each call; "
+        "cpu: the sidecar's CPU is its process CPU-time clock over the whole row (every "
+        "thread; it idles while the raw ceilings run), the client's time.thread_time() around "
+        "each call; "
         "both per GB of the calls' payload, the untimed warm-up call included. Cores busy near "
         f"{cores} means the row is bound by this machine's CPU: no I/O lever makes it faster. "
         "Frames (--spy): py-spy --nonblocking (idle threads not sampled), the leaf frame of "
