@@ -241,6 +241,8 @@ def test_a_large_object_not_in_the_page_cache_is_read_with_o_direct_a_cached_one
         assert spy.count == (1 if on else 0)
         assert (cached_pages(path) == 0) is on
         assert cached_pages(small_path)
+        # With several I/O streams, that one read came in parts at once (PartReader).
+        assert (s._parts is not None) == (on and s.io_streams > 1)
         # A cached large object is served from memory, the batch API alike.
         path.read_bytes()
         spy.count = 0
@@ -283,6 +285,73 @@ def test_read_uncached_leaves_what_it_cannot_do_to_the_page_cache(
     assert fileio.read_uncached(path, lambda n: unaligned[1 : n + 1], 4 << 20, 1) is None
     monkeypatch.setattr(fileio, "_cachestat_ok", False)  # an older kernel: cannot tell
     assert fileio.read_uncached(path, scratch.get, 4 << 20, 1) is None
+
+
+def test_a_large_uncached_read_comes_in_parts_at_once_and_counts_only_contiguous_bytes(
+    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = direct_dir / "obj"
+    data = os.urandom((16 << 20) + 12345)  # an object whose size is no 4 KiB multiple
+    path.write_bytes(data)
+    evict([path])
+    if cached_pages(path) is None:
+        pytest.skip("cachestat(2) needs Linux 6.5+")
+    scratch = fileio.ScratchBuffers()
+    reader = fileio.PartReader(4)
+    try:
+        calls: list[tuple[int, int]] = []
+        real = fileio._pread_into
+
+        def spy(fd: int, buf: memoryview, offset: int, want: int) -> int:
+            calls.append((offset, want))
+            return real(fd, buf, offset, want)
+
+        monkeypatch.setattr(fileio, "_pread_into", spy)
+        got = fileio.read_uncached(path, scratch.get, 64 << 20, 1 << 20, parts=reader)
+        assert got is not None and bytes(got) == data
+        want = v1.align_up(len(data), v1.ALIGN)
+        step = v1.align_up(-(-want // 4), v1.ALIGN)
+        assert sorted(calls) == [(o, min(step, want - o)) for o in range(0, want, step)]
+        assert all(o % v1.ALIGN == 0 for o, _ in calls)  # O_DIRECT: aligned offsets
+
+        # A file shorter than asked (it shrank): the bytes after the short part do not count.
+        short = direct_dir / "short"
+        short.write_bytes(data[: 10 << 20])
+        buf = scratch.get(16 << 20)
+        fd = os.open(short, os.O_RDONLY)
+        try:
+            assert reader.read(fd, buf[: 16 << 20], 16 << 20) == 10 << 20
+        finally:
+            os.close(fd)
+
+        # A part that fails: the error is raised only once every part is done with the buffer.
+        finished: list[int] = []
+
+        def failing(fd: int, buf: memoryview, offset: int, want: int) -> int:
+            if offset == step:
+                raise OSError(errno.EIO, "a bad sector")
+            time.sleep(0.05)
+            n = real(fd, buf, offset, want)
+            finished.append(offset)
+            return n
+
+        monkeypatch.setattr(fileio, "_pread_into", failing)
+        evict([path])
+        with pytest.raises(OSError) as exc:
+            fileio.read_uncached(path, scratch.get, 64 << 20, 1 << 20, parts=reader)
+        assert exc.value.errno == errno.EIO
+        assert sorted(finished) == [o for o in range(0, want, step) if o != step]
+        # Small reads are one request: no part of them waits on another thread.
+        calls.clear()
+        monkeypatch.setattr(fileio, "_pread_into", spy)
+        fd = os.open(short, os.O_RDONLY)
+        try:
+            assert reader.read(fd, buf[: 6 << 20], 6 << 20) == 6 << 20
+        finally:
+            os.close(fd)
+        assert calls == [(0, 6 << 20)]
+    finally:
+        reader.close()
 
 
 def test_o_direct_write_of_an_unaligned_buffer_falls_back_at_run_time(direct_dir: Path) -> None:

@@ -28,6 +28,7 @@ import mmap
 import os
 import stat
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -45,6 +46,7 @@ __all__ = [
     "Durability",
     "FillFn",
     "ObjectReader",
+    "PartReader",
     "ScratchBuffers",
     "buffer_address",
     "cached_pages",
@@ -368,14 +370,66 @@ def read_file(
         os.close(fd)
 
 
+class PartReader:
+    """One large read split into parts that are read at once, on threads of its
+    own, so that a single object comes off the device with as many requests in
+    flight as a batch of objects would: its bytes are all there sooner, and the
+    caller verifies and hands it out while the device reads the next one (the
+    parts of later reads queue behind it, in order).
+
+    Never a pool that the caller itself runs on: a read waits for its parts."""
+
+    #: A part is at least this large (a smaller read is one request).
+    MIN_PART = 4 << 20
+
+    def __init__(self, streams: int) -> None:
+        self.streams = streams
+        self._pool = ThreadPoolExecutor(max_workers=streams, thread_name_prefix="kvoffload-read")
+
+    def read(self, fd: int, buf: memoryview, want: int) -> int:
+        """:func:`_pread_into` of ``want`` bytes from offset 0, in parts; the
+        count read, contiguous from the start (short at end of file). Returns,
+        or raises the first part's error, only once every part has finished
+        with ``buf``."""
+        n = min(self.streams, want // self.MIN_PART)
+        if n < 2:
+            return _pread_into(fd, buf, 0, want)
+        step = v1.align_up(-(-want // n), DIRECT_ALIGN)
+        parts: list[tuple[int, Future[int]]] = []
+        for off in range(0, want, step):
+            size = min(step, want - off)
+            parts.append((off, self._pool.submit(_pread_into, fd, buf[off:], off, size)))
+        done, failure = 0, None
+        for off, fut in parts:
+            try:
+                got = fut.result()
+            except BaseException as exc:  # every part is waited for before this raises
+                failure = failure or exc
+                continue
+            if done == off:  # the bytes after a short part (end of file) do not count
+                done += got
+        if failure is not None:
+            raise failure
+        return done
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
 def read_uncached(
-    path: str | Path, alloc: AllocFn, max_size: int, min_size: int
+    path: str | Path,
+    alloc: AllocFn,
+    max_size: int,
+    min_size: int,
+    *,
+    parts: PartReader | None = None,
 ) -> memoryview | None:
     """The whole object read with O_DIRECT into a buffer from ``alloc``, where it
     is at least ``min_size`` bytes and less than half of it is in the page cache;
     None otherwise (and where the kernel cannot tell, or the buffer or the file
     system cannot take O_DIRECT): the caller reads it through the page cache.
     Raises OSError as :func:`read_file` does (ENOENT, EFBIG; EIO from a read).
+    ``parts``: read it in parts at once (:class:`PartReader`).
 
     A cold large object then comes off the device in a few large requests, at
     the device's speed and without evicting hot objects to make room for it;
@@ -400,7 +454,7 @@ def read_uncached(
             if exc.errno == errno.EINVAL:  # this file system turns O_DIRECT down
                 return None
             raise
-        done = _pread_into(fd, buf, 0, want)
+        done = _pread_into(fd, buf, 0, want) if parts is None else parts.read(fd, buf, want)
         return buf[: min(done, size)]
     finally:
         os.close(fd)

@@ -31,7 +31,7 @@ from kvoffload.errors import IndexFailure, StoreKeyError
 from ...layouts import LayoutInfo, UnknownKeyEpoch, UnknownLayoutVersion, v1
 from ..cancel import LoadGenerations
 from ..errors import StoreIOError
-from ..fileio import Durability, ScratchBuffers
+from ..fileio import Durability, PartReader, ScratchBuffers
 from ..index import ChunkRecord, Index
 from ..iobackend import IOBackend, IOMode, IOPlan
 from ..journal import JournalRecord, Reason
@@ -207,6 +207,8 @@ class StoreBase:
     _scratch: ScratchBuffers
     _retention: RetentionJournal
     _pipe: ThreadPoolExecutor | None
+    #: Part reads of large O_DIRECT loads (fileio.PartReader); None until one.
+    _parts: PartReader | None = None
     #: Tenants whose fan-out directories this process has made sure of.
     _leaves_ready: set[str]
     _shared: SharedRoot | None = None

@@ -269,6 +269,8 @@ class Store(Leases):
         self.wait_background()
         if self._pipe is not None:
             self._pipe.shutdown(wait=True)
+        if self._parts is not None:
+            self._parts.close()
         self.io.close()
         if self._ram is not None:
             self._ram.close()

@@ -327,6 +327,15 @@ class Pipeline(Maintenance):
                 )
             return self._pipe
 
+    def _part_reader(self) -> fileio.PartReader | None:
+        """The store's :class:`fileio.PartReader`, io_streams threads; None with one stream."""
+        if self.io_streams < 2:
+            return None
+        with self._mu:
+            if self._parts is None:
+                self._parts = fileio.PartReader(self.io_streams)
+            return self._parts
+
     def _seal_and_write(self, job: _PutJob) -> bool:
         """Seal into this thread's scratch buffer (a pool thread's, or the caller's
         for a batch written in turn) and write the file. True if written, False
@@ -928,7 +937,9 @@ class Pipeline(Maintenance):
             return self._scratch.get(n) if slot is None else slot.alloc(n)
 
         try:
-            buf = fileio.read_uncached(path, alloc, MAX_OBJECT_BYTES, direct_min)
+            buf = fileio.read_uncached(
+                path, alloc, MAX_OBJECT_BYTES, direct_min, parts=self._part_reader()
+            )
             if buf is not None:
                 got = self._open_into(tenant, key, rec, buf, out, guard)
                 return got
