@@ -52,8 +52,9 @@ LMCache
 Each kvoffload save row runs interleaved batch by batch with its raw write
 ceiling (and its sealed, plaintext and direct twins), alternating which goes
 first; likewise each load row with its raw read. The shared method
-(page-aligned buffers, cold = sync + POSIX_FADV_DONTNEED + mincore check,
-untimed warm-up op) is scripts/bench_store.py's, imported from there.
+(page-aligned buffers, cold = sync + POSIX_FADV_DONTNEED + mincore check and
+the store's RAM tier emptied, untimed warm-up op) is scripts/bench_store.py's,
+imported from there.
 
 Usage::
 
@@ -464,6 +465,7 @@ class Bench:
             )
             stores[dur] = store
             self.open_stores.append(store)
+            bs.settle_ram_tier(store, sh.layers)
 
             def save(i: int, fmt: str, dur: str = dur, store: Store = store) -> None:
                 keys = self._keys(sh, fmt, dur, i)
@@ -556,6 +558,8 @@ class Bench:
         for cache in ("cold", "warm") if not spec.direct_read else ("cold",):
             if cache == "cold":
                 bs.drop_cache(flat + [p for fmt in fmts for batch in obj_files[fmt] for p in batch])
+                for st in stores.values():
+                    st.drop_cache()  # and each store's RAM tier: a cold load reads files
             timed = [p for batch in raw_files[1 : n + 1] for p in batch]
             raw_cached = self.mincore.resident(timed)
             cached = {

@@ -582,3 +582,40 @@ def test_missing_lmcache_venv_is_one_status_line_naming_the_install(tmp_path: Pa
     assert doc is None and "\n" not in status
     assert status.startswith("not run:") and "pip install torch==2.13.0 lmcache==0.5.6" in status
     assert list(tmp_path.iterdir()) == [], "nothing was written"
+
+
+def test_in_process_benchmarks_measure_a_mapped_ram_tier_and_cold_rows_empty_it(
+    tmp_path: Path,
+) -> None:
+    """bench_store/bench_io: settle_ram_tier waits until a store's RAM tier has mapped
+    its memory (as bench_sidecar waits for a sidecar's), and a cold row's
+    Store.drop_cache leaves the next load to read the file (a cold row served from
+    the tier measured memory, not the device)."""
+    from kvoffload.sidecar.keyring import Kek
+    from kvoffload.sidecar.store import Store, StoreConfig
+
+    from .test_iobackend import _direct_dir
+
+    bst = _load_script("bench_store")
+    kek = tmp_path / "kek"
+    kek.write_bytes(os.urandom(32))
+    kek.chmod(0o600)
+    for d in _direct_dir(tmp_path):
+        cfg = StoreConfig(root=d / "store", durability="none", ram_cache=128 << 20)
+        store = Store(cfg, Kek.from_file(kek), create=True)
+        try:
+            layers = [memoryview(os.urandom(1 << 20)) for _ in range(16)]
+            bst.settle_ram_tier(store, layers)
+            tier = store.stats()["ram_tier"]
+            assert not tier["filling"] and tier["held_bytes"] >= 64 << 20, tier
+            key = bytes(range(32))
+            assert store.put(bst.TENANT, bst.NAMESPACE, key, layers)
+            hits = store.stats()["ram_tier"]["hits"]
+            assert store.get(bst.TENANT, key) == [bytes(v) for v in layers]
+            assert store.stats()["ram_tier"]["hits"] == hits + 1  # the image of the save
+            store.drop_cache()
+            bst.drop_cache([store._path(bst.TENANT, key)])
+            assert store.get(bst.TENANT, key) == [bytes(v) for v in layers]
+            assert store.stats()["ram_tier"]["hits"] == hits + 1  # read from its file
+        finally:
+            store.close()
