@@ -167,11 +167,16 @@ class Spy:
             return
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            reap(proc, 30)
+
+
+def reap(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Wait for ``proc`` to end, killing it after ``timeout_s``."""
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @dataclass

@@ -655,11 +655,7 @@ def socket_echo(request_bytes: int, reply_bytes: int) -> Iterator[Callable[[int]
         yield op
     finally:
         a.close()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        bp.reap(proc, 10)
 
 
 # --------------------------------------------------------------------------- the run
