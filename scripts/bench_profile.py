@@ -69,11 +69,15 @@ class Profile:
     samples: int
     top: list[Frame] = field(default_factory=list)
     path: str = ""
+    #: Of the samples, the share in a waiting frame (:data:`WAITS`); ``top`` is
+    #: of the rest.
+    waiting: float = 0.0
 
     def to_json(self) -> dict[str, object]:
         return {
             "process": self.process,
             "samples": self.samples,
+            "waiting": self.waiting,
             "path": self.path,
             "top": [{"share": f.share, "frame": f.frame} for f in self.top],
         }
@@ -105,30 +109,45 @@ WAITS = (
 )
 
 
-def leaf_frames(raw: Path, *, only: str | None = None, top: int = 6) -> tuple[int, list[Frame]]:
-    """(samples, the ``top`` leaf frames by share) of a py-spy raw (collapsed)
-    file; ``only``: keep the stacks that pass through a frame containing it
-    (the client's calls into kvoffload, not the ceilings run between them).
-    Samples in a :data:`WAITS` frame count as one entry, ``waiting``."""
+@dataclass
+class Leaves:
+    """Where a recording's samples fell: ``samples`` in all, the share of them in
+    a :data:`WAITS` frame, and the ``top`` leaf frames as shares of the others
+    (the process's work)."""
+
+    samples: int
+    waiting: float
+    top: list[Frame]
+
+
+def leaf_frames(raw: Path, *, only: str | None = None, top: int = 6) -> Leaves:
+    """:class:`Leaves` of a py-spy raw (collapsed) file; ``only``: keep the
+    stacks that pass through a frame containing it (the client's calls into
+    kvoffload, not the ceilings run between them)."""
     counts: collections.Counter[str] = collections.Counter()
-    total = 0
+    total = waits = 0
     try:
         lines = raw.read_text(errors="replace").splitlines()
     except OSError:
-        return 0, []
+        return Leaves(0, 0.0, [])
     for line in lines:
         stack, _, n = line.rstrip().rpartition(" ")
         if not stack or not n.isdigit():
             continue
         if only is not None and only not in stack:
             continue
-        frames = stack.split(";")
         total += int(n)
-        leaf = _short(frames[-1])
-        counts["waiting" if any(w in leaf for w in WAITS) else leaf] += int(n)
-    if not total:
-        return 0, []
-    return total, [Frame(c / total, f) for f, c in counts.most_common(top)]
+        leaf = _short(stack.split(";")[-1])
+        if any(w in leaf for w in WAITS):
+            waits += int(n)
+        else:
+            counts[leaf] += int(n)
+    work = total - waits
+    return Leaves(
+        total,
+        waits / total if total else 0.0,
+        [Frame(c / work, f) for f, c in counts.most_common(top)] if work else [],
+    )
 
 
 class Spy:

@@ -718,8 +718,8 @@ class Bench:
         for name, path in files:
             # This process also runs the raw ceilings: keep its calls into the client.
             only = "kvoffload/client/" if name == "client" else None
-            n, top = bp.leaf_frames(path, only=only)
-            profiles.append(bp.Profile(name, n, top, str(path)))
+            leaves = bp.leaf_frames(path, only=only)
+            profiles.append(bp.Profile(name, leaves.samples, leaves.top, str(path), leaves.waiting))
 
     @staticmethod
     def measured(
@@ -1316,7 +1316,8 @@ def _frames(profiles: Sequence[dict[str, Any]], process: str, top: int) -> str:
         return "-"
     if not prof["samples"]:
         return "no samples"
-    return "\n".join(f"{f['share']:.0%} {f['frame']}" for f in prof["top"][:top])
+    head = f"{prof['samples']} samples, {prof['waiting']:.0%} waiting; of the rest:"
+    return "\n".join([head, *(f"{f['share']:.0%} {f['frame']}" for f in prof["top"][:top])])
 
 
 def render_cpu(console: Console, results: Sequence[bs.Result], spied: bool) -> None:
@@ -1358,7 +1359,9 @@ def render_cpu(console: Console, results: Sequence[bs.Result], spied: bool) -> N
         "both per GB of the calls' payload, the untimed warm-up call included. Cores busy near "
         f"{cores} means the row is bound by this machine's CPU: no I/O lever makes it faster. "
         "Frames (--spy): py-spy --nonblocking (idle threads not sampled), the leaf frame of "
-        "each sample; a line calling native code (AES-GCM, preadv) stands for that code."
+        "each sample; waiting = the event loop's poll, an idle pool thread, the client "
+        "waiting for its reply; the frames' shares are of the other samples, the process's "
+        "work; a line calling native code (AES-GCM, preadv) stands for that code."
     )
 
 

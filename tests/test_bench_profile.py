@@ -90,15 +90,15 @@ def test_leaf_frames_counts_where_samples_fell_waits_apart(bp: ModuleType, tmp_p
         "\n",
         encoding="utf-8",
     )
-    n, top = bp.leaf_frames(raw)
-    assert n == 10
-    assert [(f.frame, round(f.share, 2)) for f in top] == [
-        ("open_layer (kvoffload/layouts/v1.py:671)", 0.6),
-        ("copy (bench_sidecar.py:904)", 0.2),
-        ("waiting", 0.2),
+    got = bp.leaf_frames(raw)
+    assert got.samples == 10 and got.waiting == pytest.approx(0.2)
+    assert [(f.frame, round(f.share, 2)) for f in got.top] == [  # shares of the 8 at work
+        ("open_layer (kvoffload/layouts/v1.py:671)", 0.75),
+        ("copy (bench_sidecar.py:904)", 0.25),
     ]
-    n, top = bp.leaf_frames(raw, only="kvoffload/client/")
-    assert n == 2 and [f.frame for f in top] == ["copy (bench_sidecar.py:904)"]
-    assert bp.leaf_frames(raw, top=1)[1][0].share == pytest.approx(0.6)
-    assert bp.leaf_frames(tmp_path / "absent.txt") == (0, [])
+    got = bp.leaf_frames(raw, only="kvoffload/client/")
+    assert got.samples == 2 and got.waiting == 0
+    assert [f.frame for f in got.top] == ["copy (bench_sidecar.py:904)"]
+    assert bp.leaf_frames(raw, top=1).top[0].share == pytest.approx(0.75)
+    assert bp.leaf_frames(tmp_path / "absent.txt") == bp.Leaves(0, 0.0, [])
     assert bp.spied(None, [("sidecar", 1)], tmp_path, "x") == ([], [])

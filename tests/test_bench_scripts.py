@@ -346,6 +346,7 @@ def test_bench_sidecar_quick_writes_every_row_and_stops_its_sidecars(tmp_path: P
         for p in r["profiles"]:
             assert Path(p["path"]).is_file() and p["path"].startswith(str(spy)), r["id"]
             assert sum(f["share"] for f in p["top"]) <= 1.0 + 1e-9, r["id"]
+            assert 0.0 <= p["waiting"] <= 1.0, r["id"]
     samples = [p["samples"] for r in rows.values() for p in r["profiles"]]
     assert sum(samples) > 0, "py-spy recorded nothing"
     assert stdout.index("where the time goes") < stdout.index("issue 12 targets")
