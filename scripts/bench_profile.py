@@ -153,7 +153,7 @@ def leaf_frames(raw: Path, *, only: str | None = None, top: int = 6) -> Leaves:
 class Spy:
     """``py-spy record`` of ``pid`` into ``out`` (raw format) while the block runs."""
 
-    def __init__(self, exe: str, pid: int, out: Path, rate: int = 250) -> None:
+    def __init__(self, exe: str, pid: int, out: Path, rate: int = 1000) -> None:
         self.exe, self.pid, self.out, self.rate = exe, pid, out, rate
         self.proc: subprocess.Popen[bytes] | None = None
 
