@@ -64,6 +64,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvoffload.cli.admin import SidecarTarget
 from kvoffload.client import SidecarClient
 from kvoffload.integrations import demo_model as kd
 from kvoffload.keys import chunk_keys
@@ -167,6 +168,8 @@ class Bench:
     rows: dict[str, Row] = field(default_factory=dict)
     exact: Exactness = field(default_factory=Exactness)
     progress: Callable[[str], None] = lambda _m: None
+    #: Empties the sidecar's RAM tier (its drop_cache verb): a cold load reads files.
+    drop_ram_tier: Callable[[], object] = lambda: None
     _ref_logits: torch.Tensor | None = None
     _reuse_logits: dict[tuple[str, bool], torch.Tensor] = field(default_factory=dict)
 
@@ -201,6 +204,7 @@ class Bench:
         cached = None
         if cache_state == "cold":
             bs.drop_cache(self.obj_paths)
+            self.drop_ram_tier()
         if timed:
             cached = self.mincore.resident(self.obj_paths)
         fn = kd.reuse_prefill_layerwise if layerwise else kd.reuse_prefill
@@ -620,6 +624,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if missing:
                     raise RuntimeError(f"saved objects not found: {missing[:2]}")
                 bench = Bench(model, contract, client, prompt, len(prefix), obj_paths, pre)
+                bench.drop_ram_tier = SidecarTarget(Path(sc.socket_path)).drop_cache
                 bench.progress = progress
                 bench.run(args.rounds)
                 sidecar_stats = dict(sc.stats)
