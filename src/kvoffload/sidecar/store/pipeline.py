@@ -373,14 +373,18 @@ class Pipeline(Maintenance):
         """A write after a failed chunk: let it finish, remove its file, free its space."""
         try:
             if fut.result():
-                if self._ram is not None:
-                    self._ram.discard(job.tenant, job.chunk_key)
-                with contextlib.suppress(FileNotFoundError):
-                    self._path(job.tenant, job.chunk_key).unlink()
+                self._unpublish(job)
         except Exception as exc:
             log.warning("put_many: in-flight write failed too: %s", exc)
         finally:
             job.res.release()
+
+    def _unpublish(self, job: _PutJob) -> None:
+        """A written object that will not be indexed: its RAM image, then its file."""
+        if self._ram is not None:
+            self._ram.discard(job.tenant, job.chunk_key)
+        with contextlib.suppress(FileNotFoundError):
+            self._path(job.tenant, job.chunk_key).unlink()
 
     def _begin_put(
         self,
@@ -497,10 +501,7 @@ class Pipeline(Maintenance):
                     continue
                 if self._load_gens.current(job.tenant) != job.generation:
                     # Purged or revoked while being written: the object is not published.
-                    if self._ram is not None:
-                        self._ram.discard(job.tenant, job.chunk_key)
-                    with contextlib.suppress(FileNotFoundError):
-                        self._path(job.tenant, job.chunk_key).unlink()
+                    self._unpublish(job)
                     cancelled.append(job.chunk_key)
                     continue
                 expires = job.now + int(job.ttl_s * 1e9) if job.ttl_s else 0
