@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -59,28 +59,6 @@ def find_py_spy() -> str | None:
 class Frame:
     share: float  # of the process's (or the selection's) active samples
     frame: str  # "function (path:line)" as py-spy names it, path shortened
-
-
-@dataclass
-class Profile:
-    """A py-spy recording of one process during one row, reduced to its leaf frames."""
-
-    process: str  # "sidecar" | "client"
-    samples: int
-    top: list[Frame] = field(default_factory=list)
-    path: str = ""
-    #: Of the samples, the share in a waiting frame (:data:`WAITS`); ``top`` is
-    #: of the rest.
-    waiting: float = 0.0
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "process": self.process,
-            "samples": self.samples,
-            "waiting": self.waiting,
-            "path": self.path,
-            "top": [{"share": f.share, "frame": f.frame} for f in self.top],
-        }
 
 
 def _short(frame: str) -> str:
@@ -148,6 +126,24 @@ def leaf_frames(raw: Path, *, only: str | None = None, top: int = 6) -> Leaves:
         waits / total if total else 0.0,
         [Frame(c / work, f) for f, c in counts.most_common(top)] if work else [],
     )
+
+
+@dataclass
+class Profile:
+    """A py-spy recording of one process during one row, reduced to its leaf frames."""
+
+    process: str  # "sidecar" | "client"
+    path: str
+    leaves: Leaves
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "process": self.process,
+            "samples": self.leaves.samples,
+            "waiting": self.leaves.waiting,
+            "path": self.path,
+            "top": [{"share": f.share, "frame": f.frame} for f in self.leaves.top],
+        }
 
 
 class Spy:
@@ -278,14 +274,9 @@ class RowCpu:
 
 def spied(
     exe: str | None, pids: Sequence[tuple[str, int]], out_dir: Path | None, stem: str
-) -> tuple[list[Spy], list[tuple[str, Path]]]:
-    """One :class:`Spy` per (process name, pid) into ``out_dir/stem-NAME.txt``;
-    nothing where py-spy or the directory is not given."""
+) -> list[tuple[str, Spy]]:
+    """One (process name, :class:`Spy`) per (name, pid), recording into
+    ``out_dir/stem-NAME.txt``; none where py-spy or the directory is not given."""
     if exe is None or out_dir is None:
-        return [], []
-    spies, files = [], []
-    for name, pid in pids:
-        path = out_dir / f"{stem}-{name}.txt"
-        spies.append(Spy(exe, pid, path))
-        files.append((name, path))
-    return spies, files
+        return []
+    return [(name, Spy(exe, pid, out_dir / f"{stem}-{name}.txt")) for name, pid in pids]

@@ -501,11 +501,10 @@ class Sidecar:
         if not isinstance(self.stats.get("ram_tier"), dict):
             return
         client.save(bs.NAMESPACE, list(chunks))
-        deadline = time.monotonic() + 120
-        while (fetch_stats(self.socket).get("ram_tier") or {}).get("filling"):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the RAM tier still fills after 120 s\n{self.log_tail()}")
-            time.sleep(0.05)
+        try:
+            bs.wait_ram_tier_filled(lambda: fetch_stats(self.socket), "the sidecar's")
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}\n{self.log_tail()}") from None
 
     def drop_ram_tier(self) -> None:
         """Empty the sidecar's RAM tier (``drop_cache``, protocol-v1 §5.31): a cold row
@@ -704,22 +703,21 @@ class Bench:
         profiles are in the list once the block has ended."""
         meter = bp.RowCpu(sc.proc.pid)
         profiles: list[bp.Profile] = []
-        spies, files = bp.spied(
+        spies = bp.spied(
             self.spy_exe if fmt == "sealed" else None,
             [("sidecar", sc.proc.pid), ("client", os.getpid())],
             self.spy_dir,
             stem,
         )
         with contextlib.ExitStack() as stack:
-            for spy in spies:
+            for _name, spy in spies:
                 stack.enter_context(spy)
             stack.enter_context(meter)
             yield meter, profiles
-        for name, path in files:
+        for name, spy in spies:
             # This process also runs the raw ceilings: keep its calls into the client.
             only = "kvoffload/client/" if name == "client" else None
-            leaves = bp.leaf_frames(path, only=only)
-            profiles.append(bp.Profile(name, leaves.samples, leaves.top, str(path), leaves.waiting))
+            profiles.append(bp.Profile(name, str(spy.out), bp.leaf_frames(spy.out, only=only)))
 
     @staticmethod
     def measured(

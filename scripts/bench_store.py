@@ -100,10 +100,16 @@ def settle_ram_tier(store: Store, layers: Sequence[memoryview]) -> None:
         return
     key = hashlib.blake2b(b"bench ram-tier fill", digest_size=32).digest()
     store.put(TENANT, NAMESPACE, key, layers)
+    wait_ram_tier_filled(store.stats, "the store's")
+
+
+def wait_ram_tier_filled(stats: Callable[[], dict[str, Any]], whose: str) -> None:
+    """Poll ``stats()`` (a store's or a sidecar's) until its ``ram_tier`` no longer
+    fills; RuntimeError naming ``whose`` tier after 120 s."""
     deadline = time.monotonic() + 120
-    while (store.stats().get("ram_tier") or {}).get("filling"):
+    while (stats().get("ram_tier") or {}).get("filling"):
         if time.monotonic() > deadline:
-            raise RuntimeError("the store's RAM tier still fills after 120 s")
+            raise RuntimeError(f"{whose} RAM tier still fills after 120 s")
         time.sleep(0.05)
 
 

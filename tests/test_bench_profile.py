@@ -101,4 +101,6 @@ def test_leaf_frames_counts_where_samples_fell_waits_apart(bp: ModuleType, tmp_p
     assert [f.frame for f in got.top] == ["copy (bench_sidecar.py:904)"]
     assert bp.leaf_frames(raw, top=1).top[0].share == pytest.approx(0.75)
     assert bp.leaf_frames(tmp_path / "absent.txt") == bp.Leaves(0, 0.0, [])
-    assert bp.spied(None, [("sidecar", 1)], tmp_path, "x") == ([], [])
+    assert bp.spied(None, [("sidecar", 1)], tmp_path, "x") == []
+    ((name, spy),) = bp.spied("py-spy", [("sidecar", 1)], tmp_path, "x")
+    assert name == "sidecar" and spy.out == tmp_path / "x-sidecar.txt" and spy.pid == 1
