@@ -246,24 +246,22 @@ def drop_cache(as_json: JsonOpt = False) -> None:
     no sidecar running nothing is held in memory: nothing to drop.
     """
     cfg = config()
+    data: dict[str, Any] = {"sidecar": None, "dropped": 0, "held_bytes": 0}
     if not sidecar_listening(cfg.socket_path):
-        data: dict[str, Any] = {"sidecar": None, "dropped": 0, "held_bytes": 0}
-        if as_json:
-            emit(True, data)
-        else:
-            out.print(f"no sidecar serves {cfg.socket_path}: no RAM tier to drop")
-        return
-    target = SidecarTarget(cfg.socket_path)
-    target.check_store(cfg)
-    dropped, held = target.drop_cache()
-    data = {"sidecar": str(cfg.socket_path), "dropped": dropped, "held_bytes": held}
-    if as_json:
-        emit(True, data)
+        said = f"no sidecar serves {cfg.socket_path}: no RAM tier to drop"
     else:
-        out.print(
+        target = SidecarTarget(cfg.socket_path)
+        target.check_store(cfg)
+        dropped, held = target.drop_cache()
+        data = {"sidecar": str(cfg.socket_path), "dropped": dropped, "held_bytes": held}
+        said = (
             f"dropped {dropped} chunk image(s) from the RAM tier of {target.where}; "
             f"{human_bytes(held)} stay mapped as spare buffers"
         )
+    if as_json:
+        emit(True, data)
+    else:
+        out.print(said)
 
 
 #: fsck report key → (what it lists, what --repair did about it)
