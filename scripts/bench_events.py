@@ -71,7 +71,7 @@ def bench_publisher(batches: int, blocks_per_chunk: int) -> dict[str, float]:
     from kvoffload.events.publisher import KVEventPublisher, MemoryReplayBuffer
     from kvoffload.events.wire import BlockStored
     from kvoffload.sidecar.events import IndexReplayBuffer
-    from kvoffload.sidecar.index import Index
+    from kvoffload.store.index import Index
 
     out: dict[str, float] = {}
     d = Path(tempfile.mkdtemp(prefix="kvo-bench-pub-", dir="/tmp"))

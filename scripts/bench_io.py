@@ -91,13 +91,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvoffload import direct as direct_io
+from kvoffload.client import direct as direct_io
 from kvoffload.layouts import v1
-from kvoffload.sidecar.fileio import O_DIRECT, Durability
-from kvoffload.sidecar.iobackend import IOMode, IOPlan, plan
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig, StoreLease
-from kvoffload.sidecar.store.base import default_io_streams
+from kvoffload.store import Store, StoreConfig, StoreLease
+from kvoffload.store.base import default_io_streams
+from kvoffload.store.files import O_DIRECT, Durability
+from kvoffload.store.iobackend import IOMode, IOPlan, plan
+from kvoffload.store.keys.keyring import Kek
 
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent

@@ -54,8 +54,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from kvoffload.layouts import v1  # noqa: E402
-from kvoffload.sidecar.keyring import Kek  # noqa: E402
-from kvoffload.sidecar.store import Store, StoreConfig  # noqa: E402
+from kvoffload.store import Store, StoreConfig  # noqa: E402
+from kvoffload.store.keys.keyring import Kek  # noqa: E402
 
 NS = bytes(range(32))
 

@@ -16,7 +16,7 @@ direct
     the same saves, and cold loads, of tenant ``direct`` through
     ``SidecarClient(..., direct=True)`` (the script fails unless the client
     does take the direct path): the client leases the files, writes them
-    itself (``kvoffload.direct``, ``KVOFFLOAD_DIRECT_IO``: posix pwritev with
+    itself (``kvoffload.client.direct``, ``KVOFFLOAD_DIRECT_IO``: posix pwritev with
     O_DIRECT where the file system takes it, kvikio where the node has it), the
     sidecar verifies and names them; loads are ``SidecarClient.load_to``
     straight into the pre-touched destination buffer (the worker reads and
@@ -100,9 +100,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvoffload import direct as direct_io
 from kvoffload import testing
 from kvoffload.client import SidecarClient
+from kvoffload.client import direct as direct_io
 from kvoffload.layouts import v1
 from kvoffload.protocol import (
     Lookup,
@@ -111,7 +111,7 @@ from kvoffload.protocol import (
     reply_message,
     request_message,
 )
-from kvoffload.sidecar.store.base import default_io_streams
+from kvoffload.store.base import default_io_streams
 
 if TYPE_CHECKING:
     import bench_io as bio
@@ -1501,7 +1501,8 @@ def render(
     console.print(
         f"[bold]direct[/bold]: tenant {DIRECT_TENANT!r} (encryption = none, direct = true) "
         "through SidecarClient(direct=True): lease_store, the client writes the leased files "
-        "itself (kvoffload.direct), complete_store (the sidecar re-reads, verifies, fsyncs per "
+        "itself (kvoffload.client.direct), complete_store (the sidecar re-reads, verifies, "
+        "fsyncs per "
         "durability and names them); loads are lease_load + load_to straight into the "
         "destination buffer (the client reads and checks each layer) + complete_load. No "
         "staging buffer; its raw ceilings move the same plaintext object bytes as plain's."

@@ -78,9 +78,9 @@ from bench_method import (  # the other benchmarks also use these through this m
 from bench_method import loadavg as loadavg  # for the other benchmarks
 
 from kvoffload.layouts import v1
-from kvoffload.sidecar.fileio import Durability
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store.files import Durability
+from kvoffload.store.keys.keyring import Kek
 
 MiB = 1 << 20
 KiB = 1 << 10

@@ -51,8 +51,8 @@ def kek_file(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def store(tmp_path: Path, kek_file: Path) -> Iterator[object]:
-    from kvoffload.sidecar.keyring import Kek
-    from kvoffload.sidecar.store import Store, StoreConfig
+    from kvoffload.store import Store, StoreConfig
+    from kvoffload.store.keys.keyring import Kek
 
     s = Store(
         StoreConfig(root=tmp_path / "store", durability="none"),

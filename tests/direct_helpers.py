@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from kvoffload import direct
-from kvoffload.direct import Extent, PosixDirectIO
+from kvoffload.client import direct
+from kvoffload.client.direct import Extent, PosixDirectIO
 from kvoffload.layouts import v1
-from kvoffload.sidecar import fileio
+from kvoffload.store import files as fileio
 
 REPO = Path(__file__).resolve().parent.parent
 NS = bytes(range(32))

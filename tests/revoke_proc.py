@@ -33,8 +33,8 @@ from sidecar_proc import NS, _emit, _raw_caller, chunk_key, chunk_layers  # noqa
 
 
 def cmd_session(a: dict[str, Any]) -> None:
-    from kvoffload import direct
     from kvoffload import protocol as p
+    from kvoffload.client import direct
     from kvoffload.layouts import v1
     from kvoffload.staging import StagingBuffer
 
@@ -153,7 +153,7 @@ def main() -> None:
     args = json.loads(sys.argv[2])
     if "as_user" in args:
         import kvoffload.client
-        import kvoffload.direct
+        import kvoffload.client.direct
         import kvoffload.layouts.v1
         import kvoffload.staging  # noqa: F401 - everything is imported before the drop
 

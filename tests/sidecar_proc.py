@@ -648,8 +648,8 @@ def cmd_lease(a: dict[str, Any]) -> None:
     another key), "truncate" / "extend" (the real object, then the file
     resized). Orders: "complete" (prints ``stored``), "abort", "exit".
     """
-    from kvoffload import direct
     from kvoffload import protocol as p
+    from kvoffload.client import direct
     from kvoffload.layouts import v1
 
     tenant, seed, idx, fill = a["tenant"], a["seed"], a["indices"], a.get("fill", "good")
@@ -809,8 +809,7 @@ def main() -> None:
     args = json.loads(sys.argv[2])
     if "as_user" in args:
         import kvoffload.client
-        import kvoffload.layouts.v1
-        import kvoffload.sidecar.gpu_probe  # noqa: F401 - everything is imported before the drop
+        import kvoffload.gpu_probe  # noqa: F401 - everything is imported before the drop
 
         uid, gid = args["as_user"]
         os.setgroups([])

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from kvoffload.client import SidecarClient
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store.keys.keyring import Kek
 from kvoffload.testing import SidecarProcess, cli_argv
 
 NS = bytes(range(32))

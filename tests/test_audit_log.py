@@ -20,7 +20,7 @@ import pytest
 
 from kvoffload.cli.exits import ExitCode
 from kvoffload.errors import AuditFormatError, StoreIOError
-from kvoffload.sidecar.store.audit import (
+from kvoffload.store.audit import (
     ACTIVE,
     HEAD,
     AuditLog,
@@ -239,7 +239,7 @@ _WRITER = """
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from kvoffload.sidecar.store.audit import AuditLog
+from kvoffload.store.audit import AuditLog
 log = AuditLog(Path(sys.argv[1]), max_bytes=8192, keep=1000)
 for i in range(int(sys.argv[2])):
     log("admin", {"verb": "writer", "writer": sys.argv[3], "i": i})

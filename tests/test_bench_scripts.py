@@ -592,8 +592,8 @@ def test_in_process_benchmarks_measure_a_mapped_ram_tier_and_cold_rows_empty_it(
     its memory (as bench_sidecar waits for a sidecar's), and a cold row's
     Store.drop_cache leaves the next load to read the file (a cold row served from
     the tier measured memory, not the device)."""
-    from kvoffload.sidecar.keyring import Kek
-    from kvoffload.sidecar.store import Store, StoreConfig
+    from kvoffload.store import Store, StoreConfig
+    from kvoffload.store.keys.keyring import Kek
 
     from .test_iobackend import _direct_dir
 

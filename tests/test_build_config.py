@@ -31,7 +31,7 @@ def test_the_daemon_depends_on_neither_torch_nor_watchdog() -> None:
 
 def test_the_daemon_never_imports_torch() -> None:
     code = (
-        "import sys, kvoffload.cli, kvoffload.sidecar.server, kvoffload.sidecar.store, "
+        "import sys, kvoffload.cli, kvoffload.sidecar.server, kvoffload.store, "
         "kvoffload.sidecar.config\n"
         "assert 'torch' not in sys.modules and 'watchdog' not in sys.modules, "
         "[m for m in sys.modules if m.split('.')[0] in ('torch', 'watchdog')][:3]\n"

@@ -22,9 +22,9 @@ import pytest
 from kvoffload import protocol as p
 from kvoffload.client import SidecarClient
 from kvoffload.sidecar import transfers
-from kvoffload.sidecar.store import Store
-from kvoffload.sidecar.store.pipeline import Pipeline
 from kvoffload.staging import StagingBuffer
+from kvoffload.store import Store
+from kvoffload.store.pipeline import Pipeline
 from tests.test_server import Raw, ServerThread, sock_path, start
 from tests.test_server import sock_dir as sock_dir  # the fixture, shared
 

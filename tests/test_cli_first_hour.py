@@ -17,8 +17,8 @@ import pytest
 
 from kvoffload.cli.exits import ExitCode
 from kvoffload.layouts import v1
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store.keys.keyring import Kek
 
 NS = bytes(range(32))
 
@@ -48,7 +48,7 @@ def one_line(r: subprocess.CompletedProcess[str], code: int, label: str) -> str:
         ln
         for ln in r.stderr.splitlines()
         # the dev-KEK reminder and the confirmation prompt
-        if not ln.startswith(("WARNING kvoffload.sidecar.keyring: development KEK", "Purge "))
+        if not ln.startswith(("WARNING kvoffload.store.keys.keyring: development KEK", "Purge "))
     ]
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith(f"{label}: "), lines[0]
@@ -141,7 +141,7 @@ def _without_dev_banner(r: subprocess.CompletedProcess[str]) -> subprocess.Compl
         and not set(ln.strip()) <= {"!"}
         and not ln.startswith(("DEVELOPMENT", "DEVELOPMENT KEK"))
         and " INFO " not in ln
-        and "WARNING kvoffload.sidecar.keyring" not in ln
+        and "WARNING kvoffload.store.keys.keyring" not in ln
     ]
     return subprocess.CompletedProcess(r.args, r.returncode, r.stdout, "\n".join(keep) + "\n")
 

@@ -25,8 +25,8 @@ import pytest
 from kvoffload.cli.exits import ExitCode
 from kvoffload.client import SidecarClient
 from kvoffload.contract import CompatContract, LayerLayout
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store.keys.keyring import Kek
 from kvoffload.testing import SidecarProcess, cli_argv
 
 NS = bytes(range(32))

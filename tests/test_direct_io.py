@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import xxhash
 
-from kvoffload import direct
-from kvoffload.direct import DirectIOError, Extent, PosixDirectIO
+from kvoffload.client import direct
+from kvoffload.client.direct import DirectIOError, Extent, PosixDirectIO
 from kvoffload.layouts import v1
-from kvoffload.sidecar.iobackend import probe_direct
+from kvoffload.store.iobackend import probe_direct
 
 from .direct_helpers import (
     HOST_KINDS,
@@ -183,10 +183,10 @@ def test_posix_buffered_write_of_a_layer_over_one_mib(tmp_path: Path) -> None:
 _RAMFS_CHILD = r"""
 import json, os, sys
 from pathlib import Path
-from kvoffload import direct
+from kvoffload.client import direct
 from kvoffload.layouts import v1
-from kvoffload.sidecar import fileio
-from kvoffload.sidecar.iobackend import mount_of
+from kvoffload.store import files as fileio
+from kvoffload.store.iobackend import mount_of
 d = Path(sys.argv[1])
 lay = [os.urandom(5000), os.urandom(4096), os.urandom(3)]
 lengths = [len(x) for x in lay]
@@ -266,7 +266,7 @@ def fresh_selection() -> Iterator[None]:
 
 
 def _driver_present() -> bool:
-    from kvoffload.sidecar.gpu_probe import probe
+    from kvoffload.gpu_probe import probe
 
     return probe().driver_present
 
@@ -298,10 +298,10 @@ def test_select_auto_without_a_gpu_is_posix_with_a_reason(
         else:
             monkeypatch.setenv(direct.ENV_VAR, env)
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="kvoffload.direct"):
+        with caplog.at_level(logging.INFO, logger="kvoffload.client.direct"):
             io = direct.select()
         assert isinstance(io, PosixDirectIO)
-        msgs = [r.getMessage() for r in caplog.records if r.name == "kvoffload.direct"]
+        msgs = [r.getMessage() for r in caplog.records if r.name == "kvoffload.client.direct"]
         assert len(msgs) == 1, msgs
         assert msgs[0].startswith("direct-path I/O: posix (posix")
         assert "because" in msgs[0] and "libcuda" in msgs[0]
@@ -363,7 +363,7 @@ def test_posix_reads_into_cpu_torch_tensors(tmp_path: Path) -> None:
     assert io.read_layers(str(tmp), extents, outs)
     assert [bytes(t.numpy()) for t in outs] == raw
     halves = [torch.zeros(len(x) // 2, dtype=torch.bfloat16) for x in raw]
-    from kvoffload.direct import copy_into
+    from kvoffload.client.direct import copy_into
 
     copy_into(memoryview(raw[0]), halves[0])
     assert halves[0].view(torch.uint8).numpy().tobytes() == raw[0]

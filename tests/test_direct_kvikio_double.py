@@ -6,7 +6,7 @@ kvikio's Python API as documented for ``kvikio.CuFile`` (``CuFile(path,
 flags)`` with flags ``r``/``w``/``a`` and ``+``, ``pwrite``/``pread(buf,
 size, file_offset)`` returning a future whose ``get()`` is the byte count),
 doing real POSIX I/O on real files from host numpy arrays. What this checks
-is the logic of :class:`kvoffload.direct.KvikioDirectIO` itself:
+is the logic of :class:`kvoffload.client.direct.KvikioDirectIO` itself:
 flags, offsets, sizes, futures, failure mapping and checksum verification.
 The GPU path itself runs in ``tests/test_direct_path.py``'s ``gds`` test.
 """
@@ -22,9 +22,9 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
-from kvoffload import direct
+from kvoffload.client import direct
 from kvoffload.layouts import v1
-from kvoffload.sidecar import fileio
+from kvoffload.store import files as fileio
 
 NS = bytes(range(32))
 KEY = bytes(range(32, 64))
@@ -165,7 +165,7 @@ def test_kvikio_failures_become_direct_io_errors(
 def test_select_uses_kvikio_when_the_probe_says_it_works(
     monkeypatch: pytest.MonkeyPatch, fake_kvikio: types.ModuleType
 ) -> None:
-    from kvoffload.sidecar import gpu_probe
+    from kvoffload import gpu_probe
 
     rep = gpu_probe.GpuReport(kvikio_usable=True, gds_available=False, kvikio_reason="probe ok")
     monkeypatch.setattr(gpu_probe, "probe", lambda *a, **k: rep)

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from kvoffload.direct import Extent, PosixDirectIO
+from kvoffload.client.direct import Extent, PosixDirectIO
+from kvoffload.errors import LeaseInvalid, StoreFull
 from kvoffload.layouts import v1
-from kvoffload.sidecar import fileio
-from kvoffload.sidecar.errors import LeaseInvalid, StoreFull
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig, StoreLease
+from kvoffload.store import Store, StoreConfig, StoreLease
+from kvoffload.store import files as fileio
+from kvoffload.store.keys.keyring import Kek
 
 from .direct_helpers import NS, OTHER_NS, TENANT, key, rand_layers, sealed_plain, verify
 

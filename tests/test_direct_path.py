@@ -378,7 +378,7 @@ def test_a_worker_of_another_uid_reaches_its_tenant_through_direct_group(
 @pytest.mark.gds
 def test_direct_path_from_and_to_gpu_memory(procs: Procs, workdir: Path) -> None:
     """GPU tensors saved through the direct path and loaded back into GPU memory."""
-    from kvoffload.sidecar.gpu_probe import probe
+    from kvoffload.gpu_probe import probe
 
     rep = probe()
     if not rep.kvikio_usable:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.sidecar.policy import Policy, PolicyError, load_policy
+from kvoffload.sidecar.access.policy import Policy, PolicyError, load_policy
 
 # ----------------------------------------------------------------------- policy
 

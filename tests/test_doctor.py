@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvoffload.sidecar.fileio import Durability
-from kvoffload.sidecar.gpu_probe import probe
-from kvoffload.sidecar.iobackend import probe_direct
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.gpu_probe import probe
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store.files import Durability
+from kvoffload.store.iobackend import probe_direct
+from kvoffload.store.keys.keyring import Kek
 
 REPO = Path(__file__).resolve().parent.parent
 

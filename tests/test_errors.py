@@ -75,9 +75,9 @@ def test_the_tree_draws_the_real_hierarchy() -> None:
 
 def test_old_import_paths_still_name_the_same_classes() -> None:
     from kvoffload.contract import ContractError  # type: ignore[attr-defined]
-    from kvoffload.layouts.errors import CorruptObject
+    from kvoffload.errors import StoreFull
+    from kvoffload.layouts import CorruptObject
     from kvoffload.protocol import ErrorCode, ProtocolError  # type: ignore[attr-defined]
-    from kvoffload.sidecar.errors import StoreFull
 
     assert ContractError is errors.ContractError
     assert CorruptObject is errors.CorruptObject

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvoffload.errors import ConfigError, PolicyError
+from kvoffload.sidecar.access.policy import load_policy
 from kvoffload.sidecar.config import load_config
-from kvoffload.sidecar.index import ChunkRecord, Index
-from kvoffload.sidecar.policy import load_policy
+from kvoffload.store.index import ChunkRecord, Index
 
 NS = b"\x07" * 32
 

@@ -19,11 +19,11 @@ zmq = pytest.importorskip("zmq")
 from kvoffload import protocol as p  # noqa: E402
 from kvoffload.events.consumer import EventConsumer, Health, SourceSpec  # noqa: E402
 from kvoffload.layouts import v1  # noqa: E402
+from kvoffload.sidecar.access.policy import TenantPolicy  # noqa: E402
 from kvoffload.sidecar.config import EventsSettings  # noqa: E402
 from kvoffload.sidecar.events import SidecarEvents, start_events  # noqa: E402
-from kvoffload.sidecar.keyring import Kek  # noqa: E402
-from kvoffload.sidecar.policy import TenantPolicy  # noqa: E402
-from kvoffload.sidecar.store import Store, StoreConfig  # noqa: E402
+from kvoffload.store import Store, StoreConfig  # noqa: E402
+from kvoffload.store.keys.keyring import Kek  # noqa: E402
 
 NS = b"\x01" * 32
 

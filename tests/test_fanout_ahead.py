@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvoffload.layouts import v1
-from kvoffload.sidecar import fileio
-from kvoffload.sidecar.kek import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store import files as fileio
+from kvoffload.store.keys.kek import Kek
 
 from .test_store import NS, key, layers, open_store
 from .test_store_batch import _root_with_fanout

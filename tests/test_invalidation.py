@@ -26,12 +26,12 @@ from kvoffload.client import SidecarClient
 from kvoffload.contract import CompatContract
 from kvoffload.errors import ContractError
 from kvoffload.keys import chunk_keys
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.policy import Grant, Policy
-from kvoffload.sidecar.server import ServerConfig
-from kvoffload.sidecar.store import Store, StoreConfig
-from kvoffload.sidecar.store.contracts import contract_matches
+from kvoffload.sidecar.access.policy import Grant, Policy
+from kvoffload.sidecar.config import ServerConfig
 from kvoffload.staging import PAGE
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store.contracts import contract_matches
+from kvoffload.store.keys.keyring import Kek
 
 from .conftest import make_contract
 from .test_cli_live import cli, sidecar

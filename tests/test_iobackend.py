@@ -19,12 +19,13 @@ from typing import Any
 
 import pytest
 
+from kvoffload.errors import StoreFull, StoreIOError
+from kvoffload.gpu_probe import GpuReport, ProbeEnv, probe
 from kvoffload.layouts import v1
-from kvoffload.sidecar import fileio
-from kvoffload.sidecar.errors import StoreFull, StoreIOError
-from kvoffload.sidecar.fileio import Durability
-from kvoffload.sidecar.gpu_probe import GpuReport, ProbeEnv, probe
-from kvoffload.sidecar.iobackend import (
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store import files as fileio
+from kvoffload.store.files import Durability
+from kvoffload.store.iobackend import (
     DIRECT_READ_MIN,
     DIRECT_WRITE_MIN,
     IOBackendUnavailable,
@@ -36,8 +37,7 @@ from kvoffload.sidecar.iobackend import (
     probe_direct,
     requested_mode,
 )
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.store.keys.keyring import Kek
 
 from .ramfs import run_on_ramfs
 from .test_load_path import evict
@@ -431,9 +431,9 @@ def test_o_direct_probe_agrees_with_the_kernel_on_tmpfs() -> None:
 _RAMFS_CHILD = r"""
 import json, os, sys
 from pathlib import Path
-from kvoffload.sidecar import fileio
-from kvoffload.sidecar.fileio import Durability
-from kvoffload.sidecar.iobackend import plan, probe_direct, IOBackendUnavailable, open_backend
+from kvoffload.store import files as fileio
+from kvoffload.store.files import Durability
+from kvoffload.store.iobackend import plan, probe_direct, IOBackendUnavailable, open_backend
 d = Path(sys.argv[1])
 rep = probe_direct(d)
 auto = plan("posix", d)
@@ -737,7 +737,7 @@ def test_probe_child_that_crashes_is_a_reason(tmp_path: Path) -> None:
 
 def test_the_real_probe_child_runs_here() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kvoffload.sidecar.gpu_probe", "--child", "--kvikio"],
+        [sys.executable, "-m", "kvoffload.gpu_probe", "--child", "--kvikio"],
         capture_output=True,
         text=True,
         timeout=60,

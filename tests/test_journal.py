@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload.errors import JournalError
-from kvoffload.sidecar.journal import (
+from kvoffload.store.shared.journal import (
     HEADER_SIZE,
     JournalFollower,
     JournalRecord,

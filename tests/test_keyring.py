@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from kvoffload.sidecar import keyring as keyring_mod
-from kvoffload.sidecar.keyring import Kek, Keyring, KeyringError, TenantKeys
+from kvoffload.store.keys import keyring as keyring_mod
+from kvoffload.store.keys.keyring import Kek, Keyring, KeyringError, TenantKeys
 
 AAD = b"test-object"
 

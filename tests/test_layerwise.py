@@ -22,9 +22,9 @@ import pytest
 from kvoffload import protocol as p
 from kvoffload.client import SidecarClient
 from kvoffload.layouts import v1
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
 from kvoffload.sidecar.transfers import Transfers
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store.keys.keyring import Kek
 from tests.test_server import Raw, ServerThread, start
 
 TENANT = "acme"

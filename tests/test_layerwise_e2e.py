@@ -23,8 +23,8 @@ import torch
 from kvoffload.client import SidecarClient
 from kvoffload.keys import chunk_keys
 from kvoffload.layouts import v1
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store.keys.keyring import Kek
 from tests.test_server import start
 
 pytestmark = pytest.mark.skipif(

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 WORKER_MODULES = ["kvoffload", "kvoffload.contract", "kvoffload.keys", "kvoffload.client"]
-FORBIDDEN = ["lmdb", "kvoffload.sidecar", "kvoffload.sidecar.keyring", "kvoffload.sidecar.store"]
+FORBIDDEN = ["lmdb", "kvoffload.sidecar", "kvoffload.store.keys.keyring", "kvoffload.store"]
 
 
 def test_worker_imports_pull_no_store_or_key_code() -> None:

@@ -35,17 +35,17 @@ import pytest
 from kvoffload.client import SidecarClient
 from kvoffload.client.session import Session as ClientSession
 from kvoffload.layouts import v1
-from kvoffload.sidecar import fileio
 from kvoffload.sidecar.connection import Connection
-from kvoffload.sidecar.fileio import Durability
-from kvoffload.sidecar.index import ChunkRecord
-from kvoffload.sidecar.iobackend import local_fs
-from kvoffload.sidecar.keyring import Kek
 from kvoffload.sidecar.session import Session
-from kvoffload.sidecar.store import Store, StoreConfig
-from kvoffload.sidecar.store import layerwise as lw
-from kvoffload.sidecar.store.pipeline import Pipeline
 from kvoffload.sidecar.transfers import Transfers
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store import files as fileio
+from kvoffload.store import layerwise as lw
+from kvoffload.store.files import Durability
+from kvoffload.store.index import ChunkRecord
+from kvoffload.store.iobackend import local_fs
+from kvoffload.store.keys.keyring import Kek
+from kvoffload.store.pipeline import Pipeline
 from tests.test_server import ServerThread, start
 
 TENANT = "acme"

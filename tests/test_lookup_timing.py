@@ -28,9 +28,10 @@ import pytest
 from kvoffload import protocol as p
 from kvoffload.errors import PolicyError
 from kvoffload.protocol import ErrorCode, ProtocolError
-from kvoffload.sidecar.policy import MAX_LOOKUP_PADDING_S, Grant, Policy, TenantPolicy
-from kvoffload.sidecar.server import ServerConfig
-from kvoffload.sidecar.service import Peer, Service
+from kvoffload.sidecar.access.policy import MAX_LOOKUP_PADDING_S, Grant, Policy, TenantPolicy
+from kvoffload.sidecar.config import ServerConfig
+from kvoffload.sidecar.peer import Peer
+from kvoffload.sidecar.service import Service
 from kvoffload.sidecar.session import DECOY_TENANT, Session
 from kvoffload.staging import StagingBuffer
 from kvoffload.transport import UnixTransport

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from kvoffload.sidecar.metrics import Metrics
-from kvoffload.sidecar.store import Store
+from kvoffload.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 NS = bytes(range(32))

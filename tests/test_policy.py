@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.sidecar.policy import (
+from kvoffload.sidecar.access.policy import (
     ALL_TENANTS,
     AllTenants,
     Policy,

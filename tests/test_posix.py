@@ -232,7 +232,7 @@ def test_fsync_dir_tolerates_unsupported(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_store_root_reexports_fsync_dir() -> None:
     from kvoffload.layouts import store_root
-    from kvoffload.sidecar import fileio
+    from kvoffload.store import files as fileio
 
     assert store_root.fsync_dir is posix.fsync_dir
     assert fileio.fsync_dir is posix.fsync_dir

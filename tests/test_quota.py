@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
+from kvoffload.errors import QuotaExceeded, StoreFull
 from kvoffload.layouts import v1
-from kvoffload.sidecar.errors import QuotaExceeded, StoreFull
-from kvoffload.sidecar.index import ChunkRecord
+from kvoffload.store.index import ChunkRecord
 
 from .test_store import NS, key, layers, open_store
 
@@ -26,7 +26,7 @@ OBJ = v1.object_size([3000] * 4, True)
 
 
 def put_with_quota(s: object, tenant: str, i: int, quota: int | None) -> bool:
-    from kvoffload.sidecar.store import Store
+    from kvoffload.store import Store
 
     assert isinstance(s, Store)
     res = s.reserve(tenant, OBJ, quota=quota)

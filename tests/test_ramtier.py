@@ -19,10 +19,10 @@ import pytest
 
 from kvoffload.client import SidecarClient
 from kvoffload.layouts import v1
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
-from kvoffload.sidecar.store import layerwise as lw
-from kvoffload.sidecar.store.ramtier import RamTier, Slot, _aligned
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store import layerwise as lw
+from kvoffload.store.keys.keyring import Kek
+from kvoffload.store.ramtier import RamTier, Slot, _aligned
 
 from .test_cli_live import cli, short_dir, sidecar
 from .test_iobackend import DirectReads, _direct_dir, cached_pages

@@ -24,8 +24,7 @@ import pytest
 
 from kvoffload.client import SidecarClient
 from kvoffload.errors import PolicyError
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.policy import (
+from kvoffload.sidecar.access.policy import (
     HIGH_SENSITIVITY_IDLE_TTL_S,
     HIGH_SENSITIVITY_LOOKUP_FLOOR_S,
     HIGH_SENSITIVITY_MAX_AGE_S,
@@ -33,7 +32,8 @@ from kvoffload.sidecar.policy import (
     TenantPolicy,
     load_policy,
 )
-from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store.keys.keyring import Kek
 from kvoffload.testing import SidecarProcess, cli_argv
 
 NS = bytes(range(32))

@@ -3,7 +3,7 @@ daemon (``kvoffload serve``) and real client processes under another uid.
 
 Every wait is a bounded poll for a condition, never an assertion about time.
 Mid-load tests use the store's test hook ``KVO_TEST_HOOK_LOAD_GATE``
-(``kvoffload/sidecar/cancel.py``): set only in these tests' daemon, it
+(``kvoffload/store/cancel.py``): set only in these tests' daemon, it
 pauses a load before a layer is copied into staging, so that the test can
 change the policy or purge while the load is in flight.
 """

@@ -17,21 +17,20 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload import direct
-from kvoffload.errors import ConfigError
+from kvoffload.client import direct
+from kvoffload.errors import ConfigError, LeaseInvalid
 from kvoffload.events.consumer import EventConsumer
 from kvoffload.layouts import v1
-from kvoffload.sidecar import cancel
+from kvoffload.sidecar.access.policy import Policy, load_policy
+from kvoffload.sidecar.access.revocation import RevokedSet, policy_diff
+from kvoffload.sidecar.config import ServerConfig
 from kvoffload.sidecar.daemon import PolicyWatcher, reload_policy
-from kvoffload.sidecar.errors import LeaseInvalid
 from kvoffload.sidecar.events import SidecarEvents
-from kvoffload.sidecar.keyring import Kek
 from kvoffload.sidecar.metrics import Metrics
-from kvoffload.sidecar.policy import Policy, load_policy
-from kvoffload.sidecar.revocation import RevokedSet, policy_diff
-from kvoffload.sidecar.server import Server, ServerConfig
-from kvoffload.sidecar.store import Store, StoreConfig
-from kvoffload.sidecar.store.leases import StoreLease
+from kvoffload.sidecar.server import Server
+from kvoffload.store import Store, StoreConfig, cancel
+from kvoffload.store.keys.keyring import Kek
+from kvoffload.store.leases import StoreLease
 
 from .test_events_store import NS as EV_NS
 from .test_events_store import _blocks as ev_blocks

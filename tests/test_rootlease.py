@@ -9,7 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 from pathlib import Path
 
-from kvoffload.sidecar.rootlease import EvictorLease, LeaseState
+from kvoffload.store.shared.lease import EvictorLease, LeaseState
 
 
 class Clock:

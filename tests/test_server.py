@@ -24,11 +24,12 @@ import pytest
 
 from kvoffload import protocol as p
 from kvoffload.client import SidecarClient
-from kvoffload.errors import ListenError
+from kvoffload.errors import ListenError, StoreFull
 from kvoffload.protocol import CLIENT_MAGIC, SERVER_MAGIC, ErrorCode, StoreStatus
-from kvoffload.sidecar.errors import StoreFull
-from kvoffload.sidecar.policy import Grant, Policy
-from kvoffload.sidecar.server import Server, ServerConfig, load_or_create_secret
+from kvoffload.sidecar.access.policy import Grant, Policy
+from kvoffload.sidecar.config import ServerConfig
+from kvoffload.sidecar.secret import load_or_create_secret
+from kvoffload.sidecar.server import Server
 from kvoffload.staging import PAGE, StagingBuffer
 from kvoffload.transport import TransportClosed, UnixTransport
 

@@ -22,9 +22,11 @@ import pytest
 
 from kvoffload import protocol as p
 from kvoffload.protocol import ErrorCode, StoreStatus, fake_salt
-from kvoffload.sidecar.policy import Grant, Policy, TenantPolicy
-from kvoffload.sidecar.server import ServerConfig, load_or_create_secret
-from kvoffload.sidecar.service import Peer, Service
+from kvoffload.sidecar.access.policy import Grant, Policy, TenantPolicy
+from kvoffload.sidecar.config import ServerConfig
+from kvoffload.sidecar.peer import Peer
+from kvoffload.sidecar.secret import load_or_create_secret
+from kvoffload.sidecar.service import Service
 from kvoffload.sidecar.session import Session
 from kvoffload.staging import PAGE, StagingBuffer
 

@@ -13,8 +13,8 @@ from kvoffload import protocol as p
 from kvoffload.layouts import v1
 from kvoffload.posix import ScratchBuffers
 from kvoffload.protocol import ErrorCode, StoreStatus
-from kvoffload.sidecar.store import Store
 from kvoffload.staging import PAGE
+from kvoffload.store import Store
 
 from .test_server import NS, FakeStore, Raw, key, start
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from kvoffload.sidecar.journal import JournalFollower, JournalRecord, JournalWriter, Op
-from kvoffload.sidecar.rootlease import EvictorLease
+from kvoffload.store.shared.journal import JournalFollower, JournalRecord, JournalWriter, Op
+from kvoffload.store.shared.lease import EvictorLease
 
 from .sharedfs import doctor_sharing, juice_volume, juicefs_unavailable
 
@@ -254,8 +254,8 @@ def _ckey(i: int) -> bytes:
 
 
 def _open(mount: Path, index: Path, kek: Path, sub: str = "concurrent") -> object:
-    from kvoffload.sidecar.keyring import Kek
-    from kvoffload.sidecar.store import Store, StoreConfig
+    from kvoffload.store import Store, StoreConfig
+    from kvoffload.store.keys.keyring import Kek
 
     cfg = StoreConfig(
         root=mount / sub,
@@ -358,9 +358,9 @@ def test_doctor_recognises_a_juicefs_root_and_an_index_on_it(
 def _cap_writer(mount: str, index: str, kek: str, cap: int, name: str, stop: Any) -> None:
     import hashlib
 
-    from kvoffload.sidecar.errors import StoreFull
-    from kvoffload.sidecar.keyring import Kek
-    from kvoffload.sidecar.store import Store, StoreConfig
+    from kvoffload.errors import StoreFull
+    from kvoffload.store import Store, StoreConfig
+    from kvoffload.store.keys.keyring import Kek
 
     cfg = StoreConfig(
         root=Path(mount) / "cap",
@@ -390,7 +390,7 @@ def test_three_clients_writing_three_times_the_capacity_never_exceed_it(
     import os
     import signal
 
-    from kvoffload.sidecar.journal import JournalFollower, Reason
+    from kvoffload.store.shared.journal import JournalFollower, Reason
 
     kek = kek_file
     cap = 64 * (3 * 4096 + 4096)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.sidecar.errors import StoreFull
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.errors import StoreFull
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store.keys.keyring import Kek
 
 from .sharedfs import doctor_sharing
 
@@ -257,7 +257,7 @@ def test_inspect_shows_the_shared_root(tmp_path: Path, kek_file: Path) -> None:
 def other_node_journal(root: Path) -> str:
     """Another node's journal in ``root`` (as if a second sidecar had opened it)."""
     from kvoffload.layouts import create_root
-    from kvoffload.sidecar.journal import JournalRecord, JournalWriter
+    from kvoffload.store.shared.journal import JournalRecord, JournalWriter
 
     create_root(root)
     node = "c" * 32
@@ -269,7 +269,7 @@ def other_node_journal(root: Path) -> str:
 
 
 def test_filesystem_types_are_classified_for_sharing() -> None:
-    from kvoffload.sidecar.fstypes import classify
+    from kvoffload.store.fstypes import classify
 
     assert classify("nfs").network is True and "lookupcache" in classify("nfs").advice
     assert classify("fuseblk", "fuse.juicefs").family == "JuiceFS"
@@ -470,7 +470,7 @@ def test_an_eviction_is_journaled_under_the_epoch_its_fence_allowed(nodes: Nodes
     """The lease may lapse between the fence and the removal's journal record (a
     holder stalled under load): the record still names the epoch the fence
     allowed the removal under, never 0 (shared-root-v1.md §4)."""
-    from kvoffload.sidecar.journal import JournalFollower, Reason
+    from kvoffload.store.shared.journal import JournalFollower, Reason
 
     size = len(b"".join(layers(0)))
     cap = 12 * (size + 8192)
@@ -504,7 +504,7 @@ def test_a_holder_writes_only_under_a_grant_already_on_its_lease_file(nodes: Nod
     """A grant the holder raises for itself between ticks is published before it is
     used: a node that takes over after the holder pauses reads, from the file,
     every byte the old holder may still write (shared-root-v1.md §4.1)."""
-    from kvoffload.sidecar.rootlease import EvictorLease
+    from kvoffload.store.shared.lease import EvictorLease
 
     size = len(b"".join(layers(0)))
     cap = 12 * (size + 8192)

@@ -14,10 +14,10 @@ import pytest
 import xxhash
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from kvoffload.errors import StoreFull, StoreLocked
 from kvoffload.layouts import UnknownLayoutVersion, store_root, v1
-from kvoffload.sidecar.errors import StoreFull, StoreLocked
-from kvoffload.sidecar.keyring import Kek, Keyring
-from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store.keys.keyring import Kek, Keyring
 
 NS = bytes(range(32))
 
@@ -287,8 +287,8 @@ def test_write_that_cannot_fit_fails_cleanly(tmp_path: Path, kek_file: Path) -> 
 
 
 def test_full_disk_is_a_clear_error_and_loses_nothing(store: Store) -> None:
-    from kvoffload.sidecar import fileio
-    from kvoffload.sidecar.errors import StoreIOError
+    from kvoffload.errors import StoreIOError
+    from kvoffload.store import files as fileio
 
     store.put("acme", NS, key(1), layers(1))
     real = fileio._write_all
@@ -383,7 +383,7 @@ def test_kek_rotation_keeps_data_and_retires_the_old_kek(tmp_path: Path, kek_fil
     new_file.chmod(0o600)
     assert s.rotate_kek(Kek.from_file(new_file)) == 1
     s.close()
-    from kvoffload.sidecar.keyring import KeyringError
+    from kvoffload.store.keys.keyring import KeyringError
 
     with pytest.raises(KeyringError):
         Keyring(s.root / "keys", Kek.from_file(kek_file), cache_ttl_s=0).get("acme")

@@ -26,13 +26,14 @@ from kvoffload import protocol as p
 from kvoffload.client import SidecarClient
 from kvoffload.layouts import v1
 from kvoffload.protocol import ErrorCode, region_size
-from kvoffload.sidecar.fileio import Durability
-from kvoffload.sidecar.index import ChunkRecord, Index
-from kvoffload.sidecar.policy import Grant, Policy
-from kvoffload.sidecar.server import ServerConfig
-from kvoffload.sidecar.service import Peer, Service
+from kvoffload.sidecar.access.policy import Grant, Policy
+from kvoffload.sidecar.config import ServerConfig
+from kvoffload.sidecar.peer import Peer
+from kvoffload.sidecar.service import Service
 from kvoffload.sidecar.session import Session
 from kvoffload.staging import PAGE, StagingBuffer
+from kvoffload.store.files import Durability
+from kvoffload.store.index import ChunkRecord, Index
 
 from .test_server import sock_path, start, wait_until
 
@@ -254,9 +255,9 @@ def test_a_batch_commits_its_records_in_one_transaction(
 _CRASH = """
 import os, sys
 from pathlib import Path
-from kvoffload.sidecar.index import Index
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.store.index import Index
+from kvoffload.store.keys.keyring import Kek
+from kvoffload.store import Store, StoreConfig
 
 root, kek, durability = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 store = Store(StoreConfig(root=root, durability=durability), Kek.from_file(kek), create=True)
@@ -272,8 +273,8 @@ store.put_many("acme", b"\\x33" * 32, [(key(i), [bytes([i]) * 3000, b"x" * 5]) f
 def test_a_crash_between_objects_and_index_leaves_no_wrong_hit(
     tmp_path: Path, kek_file: Path, durability: str
 ) -> None:
-    from kvoffload.sidecar.keyring import Kek
-    from kvoffload.sidecar.store import Store, StoreConfig
+    from kvoffload.store import Store, StoreConfig
+    from kvoffload.store.keys.keyring import Kek
 
     root = tmp_path / "store"
     env = {**os.environ, "PYTHONPATH": SRC}
@@ -527,8 +528,8 @@ def test_a_new_store_has_one_fanout_level(store: Any) -> None:
 def test_an_old_two_level_store_opens_loads_and_stays_two_level(
     tmp_path: Path, kek_file: Path
 ) -> None:
-    from kvoffload.sidecar.keyring import Kek
-    from kvoffload.sidecar.store import Store, StoreConfig
+    from kvoffload.store import Store, StoreConfig
+    from kvoffload.store.keys.keyring import Kek
 
     root = tmp_path / "store"
     _root_with_fanout(root, [2, 2])
@@ -552,8 +553,8 @@ def test_an_old_two_level_store_opens_loads_and_stays_two_level(
 @pytest.mark.parametrize("fanout", [[1], [2, 2, 2], [], "2/2", [2.0], [True]])
 def test_an_unknown_fanout_is_refused_at_open(tmp_path: Path, kek_file: Path, fanout: Any) -> None:
     from kvoffload.errors import LayoutError
-    from kvoffload.sidecar.keyring import Kek
-    from kvoffload.sidecar.store import Store, StoreConfig
+    from kvoffload.store import Store, StoreConfig
+    from kvoffload.store.keys.keyring import Kek
 
     root = tmp_path / "store"
     _root_with_fanout(root, fanout)

@@ -11,8 +11,8 @@ import pytest
 import xxhash
 
 from kvoffload.layouts import v1
-from kvoffload.sidecar import fileio
-from kvoffload.sidecar.store import Store
+from kvoffload.store import Store
+from kvoffload.store import files as fileio
 
 NS = bytes(range(32))
 

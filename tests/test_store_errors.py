@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.errors import IndexFailure, KeyringError, StoreKeyError
-from kvoffload.sidecar.errors import StoreError, StoreIOError
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.errors import IndexFailure, KeyringError, StoreError, StoreIOError, StoreKeyError
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store.keys.keyring import Kek
 
 NS = bytes(range(32))
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvoffload.errors import StoreIOError
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store.keys.keyring import Kek
 
 NS = bytes(range(32))
 

@@ -13,8 +13,8 @@ import pytest
 
 from kvoffload.errors import StoreError
 from kvoffload.layouts import read_layout, v1
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store.keys.keyring import Kek
 
 NS = bytes(range(32))
 

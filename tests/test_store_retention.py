@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
-from kvoffload.sidecar.store.retention import RECORD_SIZE
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store.keys.keyring import Kek
+from kvoffload.store.retention import RECORD_SIZE
 
 NS = bytes(range(32))
 

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
+from kvoffload.errors import StoreFull, StoreIOError
 from kvoffload.layouts import v1
-from kvoffload.sidecar import fileio
 from kvoffload.sidecar.config import ConfigError, load_config
-from kvoffload.sidecar.errors import StoreFull, StoreIOError
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig, pipeline
-from kvoffload.sidecar.store.base import MAX_DEFAULT_IO_STREAMS, default_io_streams
+from kvoffload.store import Store, StoreConfig, pipeline
+from kvoffload.store import files as fileio
+from kvoffload.store.base import MAX_DEFAULT_IO_STREAMS, default_io_streams
+from kvoffload.store.keys.keyring import Kek
 
 NS = bytes(range(32))
 N = 8

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvoffload.sidecar.store import Store
+from kvoffload.store import Store
 
 NS = bytes(range(32))
 NS2 = bytes(32)

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from kvoffload.layouts import v1
-from kvoffload.sidecar import fileio
-from kvoffload.sidecar.iobackend import PosixBackend, local_fs
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store import files as fileio
+from kvoffload.store.iobackend import PosixBackend, local_fs
+from kvoffload.store.keys.keyring import Kek
 
 from .test_load_path import evict, nowait_reads_miss
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.sidecar.policy import ALL_TENANTS, load_policy
+from kvoffload.sidecar.access.policy import ALL_TENANTS, load_policy
 
 SYSTEMD = Path(__file__).resolve().parent.parent / "systemd"
 SERVICE = SYSTEMD / "kvoffload.service"

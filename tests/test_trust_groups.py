@@ -18,8 +18,8 @@ from kvoffload.contract import CompatContract
 from kvoffload.errors import KeyDerivationError, PolicyError
 from kvoffload.keys import chunk_keys, group_salt, root_key
 from kvoffload.protocol import fake_salt
-from kvoffload.sidecar.policy import Grant, Policy, TenantPolicy
-from kvoffload.sidecar.server import ServerConfig
+from kvoffload.sidecar.access.policy import Grant, Policy, TenantPolicy
+from kvoffload.sidecar.config import ServerConfig
 from kvoffload.staging import PAGE
 
 from .conftest import make_contract

@@ -257,16 +257,17 @@ class LayoutError(KVOffloadError):
 
 
 class UnknownLayoutVersion(LayoutError):
-    def __init__(self, version: object, where: str = "") -> None:
-        # The supported range lives with the layouts; imported here so that
-        # this module stays importable on its own.
-        from kvoffload.layouts.store_root import MAX_LAYOUT_VERSION, MIN_LAYOUT_VERSION
+    """A layout version outside ``supported``, the (min, max) range of the layout
+    that raises it (the range lives with the layouts, :mod:`kvoffload.layouts`)."""
 
+    def __init__(self, version: object, supported: tuple[int, int], where: str = "") -> None:
         self.version = version
+        self.supported = supported
         loc = f" in {where}" if where else ""
+        lo, hi = supported
         super().__init__(
             f"unknown layout version {version!r}{loc}: this kvoffload reads versions "
-            f"{MIN_LAYOUT_VERSION}..{MAX_LAYOUT_VERSION}; upgrade kvoffload or migrate the store"
+            f"{lo}..{hi}; upgrade kvoffload or migrate the store"
         )
 
 

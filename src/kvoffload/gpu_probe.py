@@ -21,10 +21,10 @@ timeout: a hang costs the timeout, never the sidecar (nor the worker).
 :func:`probe` returns a :class:`GpuReport` with every finding, the backend
 chosen among ``kvikio``, ``cufile`` and ``posix`` for the requested mode, and
 why. The POSIX half of the decision (O_DIRECT or buffered, per file system)
-is :mod:`kvoffload.sidecar.iobackend`'s.
+is :mod:`kvoffload.store.iobackend`'s.
 
 Standard library only, and nothing from the sidecar: the worker's direct path
-(:func:`kvoffload.direct.select`) runs it too.
+(:func:`kvoffload.client.direct.select`) runs it too.
 """
 
 from __future__ import annotations

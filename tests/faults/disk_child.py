@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.errors import StoreError
-from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.store import Store, StoreConfig
 
 from .driver import NS, kek, key, layers
 

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from kvoffload.layouts import v1
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store.keys.keyring import Kek
 
 NS = hashlib.sha256(b"faults/ns").digest()
 SEALED = ("aaa", "bbb")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.sidecar.store import Store
+from kvoffload.store import Store
 from kvoffload.testing import answers, cli_argv
 
 from . import driver

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload.layouts import v1
-from kvoffload.sidecar.store import Store
+from kvoffload.store import Store
 
 from . import driver
 from .conftest import FULL, Family

@@ -33,9 +33,9 @@ from hypothesis import strategies as st
 
 from kvoffload import protocol as p
 from kvoffload.protocol import CLIENT_MAGIC, SERVER_MAGIC, ErrorCode
-from kvoffload.sidecar.keyring import Kek
-from kvoffload.sidecar.store import Store, StoreConfig
 from kvoffload.staging import PAGE, StagingBuffer
+from kvoffload.store import Store, StoreConfig
+from kvoffload.store.keys.keyring import Kek
 
 from ..test_server import Raw, ServerThread, grants, sock_path
 from .conftest import FULL, family
@@ -143,7 +143,7 @@ def test_fuzz_decoder_and_parser() -> None:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    from kvoffload.sidecar.server import ServerConfig
+    from kvoffload.sidecar.config import ServerConfig
 
     d = tmp_path_factory.mktemp("fuzz")
     (d / "kek").write_bytes(os.urandom(32))

@@ -166,7 +166,7 @@ def test_the_cli_says_one_line_and_exits_1_on_a_bad_config(tmp_path: Path) -> No
 def test_a_missing_optional_package_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from kvoffload.router import cli
+    from kvoffload.cli import router as cli
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(

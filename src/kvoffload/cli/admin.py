@@ -22,7 +22,7 @@ from .app import open_store
 if TYPE_CHECKING:
     from ..protocol import Reply, Request
     from ..sidecar.config import Config
-    from ..sidecar.store import Store
+    from ..store import Store
 
 _T = TypeVar("_T")
 

@@ -15,12 +15,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..router.cli import register as register_router
 from .exits import _CliUsageError, _NoStore
 
 if TYPE_CHECKING:
     from ..sidecar.config import Config
-    from ..sidecar.store import Store
+    from ..store import Store
 
 EPILOG = """Exit codes:
   0  success
@@ -53,7 +52,6 @@ app = typer.Typer(
 )
 keys_app = typer.Typer(help="Key management.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
-register_router(app)  # `kvoffload router` lives with the router (kvoffload.router.cli)
 
 # Markup off: messages and user-supplied strings (tenants, paths, "[store] foo",
 # "kvoffload[demo]") are printed as they are; styling goes through rich.text.Text.
@@ -209,7 +207,7 @@ def load_kek(cfg: Config, *, banner: bool = False) -> Any:
     log a one-line reminder.
     """
     from ..errors import KeyringError
-    from ..sidecar.keyring import Kek
+    from ..store.keys.keyring import Kek
 
     if cfg.kek_file is None:
         raise KeyringError(
@@ -233,7 +231,7 @@ def load_kek(cfg: Config, *, banner: bool = False) -> Any:
 @contextmanager
 def open_store(cfg: Config, *, create: bool = False, banner: bool = False) -> Iterator[Store]:
     from ..errors import LayoutError
-    from ..sidecar.store import Store
+    from ..store import Store
 
     if create and cfg.store_root.exists() and not cfg.store_root.is_dir():
         raise LayoutError(f"store root {cfg.store_root} is a file, not a directory")

@@ -73,7 +73,7 @@ def audit(
     With --verify a broken chain (a removed, edited or reordered line, a cut
     tail, a missing anchor) is one line naming the file and line, exit 9.
     """
-    from ..sidecar.store.audit import verify as verify_log
+    from ..store.audit import verify as verify_log
 
     check_tenant(tenant)
     cutoff = _since(since)

@@ -57,7 +57,7 @@ def show(as_json: JsonOpt = False) -> None:
             }
         )
     if cfg.policy_file is not None:
-        from ..sidecar.policy import load_policy
+        from ..sidecar.access.policy import load_policy
 
         policy = load_policy(cfg.policy_file)
         for name, t in [("(defaults)", policy.defaults), *sorted(policy.tenants.items())]:
@@ -90,7 +90,7 @@ def show(as_json: JsonOpt = False) -> None:
 @config_app.command("check")
 def check() -> None:
     """Validate the configuration and the policy it names; one line each, exit 1 on error."""
-    from ..sidecar.policy import load_policy
+    from ..sidecar.access.policy import load_policy
 
     cfg, _ = _effective()
     out.print(
@@ -113,7 +113,7 @@ def check() -> None:
                 "KEK: none set ([security] kek_file or KVOFFLOAD_KEK_FILE): serve will refuse"
             )
         else:
-            from ..sidecar.keyring import Kek
+            from ..store.keys.keyring import Kek
 
             kek = Kek.from_file(cfg.kek_file)
             out.print(f"KEK {cfg.kek_file}: ok (id {kek.key_id})")
@@ -151,7 +151,7 @@ def policy_check(
     Check an edited file before `systemctl reload kvoffload` (SIGHUP): an
     invalid file is one line naming the file and line, exit 1.
     """
-    from ..sidecar.policy import AllTenants, load_policy
+    from ..sidecar.access.policy import AllTenants, load_policy
 
     policy = load_policy(file)
     grants: list[dict[str, Any]] = [

@@ -21,9 +21,9 @@ def doctor(as_json: JsonOpt = False) -> None:
     """
     import platform
 
-    from ..direct import decide as decide_direct
+    from ..client.direct import decide as decide_direct
     from ..gpu_probe import ProbeEnv, probe
-    from ..sidecar.iobackend import IOMode, mount_of, plan, probe_direct
+    from ..store.iobackend import IOMode, mount_of, plan, probe_direct
 
     cfg = config()
     objects_dir = cfg.store_root / "objects"
@@ -114,7 +114,7 @@ def doctor(as_json: JsonOpt = False) -> None:
 
 def _sharing(configured_shared: bool, paths: dict[str, Any]) -> dict[str, Any]:
     """Whether the store root looks shared, what that implies, and what is amiss."""
-    from ..sidecar.fstypes import classify
+    from ..store.fstypes import classify
 
     root = classify(paths["objects"]["fs_type"], paths["objects"].get("mount_fs_type"))
     index = classify(paths["index"]["fs_type"], paths["index"].get("mount_fs_type"))

@@ -45,8 +45,8 @@ def policy_diff_cmd(
     `~ T field: old -> new` (settings). Exit 0 whether or not they differ;
     1 (one line, file:line) if either file is invalid.
     """
-    from ..sidecar.policy import load_policy
-    from ..sidecar.revocation import diff_is_empty, format_diff, policy_diff
+    from ..sidecar.access.policy import load_policy
+    from ..sidecar.access.revocation import diff_is_empty, format_diff, policy_diff
 
     d = policy_diff(load_policy(old), load_policy(new))
     if as_json:

@@ -57,10 +57,13 @@ def serve(
     """
     from ..errors import ConfigError, ListenError
     from ..sidecar import notify
+    from ..sidecar.access.policy import Policy, load_policy
+    from ..sidecar.access.revocation import revoked_path
+    from ..sidecar.config import ServerConfig
+    from ..sidecar.daemon import run
     from ..sidecar.metrics import Metrics
-    from ..sidecar.policy import Policy, load_policy
-    from ..sidecar.revocation import revoked_path
-    from ..sidecar.server import Server, ServerConfig, load_or_create_secret, run
+    from ..sidecar.secret import load_or_create_secret
+    from ..sidecar.server import Server
 
     if log_format not in ("plain", "json"):
         raise _CliUsageError(f"--log-format: {log_format!r} is not plain or json")

@@ -349,7 +349,7 @@ def rotate_kek(
 ) -> None:
     """Re-wrap every tenant's keys under a new KEK; then destroy the old KEK."""
     from ..errors import KeyringError
-    from ..sidecar.keyring import Kek
+    from ..store.keys.keyring import Kek
 
     cfg = config()
     try:

@@ -16,7 +16,7 @@ buffer free, which is what lets ``save`` and ``load`` size their batches.
 With ``direct=True``, a tenant the sidecar offers the direct path for
 (``hello``'s ``direct``: policy ``encryption = "none"``, ``direct = true``)
 is saved and loaded without the staging buffer: the worker writes and reads
-sidecar-leased layout-v1 files itself (:mod:`kvoffload.direct`, GDS from and
+sidecar-leased layout-v1 files itself (:mod:`kvoffload.client.direct`, GDS from and
 to GPU memory where the node has it). Results and failure handling are the
 same as on the staging path; any other tenant, or a sidecar that does not
 offer it, quietly uses staging.
@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 
 from kvoffload.errors import ChunkTooLarge
 
-from .. import direct as direct_io
 from ..contract import validate_tenant
 from ..protocol import (
     ALIGNMENT,
@@ -65,16 +64,17 @@ from ..protocol import (
 )
 from ..staging import StagingBuffer
 from ..transport import DEFAULT_TIMEOUT_S, Transport, UnixTransport
+from . import direct as direct_io
 from .buffers import (
     BufferLike,
     DestCallback,
     LayerCallback,
     LoadCallback,
     LoadedChunk,
-    as_byte_view,
     check_keys,
     copy_in,
 )
+from .direct import as_byte_view
 from .leased import DIRECT_BATCH, LeasedPath
 from .paths import TransferPath
 from .session import (

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
 
-from .. import direct as direct_io
 from ..protocol import KEY_SIZE, ErrorCode, ProtocolError, packed_layout
 from ..staging import StagingBuffer
+from . import direct as direct_io
 
 #: A layer argument: anything with the buffer protocol (bytes, bytearray,
 #: memoryview, numpy array), or a contiguous CPU torch tensor.
@@ -35,29 +35,6 @@ class LoadedChunk:
     key: bytes
     ok: bool
     layers: list[memoryview] = field(default_factory=list)
-
-
-def as_byte_view(obj: BufferLike) -> memoryview:
-    """A flat, read-only byte view of a layer, without copying."""
-    if type(obj).__module__.partition(".")[0] == "torch":
-        # torch tensors have no buffer protocol; importing torch here costs
-        # nothing since the caller already has it loaded.
-        import torch
-
-        if obj.device.type != "cpu":
-            raise ValueError(f"layer tensor must be on the CPU, not {obj.device}")
-        if not obj.is_contiguous():
-            raise ValueError("layer tensor must be contiguous")
-        obj = obj.reshape(-1).view(torch.uint8).numpy()
-    try:
-        mv = memoryview(obj)
-    except TypeError:
-        raise TypeError(f"layer of type {type(obj).__name__} is not a buffer") from None
-    if not mv.c_contiguous:
-        raise ValueError("layer buffer must be C-contiguous")
-    if mv.ndim != 1 or mv.format != "B":
-        mv = mv.cast("B")
-    return mv.toreadonly()
 
 
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:

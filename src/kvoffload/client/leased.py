@@ -5,7 +5,7 @@ save the worker writes each object (header block and layers) into a leased
 temp file, and the sidecar checks it before naming it; on load the sidecar
 checks the header and pins the object, and the worker reads the layers into
 their destinations and verifies each one's XXH3-128. The I/O itself is
-:mod:`kvoffload.direct`'s (GDS from and to GPU memory where the node has it).
+:mod:`kvoffload.client.direct`'s (GDS from and to GPU memory where the node has it).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import logging
 import time
 from typing import Any
 
-from .. import direct as direct_io
 from ..layouts import v1
 from ..protocol import (
     Abort,
@@ -33,6 +32,7 @@ from ..protocol import (
     ProtocolError,
     StoreStatus,
 )
+from . import direct as direct_io
 from .buffers import DestCallback, LoadCallback, LoadedChunk, check_dests
 from .paths import complete_store
 from .session import CONNECTION_ERRORS, Session, expect
@@ -44,7 +44,7 @@ DIRECT_BATCH = 32
 
 class LeasedPath:
     """Saves and loads through files the sidecar leases; the backend is
-    :func:`kvoffload.direct.select`'s (decided once per process)."""
+    :func:`kvoffload.client.direct.select`'s (decided once per process)."""
 
     name = "leased"
 

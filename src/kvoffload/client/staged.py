@@ -15,7 +15,6 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .. import direct as direct_io
 from ..protocol import (
     Abort,
     ChunkSpec,
@@ -38,6 +37,7 @@ from ..protocol import (
     region_size,
 )
 from ..staging import StagingBuffer
+from . import direct as direct_io
 from .buffers import (
     CopyInFn,
     DestCallback,

@@ -7,7 +7,7 @@ and refuse any other with :class:`UnknownLayoutVersion`.
 
 from __future__ import annotations
 
-from .errors import (
+from ..errors import (
     CorruptObject,
     LayoutError,
     ObjectMismatch,

@@ -12,8 +12,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ..errors import LayoutError, UnknownLayoutVersion
 from ..posix import NO_DIRSYNC_ERRNOS, atomic_create, fsync_dir
-from .errors import LayoutError, UnknownLayoutVersion
 
 __all__ = [
     "LAYOUT_FILE",
@@ -34,6 +34,8 @@ LAYOUT_FILE = "layout.json"
 MIN_LAYOUT_VERSION = 1
 MAX_LAYOUT_VERSION = 1
 SUPPORTED_LAYOUT_VERSIONS = tuple(range(MIN_LAYOUT_VERSION, MAX_LAYOUT_VERSION + 1))
+#: What :class:`UnknownLayoutVersion` reports as readable.
+SUPPORTED_RANGE = (MIN_LAYOUT_VERSION, MAX_LAYOUT_VERSION)
 
 
 #: Modes the sidecar sets on the store root's directories, whatever the umask
@@ -65,7 +67,7 @@ def create_root(
 ) -> LayoutInfo:
     """Create a store root (idempotent: an existing valid root is returned as is)."""
     if version not in SUPPORTED_LAYOUT_VERSIONS:
-        raise UnknownLayoutVersion(version)
+        raise UnknownLayoutVersion(version, SUPPORTED_RANGE)
     root = Path(root)
     made = [p for p in (root, *root.parents) if not p.exists()]
     root.mkdir(parents=True, exist_ok=True)
@@ -153,7 +155,7 @@ def read_layout(root: Path) -> LayoutInfo:
         raise LayoutError(f"{path} is damaged: its checksum does not match its fields")
     version = raw.get("layout_version")
     if not isinstance(version, int) or version not in SUPPORTED_LAYOUT_VERSIONS:
-        raise UnknownLayoutVersion(version, str(path))
+        raise UnknownLayoutVersion(version, SUPPORTED_RANGE, str(path))
     ids: dict[str, str | None] = {}
     for field in ("kek_id", "kek_id_previous"):
         value = raw.get(field)

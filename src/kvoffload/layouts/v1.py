@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import xxhash
 
-from .errors import CorruptObject, ObjectMismatch, UnknownKeyEpoch, UnknownLayoutVersion
+from ..errors import CorruptObject, ObjectMismatch, UnknownKeyEpoch, UnknownLayoutVersion
 
 VERSION = 1
 MAGIC = b"KVOFFOBJ"
@@ -280,7 +280,7 @@ def decode_header(buf: bytes | memoryview) -> ObjectHeader:
     version = peek_version(mv)
     check_header_checksum(mv)  # the one XXH3 of the header: nothing below rereads it
     if version != VERSION:
-        raise UnknownLayoutVersion(version, "object header")
+        raise UnknownLayoutVersion(version, (VERSION, VERSION), "object header")
     if len(mv) < _FIXED.size:
         raise CorruptObject("truncated header")
     (

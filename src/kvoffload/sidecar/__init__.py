@@ -1,1 +1,1 @@
-"""The kvoffload sidecar daemon: store, index, keyring, server."""
+"""The kvoffload daemon: protocol v1 on a Unix socket over :mod:`kvoffload.store`."""

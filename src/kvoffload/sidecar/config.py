@@ -60,7 +60,7 @@ Environment: ``KVOFFLOAD_CONFIG`` (file path) and one variable per key,
 ``KVOFFLOAD_<SECTION>_<KEY>`` upper-cased, e.g. ``KVOFFLOAD_STORE_ROOT``,
 ``KVOFFLOAD_SERVER_SOCKET``, ``KVOFFLOAD_METRICS_PORT``; plus the short forms
 ``KVOFFLOAD_KEK_FILE`` and ``KVOFFLOAD_POLICY`` that systemd units use, and
-``KVOFFLOAD_IO`` for ``[store] io`` (the I/O backend, see ``sidecar/iobackend.py``).
+``KVOFFLOAD_IO`` for ``[store] io`` (the I/O backend, see ``store/iobackend.py``).
 Every variable is in :mod:`kvoffload.envvars` (``kvoffload serve`` refuses an
 unknown one); sizes and durations are parsed by :mod:`kvoffload.units`.
 
@@ -73,7 +73,9 @@ the same values).
 from __future__ import annotations
 
 import os
+import socket
 import tomllib
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -81,10 +83,12 @@ from typing import Any
 
 from kvoffload import envvars
 from kvoffload.errors import ConfigError
+from kvoffload.protocol import ALIGNMENT, MAX_BATCH
 from kvoffload.units import parse_duration, parse_size
 
-from .fileio import Durability
-from .iobackend import IOMode, parse_mode
+from ..store.files import Durability
+from ..store.iobackend import IOMode, parse_mode
+from .secret import SECRET_SIZE
 
 DEV_DIR_NAME = ".kvoffload"
 
@@ -182,6 +186,39 @@ def _locality(raw: object) -> str:
     if value not in ("LOCAL", "REMOTE"):
         raise ValueError(f"expected LOCAL or REMOTE, not {raw!r}")
     return value
+
+
+@dataclass
+class ServerConfig:
+    """What the server (server.py) runs with, built from a :class:`Config` (cli/serve.py)."""
+
+    socket_path: Path | None = None
+    #: An inherited listening socket (systemd socket activation) instead of socket_path.
+    socket_fd: int | None = None
+    socket_mode: int = 0o660
+    socket_group: str | None = None
+    #: Key of the fake salts; use load_or_create_secret() in production.
+    secret: bytes = field(default_factory=lambda: os.urandom(SECRET_SIZE))
+    server_id: str = field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    )
+    store_id: str | None = None
+    workers: int = 0
+    alignment: int = ALIGNMENT
+    max_staging: int = 64 << 30
+    max_batch: int = MAX_BATCH
+    max_inflight: int = 64
+    max_handles: int = 256
+    handle_ttl_s: float = 60.0
+    drain_timeout_s: float = 10.0
+    maintenance_interval_s: float = 30.0
+    max_inflight_bytes: int = 1 << 30
+    #: Where the revoked tenants are kept (revocation.py); None: in memory only.
+    revoked_file: Path | None = None
+
+    @property
+    def worker_threads(self) -> int:
+        return self.workers or max(2, os.cpu_count() or 2)
 
 
 @dataclass
@@ -302,7 +339,7 @@ class Config:
         return self.workers or max(2, os.cpu_count() or 2)
 
     def store_config(self) -> Any:
-        from .store import StoreConfig
+        from ..store import StoreConfig
 
         return StoreConfig(
             root=self.store_root,

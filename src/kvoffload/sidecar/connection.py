@@ -68,8 +68,9 @@ from kvoffload.protocol import (
     reply_message,
 )
 
-from .padding import Pad
-from .service import Peer, Service
+from .access.padding import Pad
+from .peer import Peer
+from .service import Service
 from .session import Session
 
 log = logging.getLogger("kvoffload.server")

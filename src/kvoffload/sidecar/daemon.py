@@ -30,8 +30,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import notify
-from .policy import Policy
-from .revocation import format_diff, policy_diff
+from .access.policy import Policy
+from .access.revocation import format_diff, policy_diff
 
 if TYPE_CHECKING:
     from .ports import PolicyAPI

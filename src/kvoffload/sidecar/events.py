@@ -39,8 +39,8 @@ from kvoffload.events.wire import (
 from kvoffload.protocol import EngineBlocks
 from kvoffload.protocol.fields import decode
 
+from ..store.index import Index
 from .config import DEFAULT_EVENTS_BUFFER, EventsSettings
-from .index import Index
 from .ports import PolicyAPI
 
 __all__ = [

@@ -1,8 +1,8 @@
 """What the sidecar's verb layer needs of the store and of the policy.
 
-:class:`StoreAPI` is the subset of :class:`kvoffload.sidecar.store.Store`
+:class:`StoreAPI` is the subset of :class:`kvoffload.store.Store`
 that protocol v1 (``docs/spec/protocol-v1.md``) uses, :class:`PolicyAPI` the
-subset of :class:`kvoffload.sidecar.policy.Policy`. Both are structural
+subset of :class:`kvoffload.sidecar.access.policy.Policy`. Both are structural
 (``typing.Protocol``): the real classes satisfy them without inheriting, and
 tests pass in-memory doubles.
 
@@ -16,10 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from ..store.api import RetentionSettings
+
 if TYPE_CHECKING:
     from ..layouts.store_root import LayoutInfo
-    from .index import ChunkRecord, Usage
-    from .store import FsckReport, ReadLease, Reservation, StoreConfig, StoreLease
+    from ..store import FsckReport, ReadLease, Reservation, StoreConfig, StoreLease
+    from ..store.index import ChunkRecord, Usage
 
 
 class ReservationAPI(Protocol):
@@ -169,7 +171,7 @@ class StoreViewsAPI(Protocol):
 @runtime_checkable
 class PlannedLoadsAPI(Protocol):
     """Loads of chunks whose index records ``prepare_load`` just looked up, read
-    without a second lookup each (sidecar/store/pipeline.py); the real store has
+    without a second lookup each (store/pipeline.py); the real store has
     them, a double may not (then ``get_many_into``/``get_layerwise_into``)."""
 
     def load_guard(self, tenant: str) -> Callable[[int], None]: ...
@@ -197,7 +199,7 @@ class PlannedLoadsAPI(Protocol):
 
 @runtime_checkable
 class CachedLoadsAPI(Protocol):
-    """Loads answered without a wait on the device (sidecar/store/pipeline.py):
+    """Loads answered without a wait on the device (store/pipeline.py):
     a small batch wholly in the page cache is served on the event loop instead
     of a hop to a pool thread and back (sidecar/connection.py)."""
 
@@ -235,7 +237,7 @@ class ContractsAPI(Protocol):
 
 
 class TenantSettings(Protocol):
-    """One tenant's effective policy (``kvoffload.sidecar.policy.TenantPolicy``)."""
+    """One tenant's effective policy (``kvoffload.sidecar.access.policy.TenantPolicy``)."""
 
     @property
     def encryption(self) -> bool: ...
@@ -260,16 +262,6 @@ class TenantSettings(Protocol):
 
     @property
     def trust_group(self) -> str | None: ...
-
-
-@runtime_checkable
-class RetentionSettings(Protocol):
-    """A tenant's retention limits (``TenantPolicy``; sidecar/policy.py documents them)."""
-
-    @property
-    def idle_ttl_s(self) -> float | None: ...
-
-    def age_limit_s(self) -> float | None: ...
 
 
 class PolicyAPI(Protocol):

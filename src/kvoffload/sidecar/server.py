@@ -16,96 +16,30 @@ the policy are reached only through :class:`StoreAPI` and :class:`PolicyAPI`
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import logging
 import os
 import socket
 import stat
-import struct
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvoffload.errors import ListenError
-from kvoffload.protocol import ALIGNMENT, MAX_BATCH, ErrorCode, encode_frame, error_message
+from kvoffload.protocol import ErrorCode, encode_frame, error_message
 
+from .config import ServerConfig
 from .connection import Connection
-from .daemon import run
 from .metrics import Metrics
+from .peer import peer_credentials
 from .ports import PolicyAPI, StoreAPI
-from .service import SECRET_SIZE, ByteBudget, Peer, Service, load_or_create_secret
+from .service import ByteBudget, Service
 
 log = logging.getLogger("kvoffload.server")
 
-#: Linux SO_PEERGROUPS (4.13+); Python's socket module has no name for it.
-_SO_PEERGROUPS = 59
 #: sun_path holds 108 bytes, the terminating NUL included.
 MAX_SUN_PATH = 108
-_UCRED = struct.Struct("iII")
-
-
-# ---------------------------------------------------------------------------
-# Configuration and peers
-
-
-@dataclass
-class ServerConfig:
-    socket_path: Path | None = None
-    #: An inherited listening socket (systemd socket activation) instead of socket_path.
-    socket_fd: int | None = None
-    socket_mode: int = 0o660
-    socket_group: str | None = None
-    #: Key of the fake salts; use load_or_create_secret() in production.
-    secret: bytes = field(default_factory=lambda: os.urandom(SECRET_SIZE))
-    server_id: str = field(
-        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    )
-    store_id: str | None = None
-    workers: int = 0
-    alignment: int = ALIGNMENT
-    max_staging: int = 64 << 30
-    max_batch: int = MAX_BATCH
-    max_inflight: int = 64
-    max_handles: int = 256
-    handle_ttl_s: float = 60.0
-    drain_timeout_s: float = 10.0
-    maintenance_interval_s: float = 30.0
-    max_inflight_bytes: int = 1 << 30
-    #: Where the revoked tenants are kept (revocation.py); None: in memory only.
-    revoked_file: Path | None = None
-
-    @property
-    def worker_threads(self) -> int:
-        return self.workers or max(2, os.cpu_count() or 2)
-
-
-def _supplementary_groups(sock: socket.socket, pid: int) -> list[int]:
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 4 * 1024)
-        return list(array.array("I", raw[: len(raw) // 4 * 4]))
-    except OSError:
-        pass
-    # Older kernels: racy (the pid may be gone or reused) but better than nothing.
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    return [int(g) for g in line.split()[1:]]
-    except (OSError, ValueError):
-        pass
-    return []
-
-
-def peer_credentials(sock: socket.socket) -> Peer:
-    pid, uid, gid = _UCRED.unpack(
-        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    )
-    gids = dict.fromkeys([gid, *_supplementary_groups(sock, pid)])
-    return Peer(pid, uid, tuple(gids))
 
 
 # ---------------------------------------------------------------------------
@@ -363,13 +297,4 @@ async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
         loop.remove_reader(fd)
 
 
-__all__ = [
-    "Peer",
-    "PolicyAPI",
-    "Server",
-    "ServerConfig",
-    "StoreAPI",
-    "load_or_create_secret",
-    "peer_credentials",
-    "run",
-]
+__all__ = ["Server"]

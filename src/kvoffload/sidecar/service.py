@@ -17,47 +17,32 @@ without a socket.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
-import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Protocol, cast
 
 from kvoffload.errors import Reject
-from kvoffload.posix import atomic_create
 from kvoffload.protocol import EngineBlocks, LeaseSlot, StoreSlot
 
+from .access.padding import LookupPadding
+from .access.revocation import PolicyState, RevokedSet
 from .metrics import Metrics
-from .padding import LookupPadding
+from .peer import Peer
 from .ports import PolicyAPI, RetentionSettings, StoreAPI
-from .revocation import PolicyState, RevokedSet
 
 if TYPE_CHECKING:
-    from .server import ServerConfig
-    from .session import Session
-    from .store import Reservation, StoreLease
+    from ..store import Reservation, StoreLease
+    from .config import ServerConfig
 
 log = logging.getLogger("kvoffload.server")
-
-SECRET_SIZE = 32
 
 #: The tenant under which a forbidden tenant's lookups, touches and loads run
 #: (protocol-v1 §6): the same code path and store calls as a real, empty
 #: tenant's, so that timing does not tell the two apart. "~" is outside the
 #: tenant-id alphabet, so no request can name it and it never holds a chunk.
 DECOY_TENANT: Final = "~forbidden"
-
-
-@dataclass(frozen=True)
-class Peer:
-    """The credentials of a connection's peer (``SO_PEERCRED``), read at accept time."""
-
-    pid: int
-    uid: int
-    gids: tuple[int, ...]
 
 
 class ByteBudget:
@@ -169,6 +154,22 @@ def _has_retention(settings: object) -> bool:
     return known
 
 
+class LiveSession(Protocol):
+    """A connection's session as the service and the server's sweep see it
+    (session.py's ``Session``; a Protocol so that this module needs no import of it)."""
+
+    peer: Peer
+    tenants: frozenset[str]
+
+    def may_use(self, tenant: str) -> bool: ...
+
+    def revoke_tenants(self, tenants: frozenset[str], namespace: bytes | None = None) -> int: ...
+
+    def expire_handles(self, cutoff: float) -> list[Handle]: ...
+
+    def release_all(self, handles: Sequence[Handle] | None = None) -> None: ...
+
+
 class Service:
     """What every session of one sidecar shares: the store, the policy, the secret
     behind fake salts (§5.1), the in-flight byte budget and the configuration.
@@ -210,7 +211,7 @@ class Service:
         #: Padded lookups (a tenant's lookup_floor): delays drawn, overruns counted.
         self.padding = LookupPadding(metrics)
         self._mu = threading.Lock()
-        self._sessions: set[Session] = set()
+        self._sessions: set[LiveSession] = set()
         set_retention = getattr(store, "set_retention", None)
         if callable(set_retention):
             # Read through self.policy on every call: a reload applies at once.
@@ -292,92 +293,22 @@ class Service:
         the store cancels the loads in flight. Handles released."""
         return sum(s.revoke_tenants(frozenset((tenant,)), namespace) for s in self.sessions())
 
-    def enter(self, session: Session) -> None:
+    def enter(self, session: LiveSession) -> None:
         """A new session (``Session.__init__``); :meth:`forget` is its ``close``."""
         with self._mu:
             self._sessions.add(session)
 
-    def forget(self, session: Session) -> None:
+    def forget(self, session: LiveSession) -> None:
         with self._mu:
             self._sessions.discard(session)
 
-    def sessions(self) -> list[Session]:
+    def sessions(self) -> list[LiveSession]:
         with self._mu:
             return list(self._sessions)
 
     def session_count(self) -> int:
         with self._mu:
             return len(self._sessions)
-
-
-# ---------------------------------------------------------------------------
-# The persistent secret behind fake salts
-
-
-def load_or_create_secret(path: str | os.PathLike[str]) -> bytes:
-    """The persistent secret behind fake salts (protocol-v1.md §5.1), created 0600 on first use.
-
-    It must persist: a fake salt that changed on restart would tell a prober
-    the tenant is not real, since real salts never change.
-
-    Creation is atomic: the secret is written and fsync'd under a temp name in
-    the same directory, linked to its name (a link never replaces) and the
-    directory fsync'd. A crash leaves no file or the whole one; of two first
-    starts at once, one creates it and the other reads that one.
-
-    A file shorter than 32 bytes can only be what a creation that crashed
-    left (before this, the file was created first and written after), so no
-    fake salt was ever derived from it: it is replaced atomically by a new
-    secret, with a warning in the log. A longer file was not written by the
-    sidecar and is refused (ValueError) with what to do.
-    """
-    p = Path(path)
-    for _ in range(8):
-        try:
-            data = p.read_bytes()
-        except FileNotFoundError:
-            secret = os.urandom(SECRET_SIZE)
-            try:
-                atomic_create(p, secret, mode=0o600)
-            except FileExistsError:
-                continue  # another start created it first: use that one
-            return secret
-        if len(data) == SECRET_SIZE:
-            return data
-        if len(data) > SECRET_SIZE:
-            raise ValueError(
-                f"{p}: server secret is {len(data)} bytes, not {SECRET_SIZE}, and was not "
-                "written by the sidecar; restore the original or delete the file to have a "
-                "new one created (fake salts then change once)"
-            )
-        _replace_torn_secret(p)
-    raise RuntimeError(f"{p}: the server secret keeps changing; is another process writing it?")
-
-
-def _replace_torn_secret(p: Path) -> None:
-    """Replace a short secret file, unless another start (holding its lock) did already."""
-    try:
-        fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        st = os.fstat(fd)
-        try:
-            now = os.stat(p)
-        except FileNotFoundError:
-            return
-        if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino) or st.st_size >= SECRET_SIZE:
-            return
-        log.warning(
-            "%s: server secret is %d bytes, left by a start that crashed while creating it; "
-            "replacing it with a new one",
-            p,
-            st.st_size,
-        )
-        atomic_create(p, os.urandom(SECRET_SIZE), mode=0o600, replace=True)
-    finally:
-        os.close(fd)
 
 
 def payload_of(info: object) -> int | None:
@@ -407,15 +338,13 @@ def plainify(value: Any, depth: int = 0) -> Any:
 
 __all__ = [
     "DECOY_TENANT",
-    "SECRET_SIZE",
     "ByteBudget",
     "Handle",
     "LeasedWrite",
+    "LiveSession",
     "LoadHandle",
-    "Peer",
     "Reject",
     "Service",
     "StagedWrite",
     "WriteHandle",
-    "load_or_create_secret",
 ]

@@ -78,19 +78,11 @@ from kvoffload.protocol import (
 )
 from kvoffload.staging import RegionAllocator, StagingBuffer, StagingError
 
+from .access.padding import Pad
 from .admin import LS_PAGE, inspect_report, ls_rows, purge_tiers
-from .padding import Pad
+from .peer import Peer
 from .ports import CacheAPI, ContractsAPI, StoreViewsAPI
-from .service import (
-    DECOY_TENANT,
-    Handle,
-    LoadHandle,
-    Peer,
-    Reject,
-    Service,
-    WriteHandle,
-    plainify,
-)
+from .service import DECOY_TENANT, Handle, LoadHandle, Reject, Service, WriteHandle, plainify
 from .transfers import EmitFn, Transfers
 
 log = logging.getLogger("kvoffload.server")

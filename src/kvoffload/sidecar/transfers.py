@@ -54,9 +54,9 @@ from kvoffload.protocol import (
 )
 from kvoffload.staging import RegionAllocator, StagingBuffer
 
+from ..errors import LeaseInvalid, StoreError, StoreFull, StoreIOError
 from ..layouts import v1
-from .cancel import PutCancelled
-from .errors import LeaseInvalid, StoreError, StoreFull, StoreIOError
+from ..store.cancel import PutCancelled
 from .ports import CachedLoadsAPI, PlannedLoadsAPI, TenantSettings, implements
 from .service import (
     DECOY_TENANT,
@@ -71,7 +71,7 @@ from .service import (
 )
 
 if TYPE_CHECKING:
-    from .index import ChunkRecord
+    from ..store.index import ChunkRecord
 
 log = logging.getLogger("kvoffload.server")
 
@@ -459,7 +459,7 @@ class Transfers:
         """Whether a layer-wise load of ``tenant`` must stop before its next layer
         (§5.27): this connection lost the tenant (§6.1; one integer compared
         while the policy generation holds). A purge or a revocation also stops
-        it through the store's load generation (sidecar/cancel.py)."""
+        it through the store's load generation (store/cancel.py)."""
         return not self.may_use(tenant)
 
     def prepare_load_inline(self, req: PrepareLoad) -> Reply | None:
@@ -568,7 +568,7 @@ class Transfers:
                     if got[0] is None:
                         break  # a miss ends the prefix
             # Read: one batch, up to io_streams chunks at once, each straight into
-            # its region (sidecar/store/pipeline.py).
+            # its region (store/pipeline.py).
             outs = [staging.view[off : off + n] for off, n in zip(h.offsets, payloads, strict=True)]
             served = len(recs)  # chunks the read below answers (a hit or a miss)
             frames = _ChunkFrames(h, chunkwise, len(recs)) if chunkwise is not None else None

@@ -30,12 +30,9 @@ from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ...layouts import ObjectMismatch, v1
-from .. import fileio
-from ..cancel import LoadCancelled, PutCancelled, may_wait_between_layers
 from ..errors import StoreError
-from ..fileio import Durability, ScratchBuffers
-from ..index import ChunkRecord
+from ..layouts import ObjectMismatch, v1
+from . import files as fileio
 from .base import (
     MAX_OBJECT_BYTES,
     SEAL_COUNT_BLOCK,
@@ -44,10 +41,13 @@ from .base import (
     default_io_streams,
     log,
 )
+from .cancel import LoadCancelled, PutCancelled, may_wait_between_layers
 from .capacity import Reservation
-from .fsck import Maintenance
+from .files import Durability, ScratchBuffers
+from .index import ChunkRecord
+from .maintenance import Maintenance
 from .ramtier import RamTier, Slot
-from .shared import SHARED_NONCE_SHARES
+from .shared.root import SHARED_NONCE_SHARES
 
 #: Each I/O thread's buffer for one layer slot of a streamed load
 #: (:func:`fileio.streamed_object`), apart from the object-sized scratch the

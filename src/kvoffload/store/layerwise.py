@@ -46,10 +46,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ...layouts import CorruptObject, ObjectMismatch, UnknownKeyEpoch, v1
-from .. import fileio
-from ..index import ChunkRecord
+from ..layouts import CorruptObject, ObjectMismatch, UnknownKeyEpoch, v1
+from . import files as fileio
 from .base import log
+from .index import ChunkRecord
 from .pipeline import PARALLEL_MIN_BYTES
 from .ramtier import Image, RamTier
 

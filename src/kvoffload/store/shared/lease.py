@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import JournalError
-from ..posix import atomic_create
+from ...errors import JournalError
+from ...posix import atomic_create
 
 __all__ = ["LEASE_VERSION", "EvictorLease", "LeaseState"]
 

@@ -34,9 +34,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..errors import StoreIOError
 from ..layouts import v1
 from ..posix import O_DIRECT, ScratchBuffers, buffer_address, fsync_dir, pread_all, pwrite_all
-from .errors import StoreIOError
 
 __all__ = [
     "DIRECT_ALIGN",

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..journal import (
+from .journal import (
     JournalFollower,
     JournalRecord,
     JournalWriter,
@@ -28,7 +28,7 @@ from ..journal import (
     Reason,
     load_or_create_node_id,
 )
-from ..rootlease import EvictorLease
+from .lease import EvictorLease
 
 log = logging.getLogger("kvoffload.store")
 

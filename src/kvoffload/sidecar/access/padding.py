@@ -21,8 +21,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .metrics import Metrics
-from .ports import TenantSettings
+from ..metrics import Metrics
+from ..ports import TenantSettings
 
 #: Jitter from the OS's CSPRNG (os.urandom): a prober must not predict it.
 _RNG = random.SystemRandom()

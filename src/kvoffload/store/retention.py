@@ -30,7 +30,7 @@ import xxhash
 
 from kvoffload.contract import TENANT_RE
 
-from ...posix import atomic_create, fsync_dir
+from ..posix import atomic_create, fsync_dir
 
 log = logging.getLogger("kvoffload.store")
 

@@ -14,13 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...layouts import CorruptObject, LayoutError, v1
-from .. import fileio
 from ..errors import LeaseInvalid
-from ..fileio import Durability, read_prefix
-from ..index import ChunkRecord
+from ..layouts import CorruptObject, LayoutError, v1
+from . import files as fileio
 from .base import MAX_OBJECT_BYTES, boundary
 from .capacity import Reservation
+from .files import Durability, read_prefix
+from .index import ChunkRecord
 from .pipeline import Pipeline
 
 

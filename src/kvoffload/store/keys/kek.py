@@ -1,6 +1,6 @@
 """The key-encryption key (KEK) that wraps the tenants' secrets in key files.
 
-Part of the keyring (``kvoffload.sidecar.keyring`` re-exports everything
+Part of the keyring (``kvoffload.store.keys.keyring`` re-exports everything
 here); ``docs/spec/keys-v1.md`` specifies the KEK file and the KEK id. ::
 
     Kek           a 32-byte KEK read from a credential file outside the store
@@ -20,13 +20,13 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvoffload.errors import KeyringError
 
-from ..posix import atomic_create, fsync_dir
+from ...posix import atomic_create, fsync_dir
 
 __all__ = ["KEK_SIZE", "NONCE_SIZE", "Kek"]
 
 # The keyring's logger, as before the KEK code moved here: logging
 # configurations that name it keep catching these warnings.
-log = logging.getLogger("kvoffload.sidecar.keyring")
+log = logging.getLogger("kvoffload.store.keys.keyring")
 
 KEK_SIZE = 32
 NONCE_SIZE = 12

@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...layouts import v1
+from ..layouts import v1
 
 log = logging.getLogger("kvoffload.store")
 

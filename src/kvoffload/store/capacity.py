@@ -15,8 +15,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ..errors import QuotaExceeded, StoreFull
-from ..index import ChunkRecord
 from .base import StoreBase, boundary
+from .index import ChunkRecord
 
 
 class Reservation:

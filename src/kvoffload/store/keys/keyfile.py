@@ -1,6 +1,6 @@
 """Key files: the format-1 JSON document, its wrapped secrets, encoding and decoding.
 
-Part of the keyring (``kvoffload.sidecar.keyring`` re-exports everything
+Part of the keyring (``kvoffload.store.keys.keyring`` re-exports everything
 here); ``docs/spec/keys-v1.md`` is the normative description. ::
 
     TenantKeys      one tenant's unwrapped salt and AES-256 data keys (DEKs), by epoch

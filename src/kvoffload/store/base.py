@@ -28,19 +28,19 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvoffload.errors import IndexFailure, StoreKeyError
 
-from ...layouts import LayoutInfo, UnknownKeyEpoch, UnknownLayoutVersion, v1
-from ..cancel import LoadGenerations
 from ..errors import StoreIOError
-from ..fileio import Durability, PartReader, ScratchBuffers
-from ..index import ChunkRecord, Index
-from ..iobackend import IOBackend, IOMode, IOPlan
-from ..journal import JournalRecord, Reason
-from ..keyring import Keyring, KeyringError, TenantKeys
-from ..ports import RetentionSettings
+from ..layouts import LayoutInfo, UnknownKeyEpoch, UnknownLayoutVersion, v1
+from .api import RetentionSettings
 from .audit import AuditLog
+from .cancel import LoadGenerations
+from .files import Durability, PartReader, ScratchBuffers
+from .index import ChunkRecord, Index
+from .iobackend import IOBackend, IOMode, IOPlan
+from .keys.keyring import Keyring, KeyringError, TenantKeys
 from .ramtier import RamTier
 from .retention import RetentionJournal
-from .shared import REMOVE_REASONS, SharedRoot
+from .shared.journal import JournalRecord, Reason
+from .shared.root import REMOVE_REASONS, SharedRoot
 
 log = logging.getLogger("kvoffload.store")
 
@@ -76,7 +76,7 @@ class StoreConfig:
     probe_files_on_miss: bool = True
     max_segments_per_epoch: int = DEFAULT_MAX_SEGMENTS_PER_EPOCH
     #: I/O backend (auto | posix | posix-direct | posix-buffered | kvikio | cufile);
-    #: None: $KVOFFLOAD_IO, else auto. See sidecar/iobackend.py.
+    #: None: $KVOFFLOAD_IO, else auto. See store/iobackend.py.
     io: str | IOMode | None = None
     #: The root is shared by several nodes (shared-root-v1.md): journal this
     #: node's stores and removals, follow the others', evict only under the lease.

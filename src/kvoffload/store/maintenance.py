@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...layouts import CorruptObject, v1
-from ..fileio import read_prefix
-from ..index import ChunkRecord
+from ..layouts import CorruptObject, v1
 from .base import MAX_OBJECT_BYTES, boundary, log
 from .capacity import Capacity
+from .files import read_prefix
+from .index import ChunkRecord
 from .retention import Retention
 
 

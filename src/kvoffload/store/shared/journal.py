@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from ..errors import JournalError
-from ..posix import atomic_create, fsync_dir, pwrite_all
+from ...errors import JournalError
+from ...posix import atomic_create, fsync_dir, pwrite_all
 
 __all__ = [
     "JOURNAL_VERSION",

@@ -83,6 +83,29 @@ def to_host(obj: Any) -> memoryview:
     return memoryview(_device_bytes(obj).cpu().numpy()).cast("B")
 
 
+def as_byte_view(obj: Any) -> memoryview:
+    """A flat, read-only byte view of a layer, without copying."""
+    if type(obj).__module__.partition(".")[0] == "torch":
+        # torch tensors have no buffer protocol; importing torch here costs
+        # nothing since the caller already has it loaded.
+        import torch
+
+        if obj.device.type != "cpu":
+            raise ValueError(f"layer tensor must be on the CPU, not {obj.device}")
+        if not obj.is_contiguous():
+            raise ValueError("layer tensor must be contiguous")
+        obj = obj.reshape(-1).view(torch.uint8).numpy()
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise TypeError(f"layer of type {type(obj).__name__} is not a buffer") from None
+    if not mv.c_contiguous:
+        raise ValueError("layer buffer must be C-contiguous")
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    return mv.toreadonly()
+
+
 def copy_into(src: memoryview, dst: Any) -> None:
     """Copy host bytes into a destination layer: a host buffer or a GPU tensor."""
     if is_device(dst):
@@ -92,8 +115,6 @@ def copy_into(src: memoryview, dst: Any) -> None:
 
 
 def _host_view(obj: Any, writable: bool = False) -> memoryview:
-    from .client.buffers import as_byte_view
-
     if writable:
         if type(obj).__module__.partition(".")[0] == "torch":  # a CPU tensor: no buffer protocol
             import torch
@@ -367,7 +388,7 @@ def select(mode: str | None = None) -> DirectIO:
         if want == "posix":
             name, why = "posix", f"{ENV_VAR}=posix"
         else:
-            from .gpu_probe import probe
+            from ..gpu_probe import probe
 
             name, why = decide(probe(requested="kvikio" if want == "kvikio" else "auto"), want)
             if name != "kvikio" and want == "kvikio":

@@ -20,7 +20,7 @@ failures are mapped at the boundary (``raise … from exc``) to
 :class:`StoreIOError` and :class:`StoreKeyError`.
 
 I/O: objects are written and read through the backend ``StoreConfig.io`` (or
-``$KVOFFLOAD_IO``) selects at open (``sidecar/iobackend.py``; ``auto`` by
+``$KVOFFLOAD_IO``) selects at open (``store/iobackend.py``; ``auto`` by
 default, logged with its reason). ``put_many`` and ``get_many_into`` pipeline
 a batch on a small thread pool: chunk n+1 is sealed while chunk n is
 written, and read while chunk n is verified and decrypted.
@@ -42,25 +42,13 @@ The package, one job a module, stacked (each layer uses those below it):
 
 from __future__ import annotations
 
-from ..errors import (
-    LeaseInvalid,
-    QuotaExceeded,
-    StoreError,
-    StoreFull,
-    StoreIOError,
-    StoreLocked,
-)
+from ..errors import LeaseInvalid, QuotaExceeded, StoreError, StoreFull, StoreIOError, StoreLocked
 from .audit import AuditLog
-from .base import (
-    DEFAULT_MAX_SEGMENTS_PER_EPOCH,
-    MAX_OBJECT_BYTES,
-    Counters,
-    StoreConfig,
-)
+from .base import DEFAULT_MAX_SEGMENTS_PER_EPOCH, MAX_OBJECT_BYTES, Counters, StoreConfig
 from .capacity import Reservation
-from .facade import Store, open_store
-from .fsck import FsckReport
 from .leases import ReadLease, StoreLease
+from .maintenance import FsckReport
+from .store import Store, open_store
 
 __all__ = [
     "DEFAULT_MAX_SEGMENTS_PER_EPOCH",

@@ -62,8 +62,8 @@ from kvoffload.units import format_size
 
 from ..gpu_probe import GpuReport, ProbeEnv, probe, redecide
 from ..layouts import v1
-from . import fileio
-from .fileio import O_DIRECT, AllocFn, Durability
+from . import files as fileio
+from .files import O_DIRECT, AllocFn, Durability
 
 log = logging.getLogger("kvoffload.io")
 

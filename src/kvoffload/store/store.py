@@ -21,7 +21,8 @@ from typing import Any
 
 import lmdb
 
-from ...layouts import (
+from ..errors import StoreError, StoreIOError, StoreLocked
+from ..layouts import (
     LAYOUT_FILE,
     LayoutError,
     LayoutInfo,
@@ -30,15 +31,8 @@ from ...layouts import (
     read_layout,
     record_kek_id,
 )
-from ...layouts.store_root import ROOT_DIR_MODES
-from ...posix import atomic_create
-from ..cancel import LoadGenerations, TransferCancelled
-from ..errors import StoreError, StoreIOError, StoreLocked
-from ..fileio import Durability, ScratchBuffers, syncfs
-from ..index import ChunkRecord, Index, IndexCorrupt, IndexFailure, Usage, probe_in_child
-from ..iobackend import DIRECT_WRITE_MIN, IOPlan, select_backend
-from ..journal import JournalRecord, Op
-from ..keyring import Kek, Keyring
+from ..layouts.store_root import ROOT_DIR_MODES
+from ..posix import atomic_create
 from .audit import AuditLog
 from .base import (
     SEAL_COUNTS_LOST,
@@ -49,13 +43,19 @@ from .base import (
     log,
     mapped_errors,
 )
+from .cancel import LoadGenerations, TransferCancelled
 from .capacity import _Scope
 from .contracts import ContractRegistry, check_selector, contract_fields, contract_matches
+from .files import Durability, ScratchBuffers, syncfs
+from .index import ChunkRecord, Index, IndexCorrupt, IndexFailure, Usage, probe_in_child
+from .iobackend import DIRECT_WRITE_MIN, IOPlan, select_backend
+from .keys.keyring import Kek, Keyring
 from .layerwise import PlanFn, ReportFn, get_layerwise_into, load_layerwise
 from .leases import Leases
 from .ramtier import RamTier, auto_capacity
 from .retention import RetentionJournal
-from .shared import POSITIONS_META, SharedRoot
+from .shared.journal import JournalRecord, Op
+from .shared.root import POSITIONS_META, SharedRoot
 
 
 class Store(Leases):
@@ -442,7 +442,7 @@ class Store(Leases):
 
         ``cancelled(layer)`` is asked before each layer; a purge or revocation
         of ``tenant`` from the start of this call on stops the load there too
-        (the same load generation as :meth:`get_many_into`'s, sidecar/cancel.py).
+        (the same load generation as :meth:`get_many_into`'s, store/cancel.py).
         """
         stop = _stop_check(cancelled, self._load_gens.guard(tenant))
         return get_layerwise_into(self, tenant, keys, outs, plan, report, stop)

@@ -35,7 +35,7 @@ from typing import Any
 from kvoffload.contract import TENANT_RE
 from kvoffload.errors import KeyringError
 
-from ..posix import atomic_create, pwrite_all
+from ...posix import atomic_create, pwrite_all
 from .kek import KEK_SIZE, Kek, _fsync_dir
 from .kek import NONCE_SIZE as NONCE_SIZE  # unused here, re-exported
 from .keyfile import (

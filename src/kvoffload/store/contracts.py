@@ -30,7 +30,7 @@ from typing import Any
 from kvoffload.contract import TENANT_RE, CompatContract
 from kvoffload.errors import ContractError
 
-from ...posix import atomic_create
+from ..posix import atomic_create
 
 log = logging.getLogger(__name__)
 

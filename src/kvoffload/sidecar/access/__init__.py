@@ -1,0 +1,1 @@
+"""kvoffload.sidecar.access."""

@@ -1,0 +1,1 @@
+"""kvoffload.store.keys."""
