@@ -21,7 +21,7 @@ import pytest
 
 from kvoffload import protocol as p
 from kvoffload.client import SidecarClient
-from kvoffload.sidecar import transfers
+from kvoffload.sidecar import reads
 from kvoffload.staging import StagingBuffer
 from kvoffload.store import Store
 from kvoffload.store.pipeline import Pipeline
@@ -179,7 +179,7 @@ def test_a_read_that_fails_after_a_frame_keeps_the_chunks_it_reported(
         return real_load_one(self, tenant, rec, *a, **kw)
 
     monkeypatch.setattr(Pipeline, "_load_one", failing)
-    monkeypatch.setattr(transfers, "CHUNK_FRAME_MIN_BYTES", 1)
+    monkeypatch.setattr(reads, "CHUNK_FRAME_MIN_BYTES", 1)
     with client_of(server) as c:
         res = c.load([key(i) for i in range(CHUNKS)])
         assert [r.ok for r in res] == [True, True, False, False]

@@ -365,9 +365,9 @@ def test_long_listings_come_in_pages_and_counts_stay_whole(
     """More namespaces than a reply page: ``namespaces`` pages (the CLI's target
     follows ``more``), ``invalidate`` cuts its lists but counts everything."""
     from kvoffload.cli.admin import SidecarTarget
-    from kvoffload.sidecar import session
+    from kvoffload.sidecar import admin
 
-    monkeypatch.setattr(session, "NAMESPACES_PAGE", 2)
+    monkeypatch.setattr(admin, "NAMESPACES_PAGE", 2)
     contracts = [make_contract(model_revision=f"m@r{i % 2}", lora_id=f"l{i}") for i in range(5)]
     for c in contracts:
         _put(store, "acme", c)

@@ -22,7 +22,7 @@ import pytest
 from kvoffload import protocol as p
 from kvoffload.client import SidecarClient
 from kvoffload.layouts import v1
-from kvoffload.sidecar.transfers import Transfers
+from kvoffload.sidecar.reads import Reads
 from kvoffload.store import Store, StoreConfig
 from kvoffload.store.keys.keyring import Kek
 from tests.test_server import Raw, ServerThread, start
@@ -147,11 +147,11 @@ def test_cancel_stops_before_the_next_layer(
 ) -> None:
     asked: list[str] = []
 
-    def cancelled(self: Transfers, tenant: str) -> bool:
+    def cancelled(self: Reads, tenant: str) -> bool:
         asked.append(tenant)
         return len(asked) > 2  # layers 0 and 1 go through, then the tenant is cut off
 
-    monkeypatch.setattr(Transfers, "load_cancelled", cancelled)
+    monkeypatch.setattr(Reads, "load_cancelled", cancelled)
     rec = Recorder()
     results = client.load_layerwise([key(i) for i in range(CHUNKS)], rec)
     assert not any(r.ok for r in results)
@@ -170,13 +170,13 @@ def test_a_purge_or_revocation_between_layers_stops_a_layerwise_load(
     handed out, layer 1 never is, and every chunk is a miss."""
     asked: list[int] = []
 
-    def hook(self: Transfers, tenant: str) -> bool:
+    def hook(self: Reads, tenant: str) -> bool:
         asked.append(len(asked))
         if len(asked) == 2:  # before layer 1: as Store.purge_* and a revocation do
             real_store.cancel_loads(tenant)
         return False
 
-    monkeypatch.setattr(Transfers, "load_cancelled", hook)
+    monkeypatch.setattr(Reads, "load_cancelled", hook)
     rec = Recorder()
     results = client.load_layerwise([key(i) for i in range(CHUNKS)], rec)
     assert not any(r.ok for r in results)
@@ -261,13 +261,13 @@ def test_older_server_gets_whole_chunk_loads(
 
     monkeypatch.setattr(Session, "hello", old_hello)
     sent: list[bool] = []
-    real_prepare = Transfers.prepare_load
+    real_prepare = Reads.prepare_load
 
-    def spy(self: Transfers, req: p.PrepareLoad, emit: Any = None, **kw: Any) -> p.Reply:
+    def spy(self: Reads, req: p.PrepareLoad, emit: Any = None, **kw: Any) -> p.Reply:
         sent.append(req.layerwise)  # on the pool or the loop (inline=True) alike
         return real_prepare(self, req, emit, **kw)
 
-    monkeypatch.setattr(Transfers, "prepare_load", spy)
+    monkeypatch.setattr(Reads, "prepare_load", spy)
     path = server.server.config.socket_path
     assert path is not None
     with SidecarClient(path, TENANT, staging_bytes=1 << 20) as c:

@@ -36,8 +36,8 @@ from kvoffload.client import SidecarClient
 from kvoffload.client.session import Session as ClientSession
 from kvoffload.layouts import v1
 from kvoffload.sidecar.connection import Connection
+from kvoffload.sidecar.reads import Reads
 from kvoffload.sidecar.session import Session
-from kvoffload.sidecar.transfers import Transfers
 from kvoffload.store import Store, StoreConfig
 from kvoffload.store import files as fileio
 from kvoffload.store import layerwise as lw
@@ -460,9 +460,9 @@ def test_a_batch_cached_only_in_part_is_answered_in_two_steps(
     paths = Paths(monkeypatch)
     asked: list[int] = []
     opened: list[bytes] = []
-    real, real_open = Transfers.prepare_load, Pipeline._open_into
+    real, real_open = Reads.prepare_load, Pipeline._open_into
 
-    def spy(self_: Transfers, req: Any, emit: Any = None, **kw: Any) -> Any:
+    def spy(self_: Reads, req: Any, emit: Any = None, **kw: Any) -> Any:
         asked.append(len(req.keys))
         return real(self_, req, emit, **kw)
 
@@ -470,7 +470,7 @@ def test_a_batch_cached_only_in_part_is_answered_in_two_steps(
         opened.append(k)
         return real_open(self_, tenant, k, *a, **kw)
 
-    monkeypatch.setattr(Transfers, "prepare_load", spy)
+    monkeypatch.setattr(Reads, "prepare_load", spy)
     monkeypatch.setattr(Pipeline, "_open_into", open_spy)
     assert loaded_bytes(client, CHUNKS) == [b"".join(chunk(i)) for i in range(CHUNKS)]
     assert paths.loop[0] == ("prepare_load", 5, "BUSY")

@@ -24,13 +24,14 @@ import pytest
 
 from kvoffload import protocol as p
 from kvoffload.client import SidecarClient
-from kvoffload.errors import ListenError, StoreFull
+from kvoffload.errors import ListenError
 from kvoffload.protocol import CLIENT_MAGIC, SERVER_MAGIC, ErrorCode, StoreStatus
 from kvoffload.sidecar.access.policy import Grant, Policy
 from kvoffload.sidecar.config import ServerConfig
 from kvoffload.sidecar.secret import load_or_create_secret
 from kvoffload.sidecar.server import Server
 from kvoffload.staging import PAGE, StagingBuffer
+from kvoffload.testing.fakestore import FakeStore as BaseFakeStore
 from kvoffload.transport import TransportClosed, UnixTransport
 
 NS = b"\x22" * 32
@@ -49,159 +50,18 @@ def wait_until(cond: Callable[[], bool], what: str) -> None:
         time.sleep(0.01)
 
 
-class FakeReservation:
-    def __init__(self, store: FakeStore, n: int) -> None:
-        self.store = store
-        self.n = n
-        self.released = False
-
-    def release(self) -> None:
-        with self.store.mu:
-            if not self.released:
-                self.released = True
-                self.store.reserved -= self.n
-
-
-class FakeStore:
-    """In-memory test double of the store API the server uses; records who asked for what."""
+class FakeStore(BaseFakeStore):
+    """The store port's in-memory double, with a lookup a test can hold (``slow_key``)."""
 
     def __init__(self, capacity: int | None = None) -> None:
-        self.mu = threading.Lock()
-        self.data: dict[tuple[str, bytes], list[bytes]] = {}
-        self.salts: dict[str, bytes] = {}
-        self.capacity = capacity
-        self.reserved = 0
-        self.pins: Counter[tuple[str, bytes]] = Counter()
-        self.touched: list[tuple[str, bytes]] = []
-        self.tenants_seen: set[str] = set()
+        super().__init__(capacity)
         self.slow_key: bytes | None = None
         self.release_slow = threading.Event()
 
-    def _saw(self, tenant: str) -> None:
-        self.tenants_seen.add(tenant)
-
-    def tenant_salt(self, tenant: str) -> bytes:
-        self._saw(tenant)
-        return self.salts.setdefault(tenant, os.urandom(32))
-
-    def reserve(self, tenant: str, nbytes: int, *, quota: int | None = None) -> FakeReservation:
-        self._saw(tenant)
-        with self.mu:
-            used = sum(len(b) for v in self.data.values() for b in v)
-            if self.capacity is not None and used + self.reserved + nbytes > self.capacity:
-                raise StoreFull(nbytes, self.capacity, used)
-            self.reserved += nbytes
-        return FakeReservation(self, nbytes)
-
-    def put(
-        self,
-        tenant: str,
-        namespace: bytes,
-        chunk_key: bytes,
-        layers: Sequence[memoryview],
-        *,
-        encrypt: bool = True,
-        ttl_s: float | None = None,
-        reservation: Any = None,
-    ) -> bool:
-        self._saw(tenant)
-        if reservation is not None:
-            reservation.release()
-        if (tenant, chunk_key) in self.data:
-            return False
-        self.data[(tenant, chunk_key)] = [bytes(x) for x in layers]
-        return True
-
-    def payload_info(self, tenant: str, chunk_key: bytes) -> list[int] | None:
-        self._saw(tenant)
-        layers = self.data.get((tenant, chunk_key))
-        return None if layers is None else [len(x) for x in layers]
-
-    def get_into(self, tenant: str, chunk_key: bytes, out: memoryview) -> list[int] | None:
-        self._saw(tenant)
-        layers = self.data.get((tenant, chunk_key))
-        if layers is None:
-            return None
-        pos = 0
-        for x in layers:
-            out[pos : pos + len(x)] = x
-            pos += len(x)
-        return [len(x) for x in layers]
-
     def lookup(self, tenant: str, keys: Sequence[bytes]) -> int:
-        self._saw(tenant)
         if self.slow_key in keys:
             assert self.release_slow.wait(20)
-        n = 0
-        while n < len(keys) and (tenant, keys[n]) in self.data:
-            n += 1
-        return n
-
-    def lookup_cached(self, tenant: str, keys: Sequence[bytes]) -> int | None:
-        return None  # always the pool path: these tests control lookups' timing
-
-    def pin(self, tenant: str, keys: Sequence[bytes]) -> None:
-        with self.mu:
-            self.pins.update((tenant, k) for k in keys)
-
-    def unpin(self, tenant: str, keys: Sequence[bytes]) -> None:
-        with self.mu:
-            self.pins.subtract((tenant, k) for k in keys)
-            self.pins = +self.pins
-
-    def touch(self, tenant: str, keys: Sequence[bytes]) -> None:
-        self._saw(tenant)
-        self.touched += [(tenant, k) for k in keys]
-
-    def purge_tenant(self, tenant: str) -> int:
-        gone = [k for k in self.data if k[0] == tenant]
-        for k in gone:
-            del self.data[k]
-        return len(gone)
-
-    def purge_namespace(self, tenant: str, namespace: bytes) -> int:
-        return 0
-
-    def fsck(self, repair: bool = False) -> Any:
-        class Report:
-            def to_dict(self) -> dict[str, Any]:
-                return {"clean": True, "repaired": repair, "where": Path("/x")}
-
-        return Report()
-
-    def stats(self) -> dict[str, Any]:
-        return {"store_id": "fake-store", "chunks": len(self.data), "tenants": 7}
-
-    def put_many(
-        self,
-        tenant: str,
-        namespace: bytes,
-        chunks: Sequence[tuple[bytes, Sequence[memoryview]]],
-        *,
-        encrypt: bool = True,
-        ttl_s: float | None = None,
-        reservations: Sequence[Any] | None = None,
-    ) -> list[bool]:
-        res = list(reservations) if reservations is not None else [None] * len(chunks)
-        return [
-            self.put(tenant, namespace, k, layers, encrypt=encrypt, ttl_s=ttl_s, reservation=r)
-            for (k, layers), r in zip(chunks, res, strict=True)
-        ]
-
-    def get_many_into(
-        self, tenant: str, keys: Sequence[bytes], outs: Sequence[memoryview]
-    ) -> list[list[int] | None]:
-        results: list[list[int] | None] = []
-        for k, out in zip(keys, outs, strict=True):
-            got = self.get_into(tenant, k, out)
-            results.append(got)
-            if got is None:
-                results += [None] * (len(keys) - len(results))
-                break
-        return results
-
-    def maintain(self) -> dict[str, int]:
-        return {"expired": 0, "tmp_removed": 0}
+        return super().lookup(tenant, keys)
 
 
 def grants(*tenants: str, admin: bool = False) -> Policy:
@@ -603,9 +463,9 @@ def test_admin_verbs_need_the_admin_right(sock_dir: Path, fake_store: FakeStore)
     assert raw.call(p.Purge("acme")) == p.PurgeReply(1)
     assert not fake_store.data
     fsck = raw.call(p.Fsck(repair=True))
-    assert fsck == p.FsckReply(
-        {"clean": True, "repaired": True, "where": "/x", "verified_data": False}
-    )
+    assert isinstance(fsck, p.FsckReply)
+    assert fsck.report["clean"] is True and fsck.report["repaired"] is True
+    assert fsck.report["verified_data"] is False and fsck.report["index_records"] == 0
     stats = raw.call(p.Stats())
     assert isinstance(stats, p.StatsReply) and stats.stats["tenants"] == 7
     raw.close()

@@ -274,7 +274,7 @@ def test_release_all_frees_everything_a_disconnect_holds(
     assert service.session_count() == 1
     s.close()
     assert service.session_count() == 0
-    assert s.staging is not None and s.staging.closed
+    assert s.handles.staging is not None and s.handles.staging.closed
     assert store.lookup("acme", [key(1)]) == 0
 
 
@@ -299,6 +299,10 @@ def test_direct_path_lease_then_abort_leaves_nothing(store: Any) -> None:
     assert hello.direct == {"acme": True, "plain": False, "rival": False}
     lease = call(s, p.LeaseStore("acme", NS, (p.ChunkSpec(key(1), (100, 200)),)))
     assert isinstance(lease, p.LeaseStoreReply) and lease.handle
+    # §5.14: the server's durability setting, the worker's hint for how to write
+    # (a probe of the store for it answered "" for the real store, so workers
+    # always wrote with O_DIRECT).
+    assert lease.durability == "none" == store.config.durability.value
     slot = lease.chunks[0]
     assert slot.status is StoreStatus.WRITE and slot.offsets
     assert Path(slot.path).stat().st_size == slot.size

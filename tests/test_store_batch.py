@@ -31,6 +31,7 @@ from kvoffload.sidecar.config import ServerConfig
 from kvoffload.sidecar.peer import Peer
 from kvoffload.sidecar.service import Service
 from kvoffload.sidecar.session import Session
+from kvoffload.sidecar.writes import Writes
 from kvoffload.staging import PAGE, StagingBuffer
 from kvoffload.store.files import Durability
 from kvoffload.store.index import ChunkRecord, Index
@@ -126,7 +127,8 @@ def test_store_writes_every_chunk_before_the_reply(
         assert load_bytes(store, i) == b"".join(layers_of(i))
     assert store.reserved_bytes == 0
     assert s.open_handles() == 0
-    assert s.alloc is not None and s.alloc.largest_free == buf.size  # every region back
+    # every region back
+    assert s.handles.alloc is not None and s.handles.alloc.largest_free == buf.size
     # Stored again: present, so stored (and nothing is read from the regions).
     again = s.execute(p.Store("acme", NS, chunks[:1]))
     assert again == p.StoreReply((True,), (0,))
@@ -156,7 +158,7 @@ def test_bad_regions_are_refused_as_a_whole(
     assert store.lookup("acme", [key(i) for i in offsets]) == 0
     assert object_files(store) == []
     assert store.reserved_bytes == 0
-    assert s.alloc is not None and s.alloc.largest_free == buf.size
+    assert s.handles.alloc is not None and s.handles.alloc.largest_free == buf.size
 
 
 def test_a_region_held_by_an_open_load_is_busy_and_left_alone(
@@ -178,7 +180,7 @@ def test_a_region_held_by_an_open_load_is_busy_and_left_alone(
     assert store.lookup("acme", [key(2)]) == 0
     assert s.execute(p.CompleteLoad(load.handle)) == p.Ack(p.Op.COMPLETE_LOAD)
     assert store.reserved_bytes == 0
-    assert s.alloc is not None and s.alloc.largest_free == buf.size
+    assert s.handles.alloc is not None and s.handles.alloc.largest_free == buf.size
 
 
 def test_a_forbidden_tenant_is_refused_before_the_store(store: Any, buf: StagingBuffer) -> None:
@@ -187,7 +189,7 @@ def test_a_forbidden_tenant_is_refused_before_the_store(store: Any, buf: Staging
     reply = s.execute(p.Store("rival", NS, place(buf, {0: 0})))
     assert isinstance(reply, p.ErrorReply) and reply.code is ErrorCode.FORBIDDEN
     assert "rival" not in store.tenants()
-    assert s.alloc is not None and s.alloc.largest_free == buf.size
+    assert s.handles.alloc is not None and s.handles.alloc.largest_free == buf.size
 
 
 def test_store_before_registering_staging(service: Service) -> None:
@@ -310,7 +312,7 @@ def test_the_client_uses_store_when_announced_and_the_old_path_otherwise(
 ) -> None:
     seen: list[str] = []
     for verb in ("store", "prepare_store"):
-        monkeypatch.setattr(Session, verb, _spy(seen, verb, getattr(Session, verb)))
+        monkeypatch.setattr(Writes, verb, _spy(seen, verb, getattr(Writes, verb)))
     st = start(sock_dir, store)
     try:
         data = [(key(i), layers_of(i)) for i in range(6)]
@@ -343,7 +345,7 @@ def test_a_large_batch_keeps_the_two_step_save(sock_dir: Path, store: Any) -> No
     try:
         with pytest.MonkeyPatch.context() as mp:
             for verb in ("store", "prepare_store"):
-                mp.setattr(Session, verb, _spy(seen, verb, getattr(Session, verb)))
+                mp.setattr(Writes, verb, _spy(seen, verb, getattr(Writes, verb)))
             big = [bytes([7]) * (STORE_VERB_MAX_BYTES // 2 + 1)] * 2
             with SidecarClient(sock_path(st), "acme", staging_bytes=16 << 20) as c:
                 assert c.save(NS, [(key(1), big)]) == [True]
@@ -355,7 +357,7 @@ def test_a_large_batch_keeps_the_two_step_save(sock_dir: Path, store: Any) -> No
 
 
 def _spy(seen: list[str], verb: str, real: Any) -> Any:
-    def spy(self: Session, req: Any) -> Any:
+    def spy(self: Writes, req: Any) -> Any:
         seen.append(verb)
         return real(self, req)
 

@@ -52,11 +52,8 @@ POLICY_POLL_S = 0.25
 
 
 def _audit(server: Server, event: str, details: dict[str, Any]) -> None:
-    record = getattr(server.store, "record_audit", None)
-    if record is None:
-        return
     try:
-        record(event, details)
+        server.store.record_audit(event, details)
     except Exception as exc:  # a full disk must not undo or block a reload
         log.error("audit record %s not written: %s", event, exc)
 
@@ -104,7 +101,7 @@ def reload_policy(server: Server, load: PolicyLoader | None = None, *, why: str 
     if isinstance(old, Policy) and isinstance(policy, Policy):
         diff = policy_diff(old, policy)
     outcome = svc.swap_policy(policy)
-    state.source = str(getattr(policy, "source", state.source))
+    state.source = policy.source
     state.loaded_at = state.last_reload_at = time.time()
     state.last_reload_ok = True
     state.last_error = None

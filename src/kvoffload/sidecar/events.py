@@ -137,7 +137,7 @@ class SidecarEvents:
 
     def enabled_for(self, tenant: str) -> bool:
         try:
-            return bool(getattr(self._policy().tenant(tenant), "events", True))
+            return self._policy().tenant(tenant).events
         except Exception:  # an unknown tenant of a reloaded policy: publish nothing
             return False
 

@@ -1,27 +1,42 @@
-"""What the sidecar's verb layer needs of the store and of the policy.
+"""What the daemon needs of the store and of the policy: one port each.
 
-:class:`StoreAPI` is the subset of :class:`kvoffload.store.Store`
-that protocol v1 (``docs/spec/protocol-v1.md``) uses, :class:`PolicyAPI` the
-subset of :class:`kvoffload.sidecar.access.policy.Policy`. Both are structural
-(``typing.Protocol``): the real classes satisfy them without inheriting, and
-tests pass in-memory doubles.
+:class:`StoreAPI` is every call the daemon makes on :class:`kvoffload.store.Store`
+(protocol v1's verbs, ``docs/spec/protocol-v1.md``, the admin verbs, the audit
+log, retention, the server's sweep); :class:`PolicyAPI` the calls on
+:class:`kvoffload.sidecar.access.policy.Policy`. Both are structural
+(``typing.Protocol``): the real classes satisfy them without inheriting. The
+port is complete, so the daemon never probes a store for what it can do; test
+doubles subclass :class:`kvoffload.testing.FakeStore`, which implements all of it.
 
-The store's own value types (reservations, leases, fsck reports, index
-records) are imported for type checking only, so importing this module (and
-the server) does not import the store's dependencies (LMDB, cryptography).
+The store's value types are imported for type checking only, from the store's
+public surface (:mod:`kvoffload.store`), so importing this module (and the
+server) does not import the store's dependencies (LMDB, cryptography).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ..store.api import RetentionSettings
+from ..store.api import LayoutFacts, RetentionSettings
 
 if TYPE_CHECKING:
-    from ..layouts.store_root import LayoutInfo
-    from ..store import FsckReport, ReadLease, Reservation, StoreConfig, StoreLease
-    from ..store.index import ChunkRecord, Usage
+    from ..store import (
+        ChunkRecord,
+        FsckReport,
+        ReadLease,
+        Reservation,
+        StoreConfig,
+        StoreLease,
+        Usage,
+    )
+
+#: ``plan(layers)`` of a layer-wise load: every planned chunk's layer lengths.
+PlanFn = Callable[[list[tuple[int, ...]]], None]
+#: ``report(layers_done, chunks_verified)`` of a layer-wise load.
+ReportFn = Callable[[int, int], None]
+#: The cancel check of a load (``load_guard``): raises once a purge or revocation ran.
+Guard = Callable[[int], None]
 
 
 class ReservationAPI(Protocol):
@@ -31,21 +46,56 @@ class ReservationAPI(Protocol):
 
 
 class StoreAPI(Protocol):
+    """Every store call the daemon makes (one port, no optional parts)."""
+
+    # -- facts ----------------------------------------------------------------------
+    @property
+    def layout(self) -> LayoutFacts: ...
+
+    @property
+    def config(self) -> StoreConfig: ...
+
+    @property
+    def durability(self) -> str:
+        """The durability setting's name (``object``, ``batch``, ``none``)."""
+        ...
+
+    @property
+    def alignment(self) -> int:
+        """The offset alignment of an object's layers (layout-v1.md §3)."""
+        ...
+
+    @property
+    def used_bytes(self) -> int: ...
+
+    @property
+    def has_ram_tier(self) -> bool: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def shared_info(self) -> dict[str, Any] | None: ...
+
+    # -- tenants, retention, the audit log ----------------------------------------
     def tenant_salt(self, tenant: str) -> bytes: ...
 
-    def put(
-        self,
-        tenant: str,
-        namespace: bytes,
-        chunk_key: bytes,
-        layers: Sequence[memoryview],
-        *,
-        encrypt: bool = ...,
-        ttl_s: float | None = ...,
-        reservation: Reservation | None = ...,
-    ) -> bool: ...
+    def tenants(self) -> list[str]: ...
 
-    def reserve(self, tenant: str, nbytes: int, *, quota: int | None = ...) -> Reservation: ...
+    def key_problems(self) -> dict[str, str]: ...
+
+    def set_retention(self, provider: Callable[[str], RetentionSettings | None] | None) -> None: ...
+
+    def record_audit(self, event: str, details: dict[str, Any]) -> None: ...
+
+    # -- writes ---------------------------------------------------------------------
+    def shape_ok(self, lengths: Sequence[int], encrypt: bool) -> bool:
+        """Whether a chunk of these layer lengths can be stored (layout-v1.md §3.2)."""
+        ...
+
+    def reserve_chunk(
+        self, tenant: str, lengths: Sequence[int], *, encrypt: bool, quota: int | None = ...
+    ) -> Reservation:
+        """Capacity for one chunk's object, sized by the store from its layer lengths."""
+        ...
 
     def put_many(
         self,
@@ -58,27 +108,16 @@ class StoreAPI(Protocol):
         reservations: Sequence[Reservation | None] | None = ...,
     ) -> list[bool]: ...
 
-    def get_many_into(
-        self, tenant: str, keys: Sequence[bytes], outs: Sequence[memoryview]
-    ) -> list[list[int] | None]: ...
+    def record_contract(self, tenant: str, namespace: bytes, fields: Mapping[str, Any]) -> bool: ...
 
-    def get_into(self, tenant: str, chunk_key: bytes, out: memoryview) -> list[int] | None: ...
-
-    def get_layerwise_into(
-        self,
-        tenant: str,
-        keys: Sequence[bytes],
-        outs: Sequence[memoryview],
-        plan: Callable[[list[tuple[int, ...]]], None],
-        report: Callable[[int, int], None],
-        cancelled: Callable[[int], bool],
-    ) -> list[list[int] | None]: ...
-
-    def payload_info(self, tenant: str, chunk_key: bytes) -> ChunkRecord | None: ...
-
+    # -- reads ----------------------------------------------------------------------
     def lookup(self, tenant: str, keys: Sequence[bytes]) -> int: ...
 
     def lookup_cached(self, tenant: str, keys: Sequence[bytes]) -> int | None: ...
+
+    def payload_info(self, tenant: str, chunk_key: bytes) -> ChunkRecord | None: ...
+
+    def payload_info_cached(self, tenant: str, key: bytes) -> tuple[bool, ChunkRecord | None]: ...
 
     def pin(self, tenant: str, keys: Sequence[bytes]) -> None: ...
 
@@ -86,17 +125,41 @@ class StoreAPI(Protocol):
 
     def touch(self, tenant: str, keys: Sequence[bytes]) -> None: ...
 
-    def purge_tenant(self, tenant: str) -> int: ...
+    def load_guard(self, tenant: str) -> Guard: ...
 
-    def purge_namespace(self, tenant: str, namespace: bytes) -> int: ...
+    def load_planned(
+        self,
+        tenant: str,
+        recs: Sequence[ChunkRecord],
+        outs: Sequence[memoryview],
+        guard: Guard,
+        on_chunk: Callable[[int, list[int]], None] | None = ...,
+    ) -> list[list[int] | None]: ...
 
-    def fsck(self, repair: bool = ...) -> FsckReport: ...
+    def load_planned_cached(
+        self,
+        tenant: str,
+        recs: Sequence[ChunkRecord],
+        outs: Sequence[memoryview],
+        guard: Guard,
+    ) -> list[list[int] | None]: ...
 
-    def stats(self) -> dict[str, Any]: ...
+    def load_planned_layerwise(
+        self,
+        tenant: str,
+        recs: Sequence[ChunkRecord],
+        outs: Sequence[memoryview],
+        plan: PlanFn,
+        report: ReportFn,
+        cancelled: Callable[[int], bool],
+        guard: Guard,
+    ) -> list[list[int] | None]: ...
 
-    def maintain(self) -> dict[str, int]: ...
+    def cancel_loads(self, tenant: str) -> None: ...
 
-    # The direct path (protocol-v1.md 5.14, 5.15; layout-v1.md §4.1).
+    def drop_cache(self) -> tuple[int, int]: ...
+
+    # -- the direct path (protocol-v1.md 5.14, 5.15; layout-v1.md §4.1) --------------
     def lease_store(
         self,
         tenant: str,
@@ -117,28 +180,7 @@ class StoreAPI(Protocol):
 
     def check_reported(self, tenant: str, key: bytes) -> bool: ...
 
-
-@runtime_checkable
-class CacheAPI(Protocol):
-    """What ``drop_cache`` (protocol-v1.md §5.31) needs: a store with a RAM tier."""
-
-    def drop_cache(self) -> tuple[int, int]: ...
-
-
-@runtime_checkable
-class StoreViewsAPI(Protocol):
-    """What the admin verbs inspect, ls and purge_older (protocol-v1.md §5.16-5.18) need,
-    beyond :class:`StoreAPI`; the real store has it, a double may not (then: UNSUPPORTED)."""
-
-    @property
-    def layout(self) -> LayoutInfo: ...
-
-    @property
-    def config(self) -> StoreConfig: ...
-
-    @property
-    def used_bytes(self) -> int: ...
-
+    # -- admin: views, purges, fsck, contracts ----------------------------------------
     def chunks(
         self, tenant: str | None = ..., namespace: bytes | None = ...
     ) -> Iterator[ChunkRecord]: ...
@@ -149,13 +191,9 @@ class StoreViewsAPI(Protocol):
 
     def namespace_usage(self, tenant: str) -> dict[bytes, Usage]: ...
 
-    def tenants(self) -> list[str]: ...
-
-    def key_problems(self) -> dict[str, str]: ...
-
-    def shared_info(self) -> dict[str, Any] | None: ...
-
     def purge_tenant(self, tenant: str, *, wait: bool = ...) -> int: ...
+
+    def purge_namespace(self, tenant: str, namespace: bytes) -> int: ...
 
     def purge_older_than(self, age_s: float, tenant: str | None = ...) -> int: ...
 
@@ -167,60 +205,7 @@ class StoreViewsAPI(Protocol):
         progress: Callable[[int], None] | None = ...,
     ) -> FsckReport: ...
 
-
-@runtime_checkable
-class PlannedLoadsAPI(Protocol):
-    """Loads of chunks whose index records ``prepare_load`` just looked up, read
-    without a second lookup each (store/pipeline.py); the real store has
-    them, a double may not (then ``get_many_into``/``get_layerwise_into``)."""
-
-    def load_guard(self, tenant: str) -> Callable[[int], None]: ...
-
-    def load_planned(
-        self,
-        tenant: str,
-        recs: Sequence[ChunkRecord],
-        outs: Sequence[memoryview],
-        guard: Callable[[int], None],
-        on_chunk: Callable[[int, list[int]], None] | None = ...,
-    ) -> list[list[int] | None]: ...
-
-    def load_planned_layerwise(
-        self,
-        tenant: str,
-        recs: Sequence[ChunkRecord],
-        outs: Sequence[memoryview],
-        plan: Callable[[list[tuple[int, ...]]], None],
-        report: Callable[[int, int], None],
-        cancelled: Callable[[int], bool],
-        guard: Callable[[int], None],
-    ) -> list[list[int] | None]: ...
-
-
-@runtime_checkable
-class CachedLoadsAPI(Protocol):
-    """Loads answered without a wait on the device (store/pipeline.py):
-    a small batch wholly in the page cache is served on the event loop instead
-    of a hop to a pool thread and back (sidecar/connection.py)."""
-
-    def payload_info_cached(self, tenant: str, key: bytes) -> tuple[bool, ChunkRecord | None]: ...
-
-    def load_planned_cached(
-        self,
-        tenant: str,
-        recs: Sequence[ChunkRecord],
-        outs: Sequence[memoryview],
-        guard: Callable[[int], None],
-    ) -> list[list[int] | None]: ...
-
-
-@runtime_checkable
-class ContractsAPI(Protocol):
-    """Namespaces' contract fields (protocol-v1.md §5.19, §5.20; layout-v1.md §2.1);
-    the real store has them, a double may not (registration is then skipped and
-    the admin verbs are UNSUPPORTED)."""
-
-    def record_contract(self, tenant: str, namespace: bytes, fields: Mapping[str, Any]) -> bool: ...
+    def maintain(self) -> dict[str, int]: ...
 
     def namespaces_report(
         self, tenant: str | None = ..., *, ages: bool = ...
@@ -236,8 +221,12 @@ class ContractsAPI(Protocol):
     ) -> dict[str, Any]: ...
 
 
-class TenantSettings(Protocol):
-    """One tenant's effective policy (``kvoffload.sidecar.access.policy.TenantPolicy``)."""
+class TenantSettings(RetentionSettings, Protocol):
+    """One tenant's effective policy (``kvoffload.sidecar.access.policy.TenantPolicy``),
+    its retention limits included."""
+
+    @property
+    def events(self) -> bool: ...
 
     @property
     def encryption(self) -> bool: ...
@@ -265,6 +254,11 @@ class TenantSettings(Protocol):
 
 
 class PolicyAPI(Protocol):
+    @property
+    def source(self) -> str:
+        """Where the policy came from (a file, ``<built-in>``), for stats and the audit log."""
+        ...
+
     def may_use(self, uid: int, gids: Sequence[int], tenant: str) -> bool: ...
 
     def is_admin(self, uid: int, gids: Sequence[int]) -> bool: ...
@@ -272,30 +266,13 @@ class PolicyAPI(Protocol):
     def tenant(self, tenant: str) -> TenantSettings: ...
 
 
-_IMPLEMENTS: dict[tuple[type, type], bool] = {}
-
-
-def implements(obj: object, proto: type) -> bool:
-    """``isinstance(obj, proto)`` for a runtime-checkable protocol of methods,
-    remembered per class: typing's check walks every member of the protocol
-    on each call (about 10 µs, twice per load on a small load's path)."""
-    k = (type(obj), proto)
-    hit = _IMPLEMENTS.get(k)
-    if hit is None:
-        hit = _IMPLEMENTS[k] = isinstance(obj, proto)
-    return hit
-
-
 __all__ = [
-    "CacheAPI",
-    "CachedLoadsAPI",
-    "ContractsAPI",
-    "PlannedLoadsAPI",
+    "Guard",
+    "PlanFn",
     "PolicyAPI",
+    "ReportFn",
     "ReservationAPI",
     "RetentionSettings",
     "StoreAPI",
-    "StoreViewsAPI",
     "TenantSettings",
-    "implements",
 ]

@@ -1,4 +1,4 @@
-"""The sidecar's verb layer, shared part: :class:`Service` and the handle types.
+"""The sidecar's verb layer, shared part: :class:`Service`.
 
 ::
 
@@ -20,20 +20,19 @@ import contextlib
 import logging
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Protocol, cast
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from kvoffload.errors import Reject
-from kvoffload.protocol import EngineBlocks, LeaseSlot, StoreSlot
+from kvoffload.protocol import EngineBlocks
 
 from .access.padding import LookupPadding
 from .access.revocation import PolicyState, RevokedSet
+from .handles import Handle
 from .metrics import Metrics
 from .peer import Peer
 from .ports import PolicyAPI, RetentionSettings, StoreAPI
 
 if TYPE_CHECKING:
-    from ..store import Reservation, StoreLease
     from .config import ServerConfig
 
 log = logging.getLogger("kvoffload.server")
@@ -75,83 +74,14 @@ class ByteBudget:
                 self._cv.notify_all()
 
 
-# ---------------------------------------------------------------------------
-# Handles (protocol-v1.md §7): what a prepare_* holds until complete, abort or expiry
-
-
-@dataclass
-class StagedWrite:
-    """One chunk of a ``prepare_store`` with status ``write``: its region and reservation."""
-
-    index: int
-    key: bytes
-    layers: tuple[int, ...]
-    offset: int
-    reservation: Reservation
-
-
-@dataclass
-class LeasedWrite:
-    """One chunk of a ``lease_store`` with status ``write``: its leased temp file."""
-
-    index: int
-    lease: StoreLease
-
-
 class EventsAPI(Protocol):
     """The KV-event feed as the verbs use it (kvoffload.sidecar.events.SidecarEvents)."""
 
     def record(self, tenant: str, chunk_key: bytes, blocks: EngineBlocks) -> bool: ...
 
 
-@dataclass
-class WriteHandle:
-    """A ``prepare_store`` (``staged``) or a ``lease_store`` (``leased``); one list is empty."""
-
-    tenant: str
-    namespace: bytes
-    encrypt: bool
-    ttl_s: float | None
-    slots: tuple[StoreSlot, ...] | tuple[LeaseSlot, ...]
-    staged: list[StagedWrite]
-    leased: list[LeasedWrite]
-    created: float
-    #: ``blocks`` of the request's chunks by index (protocol-v1 §5.4), for KV events.
-    blocks: dict[int, EngineBlocks] = field(default_factory=dict)
-
-
-@dataclass
-class LoadHandle:
-    """A ``prepare_load`` (regions in ``offsets``) or a ``lease_load`` (``direct``):
-    the pinned keys, and the regions holding their bytes."""
-
-    tenant: str
-    keys: list[bytes]
-    offsets: list[int]
-    created: float
-    direct: bool = False
-
-
-Handle = WriteHandle | LoadHandle
-
-
 # ---------------------------------------------------------------------------
 # The shared state
-
-
-#: Whether a policy's tenant-settings class has the retention limits, decided
-#: once per class. The store asks for every chunk it reads (``_is_expired``),
-#: and an isinstance check against a runtime-checkable Protocol walks the
-#: Protocol's members each time: 10-30 µs, a tenth of a lookup's budget.
-_RETENTION_TYPES: dict[type, bool] = {}
-
-
-def _has_retention(settings: object) -> bool:
-    kind = type(settings)
-    known = _RETENTION_TYPES.get(kind)
-    if known is None:
-        known = _RETENTION_TYPES[kind] = isinstance(settings, RetentionSettings)
-    return known
 
 
 class LiveSession(Protocol):
@@ -189,19 +119,17 @@ class Service:
         self.store = store
         self.config = config
         #: Tenants revoked by a reload (revocation.py); persisted beside the index.
-        self.revoked = RevokedSet(getattr(config, "revoked_file", None))
+        self.revoked = RevokedSet(config.revoked_file)
         #: Bumped by every policy swap; sessions re-check their decisions on a change.
         self.generation = 0
-        self.policy_state = PolicyState(source=str(getattr(policy, "source", "<built-in>")))
+        self.policy_state = PolicyState(source=policy.source)
         self._policy = policy
         # Tenants the file lost while the daemon was down are revoked now.
         revoked, restored = self.revoked.apply(policy)
         if revoked or restored:
             log.warning("policy at start: revoked %s, restored %s", revoked, restored)
-            record = getattr(store, "record_audit", None)
-            if record is not None:
-                record("revoke", {"trigger": "start", "revoked": revoked,
-                                  "restored": restored, "result": "ok"})  # fmt: skip
+            store.record_audit("revoke", {"trigger": "start", "revoked": revoked,
+                                          "restored": restored, "result": "ok"})  # fmt: skip
         self.metrics = metrics
         self.store_id = config.store_id or str(store.stats().get("store_id", "unknown"))
         self.budget = ByteBudget(config.max_inflight_bytes)
@@ -212,26 +140,18 @@ class Service:
         self.padding = LookupPadding(metrics)
         self._mu = threading.Lock()
         self._sessions: set[LiveSession] = set()
-        set_retention = getattr(store, "set_retention", None)
-        if callable(set_retention):
-            # Read through self.policy on every call: a reload applies at once.
-            set_retention(self.retention_of)
+        # Read through self.policy on every call: a reload applies at once.
+        store.set_retention(self.retention_of)
 
     def retention_of(self, tenant: str) -> RetentionSettings | None:
         """The tenant's retention limits under the *current* policy."""
-        settings = self.policy.tenant(tenant)
-        if _has_retention(settings):
-            return cast(RetentionSettings, settings)
-        return None
+        return self.policy.tenant(tenant)
 
     def audit(self, event: str, details: dict[str, Any]) -> None:
         """One audit record (docs/spec/audit-v1.md) through the store; a failure
         to write it is logged, never turned into the client's error."""
-        record = getattr(self.store, "record_audit", None)
-        if not callable(record):
-            return
         try:
-            record(event, details)
+            self.store.record_audit(event, details)
         except Exception as exc:
             log.error("audit record %s not written: %s", event, exc)
 
@@ -276,10 +196,8 @@ class Service:
                 {"pid": p.pid, "uid": p.uid, "gid": p.gids[0] if p.gids else None,
                  "tenants": lost, "handles_released": released}
             )  # fmt: skip
-        cancel = getattr(self.store, "cancel_loads", None)
-        if cancel is not None:
-            for t in sorted(lost_tenants):
-                cancel(t)
+        for t in sorted(lost_tenants):
+            self.store.cancel_loads(t)
         return {
             "generation": self.generation,
             "revoked": revoked,
@@ -311,16 +229,6 @@ class Service:
             return len(self._sessions)
 
 
-def payload_of(info: object) -> int | None:
-    """Plaintext bytes of a chunk from ``payload_info``: an index record or layer sizes."""
-    if info is None:
-        return None
-    if isinstance(info, list | tuple):
-        return sum(int(n) for n in info)
-    payload = getattr(info, "payload", None)
-    return int(payload) if isinstance(payload, int) else None
-
-
 def plainify(value: Any, depth: int = 0) -> Any:
     """Make a stats or fsck value msgpack-safe (paths, enums and such become strings)."""
     if depth > 16:
@@ -339,12 +247,7 @@ def plainify(value: Any, depth: int = 0) -> Any:
 __all__ = [
     "DECOY_TENANT",
     "ByteBudget",
-    "Handle",
-    "LeasedWrite",
     "LiveSession",
-    "LoadHandle",
     "Reject",
     "Service",
-    "StagedWrite",
-    "WriteHandle",
 ]

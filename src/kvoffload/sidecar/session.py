@@ -14,18 +14,20 @@ empty-tenant answer; its ``lookup``, ``touch``, ``prepare_load`` and
 content nor timing tells a forbidden tenant from an empty one
 (``scripts/bench_timing.py`` measures it; docs/threat-model.md).
 
-The write and read verbs (``prepare_store``/``lease_store`` →
-``complete_store``, ``prepare_load``/``lease_load`` → ``complete_load``) with
-their two media live in ``transfers.py``, a mixin of :class:`Session`.
+A session is composed of its parts, each in its own module: the handle
+table with the staging buffer (handles.py), the write flow (writes.py:
+``prepare_store``/``lease_store``/``store`` → ``complete_store``), the read
+flow (reads.py: ``prepare_load``/``lease_load`` → ``complete_load``) and the
+admin verbs (admin.py). What stays here: hello and bye, isolation, the index
+verbs, stats, the audit trail of verbs, and dispatch.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
-from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from kvoffload.errors import ContractError
 from kvoffload.keys import group_salt
@@ -38,33 +40,25 @@ from kvoffload.protocol import (
     CompleteLoad,
     CompleteStore,
     DropCache,
-    DropCacheReply,
     ErrorCode,
     ErrorReply,
     Fsck,
-    FsckReply,
     Hello,
     HelloReply,
     Inspect,
-    InspectReply,
     Invalidate,
-    InvalidateReply,
     LeaseLoad,
     LeaseStore,
     Lookup,
     LookupReply,
     Ls,
-    LsReply,
     Namespaces,
-    NamespacesReply,
     Op,
     PrepareLoad,
     PrepareStore,
     ProtocolError,
     Purge,
     PurgeOlder,
-    PurgeOlderReply,
-    PurgeReply,
     RegisterStaging,
     Reply,
     Request,
@@ -76,51 +70,41 @@ from kvoffload.protocol import (
     fake_salt,
     negotiate_version,
 )
-from kvoffload.staging import RegionAllocator, StagingBuffer, StagingError
+from kvoffload.staging import StagingBuffer, StagingError
 
 from .access.padding import Pad
-from .admin import LS_PAGE, inspect_report, ls_rows, purge_tiers
+from .admin import Admin
+from .handles import Handle, Handles, WriteHandle
 from .peer import Peer
-from .ports import CacheAPI, ContractsAPI, StoreViewsAPI
-from .service import DECOY_TENANT, Handle, LoadHandle, Reject, Service, WriteHandle, plainify
-from .transfers import EmitFn, Transfers
+from .reads import EmitFn, Reads
+from .service import DECOY_TENANT, Reject, Service, plainify
+from .writes import Writes
 
 log = logging.getLogger("kvoffload.server")
 
-#: Namespace rows per reply of ``namespaces`` / ``invalidate`` (§5.20): a row with
-#: its contract is under 1 KiB, so a page stays well inside MAX_FRAME.
-NAMESPACES_PAGE = 500
-
-_H = TypeVar("_H", WriteHandle, LoadHandle)
 #: The admin verbs (§6): each leaves an "admin" audit record, allowed or not.
 _ADMIN_REQUESTS = (Purge, Fsck, Inspect, Ls, PurgeOlder, Invalidate, Namespaces, DropCache)
-#: Handles released by revocation whose complete/abort is still awaited, per connection.
-_MAX_REVOKED_HANDLES = 4096
 
 
-class Session(Transfers):
+class Session:
     """The verb state of one connection: its peer, the tenants named in ``hello``,
-    the registered staging buffer with its region allocator, and the open handles."""
+    and its parts: the handle table with the staging buffer, the write and read
+    flows, the admin verbs."""
 
     def __init__(self, service: Service, peer: Peer) -> None:
         self.service = service
         self.peer = peer
         self.version: int | None = None
         self.tenants: frozenset[str] = frozenset()
-        self.staging: StagingBuffer | None = None
-        self.alloc: RegionAllocator | None = None
-        # Pool threads and the loop both touch alloc and handles.
-        self.mu = threading.Lock()
-        self.handles: dict[int, Handle] = {}
         #: (tenant, namespace) whose contract this connection registered (§5.19).
         self.contracts_seen: set[tuple[str, bytes]] = set()
-        self.next_handle = 1
         # §6.1: decisions of may_use, valid while the service's generation is _gen.
         self._gen = -1
         self._allowed: dict[str, bool] = {}
-        # §6.1: handles released by a revocation or purge → their chunk count
-        # (0 for a load): their complete/abort answers "nothing stored" once.
-        self.revoked_handles: dict[int, int] = {}
+        self.handles = Handles(service.store, service.config.max_handles, lambda: service.draining)
+        self.writes = Writes(service, self.handles, self)
+        self.reads = Reads(service, self.handles, self)
+        self.admin = Admin(service, self.is_admin, self.peer_details)
         service.enter(self)
 
     def __repr__(self) -> str:
@@ -179,7 +163,7 @@ class Session(Transfers):
         op = Op.REGISTER_STAGING.value
         max_staging = self.service.config.max_staging
         problem = None
-        if self.staging is not None:
+        if self.handles.staging is not None:
             problem = "a staging buffer is already registered"
         elif len(fds) != 1:
             problem = f"register_staging takes exactly one fd, got {len(fds)}"
@@ -192,8 +176,7 @@ class Session(Transfers):
             staging = StagingBuffer.from_fd(fds[0], req.size)
         except StagingError as exc:
             return ErrorReply(op, ErrorCode.BAD_REQUEST, str(exc))
-        self.staging = staging
-        self.alloc = RegionAllocator(staging.size, self.service.config.alignment)
+        self.handles.register(staging, self.service.config.alignment)
         return Ack(Op.REGISTER_STAGING)
 
     def bye(self) -> Reply:
@@ -203,32 +186,20 @@ class Session(Transfers):
     def expire_handles(self, cutoff: float) -> list[Handle]:
         """§7: take the handles created before ``cutoff`` (monotonic); they are
         ``BAD_HANDLE`` from now on. The caller releases them (:meth:`release_all`)."""
-        with self.mu:
-            old = [h for h, v in self.handles.items() if v.created < cutoff]
-            return [self.handles.pop(h) for h in old]
+        return self.handles.expire(cutoff)
 
     def open_handles(self) -> int:
         """§7: how many handles the session holds."""
-        with self.mu:
-            return len(self.handles)
+        return self.handles.count()
 
     def release_all(self, handles: Sequence[Handle] | None = None) -> None:
         """§7, "a disconnect releases everything": release ``handles``, or all the
         session's (as by ``abort``). Call only once no verb of the session runs."""
-        if handles is None:
-            with self.mu:
-                handles = list(self.handles.values())
-                self.handles.clear()
-        for h in handles:
-            try:
-                self._release(h)
-            except Exception:
-                log.exception("%r: releasing a handle failed", self)
+        self.handles.release_all(handles, self)
 
     def close(self) -> None:
         """§7: unmap the staging buffer (after :meth:`release_all`) and leave the service."""
-        if self.staging is not None:
-            self.staging.close()
+        self.handles.close()
         self.service.forget(self)
 
     # -- isolation (§6) ----------------------------------------------------------
@@ -271,12 +242,7 @@ class Session(Transfers):
                 return False
             return namespace is None or not isinstance(v, WriteHandle) or v.namespace == namespace
 
-        with self.mu:
-            gone = [h for h, v in self.handles.items() if hit(v)]
-            taken = [self.handles.pop(h) for h in gone]
-            for h, v in zip(gone, taken, strict=True):
-                if len(self.revoked_handles) < _MAX_REVOKED_HANDLES:
-                    self.revoked_handles[h] = len(v.slots) if isinstance(v, WriteHandle) else 0
+        taken = self.handles.revoke(hit)
         self.release_all(taken)
         if taken:
             log.warning("%r: %d handle(s) of %s released: access revoked or purged",
@@ -305,7 +271,7 @@ class Session(Transfers):
         """§6: the admin right of ``purge`` and ``fsck``."""
         return self.service.policy.is_admin(self.peer.uid, self.peer.gids)
 
-    def _listed(self, tenant: str) -> None:
+    def listed(self, tenant: str) -> None:
         """§5: a tenant not named in ``hello`` is the client's own mistake."""
         if tenant not in self.tenants:
             raise Reject(ErrorCode.BAD_REQUEST, f"tenant {tenant!r} was not named in hello")
@@ -329,9 +295,9 @@ class Session(Transfers):
         page cache (:meth:`prepare_load_inline`)."""
         try:
             if type(req) is CompleteLoad and not req.corrupt:
-                reply: Reply | None = self.complete_load(req)
+                reply: Reply | None = self.reads.complete_load(req)
             elif type(req) is PrepareLoad:
-                reply = self.prepare_load_inline(req)
+                reply = self.reads.prepare_load_inline(req)
             else:
                 return None
         except Reject as exc:
@@ -378,49 +344,11 @@ class Session(Transfers):
 
     def _execute(self, req: Request, emit: EmitFn | None) -> Reply:
         op = req.OP.value
+        verb = _VERBS.get(type(req))
         try:
-            match req:
-                case Lookup():
-                    return self.lookup(req)
-                case Touch():
-                    return self.touch(req)
-                # The lease verbs subclass the prepare verbs: match them first.
-                case LeaseStore():
-                    return self.lease_store(req)
-                case LeaseLoad():
-                    return self.lease_load(req)
-                case PrepareStore():
-                    return self.prepare_store(req)
-                case CompleteStore():
-                    return self.complete_store(req)
-                case Store():
-                    return self.store(req)
-                case PrepareLoad():
-                    return self.prepare_load(req, emit)
-                case CompleteLoad():
-                    return self.complete_load(req)
-                case Abort():
-                    return self.abort(req)
-                case Stats():
-                    return self.stats()
-                case Purge():
-                    return self.purge(req)
-                case Fsck():
-                    return self.fsck(req)
-                case Inspect():
-                    return self.inspect()
-                case Ls():
-                    return self.ls(req)
-                case PurgeOlder():
-                    return self.purge_older(req)
-                case Invalidate():
-                    return self.invalidate(req)
-                case Namespaces():
-                    return self.namespaces(req)
-                case DropCache():
-                    return self.drop_cache()
-                case _:
-                    raise Reject(ErrorCode.UNSUPPORTED, f"{op} is not served here")
+            if verb is None:
+                raise Reject(ErrorCode.UNSUPPORTED, f"{op} is not served here")
+            return verb(self, req, emit)
         except Reject as exc:
             return ErrorReply(op, exc.code, exc.message)
 
@@ -447,7 +375,7 @@ class Session(Transfers):
 
     def lookup(self, req: Lookup) -> Reply:
         """§5.3; a forbidden tenant finds 0, after the empty tenant's index walk (§6)."""
-        self._listed(req.tenant)
+        self.listed(req.tenant)
         allowed = self.may_use(req.tenant)
         found = self.service.store.lookup(req.tenant if allowed else DECOY_TENANT, req.keys)
         return LookupReply(max(0, min(found, len(req.keys))) if allowed else 0)
@@ -461,7 +389,7 @@ class Session(Transfers):
 
     def touch(self, req: Touch) -> Reply:
         """§5.9; for a forbidden tenant it succeeds, touching nothing (§6)."""
-        self._listed(req.tenant)
+        self.listed(req.tenant)
         allowed = self.may_use(req.tenant)
         self.service.store.touch(req.tenant if allowed else DECOY_TENANT, req.keys)
         return Ack(Op.TOUCH)
@@ -473,14 +401,12 @@ class Session(Transfers):
         admin = self.is_admin()
         if not admin:
             stats.pop("tenants", None)
-        store = svc.store
-        if isinstance(store, StoreViewsAPI):
-            # §5.10: usage of the tenants this connection may use (an admin: all).
-            stats["tenant_usage"] = {
-                t: {"chunks": u.count, "bytes": u.bytes}
-                for t, u in sorted(store.tenant_usage().items())
-                if admin or self.may_use(t)
-            }
+        # §5.10: usage of the tenants this connection may use (an admin: all).
+        stats["tenant_usage"] = {
+            t: {"chunks": u.count, "bytes": u.bytes}
+            for t, u in sorted(svc.store.tenant_usage().items())
+            if admin or self.may_use(t)
+        }
         # §5.28: padded lookups and floor overruns of the tenants it may see.
         stats["lookup_padding"] = svc.padding.summary(lambda t: admin or self.may_use(t))
         stats["server"] = {
@@ -498,79 +424,13 @@ class Session(Transfers):
             stats.update(svc.metrics.summary())
         return StatsReply(plainify(stats))
 
-    # -- admin verbs (§5.11, §5.12) ------------------------------------------------------
+    # -- contracts (§5.19) ---------------------------------------------------------------
 
-    def _admin(self, verb: str) -> None:
-        if not self.is_admin():
-            raise Reject(ErrorCode.FORBIDDEN, f"{verb} needs the admin right")
-
-    def _views(self, verb: str) -> StoreViewsAPI:
-        store = self.service.store
-        if not isinstance(store, StoreViewsAPI):
-            raise Reject(ErrorCode.UNSUPPORTED, f"{verb}: this store has no views")
-        return store
-
-    def purge(self, req: Purge) -> Reply:
-        """§5.11 (admin); the tenant need not be named in ``hello``.
-
-        A whole-tenant purge replies once the tenant's chunks are out of the
-        index too (its keys are destroyed first), so that the next answer of
-        this sidecar no longer counts them.
-        """
-        self._admin("purge")
-        svc = self.service
-        store = svc.store
-        if req.namespace is not None:
-            removed = store.purge_namespace(req.tenant, req.namespace)
-        elif isinstance(store, StoreViewsAPI):
-            removed = store.purge_tenant(req.tenant, wait=True)
-        else:
-            removed = store.purge_tenant(req.tenant)
-        svc.purged(req.tenant, req.namespace)
-        if not req.tiers:
-            return PurgeReply(removed)
-        tiers = purge_tiers(store, events=svc.events is not None, whole=req.namespace is None)
-        return PurgeReply(removed, tiers)
-
-    def fsck(self, req: Fsck) -> Reply:
-        """§5.12 (admin)."""
-        self._admin("fsck")
-        store = self.service.store
-        if req.verify_data and isinstance(store, StoreViewsAPI):
-            report = store.fsck(req.repair, verify_data=True)
-        else:
-            report = store.fsck(repair=req.repair)
-        out = plainify(report.to_dict())
-        out["verified_data"] = bool(req.verify_data and isinstance(store, StoreViewsAPI))
-        return FsckReply(out)
-
-    def inspect(self) -> Reply:
-        """§5.16 (admin): what ``kvoffload inspect`` prints."""
-        self._admin("inspect")
-        store = self._views("inspect")
-        return InspectReply(plainify(inspect_report(store, store.config.root)))
-
-    def ls(self, req: Ls) -> Reply:
-        """§5.17 (admin): one page of what ``kvoffload ls`` prints."""
-        self._admin("ls")
-        store = self._views("ls")
-        limit = LS_PAGE if req.limit == 0 else min(req.limit, LS_PAGE)
-        rows, more = ls_rows(
-            store,
-            tenant=req.tenant,
-            namespace=req.namespace,
-            older_than_s=req.older_than_s,
-            newer_than_s=req.newer_than_s,
-            skip=req.skip,
-            limit=limit,
-        )
-        return LsReply({"chunks": plainify(rows), "more": more})
-
-    def _register_contract(self, tenant: str, namespace: bytes, fields: Mapping[str, Any]) -> None:
+    def register_contract(self, tenant: str, namespace: bytes, fields: Mapping[str, Any]) -> None:
         """§5.19: record a namespace's contract fields once they hash to it; fields that
         do not are BAD_REQUEST, and nothing of them is kept."""
         store = self.service.store
-        if (tenant, namespace) in self.contracts_seen or not isinstance(store, ContractsAPI):
+        if (tenant, namespace) in self.contracts_seen:
             return
         try:
             store.record_contract(tenant, namespace, fields)
@@ -578,125 +438,43 @@ class Session(Transfers):
             raise Reject(ErrorCode.BAD_REQUEST, f"contract: {exc}") from None
         self.contracts_seen.add((tenant, namespace))
 
-    def _contracts(self, verb: str) -> ContractsAPI:
-        store = self.service.store
-        if not isinstance(store, ContractsAPI):
-            raise Reject(ErrorCode.UNSUPPORTED, f"{verb}: this store keeps no contracts")
-        return store
-
-    def invalidate(self, req: Invalidate) -> Reply:
-        """§5.20 (admin): purge the namespaces built under the selected contract field."""
-        self._admin("invalidate")
-        store = self._contracts("invalidate")
-        actor = {
-            "uid": self.peer.uid,
-            "gid": self.peer.gids[0] if self.peer.gids else None,
-            "pid": self.peer.pid,
-            "verb": "invalidate",
-        }
-        try:
-            report = store.invalidate(
-                req.selector(), tenant=req.tenant, dry_run=req.dry_run, actor=actor
-            )
-        except ContractError as exc:
-            raise Reject(ErrorCode.BAD_REQUEST, str(exc)) from None
-        # The counts cover everything; the lists are cut to fit a frame (§5.20).
-        for key in ("namespaces", "unknown_contract"):
-            rows = report[key]
-            report[f"{key}_total"] = len(rows)
-            report[key] = rows[:NAMESPACES_PAGE]
-        return InvalidateReply(plainify(report))
-
-    def namespaces(self, req: Namespaces) -> Reply:
-        """§5.20 (admin): the namespaces with their contract fields, sizes and ages."""
-        self._admin("namespaces")
-        store = self._contracts("namespaces")
-        rows = store.namespaces_report(req.tenant)
-        page = rows[req.skip : req.skip + NAMESPACES_PAGE]
-        more = len(rows) > req.skip + NAMESPACES_PAGE
-        return NamespacesReply({"namespaces": plainify(page), "more": more})
-
-    def drop_cache(self) -> Reply:
-        """§5.31 (admin): empty the RAM tier; the next load of every chunk reads its file."""
-        self._admin("drop_cache")
-        store = self.service.store
-        if not isinstance(store, CacheAPI):
-            raise Reject(ErrorCode.UNSUPPORTED, "drop_cache: this store has no RAM tier")
-        dropped, held = store.drop_cache()
-        return DropCacheReply(dropped, held)
-
-    def purge_older(self, req: PurgeOlder) -> Reply:
-        """§5.18 (admin): remove chunks older than ``older_than_s``, of one tenant or all."""
-        self._admin("purge_older")
-        store = self._views("purge_older")
-        return PurgeOlderReply(store.purge_older_than(req.older_than_s, req.tenant))
-
     # -- handles (§7) -------------------------------------------------------------------
-
-    def _open_handle_slot(self) -> None:
-        if self.service.draining:
-            raise Reject(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down")
-        with self.mu:
-            if len(self.handles) >= self.service.config.max_handles:
-                raise Reject(ErrorCode.BUSY, "too many open handles")
-
-    def _registered(self) -> tuple[StagingBuffer, RegionAllocator]:
-        if self.staging is None or self.alloc is None:
-            raise Reject(ErrorCode.NOT_REGISTERED, "register a staging buffer first")
-        return self.staging, self.alloc
-
-    def _add_handle(self, handle: Handle) -> int:
-        with self.mu:
-            h = self.next_handle
-            self.next_handle += 1
-            self.handles[h] = handle
-        return h
-
-    def _take_handle(self, h: int, kind: type[_H]) -> _H:
-        """Remove and return the handle: whoever takes it (a complete, an abort,
-        the expiry sweep) is the only one to release it."""
-        with self.mu:
-            handle = self.handles.get(h)
-            if not isinstance(handle, kind):
-                raise Reject(ErrorCode.BAD_HANDLE, f"no such handle {h}")
-            del self.handles[h]
-        return handle
-
-    def _free(self, offset: int) -> None:
-        assert self.alloc is not None
-        with self.mu:
-            self.alloc.free(offset)
-
-    def _release(self, h: Handle) -> None:
-        """Everything a handle holds: regions, reservations, leased files, pins."""
-        store = self.service.store
-        if isinstance(h, WriteHandle):
-            for lw in h.leased:
-                store.cancel_lease(lw.lease)  # a no-op for a published one
-            for sw in h.staged:
-                sw.reservation.release()
-                self._free(sw.offset)
-            return
-        for off in h.offsets:
-            self._free(off)
-        if h.keys:
-            store.unpin(h.tenant, h.keys)
-
-    def revoked_handle(self, h: int) -> int | None:
-        """§6.1: the chunk count of a handle a revocation or purge released (once)."""
-        with self.mu:
-            return self.revoked_handles.pop(h, None)
 
     def abort(self, req: Abort) -> Reply:
         """§5.6: release whatever the handle holds; nothing is written (§8)."""
-        with self.mu:
-            handle = self.handles.pop(req.handle, None)
-        if handle is None and self.revoked_handle(req.handle) is not None:
+        handle = self.handles.take_any(req.handle)
+        if handle is None and self.handles.revoked(req.handle) is not None:
             return Ack(Op.ABORT)  # §6.1: released already
         if handle is None:
             raise Reject(ErrorCode.BAD_HANDLE, f"no such handle {req.handle}")
-        self._release(handle)
+        self.handles.release(handle)
         return Ack(Op.ABORT)
+
+
+#: How each verb after ``hello`` is served: request type → the part's method.
+#: Looked up by the exact type (a lease verb subclasses its prepare verb), and
+#: resolved on every call, so that a test can replace a part's method.
+_VERBS: dict[type[Request], Callable[[Session, Any, EmitFn | None], Reply]] = {
+    Lookup: lambda s, r, _: s.lookup(r),
+    Touch: lambda s, r, _: s.touch(r),
+    PrepareStore: lambda s, r, _: s.writes.prepare_store(r),
+    LeaseStore: lambda s, r, _: s.writes.lease_store(r),
+    Store: lambda s, r, _: s.writes.store(r),
+    CompleteStore: lambda s, r, _: s.writes.complete_store(r),
+    PrepareLoad: lambda s, r, emit: s.reads.prepare_load(r, emit),
+    LeaseLoad: lambda s, r, _: s.reads.lease_load(r),
+    CompleteLoad: lambda s, r, _: s.reads.complete_load(r),
+    Abort: lambda s, r, _: s.abort(r),
+    Stats: lambda s, r, _: s.stats(),
+    Purge: lambda s, r, _: s.admin.purge(r),
+    Fsck: lambda s, r, _: s.admin.fsck(r),
+    Inspect: lambda s, r, _: s.admin.inspect(),
+    Ls: lambda s, r, _: s.admin.ls(r),
+    PurgeOlder: lambda s, r, _: s.admin.purge_older(r),
+    Invalidate: lambda s, r, _: s.admin.invalidate(r),
+    Namespaces: lambda s, r, _: s.admin.namespaces(r),
+    DropCache: lambda s, r, _: s.admin.drop_cache(r),
+}
 
 
 __all__ = ["DECOY_TENANT", "Session"]

@@ -46,6 +46,7 @@ from ..errors import LeaseInvalid, QuotaExceeded, StoreError, StoreFull, StoreIO
 from .audit import AuditLog
 from .base import DEFAULT_MAX_SEGMENTS_PER_EPOCH, MAX_OBJECT_BYTES, Counters, StoreConfig
 from .capacity import Reservation
+from .index import ChunkRecord, Usage
 from .leases import ReadLease, StoreLease
 from .maintenance import FsckReport
 from .store import Store, open_store
@@ -54,6 +55,7 @@ __all__ = [
     "DEFAULT_MAX_SEGMENTS_PER_EPOCH",
     "MAX_OBJECT_BYTES",
     "AuditLog",
+    "ChunkRecord",
     "Counters",
     "FsckReport",
     "LeaseInvalid",
@@ -67,5 +69,6 @@ __all__ = [
     "StoreIOError",
     "StoreLease",
     "StoreLocked",
+    "Usage",
     "open_store",
 ]

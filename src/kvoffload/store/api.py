@@ -21,4 +21,14 @@ class RetentionSettings(Protocol):
     def age_limit_s(self) -> float | None: ...
 
 
-__all__ = ["RetentionSettings"]
+class LayoutFacts(Protocol):
+    """What the daemon reads of a store root's layout (``layout.json``)."""
+
+    @property
+    def store_id(self) -> str: ...
+
+    @property
+    def version(self) -> int: ...
+
+
+__all__ = ["LayoutFacts", "RetentionSettings"]

@@ -30,6 +30,7 @@ from ..layouts import (
     create_root,
     read_layout,
     record_kek_id,
+    v1,
 )
 from ..layouts.store_root import ROOT_DIR_MODES
 from ..posix import atomic_create
@@ -44,7 +45,7 @@ from .base import (
     mapped_errors,
 )
 from .cancel import LoadGenerations, TransferCancelled
-from .capacity import _Scope
+from .capacity import Reservation, _Scope
 from .contracts import ContractRegistry, check_selector, contract_fields, contract_matches
 from .files import Durability, ScratchBuffers, syncfs
 from .index import ChunkRecord, Index, IndexCorrupt, IndexFailure, Usage, probe_in_child
@@ -478,6 +479,27 @@ class Store(Leases):
         (a revocation; purges do this themselves). Those chunks are misses, and
         the tenant's images leave the RAM tier."""
         self._stop_tenant(tenant)
+
+    @property
+    def durability(self) -> str:
+        """The durability setting's name: ``object``, ``batch`` or ``none``."""
+        return self.config.durability.value
+
+    @property
+    def alignment(self) -> int:
+        """The alignment of an object's layers in its file (layout-v1.md §3)."""
+        return v1.ALIGN
+
+    def shape_ok(self, lengths: Sequence[int], encrypt: bool) -> bool:
+        """Whether a chunk of these layer lengths can be stored (layout-v1.md §3.2)."""
+        return v1.shape_ok(lengths, encrypt)
+
+    def reserve_chunk(
+        self, tenant: str, lengths: Sequence[int], *, encrypt: bool, quota: int | None = None
+    ) -> Reservation:
+        """:meth:`reserve` the object of one chunk of these layer lengths: the store,
+        not its caller, knows what an object of them costs on disk."""
+        return self.reserve(tenant, v1.object_size(lengths, encrypt), quota=quota)
 
     @property
     def has_ram_tier(self) -> bool:

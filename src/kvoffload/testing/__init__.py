@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from .errors import SidecarStartError
+from ..errors import SidecarStartError
 
 __all__ = [
     "MAX_SOCKET_PATH",
@@ -94,8 +94,8 @@ def die_with_parent() -> None:  # pragma: no cover - runs in the child before ex
 
 def answers(socket_path: Path, timeout_s: float = 2.0) -> dict[str, Any] | None:
     """The sidecar's stats if one answers on ``socket_path``, else None."""
-    from .client import fetch_stats
-    from .errors import ProtocolError, TransportError
+    from ..client import fetch_stats
+    from ..errors import ProtocolError, TransportError
 
     if not socket_path.exists():
         return None
@@ -175,7 +175,7 @@ class SidecarProcess:
         return text if tail is None else text[-tail:]
 
     def stats(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        from .client import fetch_stats
+        from ..client import fetch_stats
 
         return fetch_stats(self.socket_path, timeout_s=timeout_s)
 
@@ -268,7 +268,7 @@ def dev_sidecar(
     life, and is stopped with SIGTERM on exit. :class:`SidecarStartError` if it
     does not come up, quoting its output. ``process_class``: a subclass of
     :class:`SidecarProcess` with the same constructor (tests add helpers)."""
-    from .sidecar.config import Config
+    from ..sidecar.config import Config
 
     directory = (directory or Path.cwd()).resolve()
     cfg = Config.dev_default(directory)
