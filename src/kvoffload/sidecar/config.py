@@ -86,8 +86,7 @@ from kvoffload.errors import ConfigError
 from kvoffload.protocol import ALIGNMENT, MAX_BATCH
 from kvoffload.units import parse_duration, parse_size
 
-from ..store.files import Durability
-from ..store.iobackend import IOMode, parse_mode
+from ..store import Durability, IOMode, parse_mode
 from .secret import SECRET_SIZE
 
 DEV_DIR_NAME = ".kvoffload"

@@ -39,7 +39,7 @@ from kvoffload.events.wire import (
 from kvoffload.protocol import EngineBlocks
 from kvoffload.protocol.fields import decode
 
-from ..store.index import Index
+from ..store.api import EventLog
 from .config import DEFAULT_EVENTS_BUFFER, EventsSettings
 from .ports import PolicyAPI
 
@@ -81,7 +81,7 @@ def _extra(blocks: EngineBlocks) -> tuple[tuple[Any, ...] | None, ...] | None:
 class IndexReplayBuffer:
     """The durable replay buffer (events-v1 §5): the newest ``keep`` batches in the index."""
 
-    def __init__(self, index: Index, keep: int = DEFAULT_EVENTS_BUFFER) -> None:
+    def __init__(self, index: EventLog, keep: int = DEFAULT_EVENTS_BUFFER) -> None:
         self._index = index
         self._keep = keep
 
@@ -95,7 +95,7 @@ class IndexReplayBuffer:
         return self._index.last_event_seq()
 
 
-def next_incarnation(index: Index) -> int:
+def next_incarnation(index: EventLog) -> int:
     """Raise the durable incarnation counter (events-v1 §4) and return it.
 
     Above both the stored counter and the incarnation of the last buffered
@@ -117,7 +117,7 @@ class SidecarEvents:
 
     def __init__(
         self,
-        index: Index,
+        index: EventLog,
         publisher: KVEventPublisher,
         policy: Callable[[], PolicyAPI],
         locality: str = LOCALITY_LOCAL,
@@ -230,7 +230,7 @@ def _load_curve(path: Path) -> CurveServer:
 
 def start_events(
     settings: EventsSettings,
-    index: Index,
+    index: EventLog,
     policy: Callable[[], PolicyAPI],
     socket_path: Path,
     socket_group: int | None = None,

@@ -46,7 +46,9 @@ from ..errors import LeaseInvalid, QuotaExceeded, StoreError, StoreFull, StoreIO
 from .audit import AuditLog
 from .base import DEFAULT_MAX_SEGMENTS_PER_EPOCH, MAX_OBJECT_BYTES, Counters, StoreConfig
 from .capacity import Reservation
+from .files import Durability
 from .index import ChunkRecord, Usage
+from .iobackend import IOMode, parse_mode
 from .leases import ReadLease, StoreLease
 from .maintenance import FsckReport
 from .store import Store, open_store
@@ -57,7 +59,9 @@ __all__ = [
     "AuditLog",
     "ChunkRecord",
     "Counters",
+    "Durability",
     "FsckReport",
+    "IOMode",
     "LeaseInvalid",
     "QuotaExceeded",
     "ReadLease",
@@ -71,4 +75,5 @@ __all__ = [
     "StoreLocked",
     "Usage",
     "open_store",
+    "parse_mode",
 ]

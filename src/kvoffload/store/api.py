@@ -7,6 +7,7 @@ only, so importing it pulls in neither LMDB nor cryptography.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
 
@@ -31,4 +32,26 @@ class LayoutFacts(Protocol):
     def version(self) -> int: ...
 
 
-__all__ = ["LayoutFacts", "RetentionSettings"]
+class EventLog(Protocol):
+    """What the daemon's KV-event feed keeps in the store's index (events-v1 §5):
+    the durable replay buffer, the engine block hashes of stored chunks, and
+    small metadata (the incarnation counter). The index implements it."""
+
+    def append_event(self, seq: int, payload: bytes, keep: int) -> None: ...
+
+    def events_since(self, seq: int) -> list[tuple[int, bytes]]: ...
+
+    def last_event_seq(self) -> int | None: ...
+
+    def set_blocks(self, tenant: str, chunk_key: bytes, blob: bytes) -> bool: ...
+
+    def all_blocks(self) -> Iterator[tuple[str, bytes, bytes]]: ...
+
+    def get_meta(self, name: str) -> bytes | None: ...
+
+    def set_meta(self, name: str, value: bytes) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+__all__ = ["EventLog", "LayoutFacts", "RetentionSettings"]
