@@ -129,7 +129,7 @@ from .requests import (
     RegisterStaging,
     Request,
     Stats,
-    Store,
+    StoreBatch,
     StoreChunk,
     Touch,
 )
@@ -210,7 +210,7 @@ __all__ = [
     "Request",
     "Stats",
     "StatsReply",
-    "Store",
+    "StoreBatch",
     "StoreChunk",
     "StoreReply",
     "StoreSlot",

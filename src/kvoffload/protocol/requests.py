@@ -230,7 +230,7 @@ class StoreChunk(ChunkSpec, frozen=True, kw_only=True):
         return d
 
 
-class Store(RequestMessage, frozen=True):
+class StoreBatch(RequestMessage, frozen=True):
     """§5.21 (revision 6): store chunks the client already put in its staging buffer,
     at regions it chose, in one round trip (``prepare_store`` + ``complete_store``)."""
 
@@ -423,7 +423,7 @@ Request = (
     | PurgeOlder
     | Invalidate
     | Namespaces
-    | Store
+    | StoreBatch
     | DropCache
 )
 
@@ -450,7 +450,7 @@ REQUEST_TYPES: dict[Op, type[Request]] = {
         PurgeOlder,
         Invalidate,
         Namespaces,
-        Store,
+        StoreBatch,
         DropCache,
     )
 }
@@ -480,7 +480,7 @@ __all__ = [
     "Request",
     "RequestMessage",
     "Stats",
-    "Store",
+    "StoreBatch",
     "StoreChunk",
     "Touch",
 ]

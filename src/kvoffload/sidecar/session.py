@@ -70,7 +70,7 @@ from kvoffload.protocol import (
     Request,
     Stats,
     StatsReply,
-    Store,
+    StoreBatch,
     Touch,
     close_fds,
     fake_salt,
@@ -393,7 +393,7 @@ class Session(Transfers):
                     return self.prepare_store(req)
                 case CompleteStore():
                     return self.complete_store(req)
-                case Store():
+                case StoreBatch():
                     return self.store(req)
                 case PrepareLoad():
                     return self.prepare_load(req, emit)

@@ -43,7 +43,7 @@ from kvoffload.protocol import (
     PrepareStoreReply,
     ReadSlot,
     Reply,
-    Store,
+    StoreBatch,
     StoreChunk,
     StoreReply,
     StoreSlot,
@@ -251,7 +251,7 @@ class Transfers:
 
     def _plan_write(
         self,
-        req: PrepareStore | Store,
+        req: PrepareStore | StoreBatch,
         slot: type[_W],
         allowed: Callable[[str], bool],
         right: str,
@@ -291,7 +291,7 @@ class Transfers:
 
     # -- one-round-trip writes (§5.21) --------------------------------------------------
 
-    def store(self, req: Store) -> Reply:
+    def store(self, req: StoreBatch) -> Reply:
         """§5.21: ``prepare_store`` + ``complete_store`` of chunks the client already
         put at regions of its staging buffer it chose; they are read, sealed and
         written before the reply, and each region is the server's until then."""
@@ -316,7 +316,7 @@ class Transfers:
         self._record_blocks(h, [stored[i] and i in keys for i in range(len(stored))], None, keys)
         return StoreReply(tuple(stored), tuple(codes))
 
-    def _store_regions(self, req: Store, size: int) -> None:
+    def _store_regions(self, req: StoreBatch, size: int) -> None:
         """§5.21: the chunks' regions, aligned, inside the buffer and apart, sorted;
         anything else is the client's mistake (BAD_REQUEST), before any effect."""
         align = self.service.config.alignment
