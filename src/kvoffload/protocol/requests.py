@@ -24,6 +24,7 @@ from .fields import (
     UInt,
     decode,
     distinct,
+    op_table,
     plain,
 )
 from .framing import bad
@@ -427,33 +428,8 @@ Request = (
     | DropCache
 )
 
-REQUEST_TYPES: dict[Op, type[Request]] = {
-    t.OP: t
-    for t in (
-        Hello,
-        RegisterStaging,
-        Lookup,
-        PrepareStore,
-        CompleteStore,
-        Abort,
-        PrepareLoad,
-        CompleteLoad,
-        Touch,
-        Stats,
-        Purge,
-        Fsck,
-        Bye,
-        LeaseStore,
-        LeaseLoad,
-        Inspect,
-        Ls,
-        PurgeOlder,
-        Invalidate,
-        Namespaces,
-        StoreBatch,
-        DropCache,
-    )
-}
+#: op → request class, made from :data:`Request`.
+REQUEST_TYPES: dict[Op, type[Request]] = op_table(Request)
 
 __all__ = [
     "REQUEST_TYPES",
