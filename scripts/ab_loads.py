@@ -32,57 +32,40 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import bench_sidecar as bsc
-import bench_store as bs
-
-from kvoffload import testing
+from benchlib.chunks import NAMESPACE, Shape, mv, random_payload, split_layers, touched
+from benchlib.method import drop_cache
+from benchlib.sidecar import SEALED_TENANT, run_sidecar
 from kvoffload.client import SidecarClient
 
 SHAPES = {
-    "large": bs.Shape("large", 32, 1 << 20, "Llama-3-8B, 256 tokens", 0),
-    "small": bs.Shape("small", 4, 16 << 10, "4 x 16 KiB", 0),
+    "large": Shape("large", 32, 1 << 20, "Llama-3-8B, 256 tokens", 0),
+    "small": Shape("small", 4, 16 << 10, "4 x 16 KiB", 0),
 }
-
-
-def _start(work: Path, src: str, stack: contextlib.ExitStack) -> bsc.Sidecar:
-    work.mkdir(parents=True)
-    sock = bsc._short_socket_dir(work, stack) / "kvoffload.sock"
-    config = bsc._config_files(work, sock)
-    env = {"KVOFFLOAD_STORE_DURABILITY": "object", "PYTHONPATH": src}
-    cmd = testing.cli_argv("--config", str(config), "serve")
-    log = work / "sidecar.log"
-    proc = testing.SidecarProcess(work, sock, cmd, env=env, log_path=log, tie_to_parent=True)
-    stack.callback(proc.stop)
-    proc.start()
-    assert proc.proc is not None
-    sc = bsc.Sidecar(work, sock, work / "store", proc.proc, log, cmd)
-    sc.stats = proc.wait_ready(60)
-    return sc
 
 
 def _one(name: str, src: str, a: argparse.Namespace, work: Path) -> str:
     shape = SHAPES[a.shape]
     pay = shape.layers * shape.layer_bytes
-    payload = bs.random_payload(pay, 7)
-    layers = bs.split_layers(payload, shape)
+    payload = random_payload(pay, 7)
+    layers = split_layers(payload, shape)
     nchunks = a.batch * (a.ops + 1)
     keys = [i.to_bytes(4, "big") + os.urandom(28) for i in range(nchunks)]
     with contextlib.ExitStack() as stack:
-        sc = _start(work / name, src, stack)
+        sc = stack.enter_context(run_sidecar(work / name, "object", None, env={"PYTHONPATH": src}))
         client = stack.enter_context(
             SidecarClient(
                 sc.socket,
-                bsc.SEALED_TENANT,
+                SEALED_TENANT,
                 staging_bytes=max(256 << 20, 2 * a.batch * pay),
                 timeout_s=120,
                 name="ab_loads",
             )
         )
         for i in range(0, nchunks, a.batch):
-            if not all(client.save(bs.NAMESPACE, [(k, layers) for k in keys[i : i + a.batch]])):
+            if not all(client.save(NAMESPACE, [(k, layers) for k in keys[i : i + a.batch]])):
                 raise RuntimeError(f"{name}: save failed\n{sc.log_tail()}")
         os.sync()
-        dst = bs._mv(bs.touched(a.batch * pay))
+        dst = mv(touched(a.batch * pay))
 
         def into(idx: int, _key: bytes, views: Sequence[memoryview]) -> None:
             at = idx * pay
@@ -95,10 +78,10 @@ def _one(name: str, src: str, a: argparse.Namespace, work: Path) -> str:
                 at = (first + j) * pay + layer * shape.layer_bytes
                 dst[at : at + v.nbytes] = v
 
-        objs = [sc.object_path(bsc.SEALED_TENANT, k) for k in keys]
+        objs = [sc.object_path(SEALED_TENANT, k) for k in keys]
         fsize = objs[0].stat().st_size
         stride = -(-fsize // 4096) * 4096
-        rbuf = bs._mv(bs.touched(a.batch * stride))
+        rbuf = mv(touched(a.batch * stride))
         slots = [rbuf[j * stride : j * stride + fsize] for j in range(a.batch)]
         pool = stack.enter_context(ThreadPoolExecutor(4))
 
@@ -139,7 +122,7 @@ def _one(name: str, src: str, a: argparse.Namespace, work: Path) -> str:
             for i in range(1, a.ops + 1):
                 for oname, fn in ops[i % len(ops) :] + ops[: i % len(ops)]:
                     if cache == "cold":
-                        bs.drop_cache(objs[i * a.batch : (i + 1) * a.batch])
+                        drop_cache(objs[i * a.batch : (i + 1) * a.batch])
                     t = time.perf_counter()
                     fn(i)
                     total[oname] += time.perf_counter() - t

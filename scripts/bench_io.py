@@ -53,8 +53,8 @@ Each kvoffload save row runs interleaved batch by batch with its raw write
 ceiling (and its sealed, plaintext and direct twins), alternating which goes
 first; likewise each load row with its raw read. The shared method
 (page-aligned buffers, cold = sync + POSIX_FADV_DONTNEED + mincore check and
-the store's RAM tier emptied, untimed warm-up op) is scripts/bench_store.py's,
-imported from there.
+the store's RAM tier emptied, untimed warm-up op) is the one every benchmark
+here shares (scripts/benchlib).
 
 Usage::
 
@@ -70,71 +70,54 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib.util
 import json
-import logging
 import os
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from benchlib.ceilings import COLD_METHOD, Prepared, prepare, read_file, write_file
+from benchlib.chunks import (
+    DEFAULT_DURABILITIES,
+    DURABILITIES,
+    NAMESPACE,
+    TENANT,
+    MiB,
+    Shape,
+    chunk_key,
+    fit_to_disk,
+    make_shapes,
+    mv,
+    touched,
+)
+from benchlib.facts import machine_facts
+from benchlib.lmcache import LMCACHE_HOWTO, LMCACHE_VENV, run_lmcache_peer
+from benchlib.method import Mincore, Timing, choices, drop_cache, interleaved, loadavg, scratch_dir
+from benchlib.results import Result
+from benchlib.stores import new_kek, settle_ram_tier
+from benchlib.tables import begin, cell, machine_table, warn_not_cold
+from benchlib.targets import TARGET_CEIL, TARGET_PEER, Target, verdict
 from kvoffload.client import direct as direct_io
 from kvoffload.layouts import v1
 from kvoffload.store import Store, StoreConfig, StoreLease
 from kvoffload.store.base import default_io_streams
-from kvoffload.store.files import O_DIRECT, Durability
+from kvoffload.store.files import Durability
 from kvoffload.store.iobackend import IOMode, IOPlan, plan
 from kvoffload.store.keys.keyring import Kek
 
-SCRIPTS = Path(__file__).resolve().parent
-REPO = SCRIPTS.parent
-
-
-def _load_sibling(name: str) -> ModuleType:
-    """Import scripts/<name>.py (scripts/ is not a package) once, by path."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {SCRIPTS / name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up while the body runs
-    spec.loader.exec_module(mod)
-    return mod
-
-
-if TYPE_CHECKING:
-    import bench_store as bs
-else:
-    bs = _load_sibling("bench_store")
-
-GB = bs.GB
-MiB = bs.MiB
-LMCACHE_VENV = REPO / ".venv-lmcache"
-LMCACHE_PEER = SCRIPTS / "lmcache_peer.py"
-LMCACHE_HOWTO = (
-    "python3 -m venv .venv-lmcache && .venv-lmcache/bin/pip install torch==2.13.0 lmcache==0.5.6"
-)
 BACKENDS = ("posix-buffered", "posix-direct", "posix", "auto", "kvikio", "cufile")
 DEFAULT_BACKENDS = ("posix-buffered", "posix-direct", "kvikio", "cufile")
 FORMATS = ("sealed", "plain", "direct")
 STAGED = FORMATS[:2]  # the formats that go through Store.put_many / get_many_into
-TARGET_CEIL = 0.8  # best sealed / raw ceiling, save and cold load
-TARGET_PEER = 1.2  # kvoffload sealed / LMCache unencrypted (issue 12)
-
 METHOD = (
     "GB/s = payload bytes of the timed chunks / sum of the timed batches' wall times (1 GB = "
     "1e9 B), after 1 untimed warm-up batch; p50 = median wall time of one batch. Raw rows are "
@@ -157,8 +140,8 @@ BOUNDS = (
 
 
 @dataclass
-class Row(bs.Result):
-    """A bench_store Result with the backend it ran with and the batch size."""
+class Row(Result):
+    """A benchlib Result with the backend it ran with and the batch size."""
 
     backend: str = ""
     batch: int = 1
@@ -240,29 +223,13 @@ def raw_writer(
     bookkeeping: open(O_EXCL[, O_DIRECT]) + write + [fsync] + close + rename + [fsync(dir)];
     with ``pool``, the files of a batch at once (the ceiling of as many streams)."""
     sync = durability == "object"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (O_DIRECT if direct else 0)
 
     def op(i: int) -> None:
         fan_out(pool, functools.partial(one, i), batch)
 
     def one(i: int, j: int) -> None:
         tmp = d / f".tmp-{tag}-{i}-{j}"
-        fd = os.open(tmp, flags, 0o640)
-        try:
-            done = 0
-            while done < len(image):
-                done += os.write(fd, image[done:])
-            if sync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, raw_file(d, tag, i, j))
-        if sync:
-            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+        write_file(tmp, raw_file(d, tag, i, j), image, sync=sync, direct=direct)
 
     return op
 
@@ -285,47 +252,17 @@ def raw_reader(
     (layout v1 objects are 4 KiB-padded, so O_DIRECT reads them whole). With
     ``pool``, the files of a batch are read at once, file j into ``slots[j]``.
     """
-    flags = os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0)
 
     def op(i: int) -> None:
         fan_out(pool, functools.partial(one, i), len(files[i]))
 
     def one(i: int, j: int) -> None:
-        p = files[i][j]
-        buf_ = slots[j] if pool is not None else buf
-        fd = os.open(p, flags)
-        try:
-            size = os.fstat(fd).st_size
-            want = v1.align_up(size) if direct else size
-            done = 0
-            while done < size:
-                got = os.readv(fd, [buf_[done:want]])
-                if got == 0:
-                    raise OSError(f"{p}: short read")
-                done += got
-        finally:
-            os.close(fd)
+        read_file(files[i][j], slots[j] if pool is not None else buf, direct=direct)
 
     return op
 
 
 # --------------------------------------------------------------------------- the run
-
-
-@dataclass
-class Shaped:
-    """A bench_store shape, its batch size, and the bytes every row of it moves."""
-
-    shape: bs.Shape
-    batch: int
-    payload: npt.NDArray[np.uint8]
-    layers: list[memoryview]
-    images: dict[str, memoryview]
-    cpu: dict[str, bs.Result]
-
-    @property
-    def batches(self) -> int:
-        return max(1, self.shape.chunks // self.batch)
 
 
 @dataclass
@@ -336,9 +273,9 @@ class Bench:
     #: The stores' io_streams; raw ceilings also run with min(streams, batch).
     streams: int = 1
     results: list[Row] = field(default_factory=list)
-    cpu_results: list[bs.Result] = field(default_factory=list)
+    cpu_results: list[Result] = field(default_factory=list)
     open_stores: list[Store] = field(default_factory=list)
-    mincore: bs.Mincore = field(default_factory=bs.Mincore)
+    mincore: Mincore = field(default_factory=Mincore)
     dio: direct_io.PosixDirectIO = field(default_factory=direct_io.PosixDirectIO)  # the worker's
     progress: Callable[[str], None] = lambda _m: None
 
@@ -347,26 +284,23 @@ class Bench:
         self.progress(f"  {r.id:<52} {r.gbps:8.3f} GB/s  ({r.ops} chunks)")
         return r
 
-    def prepare(self, shape: bs.Shape, batch: int) -> Shaped:
+    def prepare(self, shape: Shape, batch: int) -> Prepared:
         self.progress(f"{shape.key}: {shape.describe()}, batches of {batch}")
-        cpu = bs.cpu_ceilings(shape, min(self.budget_s, 0.3))
-        for r in cpu.values():
+        sh = prepare(shape, batch, STAGED, self.budget_s)
+        for r in sh.cpu.values():
             self.cpu_results.append(r)
             self.progress(f"  {r.id:<52} {r.gbps:8.3f} GB/s")
-        payload = bs.random_payload(shape.payload, 2)
-        layers = bs.split_layers(payload, shape)
-        images = {fmt: bs.object_image(shape, layers, fmt) for fmt in STAGED}
-        return Shaped(shape, batch, payload, layers, images, cpu)
+        return sh
 
     def row(
         self,
         kind: str,
         name: str,
-        sh: Shaped,
+        sh: Prepared,
         dur: str | None,
         backend: str,
         fmt: str,
-        t: bs.Timing,
+        t: Timing,
         cached: float | None = None,
     ) -> Row:
         batches, wall, p50 = t
@@ -378,7 +312,7 @@ class Bench:
         )  # fmt: skip
 
     @staticmethod
-    def compare(row: Row, ceiling: Row, stages: Sequence[bs.Result]) -> None:
+    def compare(row: Row, ceiling: Row, stages: Sequence[Result]) -> None:
         row.ceiling = ceiling.name
         row.ceiling_gbps = ceiling.gbps
         row.ratio = row.gbps / ceiling.gbps if ceiling.gbps else None
@@ -390,13 +324,13 @@ class Bench:
             row.overlap_bound_gbps = min(ceiling.gbps, 1.0 / cpu_s)
             row.ratio_to_overlap = row.gbps / row.overlap_bound_gbps
 
-    def unavailable(self, sh: Shaped, spec: BackendSpec) -> None:
+    def unavailable(self, sh: Prepared, spec: BackendSpec) -> None:
         self.results.append(
             Row("unavailable", f"unavailable: {spec.reason}", sh.shape.key, None, 0,
                 sh.shape.payload, 0, 0.0, 0.0, backend=spec.name, batch=sh.batch)
         )  # fmt: skip
 
-    def run_backend(self, sh: Shaped, spec: BackendSpec, durabilities: Sequence[str]) -> None:
+    def run_backend(self, sh: Prepared, spec: BackendSpec, durabilities: Sequence[str]) -> None:
         s = sh.shape
         self.progress(f"{s.key} {spec.name}: {spec.summary}")
         work = self.base / f"{s.key}-{spec.name}"
@@ -411,12 +345,12 @@ class Bench:
                 st.close()
             shutil.rmtree(work, ignore_errors=True)
 
-    def _keys(self, sh: Shaped, fmt: str, dur: str, i: int) -> list[bytes]:
-        return [bs.chunk_key(sh.shape, f"{fmt}/{dur}", i * sh.batch + j) for j in range(sh.batch)]
+    def _keys(self, sh: Prepared, fmt: str, dur: str, i: int) -> list[bytes]:
+        return [chunk_key(sh.shape, f"{fmt}/{dur}", i * sh.batch + j) for j in range(sh.batch)]
 
     def _run(
         self,
-        sh: Shaped,
+        sh: Prepared,
         spec: BackendSpec,
         durabilities: Sequence[str],
         work: Path,
@@ -438,7 +372,7 @@ class Bench:
 
     def _run_ops(
         self,
-        sh: Shaped,
+        sh: Prepared,
         spec: BackendSpec,
         durabilities: Sequence[str],
         work: Path,
@@ -465,7 +399,7 @@ class Bench:
             )
             stores[dur] = store
             self.open_stores.append(store)
-            bs.settle_ram_tier(store, sh.layers)
+            settle_ram_tier(store, sh.layers)
 
             def save(i: int, fmt: str, dur: str = dur, store: Store = store) -> None:
                 keys = self._keys(sh, fmt, dur, i)
@@ -473,7 +407,7 @@ class Bench:
                     self._save_direct(store, keys, sh.layers)
                     return
                 chunks = [(k, sh.layers) for k in keys]
-                done = store.put_many(bs.TENANT, bs.NAMESPACE, chunks, encrypt=fmt == "sealed")
+                done = store.put_many(TENANT, NAMESPACE, chunks, encrypt=fmt == "sealed")
                 if not all(done):
                     raise AssertionError("put_many found a chunk already present")
 
@@ -484,9 +418,9 @@ class Bench:
                     raw_writer(rdir, image, dur, direct=spec.direct_write, batch=b,
                                tag=f"{dur}-x{nst}", pool=pool)
                 )  # fmt: skip
-            timings = bs.interleaved(
+            timings = interleaved(
                 [*raws, *(functools.partial(save, fmt=fmt) for fmt in fmts)],
-                n=sh.batches,
+                n=sh.ops(1),
                 budget_s=budget,
                 min_ops=3,
             )
@@ -518,22 +452,22 @@ class Bench:
         keys = {fmt: [self._keys(sh, fmt, dur, i) for dur, i in written] for fmt in fmts}
         obj_files = {
             fmt: [
-                [stores[dur].root / v1.object_relpath(bs.TENANT, k) for k in ks]
+                [stores[dur].root / v1.object_relpath(TENANT, k) for k in ks]
                 for (dur, _i), ks in zip(written, keys[fmt], strict=True)
             ]
             for fmt in fmts
         }
         store_of = [stores[dur] for dur, _i in written]
-        rbuf = bs._mv(bs.touched(v1.align_up(len(image))))
+        rbuf = mv(touched(v1.align_up(len(image))))
         # The N-stream reads: cold, of the files the N-stream writer wrote; warm, of
         # the single-stream files, which the cold row leaves cached (buffered).
         par_files = [
             [raw_file(rdir, f"{dur}-x{nst}", i, j) for j in range(b)] for dur, i in written
         ]
         stride = v1.align_up(len(image))
-        pbuf = bs._mv(bs.touched(stride * b)) if pool is not None else rbuf
+        pbuf = mv(touched(stride * b)) if pool is not None else rbuf
         slots = [pbuf[j * stride : (j + 1) * stride] for j in range(b)]
-        outs = [bs._mv(bs.touched(s.payload)) for _ in range(b)]
+        outs = [mv(touched(s.payload)) for _ in range(b)]
         lb = s.layer_bytes
         dests = [[o[k * lb : (k + 1) * lb] for k in range(s.layers)] for o in outs]
 
@@ -541,11 +475,11 @@ class Bench:
             if fmt == "direct":
                 self._load_direct(store_of[i], keys[fmt][i], dests)
             else:
-                got = store_of[i].get_many_into(bs.TENANT, keys[fmt][i], outs)
+                got = store_of[i].get_many_into(TENANT, keys[fmt][i], outs)
                 if any(g is None for g in got):
                     raise AssertionError(f"get_many_into ({fmt}) missed a chunk it just stored")
             if i == 0:  # the untimed warm-up batch: check the bytes
-                want = bytes(bs._mv(sh.payload))
+                want = bytes(mv(sh.payload))
                 if any(bytes(o) != want for o in outs):
                     raise AssertionError(f"load {fmt}: the bytes read differ from those saved")
                 for o in outs:  # so that the next format's check sees its own bytes
@@ -557,7 +491,7 @@ class Bench:
             flat += [p for batch in par_files for p in batch]
         for cache in ("cold", "warm") if not spec.direct_read else ("cold",):
             if cache == "cold":
-                bs.drop_cache(flat + [p for fmt in fmts for batch in obj_files[fmt] for p in batch])
+                drop_cache(flat + [p for fmt in fmts for batch in obj_files[fmt] for p in batch])
                 for st in stores.values():
                     st.drop_cache()  # and each store's RAM tier: a cold load reads files
             timed = [p for batch in raw_files[1 : n + 1] for p in batch]
@@ -572,7 +506,7 @@ class Bench:
                     raw_reader(par_files if cache == "cold" else raw_files, rbuf,
                                direct=spec.direct_read, pool=pool, slots=slots)
                 )  # fmt: skip
-            timings = bs.interleaved(
+            timings = interleaved(
                 [*readers, *(functools.partial(load, fmt=fmt) for fmt in fmts)],
                 n=n,
                 budget_s=budget,
@@ -614,15 +548,15 @@ class Bench:
         leases: list[StoreLease] = []
         try:
             for k in keys:
-                lease = store.lease_store(bs.TENANT, bs.NAMESPACE, k, lengths)
+                lease = store.lease_store(TENANT, NAMESPACE, k, lengths)
                 if lease is None:
                     raise AssertionError("lease_store found a chunk already present")
                 leases.append(lease)
             for lease in leases:  # the worker
                 _data_offset, offsets = lease.offsets
                 header = v1.plain_header_block(
-                    tenant=bs.TENANT,
-                    namespace=bs.NAMESPACE,
+                    tenant=TENANT,
+                    namespace=NAMESPACE,
                     chunk_key=lease.chunk_key,
                     lengths=lengths,
                     checks=direct_io.checks_of(layers),
@@ -649,9 +583,9 @@ class Bench:
         """One batch the way lease_load / the worker / complete_load do it, minus the socket:
         pin and header-check every chunk, read every chunk's layers into its destinations
         (verifying each XXH3-128), unpin."""
-        store.pin(bs.TENANT, keys)
+        store.pin(TENANT, keys)
         try:
-            leases = [store.lease_load(bs.TENANT, k) for k in keys]
+            leases = [store.lease_load(TENANT, k) for k in keys]
             for rl, d in zip(leases, dests, strict=True):  # the worker
                 if rl is None:
                     raise AssertionError("lease_load missed a chunk it just stored")
@@ -659,10 +593,10 @@ class Bench:
                 if not self.dio.read_layers(str(rl.path), ext, d):
                     raise AssertionError("read_layers: a layer failed its checksum")
         finally:
-            store.unpin(bs.TENANT, keys)
+            store.unpin(TENANT, keys)
 
     @staticmethod
-    def _stages(sh: Shaped, fmt: str, op: str) -> list[bs.Result]:
+    def _stages(sh: Prepared, fmt: str, op: str) -> list[Result]:
         """The CPU stages a row must run besides its I/O (see BOUNDS)."""
         cpu = sh.cpu
         if fmt == "sealed":
@@ -674,45 +608,6 @@ class Bench:
 
 
 # --------------------------------------------------------------------------- targets
-
-
-@dataclass
-class Target:
-    shape: str
-    op: str  # "save" | "cold load" | "warm load"
-    durability: str | None
-    ours: bs.Result | None  # a Row of this script or of bench_sidecar.py
-    theirs_name: str
-    theirs_gbps: float | None
-    theirs_ratio: float | None  # the other side's x ceil, when it has one
-    target: float
-
-    @property
-    def ratio(self) -> float | None:
-        if self.ours is None or not self.theirs_gbps:
-            return None
-        return self.ours.gbps / self.theirs_gbps
-
-    @property
-    def met(self) -> bool | None:
-        r = self.ratio
-        return None if r is None else r >= self.target
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "shape": self.shape,
-            "op": self.op,
-            "durability": self.durability,
-            "ours": self.ours.id if self.ours else None,
-            "ours_gbps": self.ours.gbps if self.ours else None,
-            "ours_x_ceil": self.ours.ratio if self.ours else None,
-            "theirs": self.theirs_name,
-            "theirs_gbps": self.theirs_gbps,
-            "theirs_x_ceil": self.theirs_ratio,
-            "ratio": self.ratio,
-            "target": self.target,
-            "met": self.met,
-        }
 
 
 def _best(rows: Sequence[Row]) -> Row | None:
@@ -807,93 +702,13 @@ def run_lmcache(
     )
 
 
-def run_lmcache_peer(
-    py: Path,
-    base: Path,
-    err: Console,
-    *,
-    quick: bool,
-    row_budget_s: float,
-    large_mib_per_row: int,
-    small_ops: int,
-    large_batch: int,
-    small_batch: int,
-    durabilities: Sequence[str],
-    shapes: Sequence[str] = ("large", "small"),
-) -> tuple[str, dict[str, Any] | None]:
-    """Run lmcache_peer.py with ``py`` (its venv's python) on ``base``; (one status line,
-    its JSON or None). Never raises for a missing venv or a failed peer: the status says."""
-    if not py.exists():
-        return f"not run: {py} does not exist; create it with: {LMCACHE_HOWTO}", None
-    out = base / "lmcache.json"
-    cmd = [
-        str(py),
-        str(LMCACHE_PEER),
-        "--dir",
-        str(base),
-        "--json",
-        str(out),
-        "--row-budget-s",
-        str(row_budget_s),
-        "--large-mib-per-row",
-        str(large_mib_per_row),
-        "--small-ops",
-        str(small_ops),
-        "--large-batch",
-        str(large_batch),
-        "--small-batch",
-        str(small_batch),
-        "--shapes",
-        ",".join(shapes),
-    ]
-    durs = [d for d in durabilities if d in ("object", "none")]
-    if not durs:
-        return "not run: LMCache has only durabilities none (put) and object (put+fsync)", None
-    cmd += ["--durability", ",".join(durs)]
-    if quick:
-        cmd.append("--quick")
-    err.print(f"lmcache: {' '.join(cmd)}", highlight=False)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, cwd=base)
-    try:
-        rc = proc.wait()
-    finally:
-        if proc.poll() is None:  # we were interrupted: stop it (it cleans up, then _exit)
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    if rc != 0 or not out.exists():
-        return f"failed: lmcache_peer.py exited with {rc} (its stderr is above)", None
-    doc: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
-    out.unlink()
-    return "ran", doc
-
-
-def best_lmcache(peer: dict[str, Any], shape: str, name: str) -> dict[str, Any] | None:
-    """LMCache's fastest variant (buffered / O_DIRECT, as its run configured its threads)
-    of row ``name`` (put, put+fsync, get cold, get warm) for ``shape``; None if none ran."""
-    rows = [r for r in peer.get("rows", []) if r["shape"] == shape and r["name"] == name]
-    return max(rows, key=lambda r: float(r["gbps"])) if rows else None
-
-
 # --------------------------------------------------------------------------- output
-
-
-_f = bs._f
-
-
-def _verdict(t: Target) -> str:
-    if t.met is None:
-        return "-"
-    return "[green]meets[/green]" if t.met else "[red]below[/red]"
 
 
 def render(
     console: Console,
     facts: dict[str, str],
-    shapes: Sequence[Shaped],
+    shapes: Sequence[Prepared],
     specs: Sequence[BackendSpec],
     bench: Bench,
     targets: Sequence[Target],
@@ -901,15 +716,8 @@ def render(
     peer: dict[str, Any] | None,
     peer_cmp: Sequence[Target],
 ) -> None:
-    t = Table(title="machine", show_header=False)
-    t.add_column("fact", style="bold")
-    t.add_column("value")
-    for k, v in facts.items():
-        t.add_row(escape(k), escape(v))
-    for sh in shapes:
-        s = sh.shape
-        t.add_row(f"shape {s.key}", f"{s.describe()} - {s.note}; batches of {sh.batch} chunks")
-    console.print(t)
+    more = [sh.shape.fact(f"; batches of {sh.batch} chunks") for sh in shapes]
+    console.print(machine_table(facts, more))
 
     t = Table(title="I/O backends (KVOFFLOAD_IO)")
     for col in ("backend", "status", "what / why"):
@@ -930,8 +738,8 @@ def render(
         if r.kind == "ceiling":
             t.add_row(
                 r.shape, r.durability or "", r.name, r.backend, str(r.ops),
-                f"{r.ops * r.payload_bytes / MiB:.1f}", f"{r.gbps:.3f}", _f(r.file_gbps),
-                f"{r.p50_ms:.1f}", _f(r.cached, "{:.0%}"),
+                f"{r.ops * r.payload_bytes / MiB:.1f}", f"{r.gbps:.3f}", cell(r.file_gbps),
+                f"{r.p50_ms:.1f}", cell(r.cached, "{:.0%}"),
             )  # fmt: skip
     console.print(t)
 
@@ -949,9 +757,9 @@ def render(
         elif r.kind == "kvoffload":
             t.add_row(
                 r.shape, r.durability or "", r.backend, r.name, str(r.ops), f"{r.gbps:.3f}",
-                f"{r.p50_ms:.1f}", _f(r.cached, "{:.0%}"), _f(r.ceiling_gbps),
-                _f(r.ratio, "{:.2f}"), _f(r.bound_gbps), _f(r.ratio_to_bound, "{:.2f}"),
-                _f(r.overlap_bound_gbps), _f(r.ratio_to_overlap, "{:.2f}"),
+                f"{r.p50_ms:.1f}", cell(r.cached, "{:.0%}"), cell(r.ceiling_gbps),
+                cell(r.ratio, "{:.2f}"), cell(r.bound_gbps), cell(r.ratio_to_bound, "{:.2f}"),
+                cell(r.overlap_bound_gbps), cell(r.ratio_to_overlap, "{:.2f}"),
             )  # fmt: skip
     console.print(t)
 
@@ -963,8 +771,8 @@ def render(
     for tg in targets:
         t.add_row(
             tg.shape, tg.op, tg.durability or "", tg.ours.id if tg.ours else "-",
-            _f(tg.ours.gbps if tg.ours else None), escape(tg.theirs_name), _f(tg.theirs_gbps),
-            _f(tg.ratio, "{:.2f}x"), f">= {tg.target:.2f}x", _verdict(tg),
+            cell(tg.ours.gbps if tg.ours else None), escape(tg.theirs_name), cell(tg.theirs_gbps),
+            cell(tg.ratio, "{:.2f}x"), f">= {tg.target:.2f}x", verdict(tg),
         )  # fmt: skip
     console.print(t)
 
@@ -978,8 +786,8 @@ def render(
         for r in peer.get("rows", []):
             t.add_row(
                 r["shape"], r["variant"], r["name"], r["durability"] or "", str(r["chunks"]),
-                f"{r['gbps']:.3f}", f"{r['p50_ms']:.1f}", _f(r.get("cached"), "{:.0%}"),
-                r.get("ceiling") or "", _f(r.get("ceiling_gbps")), _f(r.get("ratio"), "{:.2f}"),
+                f"{r['gbps']:.3f}", f"{r['p50_ms']:.1f}", cell(r.get("cached"), "{:.0%}"),
+                r.get("ceiling") or "", cell(r.get("ceiling_gbps")), cell(r.get("ratio"), "{:.2f}"),
             )  # fmt: skip
         console.print(t)
         t = Table(
@@ -992,10 +800,10 @@ def render(
         for tg in peer_cmp:
             t.add_row(
                 tg.shape, tg.op, tg.durability or "", tg.ours.id if tg.ours else "-",
-                _f(tg.ours.gbps if tg.ours else None), _f(tg.ours.ratio if tg.ours else None,
-                "{:.2f}"), escape(tg.theirs_name), _f(tg.theirs_gbps),
-                _f(tg.theirs_ratio, "{:.2f}"), _f(tg.ratio, "{:.2f}x"), f">= {tg.target:.2f}x",
-                _verdict(tg),
+                cell(tg.ours.gbps if tg.ours else None), cell(tg.ours.ratio if tg.ours else None,
+                "{:.2f}"), escape(tg.theirs_name), cell(tg.theirs_gbps),
+                cell(tg.theirs_ratio, "{:.2f}"), cell(tg.ratio, "{:.2f}x"), f">= {tg.target:.2f}x",
+                verdict(tg),
             )  # fmt: skip
         console.print(t)
         for note in peer.get("notes", []):
@@ -1008,7 +816,7 @@ def render(
 
     console.print(f"[bold]method[/bold]: {METHOD}")
     console.print(f"[bold]bounds[/bold]: {BOUNDS}")
-    console.print(f"[bold]cold reads[/bold]: {bs.COLD_METHOD}")
+    console.print(f"[bold]cold reads[/bold]: {COLD_METHOD}")
     console.print(
         "[bold]durability none[/bold]: save and raw write rows time page-cache writes only "
         "(O_DIRECT ones go to the device without a cache flush); os.sync() runs untimed after "
@@ -1030,14 +838,7 @@ def render(
         "backends run the same code against each backend's ceilings. No direct rows for "
         "kvikio/cufile (the worker's kvikio path is not benchmarked here)."
     )
-    bad = [
-        r for r in bench.results if "cold" in r.name and r.cached is not None and r.cached > 0.05
-    ]
-    if bad:
-        console.print(
-            f"[bold red]warning[/bold red]: {len(bad)} cold rows had >5% of their pages cached "
-            "after DONTNEED (tmpfs or a file system that ignores fadvise?): they are not cold."
-        )
+    warn_not_cold(console, bench.results)
 
 
 # --------------------------------------------------------------------------- main
@@ -1045,15 +846,10 @@ def render(
 
 def _split(p: argparse.ArgumentParser, values: list[str] | None, allowed: Sequence[str],
            default: Sequence[str], flag: str) -> list[str]:  # fmt: skip
-    out: list[str] = []
-    for item in values or [",".join(default)]:
-        for v in item.split(","):
-            v = v.strip()
-            if v not in allowed:
-                p.error(f"{flag}: {v!r} is not one of {', '.join(allowed)}")
-            if v not in out:
-                out.append(v)
-    return out
+    try:
+        return choices(values, allowed, default)
+    except ValueError as exc:
+        p.error(f"{flag}: {exc}")
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -1100,7 +896,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     a = p.parse_args(argv)
     a.backend = _split(p, a.backend, BACKENDS, DEFAULT_BACKENDS, "--backend")
-    a.durability = _split(p, a.durability, bs.DURABILITIES, bs.DEFAULT_DURABILITIES,
+    a.durability = _split(p, a.durability, DURABILITIES, DEFAULT_DURABILITIES,
                           "--durability")  # fmt: skip
     if a.row_budget_s is None:
         a.row_budget_s = 0.3 if a.quick else 3.0
@@ -1111,40 +907,20 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return a
 
 
-def _fit(shapes: list[bs.Shape], d: Path, n_backends: int, n_durs: int) -> list[bs.Shape]:
-    """Shrink the rows if the file system cannot hold one backend's files (x4: raw, sealed,
-    plain, direct; all durabilities' files stay until the loads)."""
-    free = shutil.disk_usage(d).free
-    out: list[bs.Shape] = []
-    for s in shapes:
-        per_chunk = v1.object_size([s.layer_bytes] * s.layers, True)
-        need = 4 * n_durs * (s.chunks + 8) * per_chunk
-        if need > free // 2:
-            chunks = max(3, (free // 2) // (4 * n_durs * per_chunk) - 8)
-            s = bs.Shape(s.key, s.layers, s.layer_bytes, s.note + " (shrunk to fit disk)", chunks)
-        out.append(s)
-    return out
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    logging.getLogger("kvoffload").setLevel(logging.ERROR)
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=200)
-    err = Console(stderr=True)
-    parent = (args.dir or Path.cwd()).resolve()
-    if not parent.is_dir():
-        err.print(f"--dir {parent}: not a directory")
+    console, err, parent = begin(args.dir, 200)
+    if parent is None:
         return 2
-    shapes = bs.make_shapes(args.quick, args.large_mib_per_row, args.small_ops)
+    shapes = make_shapes(args.quick, args.large_mib_per_row, args.small_ops)
     batch = {"large": args.large_batch, "small": args.small_batch}
-    load0 = bs.loadavg()
+    load0 = loadavg()
     peer: dict[str, Any] | None = None
     try:
-        with bs.scratch_dir(parent, ".bench_io-") as base:
-            shapes = _fit(shapes, base, 1, len(args.durability))
-            facts = bs.machine_facts(base)
+        with scratch_dir(parent, ".bench_io-") as base:
+            # x4: raw, sealed, plain, direct; all durabilities' files stay until the loads
+            shapes = fit_to_disk(shapes, base, 4 * len(args.durability), 8)
+            facts = machine_facts(base)
             facts["load average at start (1/5/15 min)"] = load0
             specs = probe_backends(args.backend, base)
             auto = probe_backends(["auto"], base)[0]
@@ -1154,16 +930,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 + ("with O_DIRECT (else buffered, on EINVAL)" if direct_io.O_DIRECT else "buffered")
                 + ", preadv buffered, XXH3-128 per layer; rows with the posix backends only"
             )
-            kek_path = base / "kek"
-            fd = os.open(kek_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.write(fd, os.urandom(32))
-            finally:
-                os.close(fd)
-            bench = Bench(base, Kek.from_file(kek_path), args.row_budget_s, args.streams)
+            bench = Bench(base, new_kek(base), args.row_budget_s, args.streams)
             bench.progress = lambda m: err.print(m, highlight=False)
             t0 = time.perf_counter()
-            prepared: list[Shaped] = []
+            prepared: list[Prepared] = []
             try:
                 for s in shapes:
                     sh = bench.prepare(s, batch[s.key])
@@ -1185,7 +955,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         err.print("interrupted: temp files removed")
         return 130
     facts["run time"] = f"{elapsed:.1f} s (kvoffload rows {t1 - t0:.1f} s)"
-    facts["load average at end (1/5/15 min)"] = bs.loadavg()
+    facts["load average at end (1/5/15 min)"] = loadavg()
     keys = [s.key for s in shapes]
     targets = ceiling_targets(bench.results, keys, args.durability)
     peer_cmp = peer_targets(bench.results, peer, keys) if peer is not None else []
@@ -1208,7 +978,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "auto": asdict(auto),
             "method": METHOD,
             "bounds": BOUNDS,
-            "cold_method": bs.COLD_METHOD,
+            "cold_method": COLD_METHOD,
             "ceilings": [r.to_json() for r in bench.cpu_results]
             + [r.to_json() for r in bench.results if r.kind == "ceiling"],
             "rows": [r.to_json() for r in bench.results if r.kind == "kvoffload"],

@@ -23,7 +23,7 @@ direct
     verifies each layer), no staging buffer either way.
 ceilings (same run, same directory)
     memcpy, AES-256-GCM ``encrypt_into`` / ``decrypt_into`` per layer and
-    XXH3-128 (one thread; from ``bench_store.py``); a raw write of the very
+    XXH3-128 (one thread; ``benchlib.ceilings``); a raw write of the very
     object bytes at the row's durability (fsync + directory fsync at ``object``,
     none at ``none``), with O_DIRECT when the file system takes it and buffered;
     a raw cold read of them, O_DIRECT and buffered; a warm (buffered) read; and
@@ -49,7 +49,7 @@ and >= 1.2x LMCache's best unencrypted variant at equal durability (its
 p99 < 0.15 ms and >= 200k keys/s per connection. ``--json`` holds them as
 ``targets``, ``lookup_targets`` and ``lmcache``.
 
-Before it, "where the time goes" (``scripts/bench_profile.py``): per kvoffload
+Before it, "where the time goes" (``benchlib.cpu``): per kvoffload
 row, the CPU seconds per GB of the sidecar (every thread) and of the client's
 calls, and the cores they kept busy: a row with about every core busy is bound
 by this machine's CPU. With ``--spy DIR`` py-spy samples the sidecar and this
@@ -75,32 +75,68 @@ import argparse
 import contextlib
 import cProfile
 import hashlib
-import importlib
 import io
 import json
-import logging
-import mmap
 import os
 import pstats
 import shutil
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvoffload import testing
+from benchlib.ceilings import (
+    COLD_METHOD,
+    Prepared,
+    batched,
+    batched_slots,
+    direct_reader,
+    direct_writer,
+    fanned,
+    prepare,
+    raw_path,
+    raw_reader,
+    raw_writer,
+    supports_o_direct,
+)
+from benchlib.chunks import (
+    DEFAULT_DURABILITIES,
+    DURABILITIES,
+    NAMESPACE,
+    MiB,
+    Shape,
+    chunk_key,
+    make_shapes,
+    mv,
+    parse_durabilities,
+    touched,
+)
+from benchlib.chunks import FORMATS as STORE_FORMATS
+from benchlib.cpu import Profile, RowCpu, find_py_spy, leaf_frames, spied
+from benchlib.events import bench_publisher, bench_saves, events_table
+from benchlib.facts import git_state, machine_facts
+from benchlib.lmcache import LMCACHE_HOWTO, LMCACHE_VENV, best_lmcache, run_lmcache_peer
+from benchlib.method import Mincore, Timing, drop_cache, interleaved, loadavg, scratch_dir
+from benchlib.results import Result, compare
+from benchlib.sidecar import (
+    DIRECT_TENANT,
+    PLAIN_TENANT,
+    SEALED_TENANT,
+    TENANTS,
+    Sidecar,
+    run_sidecar,
+    socket_echo,
+)
+from benchlib.tables import begin, cell, machine_table, warn_not_cold
+from benchlib.targets import TARGET_CEIL, TARGET_PEER, Target, verdict
 from kvoffload.client import SidecarClient
 from kvoffload.client import direct as direct_io
 from kvoffload.layouts import v1
@@ -113,29 +149,8 @@ from kvoffload.protocol import (
 )
 from kvoffload.store.base import default_io_streams
 
-if TYPE_CHECKING:
-    import bench_io as bio
-    import bench_profile as bp
-    import bench_store as bs
-else:
-    _HERE = str(Path(__file__).resolve().parent)
-    if _HERE not in sys.path:
-        sys.path.insert(0, _HERE)
-    bs = importlib.import_module("bench_store")
-    bio = importlib.import_module("bench_io")  # the LMCache peer, Target and its verdicts
-    bp = importlib.import_module("bench_profile")  # CPU per row, py-spy of both processes
-
-MiB = bs.MiB
-SEALED_TENANT = bs.TENANT  # default tenant policy: AES-256-GCM
-PLAIN_TENANT = "plain"  # [tenants.plain] encryption = "none"
-DIRECT_TENANT = "direct"  # [tenants.direct] encryption = "none", direct = true
-TENANTS = {"sealed": SEALED_TENANT, "plain": PLAIN_TENANT, "direct": DIRECT_TENANT}
-FORMATS = (*bs.FORMATS, "direct")  # a direct object is a plaintext layout-v1 object
-DURABILITIES = bs.DURABILITIES
-DEFAULT_DURABILITIES = ("object", "none")
+FORMATS = (*STORE_FORMATS, "direct")  # a direct object is a plaintext layout-v1 object
 LOOKUP_KEYS = 64
-TARGET_CEIL = bio.TARGET_CEIL  # sealed, through the sidecar / best raw ceiling: >= 0.8x
-TARGET_PEER = bio.TARGET_PEER  # sealed, through the sidecar / LMCache unencrypted: >= 1.2x
 TARGETS = {  # row name -> minimum x ceiling; printed next to the ratio, never asserted
     "save sealed": TARGET_CEIL,
     "load sealed cold": TARGET_CEIL,
@@ -176,7 +191,7 @@ SERIAL_BOUND = (
 
 
 @dataclass
-class Row(bs.Result):
+class Row(Result):
     """A throughput row (kvoffload or ceiling); ``payload_bytes`` is per op (a batch)."""
 
     chunks_per_op: int = 1
@@ -185,7 +200,7 @@ class Row(bs.Result):
     #: Of a load row's chunk hits, the share the sidecar served from its RAM
     #: tier (stats ``ram_tier.hits``), not from a file; None: not a load, or no tier.
     ram: float | None = None
-    #: A kvoffload row's CPU seconds per GB, sidecar and client (bench_profile.CpuSplit).
+    #: A kvoffload row's CPU seconds per GB, sidecar and client (benchlib.cpu.CpuSplit).
     cpu: dict[str, float] | None = None
     #: With --spy: where each process's samples fell during the row (sealed rows).
     profiles: list[dict[str, Any]] = field(default_factory=list)
@@ -246,417 +261,6 @@ class Latency:
 # --------------------------------------------------------------------------- per-shape data
 
 
-@dataclass
-class ShapeData:
-    shape: bs.Shape
-    batch: int
-    payload: npt.NDArray[np.uint8]
-    layers: list[memoryview]
-    images: dict[str, memoryview]  # the object file bytes per format, exact length
-    padded: dict[str, memoryview]  # the same, zero-padded to 4 KiB (O_DIRECT writes)
-    cpu: dict[str, bs.Result]
-
-    @property
-    def ops(self) -> int:
-        """Timed ops per row (upper bound): the shape's chunks in batches, at least 3."""
-        return max(3, self.shape.chunks // self.batch)
-
-    def file_bytes(self, fmt: str) -> int:
-        return len(self.images[fmt])
-
-
-def prepare(shape: bs.Shape, batch: int, budget_s: float) -> ShapeData:
-    cpu = bs.cpu_ceilings(shape, min(budget_s, 0.3))
-    payload = bs.random_payload(shape.payload, 2)
-    layers = bs.split_layers(payload, shape)
-    images: dict[str, memoryview] = {}
-    padded: dict[str, memoryview] = {}
-    for fmt in FORMATS:
-        img = bs.object_image(shape, layers, fmt)
-        pad = bs._mv(bs.touched(v1.align_up(len(img), v1.ALIGN)))
-        pad[: len(img)] = img
-        images[fmt] = img
-        padded[fmt] = pad
-    return ShapeData(shape, batch, payload, layers, images, padded, cpu)
-
-
-def chunk_key(shape: bs.Shape, fmt: str, i: int) -> bytes:
-    return bs.chunk_key(shape, fmt, i)
-
-
-# --------------------------------------------------------------------------- raw I/O
-
-
-def supports_o_direct(d: Path) -> bool:
-    """Whether the file system under ``d`` takes an aligned O_DIRECT write."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return False
-    probe = d / ".o_direct-probe"
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flag | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return False
-    try:
-        buf = mmap.mmap(-1, v1.ALIGN)
-        try:
-            os.write(fd, buf)
-        except OSError:
-            return False
-        finally:
-            buf.close()
-        return True
-    finally:
-        os.close(fd)
-        probe.unlink(missing_ok=True)
-
-
-def direct_writer(
-    d: Path, image: memoryview, padded: memoryview, durability: str
-) -> Callable[[int], None]:
-    """Op ``i`` writes the object as file i with O_DIRECT: open(O_EXCL|O_DIRECT) + write of
-    the 4 KiB-padded bytes + ftruncate to the exact size (+ fsync) + close + rename
-    (+ fsync(dir)); the fsyncs only at durability ``object``.
-    """
-    size = len(image)
-    sync = durability == "object"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT
-
-    def op(i: int) -> None:
-        tmp = d / f".tmp-{i}"
-        fd = os.open(tmp, flags, 0o640)
-        try:
-            bs._write_all(fd, padded)
-            os.ftruncate(fd, size)
-            if sync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, bs.raw_path(d, i))
-        if sync:
-            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-
-    return op
-
-
-def direct_reader(paths: Sequence[Path], buf: memoryview) -> Callable[[int], None]:
-    """Op ``i``: open(O_DIRECT) + fstat + preadv of the size rounded up to 4 KiB into a
-    page-aligned, pre-touched buffer + close."""
-
-    def op(i: int) -> None:
-        fd = os.open(paths[i], os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
-        try:
-            size = os.fstat(fd).st_size
-            want = v1.align_up(size, v1.ALIGN)
-            done = 0
-            while done < size:
-                got = os.preadv(fd, [buf[done:want]], done)
-                if got == 0:
-                    raise OSError(f"{paths[i]}: short read")
-                done += got
-        finally:
-            os.close(fd)
-
-    return op
-
-
-def batched_slots(ops: Sequence[Callable[[int], object]]) -> Callable[[int], None]:
-    """Op ``i`` runs ``ops[j](i * len(ops) + j)`` for each j: one op per slot of a batch."""
-
-    def run(i: int) -> None:
-        for j, op in enumerate(ops):
-            op(i * len(ops) + j)
-
-    return run
-
-
-def fanned(
-    ops: Sequence[Callable[[int], object]], pool: ThreadPoolExecutor
-) -> Callable[[int], None]:
-    """:func:`batched_slots` with the slots of a batch run at once on ``pool``: the raw
-    ceiling of as many I/O streams as the sidecar's (each slot its own file and buffer)."""
-
-    def run(i: int) -> None:
-        futs = [pool.submit(op, i * len(ops) + j) for j, op in enumerate(ops)]
-        for f in futs:
-            f.result()
-
-    return run
-
-
-def batched(op: Callable[[int], object], batch: int) -> Callable[[int], None]:
-    """Op ``i`` runs ``op(i * batch + j)`` for each j of the batch."""
-
-    def run(i: int) -> None:
-        for j in range(batch):
-            op(i * batch + j)
-
-    return run
-
-
-# --------------------------------------------------------------------------- the sidecar
-
-# In the child before exec: get SIGTERM when the benchmark dies, even by SIGKILL.
-_die_with_parent = testing.die_with_parent
-testing.prepare_die_with_parent()
-
-
-# Runs the CLI with one cProfile profiler per thread (pool threads included) and
-# dumps their merged stats on exit. argv: <out.prof> <kvoffload cli args...>.
-_PROFILE_BOOTSTRAP = """
-import cProfile, pstats, sys, threading
-out = sys.argv[1]
-profs = []
-def _start(*_a):
-    p = cProfile.Profile()
-    profs.append(p)
-    p.enable()
-threading.setprofile(_start)
-sys.argv = ["kvoffload", *sys.argv[2:]]
-from kvoffload.cli import main
-main_prof = cProfile.Profile()
-main_prof.enable()
-try:
-    main()
-except SystemExit:
-    pass
-finally:
-    main_prof.disable()
-    threading.setprofile(None)
-    st = pstats.Stats(main_prof)
-    for p in profs:
-        try:
-            st.add(p)
-        except TypeError:
-            pass
-    st.dump_stats(out)
-"""
-
-
-def _write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-    try:
-        bs._write_all(fd, memoryview(data))
-    finally:
-        os.close(fd)
-
-
-def _short_socket_dir(work: Path, stack: contextlib.ExitStack) -> Path:
-    """``work``, or a short temp dir when a socket path under ``work`` would be too long."""
-    if len(os.fsencode(work / "kvoffload.sock")) < 100:
-        return work
-    d = Path(tempfile.mkdtemp(prefix="kvb-"))
-    stack.callback(shutil.rmtree, d, True)
-    return d
-
-
-@dataclass
-class Sidecar:
-    work: Path
-    socket: Path
-    store_root: Path
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    command: list[str]
-    stats: dict[str, Any] = field(default_factory=dict)  # fetch_stats() once it is up
-
-    def describe(self) -> str:
-        """What the sidecar says it runs: durability and I/O backend (if it reports one)."""
-        parts = [f"durability={self.stats.get('durability', '?')}"]
-        io = self.stats.get("io")
-        if isinstance(io, dict):
-            parts.append(
-                "io=" + ", ".join(f"{k}={v}" for k, v in io.items() if not isinstance(v, dict))
-            )
-        elif io is not None:
-            parts.append(f"io={io}")
-        tier = self.stats.get("ram_tier")
-        if isinstance(tier, dict):
-            parts.append(
-                f"ram_tier={tier['capacity_bytes'] / MiB:.0f} MiB for objects >= "
-                f"{tier['min_object_bytes'] / MiB:.0f} MiB"
-            )
-        else:
-            parts.append("ram_tier=off")
-        return "; ".join(parts)
-
-    def ram_and_store_hits(self) -> tuple[int, int] | None:
-        """(RAM tier hits, store hits) so far; None where the sidecar has no RAM tier."""
-        from kvoffload.client.session import fetch_stats
-
-        st = fetch_stats(self.socket)
-        tier = st.get("ram_tier")
-        return None if not isinstance(tier, dict) else (int(tier["hits"]), int(st["hits"]))
-
-    def fill_ram_tier(self, client: SidecarClient, chunks: Sequence[tuple[bytes, Any]]) -> None:
-        """Save ``chunks`` (untimed) and wait until the RAM tier has mapped its
-        memory: it does so once per sidecar process, at the first large object,
-        and the rows measure the running state, not that start-up cost."""
-        from kvoffload.client.session import fetch_stats
-
-        if not isinstance(self.stats.get("ram_tier"), dict):
-            return
-        client.save(bs.NAMESPACE, list(chunks))
-        try:
-            bs.wait_ram_tier_filled(lambda: fetch_stats(self.socket), "the sidecar's")
-        except RuntimeError as exc:
-            raise RuntimeError(f"{exc}\n{self.log_tail()}") from None
-
-    def drop_ram_tier(self) -> None:
-        """Empty the sidecar's RAM tier (``drop_cache``, protocol-v1 §5.31): a cold row
-        must read files, as the page cache is dropped for it."""
-        from kvoffload.cli.admin import SidecarTarget
-
-        SidecarTarget(self.socket).drop_cache()
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(encoding="utf-8", errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def object_path(self, tenant: str, key: bytes) -> Path:
-        return self.store_root / v1.object_relpath(tenant, key)
-
-    def object_files(self) -> list[Path]:
-        objects = self.store_root / "objects"
-        return [p for p in objects.rglob("*") if p.is_file()] if objects.is_dir() else []
-
-
-def _config_files(work: Path, sock: Path) -> Path:
-    """KEK, policy and config of a store under ``work``; returns the config path."""
-    _write_private(work / "kek", os.urandom(32))
-    policy = work / "policy.toml"
-    policy.write_text(
-        "version = 1\n\n"
-        "[defaults]\n"
-        'encryption = "aes-256-gcm"\n'
-        'ttl = "none"\n'
-        'quota = "none"\n\n'
-        f"[tenants.{PLAIN_TENANT}]\n"
-        'encryption = "none"\n\n'
-        f"[tenants.{DIRECT_TENANT}]\n"
-        'encryption = "none"\n'
-        "direct = true\n\n"
-        "[[grants]]\n"
-        f"uid = {os.getuid()}\n"
-        'tenants = ["*"]\n'
-        "admin = true\n",
-        encoding="utf-8",
-    )
-    os.chmod(policy, 0o600)
-    config = work / "config.toml"
-    config.write_text(
-        "[store]\n"
-        f"root = {json.dumps(str(work / 'store'))}\n"
-        f"index_dir = {json.dumps(str(work / 'index'))}\n"
-        'capacity = "none"\n\n'
-        "[server]\n"
-        f"socket = {json.dumps(str(sock))}\n\n"
-        "[security]\n"
-        f"kek_file = {json.dumps(str(work / 'kek'))}\n"
-        f"policy = {json.dumps(str(policy))}\n",
-        encoding="utf-8",
-    )
-    return config
-
-
-@contextlib.contextmanager
-def run_sidecar(
-    work: Path,
-    durability: str,
-    profile: Path | None,
-    io_mode: str | None = None,
-    ready_timeout_s: float = 60.0,
-    streams: int = 0,
-    ram_cache: str | None = None,
-) -> Iterator[Sidecar]:
-    """Start a sidecar serving a fresh store under ``work``; stop it (SIGTERM) on exit."""
-    with contextlib.ExitStack() as stack:
-        work.mkdir(parents=True)
-        sock = _short_socket_dir(work, stack) / "kvoffload.sock"
-        config = _config_files(work, sock)
-        env = {"KVOFFLOAD_STORE_DURABILITY": durability}
-        if io_mode is not None:
-            env["KVOFFLOAD_IO"] = io_mode
-        if streams:
-            env["KVOFFLOAD_STORE_IO_STREAMS"] = str(streams)
-        if ram_cache is not None:
-            env["KVOFFLOAD_STORE_RAM_CACHE"] = ram_cache
-        cli = ["--config", str(config), "serve"]
-        if profile is None:
-            cmd = testing.cli_argv(*cli)
-        else:
-            out = profile / f"sidecar-{durability}.prof"
-            cmd = [sys.executable, "-c", _PROFILE_BOOTSTRAP, str(out), *cli]
-        log_path = work / "sidecar.log"
-        process = testing.SidecarProcess(
-            work, sock, cmd, env=env, log_path=log_path, tie_to_parent=True
-        )
-        stack.callback(process.stop)
-        process.start()
-        assert process.proc is not None
-        sc = Sidecar(work, sock, work / "store", process.proc, log_path, cmd)
-        try:
-            sc.stats = process.wait_ready(ready_timeout_s)
-        except testing.SidecarStartError as exc:
-            raise RuntimeError(str(exc)) from None
-        yield sc
-
-
-# --------------------------------------------------------------------------- socket echo
-
-
-_ECHO = """
-import socket, sys
-s = socket.socket(fileno=int(sys.argv[1]))
-n, reply = int(sys.argv[2]), b"r" * int(sys.argv[3])
-while True:
-    got = 0
-    while got < n:
-        d = s.recv(n - got)
-        if not d:
-            sys.exit(0)
-        got += len(d)
-    s.sendall(reply)
-"""
-
-
-@contextlib.contextmanager
-def socket_echo(request_bytes: int, reply_bytes: int) -> Iterator[Callable[[int], None]]:
-    """A child Python process that answers each ``request_bytes`` with ``reply_bytes``."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _ECHO, str(b.fileno()), str(request_bytes), str(reply_bytes)],
-        pass_fds=[b.fileno()],
-        stdin=subprocess.DEVNULL,
-        preexec_fn=_die_with_parent,
-    )
-    b.close()
-    req = os.urandom(request_bytes)
-    buf = bytearray(reply_bytes)
-    view = memoryview(buf)
-
-    def op(_i: int) -> None:
-        a.sendall(req)
-        got = 0
-        while got < reply_bytes:
-            n = a.recv_into(view[got:])
-            if n == 0:
-                raise OSError("echo process closed the socket")
-            got += n
-
-    try:
-        yield op
-    finally:
-        a.close()
-        bp.reap(proc, 10)
-
-
 # --------------------------------------------------------------------------- the run
 
 
@@ -669,15 +273,15 @@ class Bench:
     lookups: int
     #: The sidecar's I/O streams; raw ceilings run with min(streams, batch) too.
     streams: int = 1
-    results: list[bs.Result] = field(default_factory=list)
+    results: list[Result] = field(default_factory=list)
     latencies: list[Latency] = field(default_factory=list)
-    mincore: bs.Mincore = field(default_factory=bs.Mincore)
+    mincore: Mincore = field(default_factory=Mincore)
     progress: Callable[[str], None] = lambda _m: None
     #: --spy: py-spy's path and the directory of its recordings (sealed rows).
     spy_exe: str | None = None
     spy_dir: Path | None = None
 
-    def add(self, r: bs.Result) -> bs.Result:
+    def add(self, r: Result) -> Result:
         self.results.append(r)
         self.progress(f"  {r.id:<46} {r.gbps:8.3f} GB/s  ({r.ops} ops)")
         return r
@@ -690,20 +294,18 @@ class Bench:
             return 1, None
         return n, ThreadPoolExecutor(max_workers=n, thread_name_prefix="bench-raw")
 
-    def add_cpu(self, data: ShapeData) -> None:
+    def add_cpu(self, data: Prepared) -> None:
         for r in data.cpu.values():
             self.add(r)
 
     @contextlib.contextmanager
-    def observed(
-        self, sc: Sidecar, fmt: str, stem: str
-    ) -> Iterator[tuple[bp.RowCpu, list[bp.Profile]]]:
+    def observed(self, sc: Sidecar, fmt: str, stem: str) -> Iterator[tuple[RowCpu, list[Profile]]]:
         """The CPU of one row's kvoffload calls (wrap them with ``meter.wrap``) and,
         with --spy and a sealed row, py-spy of the sidecar and of this process; the
         profiles are in the list once the block has ended."""
-        meter = bp.RowCpu(sc.proc.pid)
-        profiles: list[bp.Profile] = []
-        spies = bp.spied(
+        meter = RowCpu(sc.proc.pid)
+        profiles: list[Profile] = []
+        spies = spied(
             self.spy_exe if fmt == "sealed" else None,
             [("sidecar", sc.proc.pid), ("client", os.getpid())],
             self.spy_dir,
@@ -717,12 +319,10 @@ class Bench:
         for name, spy in spies:
             # This process also runs the raw ceilings: keep its calls into the client.
             only = "kvoffload/client/" if name == "client" else None
-            profiles.append(bp.Profile(name, str(spy.out), bp.leaf_frames(spy.out, only=only)))
+            profiles.append(Profile(name, str(spy.out), leaf_frames(spy.out, only=only)))
 
     @staticmethod
-    def measured(
-        row: Row, meter: bp.RowCpu, profiles: Sequence[bp.Profile], data: ShapeData
-    ) -> Row:
+    def measured(row: Row, meter: RowCpu, profiles: Sequence[Profile], data: Prepared) -> Row:
         split = meter.split(data.batch * data.shape.payload)
         row.cpu = None if split is None else split.to_json()
         row.profiles = [p.to_json() for p in profiles]
@@ -734,7 +334,7 @@ class Bench:
             return "O_DIRECT+fsync", "buffered+fsync"
         return "O_DIRECT, no fsync", "buffered, no fsync"
 
-    def run_durability(self, sc: Sidecar, dur: str, shapes: Sequence[ShapeData]) -> None:
+    def run_durability(self, sc: Sidecar, dur: str, shapes: Sequence[Prepared]) -> None:
         with contextlib.ExitStack() as stack:
             clients = {
                 fmt: stack.enter_context(
@@ -772,10 +372,10 @@ class Bench:
         self,
         kind: str,
         name: str,
-        data: ShapeData,
+        data: Prepared,
         dur: str,
         fmt: str,
-        timing: bs.Timing,
+        timing: Timing,
         method: str,
         cached: float | None = None,
     ) -> Row:
@@ -795,7 +395,7 @@ class Bench:
             method=method,
         )
 
-    def _run(self, sc: Sidecar, dur: str, data: ShapeData, fmt: str, client: SidecarClient) -> None:
+    def _run(self, sc: Sidecar, dur: str, data: Prepared, fmt: str, client: SidecarClient) -> None:
         shape, batch, budget = data.shape, data.batch, self.budget_s
         tenant = TENANTS[fmt]
         bdir = sc.work / f"raw-{fmt}-buffered"
@@ -806,7 +406,7 @@ class Bench:
             # -- save: raw write(s) and SidecarClient.save, interleaved op by op
             def save(i: int) -> None:
                 chunks = [(chunk_key(shape, fmt, i * batch + j), data.layers) for j in range(batch)]
-                ok = client.save(bs.NAMESPACE, chunks)
+                ok = client.save(NAMESPACE, chunks)
                 if not all(ok):
                     raise RuntimeError(
                         f"save {fmt}: {ok.count(False)} of {batch} chunks not stored\n"
@@ -815,7 +415,7 @@ class Bench:
 
             # (name, method, op); the row's ratio uses the fastest of them
             direct_m, buffered_m = self.write_methods(dur)
-            buffered_w = batched(bs.raw_writer(bdir, data.images[fmt], dur), batch)
+            buffered_w = batched(raw_writer(bdir, data.images[fmt], dur), batch)
             writers: list[tuple[str, str, Callable[[int], None]]] = []
             bdir.mkdir()
             if self.o_direct:
@@ -837,7 +437,7 @@ class Bench:
                     )
                     method = direct_m
                 else:
-                    one, method = bs.raw_writer(pdir, data.images[fmt], dur), buffered_m
+                    one, method = raw_writer(pdir, data.images[fmt], dur), buffered_m
                 writers.append(
                     (
                         f"raw write {fmt}-obj x{nstreams}",
@@ -850,9 +450,9 @@ class Bench:
             )
             stem = f"{dur}-{shape.key}-{fmt}"
             with self.observed(sc, fmt, f"{stem}-save") as (meter, profiles):
-                timings = bs.interleaved(
+                timings = interleaved(
                     [w[2] for w in writers] + [meter.wrap(save)],
-                    n=data.ops,
+                    n=data.ops(3),
                     budget_s=budget,
                     min_ops=3,
                 )
@@ -868,22 +468,22 @@ class Bench:
             # -- load: cold, then warm; raw read(s) and SidecarClient.load, interleaved
             written = timings[-1][0] + 1  # the warm-up op wrote one more batch
             nfiles = written * batch
-            bpaths = [bs.raw_path(bdir, k) for k in range(nfiles)]
-            dpaths = [bs.raw_path(ddir, k) for k in range(nfiles)] if self.o_direct else []
+            bpaths = [raw_path(bdir, k) for k in range(nfiles)]
+            dpaths = [raw_path(ddir, k) for k in range(nfiles)] if self.o_direct else []
             keys = [chunk_key(shape, fmt, k) for k in range(nfiles)]
             obj_paths = [sc.object_path(tenant, k) for k in keys]
             stride = v1.align_up(data.file_bytes(fmt), v1.ALIGN)
-            rbuf = bs._mv(bs.touched(batch * stride))
+            rbuf = mv(touched(batch * stride))
             slots = [rbuf[j * stride : (j + 1) * stride] for j in range(batch)]
-            buffered_r = batched_slots([bs.raw_reader(bpaths, sl) for sl in slots])
+            buffered_r = batched_slots([raw_reader(bpaths, sl) for sl in slots])
             direct_r = batched_slots([direct_reader(dpaths, sl) for sl in slots])
             # The N-stream reads, each slot on its own thread: cold, of the files the
             # N-stream writer wrote (the others' are read by their own rows); warm,
             # of the buffered files, which the cold row leaves cached.
             fan_r: dict[str, tuple[str, Callable[[int], None], list[Path]]] = {}
             if pool is not None:
-                ppaths = [bs.raw_path(pdir, k) for k in range(nfiles)]
-                read_one = direct_reader if self.o_direct else bs.raw_reader
+                ppaths = [raw_path(pdir, k) for k in range(nfiles)]
+                read_one = direct_reader if self.o_direct else raw_reader
                 fan_r["cold"] = (
                     "O_DIRECT read" if self.o_direct else "buffered read",
                     fanned([read_one(ppaths, sl) for sl in slots], pool),
@@ -891,13 +491,13 @@ class Bench:
                 )
                 fan_r["warm"] = (
                     "buffered read",
-                    fanned([bs.raw_reader(bpaths, sl) for sl in slots], pool),
+                    fanned([raw_reader(bpaths, sl) for sl in slots], pool),
                     bpaths,
                 )
 
             payload = shape.payload
-            dst_arr = bs.touched(batch * payload)
-            dst = bs._mv(dst_arr)
+            dst_arr = touched(batch * payload)
+            dst = mv(dst_arr)
 
             def into(idx: int, _key: bytes, layers: Sequence[memoryview]) -> None:
                 at = idx * payload
@@ -936,7 +536,7 @@ class Bench:
                 readers: list[tuple[str, str, Callable[[int], None], list[Path]]] = []
                 if cache == "cold":
                     extra = fan_r["cold"][2] if "cold" in fan_r else []
-                    bs.drop_cache(bpaths + dpaths + extra + sc.object_files())
+                    drop_cache(bpaths + dpaths + extra + sc.object_files())
                     sc.drop_ram_tier()
                     if self.o_direct:
                         readers.append(
@@ -972,7 +572,7 @@ class Bench:
                 obj_cached = self.mincore.resident(obj_paths[batch : (n + 1) * batch])
                 hits0 = sc.ram_and_store_hits()
                 with self.observed(sc, fmt, f"{stem}-{cache}") as (meter, profiles):
-                    timings = bs.interleaved(
+                    timings = interleaved(
                         [r[2] for r in readers] + [meter.wrap(load)],
                         n=n,
                         budget_s=budget,
@@ -999,7 +599,7 @@ class Bench:
             for d in dirs:
                 shutil.rmtree(d, ignore_errors=True)
 
-    def _finish(self, row: Row, ceil: bs.Result, data: ShapeData, fmt: str, op: str) -> None:
+    def _finish(self, row: Row, ceil: Result, data: Prepared, fmt: str, op: str) -> None:
         cpu = data.cpu
         if fmt == "direct":  # no staging copy in the client; the sidecar re-reads on save
             xxh = cpu["xxh3-128"]
@@ -1016,18 +616,18 @@ class Bench:
                 if fmt == "sealed"
                 else [cpu["memcpy"], cpu["xxh3-128"]]
             ) + [cpu["memcpy"]]
-        bs.Bench._compare(row, ceil, stages)
+        compare(row, ceil, stages)
         row.target = next((t for p, t in TARGETS.items() if row.name == p), None)
         self.add(row)
 
-    def _lookup(self, sc: Sidecar, dur: str, data: ShapeData, client: SidecarClient) -> None:
+    def _lookup(self, sc: Sidecar, dur: str, data: Prepared, client: SidecarClient) -> None:
         """Lookups of 64 (and of 1) present keys, interleaved with a socket round trip of
         the 64-key request's size."""
         keys = [
             hashlib.blake2b(f"lookup/{i}".encode(), digest_size=32).digest()
             for i in range(LOOKUP_KEYS)
         ]
-        ok = client.save(bs.NAMESPACE, [(k, data.layers) for k in keys])
+        ok = client.save(NAMESPACE, [(k, data.layers) for k in keys])
         if not all(ok):
             raise RuntimeError(f"lookup keys not stored ({data.shape.key})\n{sc.log_tail()}")
         req = len(encode_frame(request_message(1 << 20, Lookup(SEALED_TENANT, tuple(keys)))))
@@ -1053,7 +653,7 @@ class Bench:
                 echo_op(0)
                 lat["echo"].append(time.perf_counter() - s)
 
-            bs.interleaved(
+            interleaved(
                 [echo, lookup("64", keys), lookup("1", keys[:1])],
                 n=self.lookups,
                 budget_s=1e9,
@@ -1088,8 +688,8 @@ class FinalRow:
     shape: str
     op: str  # "save" | "cold load" | "warm load"
     durability: str
-    vs_ceiling: bio.Target
-    vs_lmcache: bio.Target | None  # None: not compared, ``note`` says why
+    vs_ceiling: Target
+    vs_lmcache: Target | None  # None: not compared, ``note`` says why
     note: str = ""
 
     @property
@@ -1144,7 +744,7 @@ class LookupTarget:
         return asdict(self) | {"id": self.id, "met": self.met}
 
 
-def _peer_mismatch(peer: dict[str, Any], shape: bs.Shape, batch: int) -> str:
+def _peer_mismatch(peer: dict[str, Any], shape: Shape, batch: int) -> str:
     """Why LMCache's rows of ``shape`` are not comparable with ours ("" when they are):
     another chunk (layers x layer bytes) or another batch size."""
     theirs = next(
@@ -1163,10 +763,10 @@ def _peer_mismatch(peer: dict[str, Any], shape: bs.Shape, batch: int) -> str:
 
 
 def final_targets(
-    results: Sequence[bs.Result],
+    results: Sequence[Result],
     latencies: Sequence[Latency],
     peer: dict[str, Any] | None,
-    shapes: Sequence[bs.Shape],
+    shapes: Sequence[Shape],
     durabilities: Sequence[str],
     batch: int,
 ) -> tuple[list[FinalRow], list[LookupTarget]]:
@@ -1193,11 +793,11 @@ def final_targets(
                 if ceil is not None:
                     method = ceil.method if isinstance(ceil, Row) else ""
                     ceil_name = f"{ceil.name} ({method})" if method else ceil.name
-                vs_ceiling = bio.Target(
+                vs_ceiling = Target(
                     shape.key, op, dur, ours, ceil_name, ours.ceiling_gbps if ours else None,
                     None, TARGET_CEIL,
                 )  # fmt: skip
-                vs_lm: bio.Target | None = None
+                vs_lm: Target | None = None
                 lm = lm_rows.get(dur)
                 if peer is None:
                     note = "LMCache not run (see its status line)"
@@ -1205,11 +805,11 @@ def final_targets(
                     note = f"LMCache has no durability {dur!r}"
                 elif mismatch:
                     note = mismatch
-                elif (best := bio.best_lmcache(peer, shape.key, lm)) is None:
+                elif (best := best_lmcache(peer, shape.key, lm)) is None:
                     note = f"LMCache ran no {lm!r} row"
                 else:
                     note = ""
-                    vs_lm = bio.Target(
+                    vs_lm = Target(
                         shape.key, op, dur, ours, f"{best['variant']} {lm}", float(best["gbps"]),
                         best.get("ratio"), TARGET_PEER,
                     )  # fmt: skip
@@ -1249,7 +849,7 @@ def render_targets(
     console: Console,
     rows: Sequence[FinalRow],
     lookups: Sequence[LookupTarget],
-    shapes: Sequence[bs.Shape],
+    shapes: Sequence[Shape],
     batch: int,
     streams: int,
     peer_status: str,
@@ -1271,12 +871,12 @@ def render_targets(
     for r in rows:
         c, p = r.vs_ceiling, r.vs_lmcache
         t.add_row(
-            r.shape, r.op, r.durability, _f(c.ours.gbps if c.ours else None, "{:.3f} GB/s"),
-            escape(_short_ceiling(c.theirs_name)), _f(c.theirs_gbps), _f(c.ratio, "{:.2f}x"),
-            f">= {c.target:.1f}x", bio._verdict(c),
+            r.shape, r.op, r.durability, cell(c.ours.gbps if c.ours else None, "{:.3f} GB/s"),
+            escape(_short_ceiling(c.theirs_name)), cell(c.theirs_gbps), cell(c.ratio, "{:.2f}x"),
+            f">= {c.target:.1f}x", verdict(c),
             escape(p.theirs_name) if p else f"[dim]{escape(r.note)}[/dim]",
-            _f(p.theirs_gbps if p else None), _f(p.ratio if p else None, "{:.2f}x"),
-            f">= {TARGET_PEER:.1f}x", bio._verdict(p) if p else "-",
+            cell(p.theirs_gbps if p else None), cell(p.ratio if p else None, "{:.2f}x"),
+            f">= {TARGET_PEER:.1f}x", verdict(p) if p else "-",
         )  # fmt: skip
     for lk in lookups:
         us = lk.metric == "p99"
@@ -1284,7 +884,7 @@ def render_targets(
             "-", f"lookup {LOOKUP_KEYS} keys {lk.metric}", lk.durability,
             f"{lk.value:.1f} us" if us else f"{lk.value / 1e3:.0f}k keys/s",
             escape(lk.ceiling),
-            _f(lk.ceiling_value, "{:.1f} us") if us else _f(_k(lk.ceiling_value), "{:.0f}k"),
+            cell(lk.ceiling_value, "{:.1f} us") if us else cell(_k(lk.ceiling_value), "{:.0f}k"),
             "-",
             f"< {lk.target:.0f} us" if us else f">= {lk.target / 1e3:.0f}k",
             "[green]meets[/green]" if lk.met else "[red]below[/red]",
@@ -1318,7 +918,7 @@ def _frames(profiles: Sequence[dict[str, Any]], process: str, top: int) -> str:
     return "\n".join([head, *(f"{f['share']:.0%} {f['frame']}" for f in prof["top"][:top])])
 
 
-def render_cpu(console: Console, results: Sequence[bs.Result], spied: bool) -> None:
+def render_cpu(console: Console, results: Sequence[Result], frames: bool) -> None:
     """Where each kvoffload row's time goes: CPU seconds per GB of the sidecar
     (every thread) and of the client's calls, the cores they kept busy, and with
     --spy the frames where the samples of each process fell (sealed rows)."""
@@ -1334,7 +934,7 @@ def render_cpu(console: Console, results: Sequence[bs.Result], spied: bool) -> N
     for col in ("shape", "row", "dur", "GB/s", "wall s/GB", "sidecar CPU s/GB",
                 "client CPU s/GB", "cores busy", "CPU-bound GB/s"):  # fmt: skip
         t.add_column(col, justify="left" if col in ("shape", "row", "dur") else "right")
-    if spied:
+    if frames:
         t.add_column("sidecar: where its samples fell")
         t.add_column("client: where its samples fell")
     for r in rows:
@@ -1345,7 +945,7 @@ def render_cpu(console: Console, results: Sequence[bs.Result], spied: bool) -> N
             f"{c['client_cpu_s_per_gb']:.3f}", f"{c['cores_busy']:.2f}",
             f"{c['cpu_bound_gbps']:.3f}",
         ]  # fmt: skip
-        if spied:
+        if frames:
             cells += [escape(_frames(r.profiles, "sidecar", 4)),
                       escape(_frames(r.profiles, "client", 3))]  # fmt: skip
         t.add_row(*cells)
@@ -1366,12 +966,8 @@ def render_cpu(console: Console, results: Sequence[bs.Result], spied: bool) -> N
 # --------------------------------------------------------------------------- output
 
 
-def _f(x: float | None, fmt: str = "{:.3f}") -> str:
-    return "-" if x is None else fmt.format(x)
-
-
 def _cached(r: Row) -> str:
-    text = _f(r.cached, "{:.0%}")
+    text = cell(r.cached, "{:.0%}")
     return text if r.ram is None else f"{text}, ram {r.ram:.0%}"
 
 
@@ -1385,18 +981,11 @@ def _target(r: Row) -> str:
 def render(
     console: Console,
     facts: dict[str, str],
-    shapes: Sequence[bs.Shape],
-    results: Sequence[bs.Result],
+    shapes: Sequence[Shape],
+    results: Sequence[Result],
     latencies: Sequence[Latency],
 ) -> None:
-    t = Table(title="machine", show_header=False)
-    t.add_column("fact", style="bold")
-    t.add_column("value")
-    for k, v in facts.items():
-        t.add_row(escape(k), escape(v))
-    for s in shapes:
-        t.add_row(f"shape {s.key}", escape(f"{s.describe()} - {s.note}"))
-    console.print(t)
+    console.print(machine_table(facts, [s.fact() for s in shapes]))
 
     t = Table(title="ceilings (same run, same directory)")
     cols: tuple[str, ...] = (
@@ -1425,9 +1014,9 @@ def render(
                 str(r.ops),
                 f"{r.ops * r.payload_bytes / MiB:.1f}",
                 f"{r.gbps:.3f}",
-                _f(r.file_gbps),
+                cell(r.file_gbps),
                 f"{r.p50_ms:.3f}",
-                _f(r.cached, "{:.0%}"),
+                cell(r.cached, "{:.0%}"),
             )
     console.print(t)
 
@@ -1447,11 +1036,11 @@ def render(
                 f"{r.p50_ms:.3f}",
                 _cached(r),
                 r.ceiling or "",
-                _f(r.ceiling_gbps),
-                _f(r.ratio, "{:.2f}"),
+                cell(r.ceiling_gbps),
+                cell(r.ratio, "{:.2f}"),
                 _target(r),
-                _f(r.bound_gbps),
-                _f(r.ratio_to_bound, "{:.2f}"),
+                cell(r.bound_gbps),
+                cell(r.ratio_to_bound, "{:.2f}"),
             )
     console.print(t)
 
@@ -1469,8 +1058,8 @@ def render(
         kt = ""
         if lt.target_keys_per_s is not None and lt.keys_per_s is not None:
             ok = lt.keys_per_s >= lt.target_keys_per_s
-            verdict = "green]>=" if ok else "red]>="
-            kt = f"[{verdict} {lt.target_keys_per_s:.0f} {'ok' if ok else 'MISS'}[/]"
+            mark = "green]>=" if ok else "red]>="
+            kt = f"[{mark} {lt.target_keys_per_s:.0f} {'ok' if ok else 'MISS'}[/]"
         t.add_row(
             lt.durability,
             escape(lt.name),
@@ -1479,16 +1068,16 @@ def render(
             f"{lt.p99_us:.1f}",
             f"{lt.mean_us:.1f}",
             f"{lt.max_us:.1f}",
-            _f(lt.keys_per_s, "{:.0f}"),
-            _f(lt.ceiling_p50_us, "{:.1f}"),
-            _f(lt.ceiling_p99_us, "{:.1f}"),
+            cell(lt.keys_per_s, "{:.0f}"),
+            cell(lt.ceiling_p50_us, "{:.1f}"),
+            cell(lt.ceiling_p99_us, "{:.1f}"),
             target,
             kt,
         )
     console.print(t)
     console.print(f"[bold]method[/bold]: {METHOD}")
     console.print(f"[bold]{SERIAL_BOUND.split(':')[0]}[/bold]:{SERIAL_BOUND.split(':', 1)[1]}")
-    console.print(f"[bold]cold reads[/bold]: {bs.COLD_METHOD}")
+    console.print(f"[bold]cold reads[/bold]: {COLD_METHOD}")
     console.print(
         "[bold]raw I/O[/bold]: 'raw write' and 'raw read cold' use O_DIRECT when the file "
         "system takes it (writes: open O_EXCL, the 4 KiB-padded image, ftruncate to the exact "
@@ -1533,12 +1122,7 @@ def render(
             "them (O_DIRECT reads; a tier too small or off: see 'sidecar (...) reports' above), "
             "so those warm loads are cold loads."
         )
-    bad = [r for r in results if "cold" in r.name and r.cached is not None and r.cached > 0.05]
-    if bad:
-        console.print(
-            f"[bold red]warning[/bold red]: {len(bad)} cold rows had >5% of their pages cached "
-            "after DONTNEED (tmpfs or a file system that ignores fadvise?): they are not cold."
-        )
+    warn_not_cold(console, results)
 
 
 def print_profile(console: Console, path: Path, top: int) -> None:
@@ -1625,11 +1209,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--lmcache-python",
         type=Path,
-        default=bio.LMCACHE_VENV / "bin" / "python",
+        default=LMCACHE_VENV / "bin" / "python",
         help="the LMCache venv's python (default: .venv-lmcache/bin/python of this checkout)",
     )
     a = p.parse_args(argv)
-    a.durability = bs.parse_durabilities(p, a.durability, DEFAULT_DURABILITIES)
+    a.durability = parse_durabilities(p, a.durability, DEFAULT_DURABILITIES)
     a.shapes = [x.strip() for x in a.shapes.split(",") if x.strip()]
     if not a.shapes or any(x not in ("large", "small") for x in a.shapes):
         p.error("--shapes: a comma-separated list of large, small")
@@ -1644,10 +1228,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return a
 
 
-def _fit_to_disk(shapes: list[bs.Shape], d: Path, batch: int) -> list[bs.Shape]:
+def _fit_to_disk(shapes: list[Shape], d: Path, batch: int) -> list[Shape]:
     """Shrink the large rows if the file system cannot hold one durability's files."""
     free = shutil.disk_usage(d).free
-    fitted: list[bs.Shape] = []
+    fitted: list[Shape] = []
     # every format's store objects stay until the sidecar stops; one format's raw files
     # (buffered + O_DIRECT) at a time: for the timed ops and the warm-up op
     files = len(FORMATS) + 2
@@ -1655,51 +1239,18 @@ def _fit_to_disk(shapes: list[bs.Shape], d: Path, batch: int) -> list[bs.Shape]:
         per_chunk = v1.object_size([s.layer_bytes] * s.layers, True)
         need = files * (max(3 * batch, s.chunks) + batch) * per_chunk + LOOKUP_KEYS * per_chunk
         if need > free // 2:
-            chunks = max(3 * batch, (free // 2) // (files * per_chunk) - 2 * batch)
-            s = bs.Shape(s.key, s.layers, s.layer_bytes, s.note + " (shrunk to fit disk)", chunks)
+            s = s.shrunk(max(3 * batch, (free // 2) // (files * per_chunk) - 2 * batch))
         fitted.append(s)
     return fitted
 
 
-def _git_state() -> str:
-    """The commit of the checkout and the files that differ from it (the sidecar runs them)."""
-    root = Path(__file__).resolve().parent.parent
-    head = bs.cmd(["git", "-C", str(root), "rev-parse", "--short", "HEAD"])
-    dirty = bs.cmd(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"])
-    # "XY path" lines; _cmd strips the output, so the first line may have lost its X column
-    files = [
-        ln.split(maxsplit=1)[-1]
-        for ln in dirty.splitlines()
-        if ln.strip() and not ln.startswith("unknown")
-    ]
-    return f"git {head}" + (f" + uncommitted changes in {', '.join(files)}" if files else "")
-
-
 def _events_rows(console: Console, quick: bool) -> dict[str, float]:
     """The KV-event rows (issue bound: events cost at most 5 % of saves of 32 MiB)."""
-    import bench_events
-
     chunk_mib, chunks, batches = (2, 4, 2000) if quick else (32, 16, 20_000)
-    saves = bench_events.bench_saves(chunk_mib, chunks, 16)
-    pub = bench_events.bench_publisher(batches, 16)
-    cost = 100.0 * (1 - saves["on"] / saves["off"])
-    t = Table(title=f"KV events (same run; {chunk_mib} MiB chunks, 16 engine blocks each)")
-    for col in ("row", "value", "peer / ceiling", "bound"):
-        t.add_column(col)
-    t.add_row("save, events off (median MB/s)", f"{saves['off'] / 1e6:.0f}", "-", "-")
-    t.add_row(
-        "save, events on (median MB/s)",
-        f"{saves['on'] / 1e6:.0f}",
-        f"off: {saves['off'] / 1e6:.0f}",
-        "-",
-    )
-    t.add_row("events' cost on saves", f"{cost:.1f} %", "-", "<= 5 %")
-    t.add_row(
-        "publisher, durable buffer (batches/s)",
-        f"{pub['index']:.0f}",
-        f"memory buffer: {pub['memory']:.0f}",
-        "-",
-    )
+    saves = bench_saves(chunk_mib, chunks, 16)
+    pub = bench_publisher(batches, 16)
+    title = f"KV events (same run; {chunk_mib} MiB chunks, 16 engine blocks each)"
+    t, cost = events_table(title, "save", "events' cost on saves", "<= 5 %", saves, pub)
     console.print(t)
     return {
         "save_off_bps": saves["off"],
@@ -1712,21 +1263,15 @@ def _events_rows(console: Console, quick: bool) -> dict[str, float]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    logging.getLogger("kvoffload").setLevel(logging.ERROR)
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=200)
-    err = Console(stderr=True)
-    parent = (args.dir or Path.cwd()).resolve()
-    if not parent.is_dir():
-        err.print(f"--dir {parent}: not a directory")
+    console, err, parent = begin(args.dir, 200)
+    if parent is None:
         return 2
     if args.profile is not None:
         args.profile = args.profile.resolve()
         args.profile.mkdir(parents=True, exist_ok=True)
     spy_exe = None
     if args.spy is not None:
-        spy_exe = bp.find_py_spy()
+        spy_exe = find_py_spy()
         if spy_exe is None:
             err.print("--spy: py-spy is not installed here (pip install py-spy)")
             return 2
@@ -1738,7 +1283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     shapes = [
         s
-        for s in bs.make_shapes(args.quick, args.large_mib_per_row, args.small_ops)
+        for s in make_shapes(args.quick, args.large_mib_per_row, args.small_ops)
         if s.key in args.shapes
     ]
     staging = args.staging_mib * MiB
@@ -1752,18 +1297,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     pids: list[int] = []
     client_prof = None
     try:
-        with bs.scratch_dir(parent, ".bench_sidecar-") as base:
+        with scratch_dir(parent, ".bench_sidecar-") as base:
             shapes = _fit_to_disk(shapes, base, args.batch)
-            facts = bs.machine_facts(base)
-            facts["kvoffload source"] = _git_state()
-            facts["load average 1/5/15 min (start)"] = bs.loadavg()
+            facts = machine_facts(base)
+            facts["kvoffload source"] = git_state()
+            facts["load average 1/5/15 min (start)"] = loadavg()
             o_direct = supports_o_direct(base)
             bench = Bench(base, args.row_budget_s, staging, o_direct, args.lookups, args.streams)
             bench.progress = lambda m: err.print(m, highlight=False)
             bench.spy_exe, bench.spy_dir = spy_exe, args.spy
             t0 = time.perf_counter()
             bench.progress("CPU ceilings and object images")
-            datas = [prepare(s, args.batch, args.row_budget_s) for s in shapes]
+            datas = [
+                prepare(s, args.batch, FORMATS, args.row_budget_s, padded=True) for s in shapes
+            ]
             for data in datas:
                 bench.add_cpu(data)
             workers = max(2, os.cpu_count() or 2)
@@ -1795,15 +1342,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                             client_prof.disable()
                 shutil.rmtree(base / dur, ignore_errors=True)
             elapsed = time.perf_counter() - t0
-            facts["load average 1/5/15 min (end)"] = bs.loadavg()
+            facts["load average 1/5/15 min (end)"] = loadavg()
             peer: dict[str, Any] | None = None
             if args.no_lmcache:
                 peer_status = "skipped (--no-lmcache)"
             else:
                 bench.progress("LMCache peer (scripts/lmcache_peer.py, its own venv)")
-                facts["load average 1/5/15 min (LMCache peer start)"] = bs.loadavg()
+                facts["load average 1/5/15 min (LMCache peer start)"] = loadavg()
                 # The same shapes, chunks per row, batches and row budget as the sidecar rows.
-                peer_status, peer = bio.run_lmcache_peer(
+                peer_status, peer = run_lmcache_peer(
                     args.lmcache_python,
                     base,
                     err,
@@ -1816,7 +1363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     durabilities=args.durability,
                     shapes=args.shapes,
                 )
-                facts["load average 1/5/15 min (LMCache peer end)"] = bs.loadavg()
+                facts["load average 1/5/15 min (LMCache peer end)"] = loadavg()
     except KeyboardInterrupt:
         err.print("interrupted: sidecars stopped, temp files removed")
         return 130
@@ -1879,7 +1426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             },
             "method": METHOD,
             "serial_bound": SERIAL_BOUND,
-            "cold_method": bs.COLD_METHOD,
+            "cold_method": COLD_METHOD,
             "ceilings": [r.to_json() for r in bench.results if r.kind == "ceiling"],
             "rows": [r.to_json() for r in bench.results if r.kind == "kvoffload"],
             "latency": [lt.to_json() for lt in bench.latencies],
@@ -1889,7 +1436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "status": peer_status,
                 "python": str(args.lmcache_python),
                 "result": peer,
-                "howto": bio.LMCACHE_HOWTO,
+                "howto": LMCACHE_HOWTO,
             },
             "events": events_doc,
         }

@@ -25,7 +25,7 @@ The prefix was computed and saved once, untimed, by this process. Each round
 runs, in this order: recompute, reuse cold (whole-chunk and layer-wise), reuse
 warm (both), and the ceilings of the
 same run: a raw cold and a warm read of the very object files a load reads
-(``bench_store.raw_reader``), a memcpy of the KV bytes, and the suffix prefill
+(``benchlib.ceilings.raw_reader``), a memcpy of the KV bytes, and the suffix prefill
 with the prefix already in memory (the compute a reuse cannot avoid). Every
 operation runs once untimed before the rounds (the first call of a GEMM shape
 pays one-off costs). Times are medians over the rounds.
@@ -46,9 +46,7 @@ The sidecar is stopped and the temp dir removed on exit, Ctrl-C and SIGTERM.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import logging
 import os
 import statistics
 import sys
@@ -56,29 +54,24 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
+from benchlib.ceilings import COLD_METHOD, raw_reader
+from benchlib.chunks import MiB, mv, random_payload, touched
+from benchlib.facts import machine_facts
+from benchlib.method import Mincore, drop_cache, loadavg, scratch_dir
+from benchlib.tables import begin, machine_table
 from kvoffload.cli.admin import SidecarTarget
 from kvoffload.client import SidecarClient
 from kvoffload.integrations import demo_model as kd
 from kvoffload.keys import chunk_keys
 from kvoffload.layouts import v1
 
-if TYPE_CHECKING:
-    import bench_store as bs
-else:
-    _HERE = str(Path(__file__).resolve().parent)
-    if _HERE not in sys.path:
-        sys.path.insert(0, _HERE)
-    bs = importlib.import_module("bench_store")
-
-MiB = bs.MiB
 TENANT = "bench"
 TARGET_RATIO = 0.2  # TTFT with reuse / TTFT recompute, cold load
 SEED = 0
@@ -164,7 +157,7 @@ class Bench:
     prefix_len: int
     obj_paths: list[Path]
     prefix_kv: kd.Prefill
-    mincore: Any = field(default_factory=bs.Mincore)
+    mincore: Any = field(default_factory=Mincore)
     rows: dict[str, Row] = field(default_factory=dict)
     exact: Exactness = field(default_factory=Exactness)
     progress: Callable[[str], None] = lambda _m: None
@@ -180,10 +173,10 @@ class Bench:
             self.contract.layer_layout, self.contract.chunk_tokens, torch.float32
         )
         self.file_bytes = sum(p.stat().st_size for p in self.obj_paths)
-        self.read_buf = bs._mv(bs.touched(max(p.stat().st_size for p in self.obj_paths)))
-        self.reader = bs.raw_reader(self.obj_paths, self.read_buf)
-        self.src = bs.random_payload(self.kv_bytes, 1)
-        self.dst = bs.touched(self.kv_bytes)
+        self.read_buf = mv(touched(max(p.stat().st_size for p in self.obj_paths)))
+        self.reader = raw_reader(self.obj_paths, self.read_buf)
+        self.src = random_payload(self.kv_bytes, 1)
+        self.dst = touched(self.kv_bytes)
 
     def row(self, kind: str, name: str, nbytes: int = 0, note: str = "") -> Row:
         if name not in self.rows:
@@ -203,7 +196,7 @@ class Bench:
     def reuse(self, cache_state: str, timed: bool, layerwise: bool = False) -> float:
         cached = None
         if cache_state == "cold":
-            bs.drop_cache(self.obj_paths)
+            drop_cache(self.obj_paths)
             self.drop_ram_tier()
         if timed:
             cached = self.mincore.resident(self.obj_paths)
@@ -242,7 +235,7 @@ class Bench:
 
     def raw_read(self, cache_state: str, timed: bool) -> float:
         if cache_state == "cold":
-            bs.drop_cache(self.obj_paths)
+            drop_cache(self.obj_paths)
         cached = self.mincore.resident(self.obj_paths) if timed else None
         t0 = time.perf_counter()
         for i in range(len(self.obj_paths)):
@@ -402,12 +395,7 @@ def summary(bench: Bench) -> dict[str, Any]:
 
 
 def render(console: Console, facts: dict[str, str], bench: Bench, summ: dict[str, Any]) -> None:
-    t = Table(title="machine and set-up", show_header=False)
-    t.add_column("fact", style="bold")
-    t.add_column("value")
-    for k, v in facts.items():
-        t.add_row(escape(k), escape(v))
-    console.print(t)
+    console.print(machine_table(facts, title="machine and set-up"))
 
     rows = bench.rows
     rounds = len(rows["recompute"].runs)
@@ -530,7 +518,7 @@ def render(console: Console, facts: dict[str, str], bench: Bench, summ: dict[str
     t.add_row("recompute run-to-run max |diff|", f"{e.recompute_run_to_run:.3g}")
     console.print(t)
     console.print(f"[bold]method[/bold]: {METHOD}")
-    console.print(f"[bold]cold[/bold]: {bs.COLD_METHOD}")
+    console.print(f"[bold]cold[/bold]: {COLD_METHOD}")
 
 
 # --------------------------------------------------------------------------- main
@@ -559,17 +547,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    logging.getLogger("kvoffload").setLevel(logging.ERROR)
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=180)
-    err = Console(stderr=True)
+    console, err, parent = begin(args.dir, 180)
     if not kd.transformers_available():
         err.print(kd.TRANSFORMERS_MISSING, markup=False)
         return 1
-    parent = (args.dir or Path.cwd()).resolve()
-    if not parent.is_dir():
-        err.print(f"--dir {parent}: not a directory")
+    if parent is None:
         return 2
     import transformers
 
@@ -583,9 +565,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress: Callable[[str], None] = lambda m: err.print(m, highlight=False)  # noqa: E731
     sidecar_pid: int | None = None
     try:
-        with bs.scratch_dir(parent, ".bench_ttft-") as base:
-            facts = bs.machine_facts(base)
-            facts["load average 1/5/15 min (start)"] = bs.loadavg()
+        with scratch_dir(parent, ".bench_ttft-") as base:
+            facts = machine_facts(base)
+            facts["load average 1/5/15 min (start)"] = loadavg()
             t_start = time.perf_counter()
             progress(f"model: {shape.describe()}, fp32, seed {SEED}")
             config = kd.llama_config(shape)
@@ -629,7 +611,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 bench.run(args.rounds)
                 sidecar_stats = dict(sc.stats)
             elapsed = time.perf_counter() - t_start
-            facts["load average 1/5/15 min (end)"] = bs.loadavg()
+            facts["load average 1/5/15 min (end)"] = loadavg()
     except KeyboardInterrupt:
         err.print("interrupted: sidecar stopped, temp files removed")
         return 130
@@ -676,7 +658,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "sidecar_pid": sidecar_pid,
             },
             "method": METHOD,
-            "cold_method": bs.COLD_METHOD,
+            "cold_method": COLD_METHOD,
             "summary": summ,
             "rows": [r.to_json() for r in bench.rows.values()],
             "exactness": asdict(bench.exact) | {"within_tolerance": bench.exact.within},

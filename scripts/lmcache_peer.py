@@ -75,7 +75,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench_method import Mincore, Timing, cmd, drop_cache, interleaved, scratch_dir
+from benchlib.method import Mincore, Timing, choices, cmd, drop_cache, interleaved, scratch_dir
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -103,7 +103,7 @@ NOTES = [
 
 @dataclass(frozen=True)
 class Shape:
-    key: str  # "large" | "small", as in bench_store.py / bench_io.py
+    key: str  # "large" | "small", as in benchlib.chunks
     layers: int
     layer_bytes: int
     chunks: int  # chunks per row (upper bound; the row budget may stop earlier)
@@ -507,15 +507,10 @@ def machine_facts(d: Path) -> dict[str, str]:
 
 
 def _split(values: list[str] | None, allowed: Sequence[str], default: Sequence[str]) -> list[str]:
-    out: list[str] = []
-    for item in values or [",".join(default)]:
-        for v in item.split(","):
-            v = v.strip()
-            if v not in allowed:
-                raise SystemExit(f"{v!r} is not one of {', '.join(allowed)}")
-            if v not in out:
-                out.append(v)
-    return out
+    try:
+        return choices(values, allowed, default)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""scripts/bench_profile.py: the CPU a benchmark row costs each process, and where
+"""benchlib.cpu (scripts/benchlib/cpu.py): the CPU a benchmark row costs each process, and where
 py-spy's samples fell. Real processes; no timing assertions (only CPU time that a
 child is made to spend, and arithmetic)."""
 
@@ -8,22 +8,15 @@ import importlib
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-
 
 @pytest.fixture(scope="module")
-def bp() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        yield importlib.import_module("bench_profile")
-    finally:
-        sys.path.remove(str(SCRIPTS))
+def bp() -> ModuleType:
+    return importlib.import_module("benchlib.cpu")
 
 
 def test_process_cpu_seconds_counts_another_process_cpu_not_its_sleep(bp: ModuleType) -> None:

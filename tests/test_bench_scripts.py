@@ -5,6 +5,7 @@ No timing assertions: only that every expected row is there with a positive thro
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -15,6 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from benchlib.chunks import NAMESPACE, TENANT, Shape
+from benchlib.lmcache import run_lmcache_peer
+from benchlib.method import drop_cache
+from benchlib.stores import settle_ram_tier
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_store.py"
 SHAPES = ("large", "small")
@@ -118,7 +124,7 @@ def test_bench_store_cleans_up_when_interrupted(tmp_path: Path) -> None:
 _SWALLOWED_INTERRUPT = """
 import os, signal, sys
 from pathlib import Path
-import bench_method as bm
+from benchlib import method as bm
 
 class TakesTheSignal:
     def __del__(self):  # its KeyboardInterrupt is printed and dropped by Python
@@ -459,17 +465,9 @@ def test_bench_ttft_quick_reports_every_row_and_stops_its_sidecar(tmp_path: Path
 
 
 def _load_script(name: str) -> Any:
-    """scripts/<name>.py as a module (scripts/ is not a package); once per process."""
-    import importlib.util
-
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, SCRIPT.parent / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up while the body runs
-    spec.loader.exec_module(mod)
-    return mod
+    """scripts/<name>.py as a module: scripts/ is on sys.path (pyproject's pytest
+    ``pythonpath``), as it is for a script that Python runs."""
+    return importlib.import_module(name)
 
 
 def _sidecar_rows(bsc: Any) -> tuple[list[Any], list[Any]]:
@@ -517,7 +515,7 @@ def _peer(layer_bytes: int = 1 << 20, batch: int = 4) -> dict[str, Any]:
 def test_sidecar_targets_meet_lmcache_best_variant_at_equal_durability() -> None:
     bsc = _load_script("bench_sidecar")
     results, lat = _sidecar_rows(bsc)
-    shape = _load_script("bench_store").Shape("large", 32, 1 << 20, "Llama", 32)
+    shape = Shape("large", 32, 1 << 20, "Llama", 32)
     rows, lookups = bsc.final_targets(results, lat, _peer(), [shape], list(DURABILITIES), 4)
     got = {r.id: r for r in rows}
     assert set(got) == {f"large/{d}/{op}" for d in DURABILITIES for op in TARGET_OPS}
@@ -550,7 +548,7 @@ def test_sidecar_targets_meet_lmcache_best_variant_at_equal_durability() -> None
 def test_sidecar_targets_never_compare_other_shapes_batches_or_durabilities() -> None:
     bsc = _load_script("bench_sidecar")
     results, lat = _sidecar_rows(bsc)
-    shape = _load_script("bench_store").Shape("large", 32, 1 << 20, "Llama", 32)
+    shape = Shape("large", 32, 1 << 20, "Llama", 32)
     cases = {
         "another chunk": (_peer(layer_bytes=64 << 10), "32 x 65536 B, ours 32 x 1048576 B"),
         "another batch": (_peer(batch=32), "batches are 32 chunks, ours 4"),
@@ -574,8 +572,7 @@ def test_sidecar_targets_never_compare_other_shapes_batches_or_durabilities() ->
 def test_missing_lmcache_venv_is_one_status_line_naming_the_install(tmp_path: Path) -> None:
     from rich.console import Console
 
-    bio = _load_script("bench_io")
-    status, doc = bio.run_lmcache_peer(
+    status, doc = run_lmcache_peer(
         tmp_path / "no-venv" / "bin" / "python", tmp_path, Console(stderr=True), quick=True,
         row_budget_s=0.1, large_mib_per_row=1, small_ops=1, large_batch=1, small_batch=1,
         durabilities=["object"],
@@ -597,7 +594,6 @@ def test_in_process_benchmarks_measure_a_mapped_ram_tier_and_cold_rows_empty_it(
 
     from .test_iobackend import _direct_dir
 
-    bst = _load_script("bench_store")
     kek = tmp_path / "kek"
     kek.write_bytes(os.urandom(32))
     kek.chmod(0o600)
@@ -606,17 +602,17 @@ def test_in_process_benchmarks_measure_a_mapped_ram_tier_and_cold_rows_empty_it(
         store = Store(cfg, Kek.from_file(kek), create=True)
         try:
             layers = [memoryview(os.urandom(1 << 20)) for _ in range(16)]
-            bst.settle_ram_tier(store, layers)
+            settle_ram_tier(store, layers)
             tier = store.stats()["ram_tier"]
             assert not tier["filling"] and tier["held_bytes"] >= 64 << 20, tier
             key = bytes(range(32))
-            assert store.put(bst.TENANT, bst.NAMESPACE, key, layers)
+            assert store.put(TENANT, NAMESPACE, key, layers)
             hits = store.stats()["ram_tier"]["hits"]
-            assert store.get(bst.TENANT, key) == [bytes(v) for v in layers]
+            assert store.get(TENANT, key) == [bytes(v) for v in layers]
             assert store.stats()["ram_tier"]["hits"] == hits + 1  # the image of the save
             store.drop_cache()
-            bst.drop_cache([store._path(bst.TENANT, key)])
-            assert store.get(bst.TENANT, key) == [bytes(v) for v in layers]
+            drop_cache([store._path(TENANT, key)])
+            assert store.get(TENANT, key) == [bytes(v) for v in layers]
             assert store.stats()["ram_tier"]["hits"] == hits + 1  # read from its file
         finally:
             store.close()

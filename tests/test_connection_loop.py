@@ -157,7 +157,7 @@ def test_frames_split_byte_by_byte_and_an_fd_with_the_first_byte(
     assert w.replies(1) == [(2, p.Ack(p.Op.REGISTER_STAGING))]
     # The registered buffer works: a save through it lands in the store.
     buf.view[:5] = b"hello"
-    w.s.sendall(w.frame(3, p.Store("acme", NS, (p.StoreChunk(key(7), (5,), offset=0),))))
+    w.s.sendall(w.frame(3, p.StoreBatch("acme", NS, (p.StoreChunk(key(7), (5,), offset=0),))))
     [(rid, reply)] = w.replies(1)
     assert rid == 3 and isinstance(reply, p.StoreReply), reply
     assert big_store.data[("acme", key(7))] == [b"hello"]

@@ -137,7 +137,7 @@ CATALOGUE: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
         "request",
         _req(
             19,
-            p.Store(
+            p.StoreBatch(
                 "acme",
                 NS,
                 (p.StoreChunk(K[0], (4096, 10), offset=0), p.StoreChunk(K[1], (1,), offset=8192)),

@@ -119,7 +119,7 @@ def test_store_writes_every_chunk_before_the_reply(
 ) -> None:
     s = open_session(service, buf)
     chunks = place(buf, {0: 0, 1: 2 * PAGE, 2: 5 * PAGE})
-    reply = s.execute(p.Store("acme", NS, chunks))
+    reply = s.execute(p.StoreBatch("acme", NS, chunks))
     assert reply == p.StoreReply((True, True, True), (0, 0, 0))
     # The client may reuse the buffer at once: the bytes were sealed before the reply.
     buf.view[:] = b"\xee" * buf.size
@@ -130,7 +130,7 @@ def test_store_writes_every_chunk_before_the_reply(
     # every region back
     assert s.handles.alloc is not None and s.handles.alloc.largest_free == buf.size
     # Stored again: present, so stored (and nothing is read from the regions).
-    again = s.execute(p.Store("acme", NS, chunks[:1]))
+    again = s.execute(p.StoreBatch("acme", NS, chunks[:1]))
     assert again == p.StoreReply((True,), (0,))
 
 
@@ -152,7 +152,7 @@ def test_bad_regions_are_refused_as_a_whole(
         p.StoreChunk(key(i), tuple(map(len, layers_of(i))), offset=off)
         for i, off in offsets.items()
     )
-    reply = s.execute(p.Store("acme", NS, chunks))
+    reply = s.execute(p.StoreBatch("acme", NS, chunks))
     assert isinstance(reply, p.ErrorReply) and reply.code is ErrorCode.BAD_REQUEST
     assert why in reply.message
     assert store.lookup("acme", [key(i) for i in offsets]) == 0
@@ -173,7 +173,7 @@ def test_a_region_held_by_an_open_load_is_busy_and_left_alone(
     free = next(o for o in range(0, buf.size, 4 * PAGE) if abs(o - held) >= 4 * PAGE)
     chunks = place(buf, {1: free})
     clash = p.StoreChunk(key(2), tuple(map(len, layers_of(2))), offset=held)
-    reply = s.execute(p.Store("acme", NS, (*chunks, clash)))
+    reply = s.execute(p.StoreBatch("acme", NS, (*chunks, clash)))
     assert reply == p.StoreReply((True, False), (0, int(ErrorCode.BUSY)))
     # The load's bytes were not read as chunk 2, and chunk 2 is not stored.
     assert bytes(buf.view[held : held + len(want)]) == want
@@ -186,7 +186,7 @@ def test_a_region_held_by_an_open_load_is_busy_and_left_alone(
 def test_a_forbidden_tenant_is_refused_before_the_store(store: Any, buf: StagingBuffer) -> None:
     service = Service(store, grants("acme"), ServerConfig(secret=SECRET))
     s = open_session(service, buf, "acme", "rival")
-    reply = s.execute(p.Store("rival", NS, place(buf, {0: 0})))
+    reply = s.execute(p.StoreBatch("rival", NS, place(buf, {0: 0})))
     assert isinstance(reply, p.ErrorReply) and reply.code is ErrorCode.FORBIDDEN
     assert "rival" not in store.tenants()
     assert s.handles.alloc is not None and s.handles.alloc.largest_free == buf.size
@@ -196,7 +196,7 @@ def test_store_before_registering_staging(service: Service) -> None:
     s = Session(service, ME)
     assert isinstance(s.hello(p.Hello(1, 1, "unit", ("acme",))), p.HelloReply)
     chunk = p.StoreChunk(key(0), (10,), offset=0)
-    reply = s.execute(p.Store("acme", NS, (chunk,)))
+    reply = s.execute(p.StoreBatch("acme", NS, (chunk,)))
     assert isinstance(reply, p.ErrorReply) and reply.code is ErrorCode.NOT_REGISTERED
 
 
@@ -211,7 +211,7 @@ def test_a_failed_write_mid_batch_leaves_no_half_visible_chunk(
     leaf.write_bytes(b"not a directory")
     s = open_session(service, buf)
     chunks = place(buf, {0: 0, 1: 2 * PAGE, 2: 4 * PAGE, 3: 6 * PAGE})
-    reply = s.execute(p.Store("acme", NS, chunks))
+    reply = s.execute(p.StoreBatch("acme", NS, chunks))
     assert isinstance(reply, p.StoreReply)
     assert reply.stored == (True, True, False, False)
     assert reply.codes[:2] == (0, 0) and reply.codes[2] == int(ErrorCode.INTERNAL)
@@ -405,7 +405,7 @@ for i in range(16):
     data = bytes([i]) * 9000
     buf.view[i * 12288 : i * 12288 + 9000] = data
     chunks.append(p.StoreChunk(key(i), (4000, 5000), offset=i * 12288))
-t.send(p.request_message(3, p.Store("acme", b"\\x33" * 32, tuple(chunks))))
+t.send(p.request_message(3, p.StoreBatch("acme", b"\\x33" * 32, tuple(chunks))))
 os.kill(os.getpid(), signal.SIGKILL)
 """
 

@@ -29,7 +29,7 @@ from ..protocol import (
     PrepareStoreReply,
     ProtocolError,
     Reply,
-    Store,
+    StoreBatch,
     StoreChunk,
     StoreReply,
     StoreStatus,
@@ -206,7 +206,7 @@ class StagedPath:
             self._copy_in(self._staging, at, views[i])
             chunks.append(StoreChunk(sp.key, sp.layers, sp.blocks, offset=at))
             at += region_size(sp.layers, align)
-        reply = s.call(Store(s.tenant, namespace, tuple(chunks), ttl_s))
+        reply = s.call(StoreBatch(s.tenant, namespace, tuple(chunks), ttl_s))
         if isinstance(reply, ErrorReply):
             if reply.code in (ErrorCode.BUSY, ErrorCode.UNSUPPORTED):
                 return False

@@ -13,8 +13,10 @@ The modules: :mod:`.limits` (constants, ``Op``, ``StoreStatus``),
 :mod:`.framing` (magic, length prefix, msgpack bodies, descriptors),
 :mod:`.fields` (the wire types as ``msgspec.Meta`` constraints, and the one
 place a map becomes a typed message), :mod:`.requests` and :mod:`.replies`
-(the messages, frozen ``msgspec.Struct`` classes), :mod:`.codec` (envelopes),
-:mod:`.packing` (staging layout, fake salt). The bytes are packed by the
+(the messages, frozen ``msgspec.Struct`` classes, each naming its verb in
+``OP``; the op → class tables ``REQUEST_TYPES`` and ``REPLY_TYPES`` are made
+from the unions ``Request`` and ``ResultReply`` by ``fields.op_table``), :mod:`.codec`
+(envelopes), :mod:`.packing` (staging layout, fake salt). The bytes are packed by the
 ``msgpack`` library exactly as before the messages were typed;
 ``tests/data/frames`` holds golden frames that prove it.
 
@@ -77,6 +79,7 @@ from .limits import (
 )
 from .packing import align_up, fake_salt, packed_layout, region_size
 from .replies import (
+    REPLY_TYPES,
     Ack,
     CompleteStoreReply,
     DropCacheReply,
@@ -100,6 +103,7 @@ from .replies import (
     PurgeReply,
     ReadSlot,
     Reply,
+    ResultReply,
     StatsReply,
     StoreReply,
     StoreSlot,
@@ -129,7 +133,7 @@ from .requests import (
     RegisterStaging,
     Request,
     Stats,
-    Store,
+    StoreBatch,
     StoreChunk,
     Touch,
 )
@@ -154,6 +158,7 @@ __all__ = [
     "MAX_U64",
     "MIN_PROTOCOL_VERSION",
     "PROTOCOL_VERSION",
+    "REPLY_TYPES",
     "REQUEST_TYPES",
     "SALT_SIZE",
     "SERVER_MAGIC",
@@ -208,9 +213,10 @@ __all__ = [
     "RegisterStaging",
     "Reply",
     "Request",
+    "ResultReply",
     "Stats",
     "StatsReply",
-    "Store",
+    "StoreBatch",
     "StoreChunk",
     "StoreReply",
     "StoreSlot",

@@ -20,71 +20,9 @@ from .fields import NATIVE_TYPES
 from .fields import code as wire_code
 from .framing import bad
 from .limits import MAX_BATCH, MAX_MESSAGE, MAX_REQUEST_ID, Op
-from .replies import (
-    Ack,
-    CompleteStoreReply,
-    DropCacheReply,
-    ErrorReply,
-    FsckReply,
-    HelloReply,
-    InspectReply,
-    InvalidateReply,
-    LeaseLoadReply,
-    LeaseStoreReply,
-    LoadProgress,
-    LookupReply,
-    LsReply,
-    NamespacesReply,
-    PrepareLoadReply,
-    PrepareStoreReply,
-    PurgeOlderReply,
-    PurgeReply,
-    Reply,
-    StatsReply,
-    StoreReply,
-)
+from .replies import REPLY_TYPES, Ack, ErrorReply, LookupReply, Reply
 from .requests import REQUEST_TYPES, Lookup, Request
 
-_REPLY_TYPES: dict[
-    Op,
-    type[HelloReply]
-    | type[LookupReply]
-    | type[PrepareStoreReply]
-    | type[CompleteStoreReply]
-    | type[PrepareLoadReply]
-    | type[StatsReply]
-    | type[PurgeReply]
-    | type[FsckReply]
-    | type[LeaseStoreReply]
-    | type[LeaseLoadReply]
-    | type[InspectReply]
-    | type[LsReply]
-    | type[PurgeOlderReply]
-    | type[InvalidateReply]
-    | type[NamespacesReply]
-    | type[LoadProgress]
-    | type[StoreReply]
-    | type[DropCacheReply],
-] = {
-    Op.HELLO: HelloReply,
-    Op.LOOKUP: LookupReply,
-    Op.PREPARE_STORE: PrepareStoreReply,
-    Op.COMPLETE_STORE: CompleteStoreReply,
-    Op.PREPARE_LOAD: PrepareLoadReply,
-    Op.STATS: StatsReply,
-    Op.PURGE: PurgeReply,
-    Op.FSCK: FsckReply,
-    Op.LEASE_STORE: LeaseStoreReply,
-    Op.LEASE_LOAD: LeaseLoadReply,
-    Op.INSPECT: InspectReply,
-    Op.LS: LsReply,
-    Op.PURGE_OLDER: PurgeOlderReply,
-    Op.INVALIDATE: InvalidateReply,
-    Op.NAMESPACES: NamespacesReply,
-    Op.LOAD_PROGRESS: LoadProgress,
-    Op.STORE: StoreReply,
-    Op.DROP_CACHE: DropCacheReply,
-}
 ACK_OPS = frozenset({Op.REGISTER_STAGING, Op.ABORT, Op.COMPLETE_LOAD, Op.TOUCH, Op.BYE})
 
 
@@ -222,7 +160,7 @@ def parse_reply(msg: Mapping[str, Any]) -> tuple[int, Reply]:
         raise bad(f"reply: unknown op {op_raw[:64]!r}") from None
     if op in ACK_OPS:
         return rid, Ack(op)
-    cls = _REPLY_TYPES.get(op)
+    cls = REPLY_TYPES.get(op)
     if cls is None:
         raise bad(f"reply: op {op.value!r} has no reply")
     return rid, cls.from_wire(msg)

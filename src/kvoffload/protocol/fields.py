@@ -24,7 +24,7 @@ import math
 from collections.abc import Mapping
 from enum import Enum
 from itertools import repeat
-from typing import Annotated, Any, ClassVar, Self, TypeVar
+from typing import Annotated, Any, ClassVar, Self, TypeVar, get_args
 
 import msgspec
 from msgspec import Meta
@@ -221,6 +221,22 @@ class ReplyMessage(Message, frozen=True):
         return decode(cls, m, f"{cls.OP.value} reply")
 
 
+def op_table(messages: Any) -> dict[Op, Any]:
+    """The op → class table of a union of message classes, each naming its verb
+    in ``OP``: the request table and the reply table are both made this way, so
+    a class is reachable exactly when it is in its union. Two classes that claim
+    one op are a bug, refused here, when the module is imported."""
+    table: dict[Op, Any] = {}
+    for cls in get_args(messages):
+        op = getattr(cls, "OP", None)
+        if not isinstance(op, Op):
+            raise TypeError(f"{cls.__name__} names no op")
+        seen = table.setdefault(op, cls)
+        if seen is not cls:
+            raise TypeError(f"{seen.__name__} and {cls.__name__} both claim op {op.value!r}")
+    return table
+
+
 __all__ = [
     "NATIVE_TYPES",
     "TENANT_PATTERN",
@@ -247,5 +263,6 @@ __all__ = [
     "decode",
     "distinct",
     "free_form",
+    "op_table",
     "plain",
 ]

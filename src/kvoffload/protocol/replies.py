@@ -43,6 +43,7 @@ from .fields import (
     WireCode,
     code,
     decode,
+    op_table,
 )
 from .framing import bad
 from .limits import (
@@ -522,9 +523,10 @@ class ErrorReply(Message, frozen=True):
         return d
 
 
-Reply = (
+#: The OK replies that carry result keys, each naming its verb in ``OP``:
+#: :data:`REPLY_TYPES` is made from it as the request table is from ``Request``.
+ResultReply = (
     HelloReply
-    | Ack
     | LookupReply
     | PrepareStoreReply
     | CompleteStoreReply
@@ -542,10 +544,15 @@ Reply = (
     | LoadProgress
     | StoreReply
     | DropCacheReply
-    | ErrorReply
 )
+Reply = ResultReply | Ack | ErrorReply
+
+#: op → reply class of the replies with result keys (an ``Ack`` op is in
+#: ``codec.ACK_OPS``), made from :data:`ResultReply`.
+REPLY_TYPES: dict[Op, type[ResultReply]] = op_table(ResultReply)
 
 __all__ = [
+    "REPLY_TYPES",
     "Ack",
     "CompleteStoreReply",
     "DropCacheReply",
@@ -570,6 +577,7 @@ __all__ = [
     "ReadSlot",
     "Reply",
     "ReplyMessage",
+    "ResultReply",
     "StatsReply",
     "StoreReply",
     "StoreSlot",

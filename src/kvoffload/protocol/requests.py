@@ -24,6 +24,7 @@ from .fields import (
     UInt,
     decode,
     distinct,
+    op_table,
     plain,
 )
 from .framing import bad
@@ -230,7 +231,7 @@ class StoreChunk(ChunkSpec, frozen=True, kw_only=True):
         return d
 
 
-class Store(RequestMessage, frozen=True):
+class StoreBatch(RequestMessage, frozen=True):
     """§5.21 (revision 6): store chunks the client already put in its staging buffer,
     at regions it chose, in one round trip (``prepare_store`` + ``complete_store``)."""
 
@@ -423,37 +424,12 @@ Request = (
     | PurgeOlder
     | Invalidate
     | Namespaces
-    | Store
+    | StoreBatch
     | DropCache
 )
 
-REQUEST_TYPES: dict[Op, type[Request]] = {
-    t.OP: t
-    for t in (
-        Hello,
-        RegisterStaging,
-        Lookup,
-        PrepareStore,
-        CompleteStore,
-        Abort,
-        PrepareLoad,
-        CompleteLoad,
-        Touch,
-        Stats,
-        Purge,
-        Fsck,
-        Bye,
-        LeaseStore,
-        LeaseLoad,
-        Inspect,
-        Ls,
-        PurgeOlder,
-        Invalidate,
-        Namespaces,
-        Store,
-        DropCache,
-    )
-}
+#: op → request class, made from :data:`Request`.
+REQUEST_TYPES: dict[Op, type[Request]] = op_table(Request)
 
 __all__ = [
     "REQUEST_TYPES",
@@ -480,7 +456,7 @@ __all__ = [
     "Request",
     "RequestMessage",
     "Stats",
-    "Store",
+    "StoreBatch",
     "StoreChunk",
     "Touch",
 ]

@@ -35,7 +35,7 @@ from kvoffload.protocol import (
     PrepareStore,
     PrepareStoreReply,
     Reply,
-    Store,
+    StoreBatch,
     StoreChunk,
     StoreReply,
     StoreSlot,
@@ -150,7 +150,7 @@ class Writes:
 
     def _plan_write(
         self,
-        req: PrepareStore | Store,
+        req: PrepareStore | StoreBatch,
         slot: type[_W],
         allowed: Callable[[str], bool],
         right: str,
@@ -209,7 +209,7 @@ class Writes:
 
     # -- one-round-trip writes (§5.21) --------------------------------------------------
 
-    def store(self, req: Store) -> Reply:
+    def store(self, req: StoreBatch) -> Reply:
         """§5.21: ``prepare_store`` + ``complete_store`` of chunks the client already
         put at regions of its staging buffer it chose; they are read, sealed and
         written before the reply, and each region is the server's until then."""
@@ -234,7 +234,7 @@ class Writes:
         self._record_blocks(h, [stored[i] and i in keys for i in range(len(stored))], keys)
         return StoreReply(tuple(stored), tuple(codes))
 
-    def _store_regions(self, req: Store, size: int) -> None:
+    def _store_regions(self, req: StoreBatch, size: int) -> None:
         """§5.21: the chunks' regions, aligned, inside the buffer and apart, sorted;
         anything else is the client's mistake (BAD_REQUEST), before any effect."""
         align = self.service.config.alignment

@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
 GB = 1e9
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -171,12 +170,7 @@ class Spy:
             )
         return self
 
-    def __exit__(
-        self,
-        _t: type[BaseException] | None,
-        _e: BaseException | None,
-        _tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *_exc: object) -> None:
         proc = self.proc
         if proc is None:
             return
@@ -253,12 +247,7 @@ class RowCpu:
         self._start = process_cpu_seconds(self.pid)
         return self
 
-    def __exit__(
-        self,
-        _t: type[BaseException] | None,
-        _e: BaseException | None,
-        _tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *_exc: object) -> None:
         self.sidecar_s = process_cpu_seconds(self.pid) - self._start
 
     def split(self, payload_per_call: int) -> CpuSplit | None:

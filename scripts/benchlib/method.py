@@ -1,9 +1,9 @@
 """The measurement method every benchmark here shares, free of kvoffload imports.
 
 ``lmcache_peer.py`` runs in LMCache's own virtualenv, where kvoffload is not
-installed; it and ``bench_store.py`` (and through it the other benchmarks)
-import this module so that kvoffload's rows and LMCache's are timed, made
-cold and cleaned up by the same code.
+installed; it and the kvoffload benchmarks import this module so that
+kvoffload's rows and LMCache's are timed, made cold and cleaned up by the same
+code.
 """
 
 from __future__ import annotations
@@ -54,6 +54,27 @@ def interleaved(
         if spent >= budget_s * len(ops) and i >= min_ops:
             break
     return [(len(x), sum(x), statistics.median(x)) for x in lat]
+
+
+def write_all(fd: int, data: memoryview) -> None:
+    """``os.write`` until all of ``data`` is written."""
+    done = 0
+    while done < len(data):
+        done += os.write(fd, data[done:])
+
+
+def choices(values: list[str] | None, allowed: Sequence[str], default: Sequence[str]) -> list[str]:
+    """The values of a repeatable, comma-separated option, in order, without repeats
+    (``default`` when none is given); ValueError names one that is not ``allowed``."""
+    out: list[str] = []
+    for item in values or [",".join(default)]:
+        for v in item.split(","):
+            v = v.strip()
+            if v not in allowed:
+                raise ValueError(f"{v!r} is not one of {', '.join(allowed)}")
+            if v not in out:
+                out.append(v)
+    return out
 
 
 # --------------------------------------------------------------------------- page cache
