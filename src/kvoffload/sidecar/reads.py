@@ -61,7 +61,7 @@ FillFn = Callable[[LoadHandle, Sequence[bytes]], tuple[list[_R], ErrorCode]]
 CHUNK_FRAME_MIN_BYTES = 4 << 20
 
 
-class WouldWait(Exception):
+class _WouldWait(Exception):
     """An inline ``prepare_load`` that would wait on the device or the disk."""
 
 
@@ -109,7 +109,7 @@ class _StagedLoad:
     ``inline`` (on the event loop): records from the index alone and reads
     that need no wait on the device, chunk by chunk as planned; where the next
     would wait, the plan stops there with ``BUSY`` (the client asks for the
-    rest), or raises :class:`WouldWait` having released everything when no
+    rest), or raises :class:`_WouldWait` having released everything when no
     chunk could be answered."""
 
     def __init__(
@@ -143,7 +143,7 @@ class _StagedLoad:
         served = len(self.recs)  # chunks the read answers (a hit or a miss)
         loaded = self._keep_prefix(self._read())
         if not served and self.waits:
-            raise WouldWait  # nothing answered here, nothing held: the pool reads it
+            raise _WouldWait  # nothing answered here, nothing held: the pool reads it
         return loaded, self.stop
 
     def _record(self, key: bytes) -> ChunkRecord | None:
@@ -151,7 +151,7 @@ class _StagedLoad:
             return self.store.payload_info(self.h.tenant, key)
         known, rec = self.store.payload_info_cached(self.h.tenant, key)
         if not known:
-            raise WouldWait
+            raise _WouldWait
         return rec
 
     def _plan(self, key: bytes) -> bool:
@@ -159,7 +159,7 @@ class _StagedLoad:
         h = self.h
         try:
             rec = self._record(key)
-        except WouldWait:
+        except _WouldWait:
             if not h.keys:
                 raise
             self.stop, self.waits = ErrorCode.BUSY, True  # the rest on the pool (§5.7)
@@ -279,7 +279,7 @@ class Reads:
             return None
         try:
             return self.prepare_load(req, inline=True)
-        except WouldWait:
+        except _WouldWait:
             return None
 
     def prepare_load(
@@ -290,7 +290,7 @@ class Reads:
         With ``layerwise`` (§5.26) and a connection that can send interim
         frames, the plan and every verified layer are reported as ``load_progress``
         frames through ``emit`` before this reply. ``inline``: see
-        :meth:`prepare_load_inline` (raises :class:`WouldWait` having released
+        :meth:`prepare_load_inline` (raises :class:`_WouldWait` having released
         everything, where no chunk could be answered without a wait)."""
         self.handles.open_slot()
         self.handles.registered()
@@ -416,4 +416,4 @@ class Reads:
         return Ack(Op.COMPLETE_LOAD)
 
 
-__all__ = ["CHUNK_FRAME_MIN_BYTES", "EmitFn", "Reads", "WouldWait"]
+__all__ = ["CHUNK_FRAME_MIN_BYTES", "EmitFn", "Reads"]
