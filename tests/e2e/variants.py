@@ -621,7 +621,7 @@ class _Process:
         engine: StandInEngine | None = None
         broken = contextlib.ExitStack()
         if v.get("unusable_loads"):
-            from kvoffload.integrations.vllm.worker import PagedCache
+            from kvoffload.integrations.vllm.paged import PagedCache
 
             broken.enter_context(mock.patch.object(PagedCache, "scatter", _unusable_scatter))
         try:

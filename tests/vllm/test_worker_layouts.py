@@ -27,7 +27,7 @@ from kvoffload.integrations.vllm.common import (
     KVSpec,
     attention_spec,
 )
-from kvoffload.integrations.vllm.worker import PagedCache, _BadChunk, build_paged_cache
+from kvoffload.integrations.vllm.paged import PagedCache, _BadChunk, build_paged_cache
 
 from .engine import HEAD_DIM, LAYER_NAMES, NUM_KV_HEADS, make_kv_cache_config, make_vllm_config
 
