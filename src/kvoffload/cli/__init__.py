@@ -37,7 +37,7 @@ from . import (
     store_cmds,
     systemd_cmd,
 )
-from .app import app, err, fail_line, misplaced_global_option, state
+from .app import app, err, fail_line, hoist_global_options, state
 from .exits import (
     EXIT_ABORTED,
     EXIT_ERROR,
@@ -83,12 +83,8 @@ __all__ = [
 
 def main(argv: list[str] | None = None) -> None:
     """The entry point: run the app, and turn a known exception into one line + its code."""
-    args = sys.argv[1:] if argv is None else argv
-    misplaced = misplaced_global_option(args)
-    if misplaced is not None:
-        err.print(fail_line("usage", misplaced))
-        sys.exit(ExitCode.USAGE)
     try:
+        args = hoist_global_options(sys.argv[1:] if argv is None else argv)
         app(args=args, prog_name="kvoffload")
     except Exception as exc:
         mapped = exit_for(exc)

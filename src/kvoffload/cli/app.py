@@ -38,7 +38,7 @@ EPILOG = """Exit codes:
 HELP = """KV-cache offload sidecar and its store.
 
 Global options (--dev, --config, --root, --index-dir, --kek-file, -v) go
-before the command: `kvoffload --dev serve`, `kvoffload --dev inspect`.
+before or after the command: `kvoffload --dev serve`, `kvoffload inspect --dev`.
 """
 
 app = typer.Typer(
@@ -77,7 +77,7 @@ class _State:
 
 state = _State()
 
-#: The global options (before the command); none of them is a command's option.
+#: The global options (before or after the command: :func:`hoist_global_options`).
 GLOBAL_FLAGS = ("--dev", "--verbose", "-v")
 GLOBAL_VALUED = ("--config", "-c", "--root", "--index-dir", "--kek-file")
 
@@ -162,28 +162,61 @@ def setup_logging(level: int, fmt: str = "plain", *, daemon: bool = False) -> No
     root.setLevel(level)
 
 
-def misplaced_global_option(argv: list[str]) -> str | None:
-    """The one-line complaint when a global option follows the command, else None."""
-    command: str | None = None
-    i = 0
+def hoist_global_options(argv: list[str]) -> list[str]:
+    """``argv`` with the global options given after the command moved in front of it.
+
+    ``kvoffload serve --config FILE`` then means ``kvoffload --config FILE
+    serve``, as an operator (and the systemd unit) would expect; given twice,
+    the later one wins, as click has it. The command's own options are read
+    from click's tree, so an option's value is never taken for a global
+    option, and a command's own option of the same name (none today) would
+    win. Nothing after ``--`` moves.
+    """
+    start, names = 0, GLOBAL_FLAGS + GLOBAL_VALUED
+    while start < len(argv) and argv[start].startswith("-") and argv[start] != "--":
+        start += 2 if argv[start] in GLOBAL_VALUED else 1
+    if not any(tok.split("=", 1)[0] in names for tok in argv[start:]):
+        return argv  # the common case: nothing to move, click's tree not built
+    found = _command_at(argv, start)
+    if found is None:
+        return argv  # an unknown command: click says so
+    command, path_end = found
+    own = {name: p for p in command.params for name in (*p.opts, *p.secondary_opts)}
+    moved: list[str] = []
+    rest: list[str] = []
+    i = path_end
     while i < len(argv):
         tok = argv[i]
         if tok == "--":
+            rest += argv[i:]
+            break
+        name, inline = tok.split("=", 1)[0], "=" in tok
+        param = own.get(name)
+        if param is None:
+            takes_value = name in GLOBAL_VALUED
+        else:
+            takes_value = param.param_type_name == "option" and not (param.is_flag or param.count)
+        span = [tok] if inline or not takes_value else argv[i : i + 2]
+        if param is None and name in names:
+            if takes_value and len(span) == 1 and not inline:
+                raise _CliUsageError(f"{name} needs a value")
+            moved += span
+        else:
+            rest += span
+        i += len(span)
+    return argv[:start] + moved + argv[start:path_end] + rest
+
+
+def _command_at(argv: list[str], i: int) -> tuple[Any, int] | None:
+    """The (sub)command named from ``argv[i]`` on, and where its arguments start."""
+    # Typer carries its own copy of click: its classes are reached through the tree.
+    command: Any = typer.main.get_command(app)
+    while i < len(argv) and isinstance(getattr(command, "commands", None), dict):
+        sub = command.commands.get(argv[i])
+        if sub is None:
             return None
-        name = tok.split("=", 1)[0]
-        if command is None:
-            if name in GLOBAL_VALUED and "=" not in tok:
-                i += 2
-                continue
-            if not tok.startswith("-"):
-                command = tok
-        elif name in GLOBAL_FLAGS or name in GLOBAL_VALUED:
-            return (
-                f"{name} is a global option: put {name} before the command, "
-                f"e.g. `kvoffload {name}{' …' if name in GLOBAL_VALUED else ''} {command}`"
-            )
-        i += 1
-    return None
+        command, i = sub, i + 1
+    return command, i
 
 
 def config() -> Config:
