@@ -235,11 +235,12 @@ def config() -> Config:
     return cfg
 
 
-def load_kek(cfg: Config, *, banner: bool = False) -> Any:
+def load_kek(cfg: Config, *, banner: bool = False, create: bool = True) -> Any:
     """The KEK; in dev mode the development KEK (created on first use).
 
     ``banner``: the loud development-KEK warning (``serve``); other commands
-    log a one-line reminder.
+    log a one-line reminder. ``create=False`` (``config check``): None where
+    the development KEK does not exist yet, rather than creating it.
     """
     from ..errors import KeyringError
     from ..sidecar.keyring import Kek
@@ -258,6 +259,8 @@ def load_kek(cfg: Config, *, banner: bool = False) -> Any:
                 f"{keys} cannot be opened; the development store is only a cache: "
                 f"delete {cfg.store_root.parent} and start again"
             )
+        if not create:
+            return Kek.from_file(cfg.kek_file) if cfg.kek_file.exists() else None
         cfg.kek_file.parent.mkdir(parents=True, exist_ok=True)
         return Kek.generate_dev(cfg.kek_file, banner=banner)
     return Kek.from_file(cfg.kek_file)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
@@ -55,35 +54,25 @@ def serve(
     environment is an error (as an unknown key in the config file is): one
     line naming it and the closest known one.
     """
-    from ..errors import ConfigError, ListenError
+    from ..errors import ListenError
     from ..sidecar import notify
     from ..sidecar.metrics import Metrics
-    from ..sidecar.policy import Policy, load_policy
     from ..sidecar.revocation import revoked_path
     from ..sidecar.server import Server, ServerConfig, load_or_create_secret, run
+    from . import preflight
 
     if log_format not in ("plain", "json"):
         raise _CliUsageError(f"--log-format: {log_format!r} is not plain or json")
     setup_logging(logging.DEBUG if state.verbose else logging.INFO, log_format, daemon=True)
     cfg = config()
-    if cfg.policy_file is not None:
-        policy_file = cfg.policy_file
-        policy = load_policy(policy_file)
-
-        def reload() -> Policy:
-            return load_policy(policy_file)
-
-        reloader: Callable[[], Policy] | None = reload
-    elif cfg.dev:
-        policy = Policy.default_dev()
-        reloader = None
-    else:
-        raise ConfigError("no policy: set [security] policy or KVOFFLOAD_POLICY (or use --dev)")
+    # `config check` runs these same checks (cli/preflight.py).
+    policy, reloader = preflight.policy(cfg)
     if fd is None:
         inherited = notify.listen_fds()
         if len(inherited) > 1:
             raise _CliUsageError(f"socket activation: expected one socket, got {len(inherited)}")
         fd = inherited[0] if inherited else None
+    preflight.sock(cfg, inherited=fd is not None)
     if fd is None and sidecar_listening(cfg.socket_path):
         # Said before the store is opened: its lock would only say "in use".
         raise ListenError(
@@ -159,17 +148,10 @@ def serve(
 
 def _start_events(cfg: Any, store: Any, server: Any) -> Any:
     """The KV-event feed (docs/spec/events-v1.md), wired to the store and the verbs."""
-    import grp
-
-    from ..errors import ConfigError
     from ..sidecar.events import start_events
+    from ..sidecar.server import socket_gid
 
-    gid = None
-    if cfg.socket_group is not None:
-        try:
-            gid = grp.getgrnam(cfg.socket_group).gr_gid
-        except KeyError as exc:
-            raise ConfigError(f"[server] socket_group: unknown group {cfg.socket_group!r}") from exc
+    gid = socket_gid(cfg.socket_group)
     events = start_events(
         cfg.events, store.index, lambda: server.service.policy, cfg.socket_path, gid
     )

@@ -1,0 +1,173 @@
+"""An operator's first day (issue 29): `config check` gates a deployment, the
+admin commands give up on a wedged sidecar and say where, the messages name
+what the policy really has, namespaces are taken by a unique prefix, and
+nothing is cut when piped.
+
+Everything runs the real CLI as a subprocess, on real stores and sockets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvoffload.cli.exits import ExitCode
+from kvoffload.testing import SidecarProcess, cli_argv
+
+
+def run(
+    cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
+    base.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "kvoffload.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        env=base,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A directory whose socket path fits sun_path whatever the test's name."""
+    with tempfile.TemporaryDirectory(prefix="kvo-o-") as d:
+        yield Path(d)
+
+
+@contextlib.contextmanager
+def served(workdir: Path, sock: Path, *args: str) -> Iterator[SidecarProcess]:
+    """A real `kvoffload ARGS serve` on ``sock``, stopped at the end."""
+    proc = SidecarProcess(workdir, sock, cli_argv(*args, "serve"), tie_to_parent=True)
+    proc.start()
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def no_traceback(r: subprocess.CompletedProcess[str]) -> None:
+    assert "Traceback" not in r.stderr, r.stderr
+
+
+# -- item 2: config check exits non-zero whenever serve would refuse ------------------------
+
+
+def write_setup(tmp_path: Path, short_dir: Path, **over: str | None) -> Path:
+    """A complete production-style config (policy, KEK, socket group); ``over``
+    replaces or (None) removes one of its lines."""
+    import grp
+
+    policy = tmp_path / "policy.toml"
+    policy.write_text("version = 1\n[[grants]]\nuid = 0\ntenants = ['*']\nadmin = true\n")
+    kek = tmp_path / "kek"
+    if not kek.exists():
+        kek.write_bytes(os.urandom(32))
+        kek.chmod(0o600)
+    lines = {
+        "root": f"[store]\nroot = {json.dumps(str(tmp_path / 'store'))}",
+        "index": f"index_dir = {json.dumps(str(tmp_path / 'index'))}",
+        "socket": f"[server]\nsocket = {json.dumps(str(short_dir / 'kvo.sock'))}",
+        "group": f"socket_group = {json.dumps(grp.getgrgid(os.getgid()).gr_name)}",
+        "security": "[security]",
+        "policy": f"policy = {json.dumps(str(policy))}",
+        "kek": f"kek_file = {json.dumps(str(kek))}",
+    }
+    for key, value in over.items():
+        if value is None:
+            lines[key] = "[security]" if key == "security" else ""
+        else:
+            lines[key] = value
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("\n".join(lines.values()) + "\n")
+    return cfg
+
+
+def test_config_check_passes_a_config_serve_accepts(tmp_path: Path, short_dir: Path) -> None:
+    cfg = write_setup(tmp_path, short_dir)
+    r = run(tmp_path, "--config", str(cfg), "config", "check")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""
+    out = r.stdout
+    assert "policy " in out and ": ok (1 grants" in out
+    assert "KEK " in out and ": ok (id " in out
+    assert f"socket {short_dir / 'kvo.sock'}: ok (group " in out
+    assert "none yet: serve creates it" in out
+
+
+def refusals(tmp_path: Path, short_dir: Path, case: str) -> Path:
+    if case == "unknown socket group":
+        return write_setup(tmp_path, short_dir, group='socket_group = "no-such-group-kvo"')
+    if case == "no policy":
+        return write_setup(tmp_path, short_dir, policy=None)
+    if case == "no KEK":
+        return write_setup(tmp_path, short_dir, kek=None)
+    if case == "socket path is a file":
+        (short_dir / "kvo.sock").write_text("not a socket")
+        return write_setup(tmp_path, short_dir)
+    if case == "another store's KEK":
+        cfg = write_setup(tmp_path, short_dir)
+        assert run(tmp_path, "--config", str(cfg), "init").returncode == 0
+        (tmp_path / "kek").write_bytes(os.urandom(32))
+        return cfg
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [
+        ("unknown socket group", "no-such-group-kvo"),
+        ("no policy", "no policy"),
+        ("no KEK", "no KEK"),
+        ("socket path is a file", "is not a socket"),
+        ("another store's KEK", "is not this store's KEK"),
+    ],
+)
+def test_config_check_refuses_what_serve_refuses(
+    tmp_path: Path, short_dir: Path, case: str, says: str
+) -> None:
+    cfg = refusals(tmp_path, short_dir, case)
+    check = run(tmp_path, "--config", str(cfg), "config", "check")
+    serve = run(tmp_path, "--config", str(cfg), "serve")
+    no_traceback(check)
+    no_traceback(serve)
+    assert serve.returncode != 0 and says in serve.stderr, serve.stderr
+    assert check.returncode == serve.returncode, (check.stdout, check.stderr)
+    refused = [ln for ln in check.stderr.splitlines() if says in ln]
+    assert len(refused) == 1, check.stderr
+
+
+def test_config_check_reports_every_refusal(tmp_path: Path, short_dir: Path) -> None:
+    cfg = write_setup(
+        tmp_path, short_dir, group='socket_group = "no-such-group-kvo"', policy=None, kek=None
+    )
+    r = run(tmp_path, "--config", str(cfg), "config", "check")
+    assert r.returncode == ExitCode.ERROR
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 3, r.stderr
+    assert lines[0].startswith("config error: no policy")
+    assert lines[1].startswith("KEK: no KEK")
+    assert lines[2].startswith("config error: [server] socket_group 'no-such-group-kvo'")
+
+
+def test_config_check_with_the_sidecar_running_is_a_note(tmp_path: Path, short_dir: Path) -> None:
+    """Checking a new config before a restart: the running sidecar holds the
+    socket and the index, which is no fault of the config."""
+    cfg = write_setup(tmp_path, short_dir)
+    with served(tmp_path, short_dir / "kvo.sock", "--config", str(cfg)):
+        r = run(tmp_path, "--config", str(cfg), "config", "check")
+    assert r.returncode == 0, r.stderr
+    assert f"note: a sidecar serves {short_dir / 'kvo.sock'} now" in r.stdout
