@@ -48,9 +48,12 @@ def short_dir() -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def served(workdir: Path, sock: Path, *args: str) -> Iterator[SidecarProcess]:
+def served(
+    workdir: Path, sock: Path, *args: str, env: dict[str, str] | None = None
+) -> Iterator[SidecarProcess]:
     """A real `kvoffload ARGS serve` on ``sock``, stopped at the end."""
-    proc = SidecarProcess(workdir, sock, cli_argv(*args, "serve"), tie_to_parent=True)
+    argv = cli_argv(*args, "serve")
+    proc = SidecarProcess(workdir, sock, argv, env=env, tie_to_parent=True)
     proc.start()
     try:
         proc.wait_ready()
@@ -171,3 +174,116 @@ def test_config_check_with_the_sidecar_running_is_a_note(tmp_path: Path, short_d
         r = run(tmp_path, "--config", str(cfg), "config", "check")
     assert r.returncode == 0, r.stderr
     assert f"note: a sidecar serves {short_dir / 'kvo.sock'} now" in r.stdout
+
+
+# -- item 3: a wedged sidecar is given up on at once, naming its socket ----------------------
+
+
+def one_line(r: subprocess.CompletedProcess[str], code: int, label: str) -> str:
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    no_traceback(r)
+    lines = [
+        ln
+        for ln in r.stderr.splitlines()
+        if not ln.startswith("WARNING kvoffload.sidecar.keyring: development KEK")
+    ]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"{label}: "), lines[0]
+    return lines[0]
+
+
+def test_a_wedged_sidecar_is_one_line_naming_its_socket(tmp_path: Path, short_dir: Path) -> None:
+    """A stopped (SIGSTOP) sidecar still accepts connections (the kernel queues
+    them) but answers nothing: every verb gives up after the hello's timeout,
+    not the job's, and says which socket."""
+    import signal
+
+    sock = short_dir / "kvo.sock"
+    env = {"KVOFFLOAD_SERVER_SOCKET": str(sock)}
+    verbs = [["inspect"], ["ls"], ["fsck"], ["purge", "--tenant", "acme", "--yes"], ["stats"]]
+    with served(tmp_path, sock, "--dev", env=env) as proc:
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            results = [run(tmp_path, "--dev", *args, env=env) for args in verbs]
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+    for args, r in zip(verbs, results, strict=True):
+        line = one_line(r, ExitCode.UNREACHABLE, "unreachable")
+        assert str(sock) in line, (args, line)
+        assert "no answer to hello within 5 s" in line, (args, line)
+
+
+class StandInSidecar:
+    """A test double of a sidecar busy with a long job: it answers ``hello`` (the
+    real protocol, over a real socket) and never the request after it."""
+
+    def __init__(self, path: Path) -> None:
+        import threading
+
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(path))
+        self.listener.listen(8)
+        self.stop = threading.Event()
+        self.requests: list[str] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        from kvoffload.errors import ProtocolError, TransportError
+        from kvoffload.protocol import HelloReply, parse_request, reply_message
+        from kvoffload.transport import UnixTransport
+
+        try:
+            transport = UnixTransport.accept(conn, timeout_s=60)
+        except TransportError:
+            conn.close()  # the CLI's probe connection, gone already
+            return
+        try:
+            rid, _ = parse_request(transport.recv().msg)
+            hello = HelloReply(version=1, server_id="stand-in", store_id="stand-in", salts={})
+            transport.send(reply_message(rid, hello))
+            _, req = parse_request(transport.recv().msg)
+            self.requests.append(req.OP.value)
+            self.stop.wait()  # the job "runs" until the test ends
+        except (TransportError, ProtocolError):
+            pass  # the CLI's probe connection, or its give-up
+        finally:
+            transport.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.listener.close()
+
+
+@pytest.mark.parametrize("verb", ["fsck", "purge"])
+def test_a_long_job_past_its_timeout_says_so_and_how_to_wait_longer(
+    tmp_path: Path, short_dir: Path, verb: str
+) -> None:
+    sock = short_dir / "busy.sock"
+    stand_in = StandInSidecar(sock)
+    args = ["--older-than", "1d", "--yes"] if verb == "purge" else []
+    try:
+        r = run(
+            tmp_path,
+            "--root", str(tmp_path / "no-store"),
+            verb, *args, "--timeout", "1s",
+            env={"KVOFFLOAD_SERVER_SOCKET": str(sock)},
+        )  # fmt: skip
+    finally:
+        stand_in.close()
+    line = one_line(r, ExitCode.UNREACHABLE, "unreachable")
+    op = "purge_older" if verb == "purge" else "fsck"
+    assert stand_in.requests == [op]
+    assert f"the sidecar on {sock} took {op} but did not finish it within 1 s" in line, line
+    assert "--timeout waits longer" in line
+    bad = run(tmp_path, verb, *args, "--timeout", "0s")
+    assert one_line(bad, ExitCode.USAGE, "usage") == "usage: --timeout must be more than 0"

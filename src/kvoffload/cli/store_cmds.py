@@ -8,7 +8,14 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from .admin import SidecarTarget, admin_target, offline_audit, sidecar_listening
+from .admin import (
+    ADMIN_TIMEOUT_S,
+    HELLO_TIMEOUT_S,
+    SidecarTarget,
+    admin_target,
+    offline_audit,
+    sidecar_listening,
+)
 from .app import (
     JsonOpt,
     app,
@@ -87,6 +94,25 @@ def _duration(text: str | None, option: str) -> float | None:
         raise _CliUsageError(str(exc)) from exc
 
 
+TimeoutOpt = Annotated[
+    str,
+    typer.Option(
+        "--timeout",
+        metavar="DURATION",
+        help=f"How long a running sidecar may take over the job (e.g. 4h; default "
+        f"{ADMIN_TIMEOUT_S / 3600:g}h). One that does not answer at all is given up on "
+        f"after {HELLO_TIMEOUT_S:g} s.",
+    ),
+]
+
+
+def _job_timeout(text: str) -> float:
+    seconds = _duration(text, "--timeout")
+    if not seconds:
+        raise _CliUsageError("--timeout must be more than 0")
+    return seconds
+
+
 @app.command("ls")
 def ls_(
     tenant: Annotated[str | None, typer.Option("--tenant", "-t")] = None,
@@ -140,6 +166,7 @@ def purge(
     namespace: Annotated[str | None, typer.Option("--namespace", "-n")] = None,
     older_than: Annotated[str | None, typer.Option("--older-than")] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    timeout: TimeoutOpt = "1h",
     engine: Annotated[
         list[str] | None,
         typer.Option(
@@ -172,6 +199,7 @@ def purge(
     check_tenant(tenant)
     ns = parse_ns(namespace)
     age = _duration(older_than, "--older-than")
+    job_timeout = _job_timeout(timeout)
     try:
         engines = [engine_url(e) for e in engine or []]
     except ValueError as exc:
@@ -184,7 +212,7 @@ def purge(
         if ns is not None
         else f"chunks older than {older_than}" + (f" of tenant {tenant}" if tenant else "")
     )
-    with admin_target(cfg) as target:
+    with admin_target(cfg, job_timeout) as target:
         if tenant is not None:
             info = target.inspect()
             if tenant not in info["tenants"] and tenant not in info["tenants_with_keys"]:
@@ -317,14 +345,16 @@ def fsck(
     verify_data: Annotated[
         bool, typer.Option("--verify-data", help="Also decrypt/checksum every layer.")
     ] = False,
+    timeout: TimeoutOpt = "1h",
     as_json: JsonOpt = False,
 ) -> None:
     """Compare the index with the files; --repair rebuilds the index from the files alone.
 
     Through the running sidecar when one serves the socket, else offline.
     """
+    job_timeout = _job_timeout(timeout)
     cfg = config()
-    with admin_target(cfg) as target:
+    with admin_target(cfg, job_timeout) as target:
         if as_json:
             data = target.fsck(repair, verify_data, None)
         else:
