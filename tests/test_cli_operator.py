@@ -287,3 +287,64 @@ def test_a_long_job_past_its_timeout_says_so_and_how_to_wait_longer(
     assert "--timeout waits longer" in line
     bad = run(tmp_path, verb, *args, "--timeout", "0s")
     assert one_line(bad, ExitCode.USAGE, "usage") == "usage: --timeout must be more than 0"
+
+
+# -- item 4: serve --log-format json writes JSON objects only ---------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def json_lines(text: str) -> list[dict[str, object]]:
+    records = []
+    for line in text.splitlines():
+        assert line.startswith("{"), f"not a JSON object: {line!r}"
+        records.append(json.loads(line))
+    return records
+
+
+def test_json_logs_are_json_objects_only(tmp_path: Path, short_dir: Path) -> None:
+    sock = short_dir / "kvo.sock"
+    env = {
+        "KVOFFLOAD_SERVER_SOCKET": str(sock),
+        "KVOFFLOAD_METRICS_PORT": str(free_port()),
+        "KVOFFLOAD_EVENTS_ENABLED": "true",
+        "KVOFFLOAD_EVENTS_ENDPOINT": f"ipc://{short_dir}/ev.pub",
+        "KVOFFLOAD_EVENTS_REPLAY_ENDPOINT": f"ipc://{short_dir}/ev.replay",
+    }
+    log = tmp_path / "serve.log"
+    argv = cli_argv("--dev", "serve", "--log-format", "json")
+    proc = SidecarProcess(tmp_path, sock, argv, env=env, tie_to_parent=True, log_path=log)
+    proc.start()
+    try:
+        proc.wait_ready()
+        assert run(tmp_path, "--dev", "inspect", env=env).returncode == 0
+        assert proc.stop() == 0
+    finally:
+        proc.stop()
+    records = json_lines(log.read_text())
+    said = [str(r["msg"]) for r in records]
+    for own in ("DEVELOPMENT MODE", "metrics on http://", "KV events on ", "sidecar serving"):
+        assert any(own in m for m in said), (own, said)
+    audits = [r for r in records if "audit" in r]
+    assert audits, said
+    admin = [r["audit"] for r in audits if isinstance(r["audit"], dict)]
+    assert {"event": "admin", "verb": "inspect"}.items() <= admin[-1].items()
+    # The record is the field, not an escaped string in msg.
+    assert all(r["msg"] == f"audit: {r['audit']['event']}" for r in audits)  # type: ignore[index]
+
+
+def test_a_json_start_up_failure_is_a_json_object(tmp_path: Path, short_dir: Path) -> None:
+    policy = tmp_path / "bad.toml"
+    policy.write_text("version = 1\n[[grants]]\nuid = 'x'\n")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[security]\npolicy = {json.dumps(str(policy))}\n")
+    env = {"KVOFFLOAD_SERVER_SOCKET": str(short_dir / "kvo.sock")}
+    r = run(tmp_path, "--dev", "--config", str(cfg), "serve", "--log-format", "json", env=env)
+    assert r.returncode == ExitCode.ERROR
+    last = json_lines(r.stderr)[-1]
+    assert last["level"] == "ERROR" and last["exit_code"] == 1
+    assert str(last["msg"]).startswith("policy: ") and f"{policy}:3:" in str(last["msg"])

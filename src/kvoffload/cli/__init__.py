@@ -24,6 +24,7 @@ codes and the one exception → exit-code table are :mod:`.exits`.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from . import (
@@ -91,5 +92,9 @@ def main(argv: list[str] | None = None) -> None:
         if mapped is None:
             raise
         code, label = mapped
-        err.print(fail_line(label, str(exc)))
+        if state.log_json:  # serve --log-format json: the last line is JSON too
+            log = logging.getLogger("kvoffload.cli")
+            log.error("%s: %s", label, exc, extra={"exit_code": int(code)})
+        else:
+            err.print(fail_line(label, str(exc)))
         sys.exit(code)

@@ -73,6 +73,9 @@ class _State:
     index_dir: Path | None = None
     kek_file: Path | None = None
     verbose: bool = False
+    #: ``serve --log-format json``: every line on stderr is a JSON object, the
+    #: failure that ends the command too (:func:`kvoffload.cli.main`).
+    log_json: bool = False
 
 
 state = _State()
@@ -124,8 +127,16 @@ def _main(
     setup_logging(logging.INFO if verbose else logging.WARNING)
 
 
+#: ``extra=`` keys a log record may carry that :class:`JsonLogFormatter` writes as
+#: fields of their own: ``audit`` (the audit record, audit-v1.md §3, as an
+#: object), ``exit_code`` (the failure that ends the command).
+JSON_FIELDS = ("audit", "exit_code")
+
+
 class JsonLogFormatter(logging.Formatter):
-    """One JSON object per line: ts, level, logger, msg (and exc when there is one)."""
+    """One JSON object per line: ts, level, logger, msg, the :data:`JSON_FIELDS`
+    the record carries (an audit record as an object, not a string in msg), and
+    exc when there is one."""
 
     def format(self, record: logging.LogRecord) -> str:
         data: dict[str, Any] = {
@@ -134,6 +145,11 @@ class JsonLogFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        for key in JSON_FIELDS:
+            if hasattr(record, key):
+                data[key] = getattr(record, key)
+        if isinstance(data.get("audit"), dict):
+            data["msg"] = f"audit: {data['audit'].get('event')}"  # the record is the field
         if record.exc_info:
             data["exc"] = self.formatException(record.exc_info)
         return json.dumps(data, ensure_ascii=False, default=str)
@@ -149,6 +165,7 @@ def setup_logging(level: int, fmt: str = "plain", *, daemon: bool = False) -> No
     import os
 
     handler = logging.StreamHandler()
+    state.log_json = fmt == "json"
     if fmt == "json":
         handler.setFormatter(JsonLogFormatter())
     else:

@@ -43,8 +43,9 @@ def serve(
         str,
         typer.Option(
             "--log-format",
-            help="plain (no timestamp under journald, which stamps lines) or json (one "
-            "object per line).",
+            help="plain (no timestamp under journald, which stamps lines) or json (every "
+            "line one object: log records, serve's own lines, a start-up failure; audit "
+            "records as an `audit` object).",
         ),
     ] = "plain",
 ) -> None:
@@ -80,13 +81,14 @@ def serve(
             "(stop that one, or give this one another [server] socket)"
         )
     if cfg.dev:
-        err.print(
+        say(
             Text.assemble(
                 ("DEVELOPMENT MODE", "bold yellow"),
                 f": embedded store under {cfg.store_root.parent}, a development KEK in a "
                 "plain file, a policy that lets root and you use every tenant. Not for "
                 "production.",
-            )
+            ),
+            level=logging.WARNING,
         )
     with open_store(cfg, create=True, banner=True) as store:
         index_dir = cfg.resolved_index_dir
@@ -108,7 +110,7 @@ def serve(
                 raise ListenError(
                     f"metrics: cannot listen on {cfg.metrics_host}:{port}: {exc.strerror or exc}"
                 ) from exc
-            err.print(f"metrics on http://{cfg.metrics_host}:{bound}/metrics")
+            say(f"metrics on http://{cfg.metrics_host}:{bound}/metrics")
         server = Server(
             store,
             policy,
@@ -130,7 +132,7 @@ def serve(
 
         def listening() -> None:
             metrics.ready = True
-            err.print(f"kvoffload sidecar serving store {store.layout.store_id} on {where}")
+            say(f"kvoffload sidecar serving store {store.layout.store_id} on {where}")
 
         try:
             run(
@@ -146,6 +148,16 @@ def serve(
                 events.close()
 
 
+def say(text: str | Text, level: int = logging.INFO) -> None:
+    """One of serve's own lines on stderr: as it is, or with ``--log-format json``
+    a log record (one JSON object, as every other line then is)."""
+    if state.log_json:
+        plain = text.plain if isinstance(text, Text) else text
+        logging.getLogger("kvoffload.serve").log(level, "%s", plain)
+    else:
+        err.print(text)
+
+
 def _start_events(cfg: Any, store: Any, server: Any) -> Any:
     """The KV-event feed (docs/spec/events-v1.md), wired to the store and the verbs."""
     from ..sidecar.events import start_events
@@ -157,9 +169,7 @@ def _start_events(cfg: Any, store: Any, server: Any) -> Any:
     )
     store.events_hook = events
     server.service.events = events
-    err.print(
-        f"KV events on {events.publisher.endpoint} (replay {events.publisher.replay_endpoint})"
-    )
+    say(f"KV events on {events.publisher.endpoint} (replay {events.publisher.replay_endpoint})")
     return events
 
 
