@@ -348,3 +348,25 @@ def test_a_json_start_up_failure_is_a_json_object(tmp_path: Path, short_dir: Pat
     last = json_lines(r.stderr)[-1]
     assert last["level"] == "ERROR" and last["exit_code"] == 1
     assert str(last["msg"]).startswith("policy: ") and f"{policy}:3:" in str(last["msg"])
+
+
+# -- item 5: a refusal names what the policy really has, and the command run ---------------------
+
+
+def test_a_non_admin_is_told_the_policy_key_and_the_command(
+    tmp_path: Path, short_dir: Path
+) -> None:
+    sock = short_dir / "kvo.sock"
+    policy = tmp_path / "policy.toml"
+    policy.write_text(f"version = 1\n[[grants]]\nuid = {os.getuid()}\ntenants = ['acme']\n")
+    cfg = tmp_path / "kvo.toml"
+    cfg.write_text(f"[security]\npolicy = {json.dumps(str(policy))}\n")
+    env = {"KVOFFLOAD_SERVER_SOCKET": str(sock)}
+    with served(tmp_path, sock, "--dev", "--config", str(cfg), env=env):
+        purge = run(tmp_path, "--dev", "purge", "--tenant", "acme", "--yes", env=env)
+        fsck = run(tmp_path, "--dev", "fsck", env=env)
+    for verb, r in (("purge", purge), ("fsck", fsck)):
+        line = one_line(r, ExitCode.ERROR, "forbidden")
+        assert f"the sidecar on {sock} refused {verb}: it needs the admin right" in line, line
+        assert "`admin = true` in a [[grants]] entry" in line and f"uid {os.getuid()}" in line
+        assert "admin_uids" not in line

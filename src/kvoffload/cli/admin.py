@@ -185,9 +185,13 @@ class LocalTarget:
 class SidecarTarget:
     """The running sidecar, through its admin verbs."""
 
-    def __init__(self, socket_path: Path, job_timeout_s: float = ADMIN_TIMEOUT_S) -> None:
+    def __init__(
+        self, socket_path: Path, job_timeout_s: float = ADMIN_TIMEOUT_S, command: str | None = None
+    ) -> None:
         self.socket_path = socket_path
         self.job_timeout_s = job_timeout_s
+        #: The command for messages, when it is not the verb (purge asks inspect first).
+        self.command = command
         self.where = f"the sidecar on {socket_path}"
         self.store_id: str | None = None
         #: The last purge's tiers as the sidecar reported them (None: an older one).
@@ -211,8 +215,9 @@ class SidecarTarget:
         except ProtocolError as exc:
             if exc.code is ErrorCode.FORBIDDEN:
                 raise _Forbidden(
-                    f"{self.where} refused {req.OP.value}: it needs the admin right "
-                    f"(admin_uids / admin_gids in the policy); uid {os.getuid()} has not"
+                    f"{self.where} refused {self.command or req.OP.value}: it needs the "
+                    "admin right, `admin = true` in a [[grants]] entry of the policy for "
+                    f"this user or one of its groups; uid {os.getuid()} has none"
                 ) from exc
             if exc.code is ErrorCode.UNSUPPORTED:
                 raise ProtocolError(
@@ -384,14 +389,17 @@ def sidecar_listening(path: Path) -> bool:
 
 
 @contextlib.contextmanager
-def admin_target(cfg: Config, job_timeout_s: float = ADMIN_TIMEOUT_S) -> Iterator[Target]:
+def admin_target(
+    cfg: Config, job_timeout_s: float = ADMIN_TIMEOUT_S, command: str | None = None
+) -> Iterator[Target]:
     """The running sidecar if one listens on the configured socket, else the store.
 
     ``job_timeout_s``: how long the sidecar may take over a long job (fsck, a
     purge) once it has answered; a sidecar that does not answer at all is given
-    up on after :data:`HELLO_TIMEOUT_S`, whatever the verb."""
+    up on after :data:`HELLO_TIMEOUT_S`, whatever the verb. ``command``: what a
+    refusal names, where the command runs other verbs too (purge)."""
     if sidecar_listening(cfg.socket_path):
-        target = SidecarTarget(cfg.socket_path, job_timeout_s)
+        target = SidecarTarget(cfg.socket_path, job_timeout_s, command)
         target.check_store(cfg)
         yield target
         return

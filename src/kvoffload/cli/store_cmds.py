@@ -212,7 +212,7 @@ def purge(
         if ns is not None
         else f"chunks older than {older_than}" + (f" of tenant {tenant}" if tenant else "")
     )
-    with admin_target(cfg, job_timeout) as target:
+    with admin_target(cfg, job_timeout, command="purge") as target:
         if tenant is not None:
             info = target.inspect()
             if tenant not in info["tenants"] and tenant not in info["tenants_with_keys"]:
