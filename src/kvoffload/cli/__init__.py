@@ -13,7 +13,7 @@ Exit codes:
   5  fsck found problems (without --repair)
   6  aborted at a confirmation prompt
   7  the sidecar is not reachable (stats, demo)
-  8  nothing to do: purge of a tenant with no keys or data (a typo?)
+  8  nothing to do: a purge or invalidate that matches nothing (a typo?)
   9  audit --verify: the audit log's hash chain is broken
 
 One module per command group: :mod:`.app` (the typer app, global options,

@@ -31,7 +31,7 @@ EPILOG = """Exit codes:
   5  fsck found problems (without --repair)
   6  aborted at a confirmation prompt
   7  the sidecar is not reachable (stats, demo)
-  8  nothing to do: purge of a tenant with no keys or data (a typo?)
+  8  nothing to do: a purge or invalidate that matches nothing (a typo?)
   9  audit --verify: the audit log's hash chain is broken
 """
 
