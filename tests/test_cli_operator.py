@@ -370,3 +370,71 @@ def test_a_non_admin_is_told_the_policy_key_and_the_command(
         assert f"the sidecar on {sock} refused {verb}: it needs the admin right" in line, line
         assert "`admin = true` in a [[grants]] entry" in line and f"uid {os.getuid()}" in line
         assert "admin_uids" not in line
+
+
+# -- item 7: a namespace filter takes a unique prefix, as git does ------------------------------
+
+NS_A = bytes.fromhex("abcd01" + "11" * 29)
+NS_B = bytes.fromhex("abcd02" + "22" * 29)
+NS_C = bytes.fromhex("5e5e" + "33" * 30)
+
+
+@pytest.fixture
+def three_namespaces(tmp_path: Path) -> Path:
+    from kvoffload.sidecar.keyring import Kek
+    from kvoffload.sidecar.store import Store, StoreConfig
+
+    assert run(tmp_path, "--dev", "init").returncode == 0
+    cfg = StoreConfig(root=tmp_path / ".kvoffload/store", index_dir=tmp_path / ".kvoffload/index")
+    s = Store(cfg, Kek.from_file(tmp_path / ".kvoffload/dev-kek"))
+    for i, ns in enumerate((NS_A, NS_A, NS_B, NS_C)):
+        s.put("acme", ns, bytes([i]) * 32, [os.urandom(3000)])
+    s.put("beta", NS_C, bytes([9]) * 32, [os.urandom(3000)], encrypt=False)
+    s.close()
+    return tmp_path
+
+
+def test_ls_takes_a_unique_namespace_prefix(three_namespaces: Path) -> None:
+    d = three_namespaces
+    for given in ("abcd01", "ABCD01", NS_A.hex()[:12], NS_A.hex()):
+        r = run(d, "--dev", "ls", "--namespace", given, "--json")
+        assert r.returncode == 0, r.stderr
+        assert [row["namespace"] for row in json.loads(r.stdout)] == [NS_A.hex()] * 2
+    # Of every tenant: 5e5e is acme's and beta's (the same fingerprint).
+    r = run(d, "--dev", "ls", "-n", "5e5e", "--json")
+    assert sorted(row["tenant"] for row in json.loads(r.stdout)) == ["acme", "beta"]
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ("abcd", "--namespace abcd is ambiguous: 2 namespaces start with it (acme/abcd01"),
+        ("ffff", "--namespace ffff: no namespace of tenant acme in the store at "),
+        ("abc", "at least 4"),
+        ("xyz1", "64 hex digits"),
+    ],
+)
+def test_a_namespace_prefix_that_names_no_one_is_one_line_exit_2(
+    three_namespaces: Path, given: str, says: str
+) -> None:
+    r = run(three_namespaces, "--dev", "ls", "-t", "acme", "-n", given)
+    line = one_line(r, ExitCode.USAGE, "usage")
+    assert says in line, line
+    if given == "abcd":
+        assert f"acme/{NS_A.hex()[:16]}" in line and f"acme/{NS_B.hex()[:16]}" in line
+
+
+def test_purge_takes_a_unique_namespace_prefix(three_namespaces: Path) -> None:
+    d = three_namespaces
+    r = run(d, "--dev", "purge", "-t", "acme", "-n", "abcd01", "--yes", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert (report["namespace"], report["chunks"]) == (NS_A.hex(), 2)
+    left = json.loads(run(d, "--dev", "ls", "--json").stdout)
+    assert sorted(row["namespace"][:6] for row in left) == ["5e5e33", "5e5e33", "abcd02"]
+    scoped = run(d, "--dev", "purge", "-t", "acme", "-n", "5e5e3", "--yes")
+    assert scoped.returncode == 0, scoped.stderr  # acme's only: beta's namespace is not a candidate
+    for gone in ("abcd01", NS_A.hex(), "ffff"):
+        r = run(d, "--dev", "purge", "-t", "acme", "-n", gone, "--yes")
+        line = one_line(r, ExitCode.NOTHING, "nothing to do")
+        assert "no namespace of tenant acme in the store at " in line, line

@@ -335,13 +335,44 @@ def check_tenant(tenant: str | None) -> str | None:
         raise _CliUsageError(f"--tenant: {exc}") from exc
 
 
-def parse_ns(namespace: str | None) -> bytes | None:
+#: The shortest namespace prefix a filter takes (git's minimum for an object name).
+MIN_NS_PREFIX = 4
+
+
+def parse_ns(namespace: str | None) -> str | None:
+    """``--namespace`` as given, lower-cased: the fingerprint's 64 hex digits, or a
+    prefix of at least :data:`MIN_NS_PREFIX` (ls and inspect show 12 or 16), for
+    :func:`resolve_ns`; a usage error (exit 2) otherwise."""
     if namespace is None:
         return None
-    try:
-        ns = bytes.fromhex(namespace)
-    except ValueError:
-        ns = b""
-    if len(ns) != 32:
-        raise _CliUsageError("--namespace must be a 64-hex-digit fingerprint")
-    return ns
+    text = namespace.strip().lower()
+    if not MIN_NS_PREFIX <= len(text) <= 64 or text.strip("0123456789abcdef"):
+        raise _CliUsageError(
+            f"--namespace {namespace!r}: the namespace's fingerprint, 64 hex digits, or a "
+            f"unique prefix of it of at least {MIN_NS_PREFIX} (as ls shows it)"
+        )
+    return text
+
+
+def resolve_ns(given: str, info: dict[str, Any], tenant: str | None) -> bytes | None:
+    """The namespace ``given`` (:func:`parse_ns`) names among those of the inspect
+    report ``info``, of ``tenant`` or of every tenant: 64 digits as they are; a
+    prefix when exactly one namespace starts with it, None when none does, and
+    a usage error (exit 2) listing the candidates when several do (as git)."""
+    if len(given) == 64:
+        return bytes.fromhex(given)
+    found = sorted(
+        (t, ns)
+        for t, usage in info["tenants"].items()
+        if tenant in (None, t)
+        for ns in usage["namespaces"]
+        if ns.startswith(given)
+    )
+    names = sorted({ns for _, ns in found})
+    if len(names) > 1:
+        shown = ", ".join(f"{t}/{ns[:16]}" for t, ns in found[:8])
+        raise _CliUsageError(
+            f"--namespace {given} is ambiguous: {len(names)} namespaces start with it "
+            f"({shown}{', …' if len(found) > 8 else ''}); give more digits"
+        )
+    return bytes.fromhex(names[0]) if names else None

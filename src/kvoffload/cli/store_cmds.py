@@ -28,6 +28,7 @@ from .app import (
     open_store,
     out,
     parse_ns,
+    resolve_ns,
 )
 from .exits import _Aborted, _CliUsageError, _EngineResetFailed, _FsckProblems, _NothingToDo
 from .revoke_cmds import engine_url, reset_engine
@@ -113,12 +114,22 @@ def _job_timeout(text: str) -> float:
     return seconds
 
 
+NamespaceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--namespace",
+        "-n",
+        metavar="HEX",
+        help="The namespace's fingerprint: 64 hex digits, or a unique prefix of at least 4 "
+        "(as ls and ls --namespaces show it).",
+    ),
+]
+
+
 @app.command("ls")
 def ls_(
     tenant: Annotated[str | None, typer.Option("--tenant", "-t")] = None,
-    namespace: Annotated[
-        str | None, typer.Option("--namespace", "-n", help="Hex fingerprint.")
-    ] = None,
+    namespace: NamespaceOpt = None,
     older_than: Annotated[
         str | None, typer.Option("--older-than", help="Only chunks created before, e.g. 7d.")
     ] = None,
@@ -143,11 +154,19 @@ def ls_(
 
         show_namespaces(tenant, as_json)
         return
-    ns = parse_ns(namespace)
+    given = parse_ns(namespace)
     old = _duration(older_than, "--older-than")
     new = _duration(newer_than, "--newer-than")
     cfg = config()
     with admin_target(cfg) as target:
+        ns = None
+        if given is not None:
+            ns = resolve_ns(given, target.inspect() if len(given) < 64 else {}, tenant)
+            if ns is None:
+                of = f" of tenant {tenant}" if tenant else ""
+                raise _CliUsageError(
+                    f"--namespace {given}: no namespace{of} in {target.where} starts with it"
+                )
         rows = target.ls(tenant, ns, old, new, limit)
     table = Table()
     for col in ("tenant", "key", "namespace", "bytes", "layers", "sealed", "age_s"):
@@ -163,7 +182,7 @@ def ls_(
 @app.command()
 def purge(
     tenant: Annotated[str | None, typer.Option("--tenant", "-t")] = None,
-    namespace: Annotated[str | None, typer.Option("--namespace", "-n")] = None,
+    namespace: NamespaceOpt = None,
     older_than: Annotated[str | None, typer.Option("--older-than")] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     timeout: TimeoutOpt = "1h",
@@ -181,7 +200,8 @@ def purge(
     """Remove data. --tenant alone is a crypto-erase: its keys are destroyed first.
 
     Through the running sidecar when one serves the socket, else offline. A
-    tenant with neither keys nor data is exit 8 (a typo?), nothing asked.
+    tenant with neither keys nor data, or a namespace without chunks, is exit
+    8 (a typo?), nothing asked.
     The report lists the tiers the purge reached (index, objects, keys, loads
     in flight, leased files, pending stores, KV events, other nodes of a
     shared root) and those outside kvoffload (the engines' own GPU and CPU
@@ -197,7 +217,7 @@ def purge(
     if namespace is not None and older_than is not None:
         raise _CliUsageError("--namespace and --older-than do not combine")
     check_tenant(tenant)
-    ns = parse_ns(namespace)
+    given = parse_ns(namespace)
     age = _duration(older_than, "--older-than")
     job_timeout = _job_timeout(timeout)
     try:
@@ -205,18 +225,21 @@ def purge(
     except ValueError as exc:
         raise _CliUsageError(str(exc)) from None
     cfg = config()
-    what = (
-        f"tenant {tenant} (crypto-erase: keys destroyed, irreversible)"
-        if tenant and ns is None and age is None
-        else f"namespace {namespace} of tenant {tenant}"
-        if ns is not None
-        else f"chunks older than {older_than}" + (f" of tenant {tenant}" if tenant else "")
-    )
     with admin_target(cfg, job_timeout, command="purge") as target:
+        ns = None
         if tenant is not None:
             info = target.inspect()
             if tenant not in info["tenants"] and tenant not in info["tenants_with_keys"]:
                 raise _NothingToDo(f"tenant {tenant} has no keys or data in {target.where}")
+            if given is not None:
+                ns = _purged_namespace(given, info, tenant, target.where)
+        what = (
+            f"tenant {tenant} (crypto-erase: keys destroyed, irreversible)"
+            if tenant and ns is None and age is None
+            else f"namespace {ns.hex()} of tenant {tenant}"
+            if ns is not None
+            else f"chunks older than {older_than}" + (f" of tenant {tenant}" if tenant else "")
+        )
         if not yes:
             try:
                 ok = typer.confirm(f"Purge {what}?", default=False, err=True)
@@ -242,6 +265,7 @@ def purge(
             kind = "tenant"
         tiers = getattr(target, "tiers", None) if kind != "age" else None
     results = [reset_engine(u) for u in engines]
+    namespace = ns.hex() if ns is not None else None
     report: dict[str, Any] = {"purged": kind, "tenant": tenant, "namespace": namespace, "chunks": n}
     if tiers is not None:
         report["tiers"] = tiers
@@ -263,6 +287,18 @@ def purge(
             "; ".join(f"{r['engine']}: {r['detail']}" for r in failed)
             + " (the store purge itself was done)"
         )
+
+
+def _purged_namespace(given: str, info: dict[str, Any], tenant: str, where: str) -> bytes:
+    """The namespace a purge names; exit 8 when it has no chunks (a typo?)."""
+    ns = resolve_ns(given, info, tenant)
+    if ns is None or ns.hex() not in info["tenants"].get(tenant, {}).get("namespaces", {}):
+        raise _NothingToDo(
+            f"no namespace of tenant {tenant} in {where} "
+            + (f"is {given}" if len(given) == 64 else f"starts with {given}")
+            + " (`kvoffload ls --namespaces --tenant T` lists them)"
+        )
+    return ns
 
 
 @app.command("drop-cache")
