@@ -438,3 +438,38 @@ def test_purge_takes_a_unique_namespace_prefix(three_namespaces: Path) -> None:
         r = run(d, "--dev", "purge", "-t", "acme", "-n", gone, "--yes")
         line = one_line(r, ExitCode.NOTHING, "nothing to do")
         assert "no namespace of tenant acme in the store at " in line, line
+
+
+# -- item 8: a table written to a pipe is never cut to 80 columns --------------------------------
+
+
+def piped(cwd: Path, *args: str) -> str:
+    """stdout of the CLI through a pipe, without $COLUMNS (which would set a width)."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS" and not k.startswith("KVOFFLOAD")}
+    # capture_output: both are pipes, as in `kvoffload ... | less`, ssh or a script.
+    r = subprocess.run(
+        cli_argv(*args), cwd=cwd, capture_output=True, stdin=subprocess.DEVNULL, text=True,
+        env=env, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "…" not in r.stdout, r.stdout  # nothing elided
+    return r.stdout
+
+
+def test_piped_tables_keep_every_cell_whole(tmp_path: Path) -> None:
+    deep = tmp_path / ("a-rather-long-directory-name-" * 5) / "store"
+    shown = piped(tmp_path, "--dev", "--root", str(deep), "config", "show")
+    assert any(str(deep) in line and "--root" in line for line in shown.splitlines()), shown
+
+    example = Path(__file__).resolve().parents[1] / "systemd/policy.example.toml"
+    policy = piped(tmp_path, "policy", "check", str(example)).splitlines()
+    header = [ln for ln in policy if "encryption" in ln]
+    assert len(header) == 1, policy  # one line, not wrapped into four
+    for col in ("tenant", "max_age", "idle_ttl", "sensitivity", "lookup floor + jitter"):
+        assert col in header[0]
+    assert any("public-demo" in ln and "50.0 GiB" in ln for ln in policy)
+
+    assert run(tmp_path, "--dev", "init").returncode == 0
+    audit = piped(tmp_path, "--dev", "audit").splitlines()
+    header = [ln for ln in audit if "event" in ln and "result" in ln]
+    assert len(header) == 1 and "time (UTC)" in header[0], audit

@@ -57,8 +57,25 @@ register_router(app)  # `kvoffload router` lives with the router (kvoffload.rout
 
 # Markup off: messages and user-supplied strings (tenants, paths, "[store] foo",
 # "kvoffload[demo]") are printed as they are; styling goes through rich.text.Text.
-out = Console(soft_wrap=True, markup=False, highlight=False)
-err = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)
+#: The width of a table written to a pipe or a file: nothing is cut or wrapped to
+#: fit a screen there is none of (`| less -S`, a script, ssh without a tty).
+PIPE_WIDTH = 10_000
+
+
+def _width(stream: Any) -> int | None:
+    """None (rich measures the terminal, or honours $COLUMNS) on a terminal or
+    where COLUMNS is set; :data:`PIPE_WIDTH` elsewhere, where rich would say 80."""
+    import os
+
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    return None if tty or os.environ.get("COLUMNS") else PIPE_WIDTH
+
+
+out = Console(soft_wrap=True, markup=False, highlight=False, width=_width(sys.stdout))
+err = Console(stderr=True, soft_wrap=True, markup=False, highlight=False, width=_width(sys.stderr))
 
 
 def fail_line(label: str, message: str) -> Text:
