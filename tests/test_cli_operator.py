@@ -473,3 +473,36 @@ def test_piped_tables_keep_every_cell_whole(tmp_path: Path) -> None:
     audit = piped(tmp_path, "--dev", "audit").splitlines()
     header = [ln for ln in audit if "event" in ln and "result" in ln]
     assert len(header) == 1 and "time (UTC)" in header[0], audit
+
+
+# -- item 10: rotate-kek and doctor say what is true -------------------------------------------
+
+
+def test_rotate_kek_with_a_sidecar_running_says_to_stop_it(tmp_path: Path, short_dir: Path) -> None:
+    sock = short_dir / "kvo.sock"
+    new = tmp_path / "new-kek"
+    new.write_bytes(os.urandom(32))
+    new.chmod(0o600)
+    env = {"KVOFFLOAD_SERVER_SOCKET": str(sock)}
+    elsewhere = {"KVOFFLOAD_SERVER_SOCKET": str(short_dir / "other.sock")}
+    rotate = ("--dev", "keys", "rotate-kek", "--new-kek-file", str(new))
+    with served(tmp_path, sock, "--dev", env=env):
+        here = run(tmp_path, *rotate, env=env)
+        other = run(tmp_path, *rotate, env=elsewhere)
+    for r, holder in ((here, f"the sidecar on {sock} holds the store"), (other, "another process")):
+        line = one_line(r, ExitCode.LOCKED, "locked")
+        assert holder in line, line
+        assert "stop it first (systemctl stop kvoffload), run keys rotate-kek" in line, line
+        assert "admin verbs" not in line
+    # Stopped, the same command does it.
+    done = run(tmp_path, *rotate, "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["new_kek_id"]
+
+
+def test_doctor_help_says_when_it_exits_non_zero(tmp_path: Path) -> None:
+    text = " ".join(run(tmp_path, "doctor", "--help").stdout.split())
+    assert "Always exits 0" not in text
+    assert "a configuration that does not load is one line, exit 1" in text
+    r = run(tmp_path, "--config", str(tmp_path / "missing.toml"), "doctor")
+    assert "cannot read config" in one_line(r, ExitCode.ERROR, "config error")

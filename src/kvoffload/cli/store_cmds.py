@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -413,8 +414,13 @@ def rotate_kek(
     new_kek_file: Annotated[Path, typer.Option("--new-kek-file", help="The new KEK.")],
     as_json: JsonOpt = False,
 ) -> None:
-    """Re-wrap every tenant's keys under a new KEK; then destroy the old KEK."""
-    from ..errors import KeyringError
+    """Re-wrap every tenant's keys under a new KEK; then destroy the old KEK.
+
+    Offline only: the sidecar holds the store and its KEK, and has no verb for
+    this. Stop it, rotate, point it at the new KEK and start it again (an
+    unfinished rotation opens with either KEK; running this again finishes it).
+    """
+    from ..errors import KeyringError, StoreLocked
     from ..sidecar.keyring import Kek
 
     cfg = config()
@@ -422,7 +428,21 @@ def rotate_kek(
         new = Kek.from_file(new_kek_file)
     except KeyringError as exc:
         raise KeyringError(f"new KEK: {exc}") from exc
-    with open_store(cfg) as store:
+    stop_first = (
+        "stop it first (systemctl stop kvoffload), run keys rotate-kek, point it at the "
+        "new KEK (under systemd: its LoadCredential= file) and start it again; the "
+        "sidecar has no verb to rotate the KEK while it runs"
+    )
+    if sidecar_listening(cfg.socket_path):
+        raise StoreLocked(f"the sidecar on {cfg.socket_path} holds the store: {stop_first}")
+    with contextlib.ExitStack() as opened:
+        try:
+            store = opened.enter_context(open_store(cfg))
+        except StoreLocked as exc:
+            raise StoreLocked(
+                f"the index at {cfg.resolved_index_dir} is held by another process (a "
+                f"sidecar on another socket than {cfg.socket_path}?): {stop_first}"
+            ) from exc
         n = store.rotate_kek(new)
         offline_audit(store, "rotate-kek", "ok", new_kek_id=new.key_id, rewrapped_tenants=n)
     emit(
