@@ -102,6 +102,7 @@ def serve(
 
         metrics = Metrics(store.stats, tenant_usage)
         metrics.key_cache_ttl.set(cfg.key_cache_ttl_s)
+        metrics.high_watermark.set(cfg.high_watermark)
         port = cfg.metrics_port if metrics_port is None else metrics_port
         if port:
             try:
