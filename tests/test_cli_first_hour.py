@@ -270,7 +270,7 @@ def test_help_has_an_exit_code_table_and_says_where_global_options_go(tmp_path: 
     assert "Exit codes:" in text
     table = text.split("Exit codes:", 1)[1].strip().splitlines()
     assert [ln.split()[0] for ln in table[:9]] == [str(i) for i in range(9)]  # single-spaced
-    assert "before the command" in text
+    assert "before or after the command" in " ".join(text.split())
     assert "-v, --verbose" in text and "Log at INFO" in text
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from kvoffload.sidecar.metrics import Metrics
@@ -124,6 +126,7 @@ def test_dashboard_and_alerts_name_only_metrics_that_exist(store: Store) -> None
     assert {
         "KvoffloadSidecarDown",
         "KvoffloadDiskNearCapacity",
+        "KvoffloadWritesRefused",
         "KvoffloadErrorRate",
         "KvoffloadEvictionStorm",
         "KvoffloadKeyCacheBoundTooLong",
@@ -146,9 +149,88 @@ def test_systemd_print_gives_units_that_point_at_this_install() -> None:
     assert r.returncode == 0, r.stderr
     doc = re.search(r"^Documentation=file://(\S+)$", r.stdout, re.M)
     assert doc is not None and Path(doc.group(1)).is_file()
-    exe = re.search(r"^ExecStart=(\S+) serve", r.stdout, re.M)
+    exe = re.search(r"^ExecStart=(\S+) .*\bserve$", r.stdout, re.M)
     assert exe is not None and os.access(exe.group(1), os.X_OK), r.stdout
     shipped = (REPO / "systemd/kvoffload.sysusers.conf").read_text()
     assert _cli("systemd", "print", "sysusers").stdout == shipped
     bad = _cli("systemd", "print", "servce")
     assert bad.returncode == 2 and "one of service, socket" in bad.stderr
+
+
+def _rule(alerts: dict[str, Any], name: str) -> dict[str, Any]:
+    (rule,) = [r for r in alerts["groups"][0]["rules"] if r.get("alert") == name]
+    return rule
+
+
+def _firing(alerts: dict[str, Any], name: str, **labels: str) -> dict[str, Any]:
+    """promtool's expectation of ``name`` firing with ``labels``: its own labels
+    and its annotations as Prometheus renders them for that instance."""
+    rule = _rule(alerts, name)
+    instance = labels["instance"]
+    return {
+        "exp_labels": {**rule.get("labels", {}), **labels},
+        "exp_annotations": {
+            k: v.replace("{{ $labels.instance }}", instance)
+            for k, v in rule.get("annotations", {}).items()
+        },
+    }
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (Prometheus)")
+def test_capacity_alerts_fire_when_an_operator_must_act(tmp_path: Path) -> None:
+    """Three nodes for 40 minutes (promtool's rule unit tests): ``full`` is a
+    working cache, kept between the watermarks by eviction (above 90%, one
+    short burst over the high watermark); ``stuck`` stays above the high
+    watermark; ``refusing`` answers writes with NO_SPACE. Only the last two
+    need an operator."""
+    rules = REPO / "systemd/prometheus-alerts.yml"
+    alerts = yaml.safe_load(rules.read_text())
+
+    def node(instance: str, used: str, no_space: str) -> list[dict[str, str]]:
+        at = f'{{job="kvoffload",instance="{instance}"}}'
+        return [
+            {"series": f"kvoffload_capacity_bytes{at}", "values": "1000x40"},
+            {"series": f"kvoffload_used_bytes{at}", "values": used},
+            {"series": f"kvoffload_reserved_bytes{at}", "values": "0x40"},
+            {"series": f"kvoffload_high_watermark_ratio{at}", "values": "0.95x40"},
+            {
+                "series": f'kvoffload_errors_total{{job="kvoffload",instance="{instance}",'
+                'code="NO_SPACE"}',
+                "values": no_space,
+            },
+        ]
+
+    stuck = {"job": "kvoffload", "instance": "stuck"}
+    test = {
+        "rule_files": [str(rules)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    *node("full", "930x10 990x3 920x27", "0x40"),
+                    *node("stuck", "980x40", "0x40"),
+                    *node("refusing", "900x40", "0+3x40"),
+                ],
+                "alert_rule_test": [
+                    {
+                        "eval_time": "30m",
+                        "alertname": "KvoffloadDiskNearCapacity",
+                        "exp_alerts": [_firing(alerts, "KvoffloadDiskNearCapacity", **stuck)],
+                    },
+                    {
+                        "eval_time": "30m",
+                        "alertname": "KvoffloadWritesRefused",
+                        "exp_alerts": [
+                            _firing(alerts, "KvoffloadWritesRefused", instance="refusing")
+                        ],
+                    },
+                ],
+            }
+        ],
+    }
+    spec = tmp_path / "alerts-test.yml"
+    spec.write_text(yaml.safe_dump(test, sort_keys=False))
+    for cmd in (["check", "rules", str(rules)], ["test", "rules", str(spec)]):
+        proc = subprocess.run(["promtool", *cmd], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import tomllib
 from collections import defaultdict
 from pathlib import Path
@@ -104,9 +105,9 @@ def test_service_directive(service: Unit, key: str, value: str) -> None:
 def test_service_runs_the_daemon(service: Unit) -> None:
     assert single(service, "Service", "ExecStart").split() == [
         EXEC,
-        "serve",
         "--config",
         "/etc/kvoffload/config.toml",
+        "serve",
     ]
     assert "TimeoutStopSec" in service["Service"]
     assert "KVOFFLOAD_KEK_FILE=%d/kek" in " ".join(service["Service"]["Environment"])
@@ -334,3 +335,146 @@ def test_sysusers_and_tmpfiles_apply(tmp_path: Path) -> None:
     assert (run.st_mode & 0o7777, run.st_uid, run.st_gid) == (0o750, uid, clients_gid)
     state = (root / "var/lib/kvoffload").stat()
     assert (state.st_mode & 0o7777, state.st_uid, state.st_gid) == (0o750, uid, gid)
+
+
+# -- the unit's own ExecStart, run for real ------------------------------------------------
+
+CONFIG_IN_UNIT = "/etc/kvoffload/config.toml"
+
+
+def printed_service(tmp_path: Path) -> Path:
+    """`kvoffload systemd print service`, as an operator installs it."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoffload.cli", "systemd", "print", "service"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    path = tmp_path / "printed.service"
+    path.write_text(proc.stdout, encoding="utf-8")
+    return path
+
+
+def exec_start(unit: Unit) -> list[str]:
+    argv = single(unit, "Service", "ExecStart").split()
+    assert CONFIG_IN_UNIT in argv, argv
+    if argv[0] == EXEC:  # the shipped unit names the packaged path
+        argv[0] = stand_in_binary()
+    if not os.access(argv[0], os.X_OK) or Path(argv[0]).name != "kvoffload":
+        pytest.skip(f"no kvoffload executable to run the unit's ExecStart ({argv[0]})")
+    return argv
+
+
+def unit_config(tmp_path: Path, short: Path) -> Path:
+    """config.example.toml with its paths moved here; every other line as shipped."""
+    import grp
+
+    text = (SYSTEMD / "config.example.toml").read_text(encoding="utf-8")
+    for old, new in (
+        ('"/var/lib/kvoffload/store"', json_str(tmp_path / "store")),
+        ('"/var/lib/kvoffload/index"', json_str(tmp_path / "index")),
+        ('"/run/kvoffload/kvoffload.sock"', json_str(short / "kvoffload.sock")),
+        ('"kvoffload-clients"', json_str(grp.getgrgid(os.getgid()).gr_name)),
+        ('"/etc/kvoffload/policy.toml"', json_str(SYSTEMD / "policy.example.toml")),
+        ("port = 9464", "port = 0"),
+    ):
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / "config.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def json_str(path: Path | str) -> str:
+    import json
+
+    return json.dumps(str(path))
+
+
+@pytest.mark.skipif(
+    shutil.which("systemd-socket-activate") is None,
+    reason="systemd-socket-activate not installed (Debian: apt-get install systemd)",
+)
+@pytest.mark.parametrize("source", ["shipped", "printed"])
+def test_the_units_exec_start_serves_and_reports_ready(tmp_path: Path, source: str) -> None:
+    """The ExecStart line, run as systemd would: the socket unit's socket on fd 3,
+    the unit's Environment= (%d: the credentials directory with the KEK), a clean
+    environment otherwise, and Type=notify: READY=1 from the main process."""
+    import socket
+    import struct
+    import tempfile
+
+    unit = parse_unit(SERVICE if source == "shipped" else printed_service(tmp_path))
+    sock_unit = parse_unit(SOCKET)
+    short = Path(tempfile.mkdtemp(prefix="kvo-", dir="/tmp"))  # AF_UNIX paths are short
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    (creds / "kek").write_bytes(os.urandom(32))
+    (creds / "kek").chmod(0o600)
+    config = unit_config(tmp_path, short)
+    argv = [config.as_posix() if a == CONFIG_IN_UNIT else a for a in exec_start(unit)]
+    env = [
+        item.replace("%d", str(creds)) for item in " ".join(unit["Service"]["Environment"]).split()
+    ]
+    notify_path = short / "notify.sock"
+    listen = short / "kvoffload.sock"
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.bind(str(notify_path))
+    receiver.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    receiver.settimeout(0.5)
+    proc = subprocess.Popen(
+        [
+            "systemd-socket-activate",
+            "--listen",
+            str(listen),
+            f"--fdname={Path(single(sock_unit, 'Socket', 'ListenStream')).name}",
+            *(f"--setenv={item}" for item in env),
+            f"--setenv=NOTIFY_SOCKET={notify_path}",
+            f"--setenv=PYTHONPATH={Path(__file__).resolve().parents[1] / 'src'}",
+            *argv,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        while not listen.exists():
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.02)
+        client.connect(str(listen))  # systemd-socket-activate starts the service now
+        states: list[tuple[str, int]] = []
+        deadline = time.monotonic() + 300  # a bound on a hang, not a speed check
+        while not any(s == "READY=1" for s, _ in states):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"no READY=1 from {argv}: {proc.communicate(timeout=60)}")
+            try:
+                data, anc, _, _ = receiver.recvmsg(4096, socket.CMSG_SPACE(12))
+            except TimeoutError:
+                continue
+            pid = next(
+                struct.unpack("3i", d)[0]
+                for level, kind, d in anc
+                if (level, kind) == (socket.SOL_SOCKET, socket.SCM_CREDENTIALS)
+            )
+            states += [(line, pid) for line in data.decode().split("\n")]
+        # NotifyAccess=main: the daemon itself says READY (systemd-socket-activate
+        # execs it in place, as systemd does).
+        assert ("READY=1", proc.pid) in states
+        from kvoffload.client import fetch_stats
+
+        stats = fetch_stats(listen)
+        assert stats["chunks"] == 0
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        client.close()
+        receiver.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        shutil.rmtree(short, ignore_errors=True)
+    assert proc.returncode == 0, err
+    assert "serving store" in err and "on fd 3" in err, err

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -59,19 +60,52 @@ def test_the_wheel_holds_every_module_and_spec(wheel: Path) -> None:
     packed = {n for n in names if n.endswith(".py") and not n.startswith("kvoffload-")}
     assert not packed - modules, f"modules that are not in src/: {sorted(packed - modules)}"
     data = next(n.split("/data/")[0] for n in names if ".data/data/" in n)
-    for spec in (REPO / "docs" / "spec").glob("*.md"):
-        assert f"{data}/data/share/doc/kvoffload/spec/{spec.name}" in names, spec.name
+    for doc in [*(REPO / "docs").glob("*.md"), *(REPO / "docs" / "spec").glob("*.md")]:
+        rel = doc.relative_to(REPO)
+        assert f"{data}/data/share/doc/kvoffload/{rel}" in names, rel
     assert "kvoffload/py.typed" in names
 
 
-def test_the_wheel_serves_outside_the_repo(wheel: Path, tmp_path: Path) -> None:
-    target = tmp_path / "site"
+@pytest.fixture(scope="module")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel unpacked with ``pip install --no-deps --target``."""
+    target = tmp_path_factory.mktemp("site")
     r = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
          str(wheel)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
+    return target
+
+
+#: A markdown link or image: ``[text](target)``, the target up to a space or ``)``.
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)[^)]*\)")
+
+
+def test_every_relative_link_in_the_installed_docs_resolves(installed: Path) -> None:
+    """What the installed files link to (systemd/README.md → ../docs/shared-root.md,
+    a spec → ../threat-model.md) is installed too, inside the same tree."""
+    docs = sorted(installed.rglob("*.md"))
+    assert any(d.name == "shared-root.md" for d in docs), docs
+    broken, checked = [], 0
+    for doc in docs:
+        text = doc.read_text(encoding="utf-8")
+        text = re.sub(r"```.*?```", "", text, flags=re.S)  # code blocks link nothing
+        for target in LINK.findall(text):
+            path = target.split("#", 1)[0]
+            if not path or re.match(r"^[a-z][a-z0-9+.-]*:", target):
+                continue  # an anchor in the same file, or a URL
+            checked += 1
+            resolved = (doc.parent / path).resolve()
+            if not resolved.exists() or not resolved.is_relative_to(installed.resolve()):
+                broken.append(f"{doc.relative_to(installed)}: {target}")
+    assert checked > 10  # the check is live: the docs do link to each other
+    assert not broken, broken
+
+
+def test_the_wheel_serves_outside_the_repo(installed: Path, tmp_path: Path) -> None:
+    target = installed
     work = tmp_path / "work"
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}

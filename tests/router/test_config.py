@@ -173,3 +173,34 @@ def test_a_missing_optional_package_is_one_line(monkeypatch: pytest.MonkeyPatch)
         ConfigError, match=r"needs the Python package 'aiohttp'.*kvoffload\[router\]"
     ):
         cli._need("aiohttp", "kvoffload router")
+
+
+def test_the_docs_minimal_config_passes_check(tmp_path: Path) -> None:
+    """docs/router.md's config block, with only the two files that live on a
+    deployment (the tokenizer folder, the salt secret) made here."""
+    for module in ("transformers", "tokenizers", "zmq", "aiohttp"):
+        pytest.importorskip(module)
+    from .tokenizer_dir import make_tokenizer
+
+    doc = (ROOT / "docs/router.md").read_text(encoding="utf-8")
+    block = doc.split("A minimal config", 1)[1].split("```toml\n", 1)[1].split("```", 1)[0]
+    tokenizer = make_tokenizer(tmp_path / "tokenizer")
+    secret = tmp_path / "router-salt"
+    secret.write_text("0123456789abcdef0123456789abcdef\n")
+    for shipped, here in (
+        ('"/models/llama-3-8b"', f'"{tokenizer}"'),
+        ('"/etc/kvoffload/router-salt"', f'"{secret}"'),
+    ):
+        assert shipped in block, shipped
+        block = block.replace(shipped, here)
+    config = _write(tmp_path, block)
+    check = subprocess.run(
+        [sys.executable, "-m", "kvoffload.cli", "--config", str(config), "router", "--check"],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert check.returncode == 0, check.stderr
+    assert check.stdout.strip() == "router config OK: 2 workers, 1 tenants"

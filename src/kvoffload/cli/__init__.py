@@ -13,7 +13,7 @@ Exit codes:
   5  fsck found problems (without --repair)
   6  aborted at a confirmation prompt
   7  the sidecar is not reachable (stats, demo)
-  8  nothing to do: purge of a tenant with no keys or data (a typo?)
+  8  nothing to do: a purge or invalidate that matches nothing (a typo?)
   9  audit --verify: the audit log's hash chain is broken
 
 One module per command group: :mod:`.app` (the typer app, global options,
@@ -24,6 +24,7 @@ codes and the one exception → exit-code table are :mod:`.exits`.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from . import (
@@ -38,7 +39,7 @@ from . import (
     store_cmds,
     systemd_cmd,
 )
-from .app import app, err, fail_line, misplaced_global_option, state
+from .app import app, err, fail_line, hoist_global_options, state
 from .exits import (
     EXIT_ABORTED,
     EXIT_ERROR,
@@ -85,17 +86,17 @@ __all__ = [
 
 def main(argv: list[str] | None = None) -> None:
     """The entry point: run the app, and turn a known exception into one line + its code."""
-    args = sys.argv[1:] if argv is None else argv
-    misplaced = misplaced_global_option(args)
-    if misplaced is not None:
-        err.print(fail_line("usage", misplaced))
-        sys.exit(ExitCode.USAGE)
     try:
+        args = hoist_global_options(sys.argv[1:] if argv is None else argv)
         app(args=args, prog_name="kvoffload")
     except Exception as exc:
         mapped = exit_for(exc)
         if mapped is None:
             raise
         code, label = mapped
-        err.print(fail_line(label, str(exc)))
+        if state.log_json:  # serve --log-format json: the last line is JSON too
+            log = logging.getLogger("kvoffload.cli")
+            log.error("%s: %s", label, exc, extra={"exit_code": int(code)})
+        else:
+            err.print(fail_line(label, str(exc)))
         sys.exit(code)

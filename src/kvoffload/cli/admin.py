@@ -26,7 +26,11 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 
-#: A request that may walk the whole store (fsck, a purge) may take this long.
+#: The connect and the ``hello``, whatever the verb: a sidecar that accepts
+#: connections but serves none (wedged) is given up on after this.
+HELLO_TIMEOUT_S = 5.0
+#: A request that may walk the whole store (fsck, a purge) may take this long
+#: once the sidecar has answered the hello (``--timeout``).
 ADMIN_TIMEOUT_S = 3600.0
 #: Anything else (inspect, one page of ls, stats) is an index read.
 QUERY_TIMEOUT_S = 60.0
@@ -181,8 +185,13 @@ class LocalTarget:
 class SidecarTarget:
     """The running sidecar, through its admin verbs."""
 
-    def __init__(self, socket_path: Path) -> None:
+    def __init__(
+        self, socket_path: Path, job_timeout_s: float = ADMIN_TIMEOUT_S, command: str | None = None
+    ) -> None:
         self.socket_path = socket_path
+        self.job_timeout_s = job_timeout_s
+        #: The command for messages, when it is not the verb (purge asks inspect first).
+        self.command = command
         self.where = f"the sidecar on {socket_path}"
         self.store_id: str | None = None
         #: The last purge's tiers as the sidecar reported them (None: an older one).
@@ -190,8 +199,8 @@ class SidecarTarget:
 
     def call(self, req: Request, timeout_s: float = QUERY_TIMEOUT_S) -> Reply:
         from ..client import call_tenantless
-        from ..errors import ErrorCode, ProtocolError
-        from .exits import _Forbidden
+        from ..errors import ErrorCode, ProtocolError, TransportError
+        from .exits import _Forbidden, _SidecarUnreachable
 
         try:
             hello, (reply,) = call_tenantless(
@@ -199,12 +208,16 @@ class SidecarTarget:
                 [req],
                 client=f"kvoffload {req.OP.value}",
                 timeout_s=timeout_s,
+                hello_timeout_s=min(HELLO_TIMEOUT_S, timeout_s),
             )
+        except TransportError as exc:
+            raise _SidecarUnreachable(self._no_answer(req, exc, timeout_s)) from exc
         except ProtocolError as exc:
             if exc.code is ErrorCode.FORBIDDEN:
                 raise _Forbidden(
-                    f"{self.where} refused {req.OP.value}: it needs the admin right "
-                    f"(admin_uids / admin_gids in the policy); uid {os.getuid()} has not"
+                    f"{self.where} refused {self.command or req.OP.value}: it needs the "
+                    "admin right, `admin = true` in a [[grants]] entry of the policy for "
+                    f"this user or one of its groups; uid {os.getuid()} has none"
                 ) from exc
             if exc.code is ErrorCode.UNSUPPORTED:
                 raise ProtocolError(
@@ -215,6 +228,27 @@ class SidecarTarget:
             raise
         self.store_id = hello.store_id
         return reply
+
+    def _no_answer(self, req: Request, exc: Exception, timeout_s: float) -> str:
+        """The one line for a sidecar that did not answer ``req``: wedged (no
+        hello), a job past its time, or a connection that broke."""
+        from ..client.session import NO_HELLO
+        from ..errors import TransportTimeout
+
+        verb = req.OP.value
+        if not isinstance(exc, TransportTimeout):
+            return f"{self.where} did not answer {verb}: {exc}"
+        if str(exc).startswith(NO_HELLO):
+            return (
+                f"{self.where} accepts connections but serves none ({exc}): wedged or "
+                "overloaded, see its log (journalctl -u kvoffload); nothing was done"
+            )
+        long_job = verb in ("fsck", "purge", "purge_older")
+        hint = " (--timeout waits longer for a long job)" if long_job else ""
+        return (
+            f"{self.where} took {verb} but did not finish it within {timeout_s:g} s; it may "
+            f"still be running there{hint}"
+        )
 
     def check_store(self, cfg: Config) -> None:
         """Refuse when the sidecar serves another store than the one configured."""
@@ -264,7 +298,7 @@ class SidecarTarget:
         from ..client.session import expect
         from ..protocol import Purge, PurgeReply
 
-        reply = expect(self.call(Purge(tenant, tiers=True), ADMIN_TIMEOUT_S), PurgeReply)
+        reply = expect(self.call(Purge(tenant, tiers=True), self.job_timeout_s), PurgeReply)
         self.tiers = {k: list(v) for k, v in reply.tiers.items()} or None  # None: older server
         return reply.removed
 
@@ -273,7 +307,7 @@ class SidecarTarget:
         from ..protocol import Purge, PurgeReply
 
         req = Purge(tenant, namespace, tiers=True)
-        reply = expect(self.call(req, ADMIN_TIMEOUT_S), PurgeReply)
+        reply = expect(self.call(req, self.job_timeout_s), PurgeReply)
         self.tiers = {k: list(v) for k, v in reply.tiers.items()} or None
         return reply.removed
 
@@ -290,7 +324,7 @@ class SidecarTarget:
         from ..protocol import PurgeOlder, PurgeOlderReply
 
         return expect(
-            self.call(PurgeOlder(age_s, tenant), ADMIN_TIMEOUT_S), PurgeOlderReply
+            self.call(PurgeOlder(age_s, tenant), self.job_timeout_s), PurgeOlderReply
         ).removed
 
     def fsck(
@@ -299,7 +333,7 @@ class SidecarTarget:
         from ..client.session import expect
         from ..protocol import Fsck, FsckReply
 
-        reply = self.call(Fsck(repair, verify_data), ADMIN_TIMEOUT_S)
+        reply = self.call(Fsck(repair, verify_data), self.job_timeout_s)
         report = dict(expect(reply, FsckReply).report)
         report.pop("verified_data", None)
         return report
@@ -311,7 +345,7 @@ class SidecarTarget:
         rows: list[dict[str, Any]] = []
         while True:
             req = Namespaces(tenant, len(rows))
-            page = expect(self.call(req, ADMIN_TIMEOUT_S), NamespacesReply).report
+            page = expect(self.call(req, self.job_timeout_s), NamespacesReply).report
             got = list(page.get("namespaces", []))
             rows.extend(got)
             if not page.get("more") or not got:
@@ -324,7 +358,7 @@ class SidecarTarget:
         from ..protocol import Invalidate, InvalidateReply
 
         req = Invalidate(**selector, tenant=tenant, dry_run=dry_run)
-        return dict(expect(self.call(req, ADMIN_TIMEOUT_S), InvalidateReply).report)
+        return dict(expect(self.call(req, self.job_timeout_s), InvalidateReply).report)
 
 
 def _offline_tiers(store: Store, *, whole: bool) -> dict[str, list[str]]:
@@ -355,10 +389,17 @@ def sidecar_listening(path: Path) -> bool:
 
 
 @contextlib.contextmanager
-def admin_target(cfg: Config) -> Iterator[Target]:
-    """The running sidecar if one listens on the configured socket, else the store."""
+def admin_target(
+    cfg: Config, job_timeout_s: float = ADMIN_TIMEOUT_S, command: str | None = None
+) -> Iterator[Target]:
+    """The running sidecar if one listens on the configured socket, else the store.
+
+    ``job_timeout_s``: how long the sidecar may take over a long job (fsck, a
+    purge) once it has answered; a sidecar that does not answer at all is given
+    up on after :data:`HELLO_TIMEOUT_S`, whatever the verb. ``command``: what a
+    refusal names, where the command runs other verbs too (purge)."""
     if sidecar_listening(cfg.socket_path):
-        target = SidecarTarget(cfg.socket_path)
+        target = SidecarTarget(cfg.socket_path, job_timeout_s, command)
         target.check_store(cfg)
         yield target
         return

@@ -30,14 +30,14 @@ EPILOG = """Exit codes:
   5  fsck found problems (without --repair)
   6  aborted at a confirmation prompt
   7  the sidecar is not reachable (stats, demo)
-  8  nothing to do: purge of a tenant with no keys or data (a typo?)
+  8  nothing to do: a purge or invalidate that matches nothing (a typo?)
   9  audit --verify: the audit log's hash chain is broken
 """
 
 HELP = """KV-cache offload sidecar and its store.
 
 Global options (--dev, --config, --root, --index-dir, --kek-file, -v) go
-before the command: `kvoffload --dev serve`, `kvoffload --dev inspect`.
+before or after the command: `kvoffload --dev serve`, `kvoffload inspect --dev`.
 """
 
 app = typer.Typer(
@@ -55,8 +55,25 @@ app.add_typer(keys_app, name="keys")
 
 # Markup off: messages and user-supplied strings (tenants, paths, "[store] foo",
 # "kvoffload[demo]") are printed as they are; styling goes through rich.text.Text.
-out = Console(soft_wrap=True, markup=False, highlight=False)
-err = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)
+#: The width of a table written to a pipe or a file: nothing is cut or wrapped to
+#: fit a screen there is none of (`| less -S`, a script, ssh without a tty).
+PIPE_WIDTH = 10_000
+
+
+def _width(stream: Any) -> int | None:
+    """None (rich measures the terminal, or honours $COLUMNS) on a terminal or
+    where COLUMNS is set; :data:`PIPE_WIDTH` elsewhere, where rich would say 80."""
+    import os
+
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    return None if tty or os.environ.get("COLUMNS") else PIPE_WIDTH
+
+
+out = Console(soft_wrap=True, markup=False, highlight=False, width=_width(sys.stdout))
+err = Console(stderr=True, soft_wrap=True, markup=False, highlight=False, width=_width(sys.stderr))
 
 
 def fail_line(label: str, message: str) -> Text:
@@ -71,11 +88,14 @@ class _State:
     index_dir: Path | None = None
     kek_file: Path | None = None
     verbose: bool = False
+    #: ``serve --log-format json``: every line on stderr is a JSON object, the
+    #: failure that ends the command too (:func:`kvoffload.cli.main`).
+    log_json: bool = False
 
 
 state = _State()
 
-#: The global options (before the command); none of them is a command's option.
+#: The global options (before or after the command: :func:`hoist_global_options`).
 GLOBAL_FLAGS = ("--dev", "--verbose", "-v")
 GLOBAL_VALUED = ("--config", "-c", "--root", "--index-dir", "--kek-file")
 
@@ -122,8 +142,16 @@ def _main(
     setup_logging(logging.INFO if verbose else logging.WARNING)
 
 
+#: ``extra=`` keys a log record may carry that :class:`JsonLogFormatter` writes as
+#: fields of their own: ``audit`` (the audit record, audit-v1.md §3, as an
+#: object), ``exit_code`` (the failure that ends the command).
+JSON_FIELDS = ("audit", "exit_code")
+
+
 class JsonLogFormatter(logging.Formatter):
-    """One JSON object per line: ts, level, logger, msg (and exc when there is one)."""
+    """One JSON object per line: ts, level, logger, msg, the :data:`JSON_FIELDS`
+    the record carries (an audit record as an object, not a string in msg), and
+    exc when there is one."""
 
     def format(self, record: logging.LogRecord) -> str:
         data: dict[str, Any] = {
@@ -132,6 +160,11 @@ class JsonLogFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        for key in JSON_FIELDS:
+            if hasattr(record, key):
+                data[key] = getattr(record, key)
+        if isinstance(data.get("audit"), dict):
+            data["msg"] = f"audit: {data['audit'].get('event')}"  # the record is the field
         if record.exc_info:
             data["exc"] = self.formatException(record.exc_info)
         return json.dumps(data, ensure_ascii=False, default=str)
@@ -147,6 +180,7 @@ def setup_logging(level: int, fmt: str = "plain", *, daemon: bool = False) -> No
     import os
 
     handler = logging.StreamHandler()
+    state.log_json = fmt == "json"
     if fmt == "json":
         handler.setFormatter(JsonLogFormatter())
     else:
@@ -160,28 +194,61 @@ def setup_logging(level: int, fmt: str = "plain", *, daemon: bool = False) -> No
     root.setLevel(level)
 
 
-def misplaced_global_option(argv: list[str]) -> str | None:
-    """The one-line complaint when a global option follows the command, else None."""
-    command: str | None = None
-    i = 0
+def hoist_global_options(argv: list[str]) -> list[str]:
+    """``argv`` with the global options given after the command moved in front of it.
+
+    ``kvoffload serve --config FILE`` then means ``kvoffload --config FILE
+    serve``, as an operator (and the systemd unit) would expect; given twice,
+    the later one wins, as click has it. The command's own options are read
+    from click's tree, so an option's value is never taken for a global
+    option, and a command's own option of the same name (none today) would
+    win. Nothing after ``--`` moves.
+    """
+    start, names = 0, GLOBAL_FLAGS + GLOBAL_VALUED
+    while start < len(argv) and argv[start].startswith("-") and argv[start] != "--":
+        start += 2 if argv[start] in GLOBAL_VALUED else 1
+    if not any(tok.split("=", 1)[0] in names for tok in argv[start:]):
+        return argv  # the common case: nothing to move, click's tree not built
+    found = _command_at(argv, start)
+    if found is None:
+        return argv  # an unknown command: click says so
+    command, path_end = found
+    own = {name: p for p in command.params for name in (*p.opts, *p.secondary_opts)}
+    moved: list[str] = []
+    rest: list[str] = []
+    i = path_end
     while i < len(argv):
         tok = argv[i]
         if tok == "--":
+            rest += argv[i:]
+            break
+        name, inline = tok.split("=", 1)[0], "=" in tok
+        param = own.get(name)
+        if param is None:
+            takes_value = name in GLOBAL_VALUED
+        else:
+            takes_value = param.param_type_name == "option" and not (param.is_flag or param.count)
+        span = [tok] if inline or not takes_value else argv[i : i + 2]
+        if param is None and name in names:
+            if takes_value and len(span) == 1 and not inline:
+                raise _CliUsageError(f"{name} needs a value")
+            moved += span
+        else:
+            rest += span
+        i += len(span)
+    return argv[:start] + moved + argv[start:path_end] + rest
+
+
+def _command_at(argv: list[str], i: int) -> tuple[Any, int] | None:
+    """The (sub)command named from ``argv[i]`` on, and where its arguments start."""
+    # Typer carries its own copy of click: its classes are reached through the tree.
+    command: Any = typer.main.get_command(app)
+    while i < len(argv) and isinstance(getattr(command, "commands", None), dict):
+        sub = command.commands.get(argv[i])
+        if sub is None:
             return None
-        name = tok.split("=", 1)[0]
-        if command is None:
-            if name in GLOBAL_VALUED and "=" not in tok:
-                i += 2
-                continue
-            if not tok.startswith("-"):
-                command = tok
-        elif name in GLOBAL_FLAGS or name in GLOBAL_VALUED:
-            return (
-                f"{name} is a global option: put {name} before the command, "
-                f"e.g. `kvoffload {name}{' …' if name in GLOBAL_VALUED else ''} {command}`"
-            )
-        i += 1
-    return None
+        command, i = sub, i + 1
+    return command, i
 
 
 def config() -> Config:
@@ -200,11 +267,12 @@ def config() -> Config:
     return cfg
 
 
-def load_kek(cfg: Config, *, banner: bool = False) -> Any:
+def load_kek(cfg: Config, *, banner: bool = False, create: bool = True) -> Any:
     """The KEK; in dev mode the development KEK (created on first use).
 
     ``banner``: the loud development-KEK warning (``serve``); other commands
-    log a one-line reminder.
+    log a one-line reminder. ``create=False`` (``config check``): None where
+    the development KEK does not exist yet, rather than creating it.
     """
     from ..errors import KeyringError
     from ..store.keys.keyring import Kek
@@ -223,6 +291,8 @@ def load_kek(cfg: Config, *, banner: bool = False) -> Any:
                 f"{keys} cannot be opened; the development store is only a cache: "
                 f"delete {cfg.store_root.parent} and start again"
             )
+        if not create:
+            return Kek.from_file(cfg.kek_file) if cfg.kek_file.exists() else None
         cfg.kek_file.parent.mkdir(parents=True, exist_ok=True)
         return Kek.generate_dev(cfg.kek_file, banner=banner)
     return Kek.from_file(cfg.kek_file)
@@ -280,13 +350,44 @@ def check_tenant(tenant: str | None) -> str | None:
         raise _CliUsageError(f"--tenant: {exc}") from exc
 
 
-def parse_ns(namespace: str | None) -> bytes | None:
+#: The shortest namespace prefix a filter takes (git's minimum for an object name).
+MIN_NS_PREFIX = 4
+
+
+def parse_ns(namespace: str | None) -> str | None:
+    """``--namespace`` as given, lower-cased: the fingerprint's 64 hex digits, or a
+    prefix of at least :data:`MIN_NS_PREFIX` (ls and inspect show 12 or 16), for
+    :func:`resolve_ns`; a usage error (exit 2) otherwise."""
     if namespace is None:
         return None
-    try:
-        ns = bytes.fromhex(namespace)
-    except ValueError:
-        ns = b""
-    if len(ns) != 32:
-        raise _CliUsageError("--namespace must be a 64-hex-digit fingerprint")
-    return ns
+    text = namespace.strip().lower()
+    if not MIN_NS_PREFIX <= len(text) <= 64 or text.strip("0123456789abcdef"):
+        raise _CliUsageError(
+            f"--namespace {namespace!r}: the namespace's fingerprint, 64 hex digits, or a "
+            f"unique prefix of it of at least {MIN_NS_PREFIX} (as ls shows it)"
+        )
+    return text
+
+
+def resolve_ns(given: str, info: dict[str, Any], tenant: str | None) -> bytes | None:
+    """The namespace ``given`` (:func:`parse_ns`) names among those of the inspect
+    report ``info``, of ``tenant`` or of every tenant: 64 digits as they are; a
+    prefix when exactly one namespace starts with it, None when none does, and
+    a usage error (exit 2) listing the candidates when several do (as git)."""
+    if len(given) == 64:
+        return bytes.fromhex(given)
+    found = sorted(
+        (t, ns)
+        for t, usage in info["tenants"].items()
+        if tenant in (None, t)
+        for ns in usage["namespaces"]
+        if ns.startswith(given)
+    )
+    names = sorted({ns for _, ns in found})
+    if len(names) > 1:
+        shown = ", ".join(f"{t}/{ns[:16]}" for t, ns in found[:8])
+        raise _CliUsageError(
+            f"--namespace {given} is ambiguous: {len(names)} namespaces start with it "
+            f"({shown}{', …' if len(found) > 8 else ''}); give more digits"
+        )
+    return bytes.fromhex(names[0]) if names else None

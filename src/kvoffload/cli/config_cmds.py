@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from .app import JsonOpt, app, emit, human_bytes, out, state
-from .exits import _CliUsageError
+from ..errors import KVOffloadError
+from .app import JsonOpt, app, emit, err, fail_line, human_bytes, out, state
+from .exits import ExitCode, _CliUsageError, exit_for
 
 config_app = typer.Typer(help="The effective configuration.", no_args_is_help=True)
 policy_app = typer.Typer(help="Policy files.", no_args_is_help=True)
@@ -89,34 +91,71 @@ def show(as_json: JsonOpt = False) -> None:
 
 @config_app.command("check")
 def check() -> None:
-    """Validate the configuration and the policy it names; one line each, exit 1 on error."""
-    from ..sidecar.access.policy import load_policy
+    """Check everything `serve` would refuse to start on, so that it can gate a deployment.
+
+    The configuration, the policy, the KEK (and that it opens the store), the
+    socket path and group, the store root, the I/O backend and the metrics
+    port, with the checks serve itself runs: one line each, a refusal on
+    stderr, exit non-zero when serve would refuse. A sidecar running now is
+    a note, not a refusal: check a new configuration before a restart.
+    """
+    from . import preflight
+    from .admin import sidecar_listening
 
     cfg, _ = _effective()
-    out.print(
-        f"config: ok (store {cfg.store_root}, socket {cfg.socket_path}, "
-        f"capacity {human_bytes(cfg.capacity_bytes)})"
-    )
-    if cfg.policy_file is not None:
-        policy = load_policy(cfg.policy_file)
-        out.print(
+    out.print(f"config: {preflight.capacity_line(cfg)}")
+    running = sidecar_listening(cfg.socket_path)
+    codes: list[int] = []
+    kek: list[Any] = [None]
+
+    def step(run: Callable[[], str], *, busy: str | None = None) -> None:
+        """One check: its line on stdout, or its refusal on stderr (a note where
+        what refuses is only held by the running sidecar, ``busy``)."""
+        try:
+            out.print(run())
+        except (KVOffloadError, OSError) as exc:
+            if busy is not None and running:
+                out.print(f"{busy}: {exc}: the running sidecar holds it")
+                return
+            code, name = exit_for(exc) or (ExitCode.ERROR, "error")
+            codes.append(code)
+            err.print(fail_line(name, str(exc)))
+
+    def the_policy() -> str:
+        policy, _ = preflight.policy(cfg)
+        if cfg.policy_file is None:
+            return "policy: the development policy (root and you: every tenant, admin)"
+        return (
             f"policy {cfg.policy_file}: ok ({len(policy.grants)} grants, "
             f"{len(policy.tenants)} tenant tables)"
         )
-    elif cfg.dev:
-        out.print("policy: the development policy (root and you: every tenant, admin)")
-    else:
-        out.print("policy: none set ([security] policy or KVOFFLOAD_POLICY): serve will refuse")
-    if not cfg.dev:
-        if cfg.kek_file is None:
-            out.print(
-                "KEK: none set ([security] kek_file or KVOFFLOAD_KEK_FILE): serve will refuse"
-            )
-        else:
-            from ..store.keys.keyring import Kek
 
-            kek = Kek.from_file(cfg.kek_file)
-            out.print(f"KEK {cfg.kek_file}: ok (id {kek.key_id})")
+    def the_kek() -> str:
+        kek[0], line = preflight.kek(cfg)
+        return f"KEK {cfg.kek_file}: {line}"
+
+    step(the_policy)
+    step(the_kek)
+    step(lambda: f"socket {cfg.socket_path}: {preflight.sock(cfg, inherited=False)}")
+    step(lambda: f"store {cfg.store_root}: {preflight.store(cfg, kek[0])}")
+    step(lambda: f"I/O: {preflight.io_plan(cfg)}")
+    step(lambda: f"metrics: {preflight.metrics_port(cfg, cfg.metrics_port)}", busy="metrics")
+    if running:
+        out.print(
+            f"note: a sidecar serves {cfg.socket_path} now: a new one starts once it stops "
+            "(systemctl restart kvoffload)"
+        )
+    elif preflight.index_in_use(cfg):
+        codes.append(ExitCode.LOCKED)
+        err.print(
+            fail_line(
+                "locked",
+                f"the index at {cfg.resolved_index_dir} is held by another process, not by a "
+                f"sidecar on {cfg.socket_path}: serve would be refused until it stops",
+            )
+        )
+    if codes:
+        raise typer.Exit(codes[0])
 
 
 def _tenant_settings(t: Any) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import typer
 
 from .admin import admin_target
 from .app import JsonOpt, app, check_tenant, config, emit, err, human_bytes, out
-from .exits import _Aborted, _CliUsageError
+from .exits import _Aborted, _CliUsageError, _NothingToDo
 
 
 def _age(seconds: float) -> str:
@@ -181,3 +181,10 @@ def invalidate(
         emit(True, report)
     else:
         _print_report(report)
+    if not report["removed_namespaces"]:
+        # As a purge that matches nothing: exit 8, after the report (it names
+        # the namespaces left with an unknown contract).
+        raise _NothingToDo(
+            f"no namespace in {target.where} matches {what} (a typo? `kvoffload ls "
+            "--namespaces` lists each one's contract)"
+        )

@@ -17,7 +17,8 @@ def doctor(as_json: JsonOpt = False) -> None:
     cufile-python, the file system and O_DIRECT support of the objects and
     index directories (a probe file is created and removed in each), and the
     backend chosen for auto and for the configured mode. Does not open the
-    store, so it runs while a sidecar holds the index. Always exits 0.
+    store, so it runs while a sidecar holds the index. Exits 0 whatever the
+    node offers; a configuration that does not load is one line, exit 1.
     """
     import platform
 

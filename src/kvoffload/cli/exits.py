@@ -54,7 +54,7 @@ class ExitCode(IntEnum):
     FSCK_PROBLEMS = 5  # fsck found problems (without --repair)
     ABORTED = 6  # aborted at a confirmation prompt
     UNREACHABLE = 7  # the sidecar is not reachable (stats, demo)
-    NOTHING = 8  # nothing to do: purge of a tenant with no keys or data (a typo?)
+    NOTHING = 8  # nothing to do: a purge or invalidate that matches nothing (a typo?)
     AUDIT_BROKEN = 9  # the audit log's hash chain is broken (audit --verify)
 
 
@@ -98,7 +98,9 @@ class _Aborted(_CliOutcome):
 
 
 class _NothingToDo(_CliOutcome):
-    """What the command would act on does not exist (purge of an unknown tenant)."""
+    """What the command would act on does not exist: a purge of a tenant with no
+    keys or data or of a namespace with no chunks, an invalidate that matches no
+    namespace."""
 
 
 class _AuditBroken(_CliOutcome):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
@@ -44,8 +43,9 @@ def serve(
         str,
         typer.Option(
             "--log-format",
-            help="plain (no timestamp under journald, which stamps lines) or json (one "
-            "object per line).",
+            help="plain (no timestamp under journald, which stamps lines) or json (every "
+            "line one object: log records, serve's own lines, a start-up failure; audit "
+            "records as an `audit` object).",
         ),
     ] = "plain",
 ) -> None:
@@ -55,38 +55,28 @@ def serve(
     environment is an error (as an unknown key in the config file is): one
     line naming it and the closest known one.
     """
-    from ..errors import ConfigError, ListenError
+    from ..errors import ListenError
     from ..sidecar import notify
-    from ..sidecar.access.policy import Policy, load_policy
     from ..sidecar.access.revocation import revoked_path
     from ..sidecar.config import ServerConfig
     from ..sidecar.daemon import run
     from ..sidecar.metrics import Metrics
     from ..sidecar.secret import load_or_create_secret
     from ..sidecar.server import Server
+    from . import preflight
 
     if log_format not in ("plain", "json"):
         raise _CliUsageError(f"--log-format: {log_format!r} is not plain or json")
     setup_logging(logging.DEBUG if state.verbose else logging.INFO, log_format, daemon=True)
     cfg = config()
-    if cfg.policy_file is not None:
-        policy_file = cfg.policy_file
-        policy = load_policy(policy_file)
-
-        def reload() -> Policy:
-            return load_policy(policy_file)
-
-        reloader: Callable[[], Policy] | None = reload
-    elif cfg.dev:
-        policy = Policy.default_dev()
-        reloader = None
-    else:
-        raise ConfigError("no policy: set [security] policy or KVOFFLOAD_POLICY (or use --dev)")
+    # `config check` runs these same checks (cli/preflight.py).
+    policy, reloader = preflight.policy(cfg)
     if fd is None:
         inherited = notify.listen_fds()
         if len(inherited) > 1:
             raise _CliUsageError(f"socket activation: expected one socket, got {len(inherited)}")
         fd = inherited[0] if inherited else None
+    preflight.sock(cfg, inherited=fd is not None)
     if fd is None and sidecar_listening(cfg.socket_path):
         # Said before the store is opened: its lock would only say "in use".
         raise ListenError(
@@ -94,13 +84,14 @@ def serve(
             "(stop that one, or give this one another [server] socket)"
         )
     if cfg.dev:
-        err.print(
+        say(
             Text.assemble(
                 ("DEVELOPMENT MODE", "bold yellow"),
                 f": embedded store under {cfg.store_root.parent}, a development KEK in a "
                 "plain file, a policy that lets root and you use every tenant. Not for "
                 "production.",
-            )
+            ),
+            level=logging.WARNING,
         )
     with open_store(cfg, create=True, banner=True) as store:
         index_dir = cfg.resolved_index_dir
@@ -114,6 +105,7 @@ def serve(
 
         metrics = Metrics(store.stats, tenant_usage)
         metrics.key_cache_ttl.set(cfg.key_cache_ttl_s)
+        metrics.high_watermark.set(cfg.high_watermark)
         port = cfg.metrics_port if metrics_port is None else metrics_port
         if port:
             try:
@@ -122,7 +114,7 @@ def serve(
                 raise ListenError(
                     f"metrics: cannot listen on {cfg.metrics_host}:{port}: {exc.strerror or exc}"
                 ) from exc
-            err.print(f"metrics on http://{cfg.metrics_host}:{bound}/metrics")
+            say(f"metrics on http://{cfg.metrics_host}:{bound}/metrics")
         server = Server(
             store,
             policy,
@@ -144,7 +136,7 @@ def serve(
 
         def listening() -> None:
             metrics.ready = True
-            err.print(f"kvoffload sidecar serving store {store.layout.store_id} on {where}")
+            say(f"kvoffload sidecar serving store {store.layout.store_id} on {where}")
 
         try:
             run(
@@ -160,27 +152,28 @@ def serve(
                 events.close()
 
 
+def say(text: str | Text, level: int = logging.INFO) -> None:
+    """One of serve's own lines on stderr: as it is, or with ``--log-format json``
+    a log record (one JSON object, as every other line then is)."""
+    if state.log_json:
+        plain = text.plain if isinstance(text, Text) else text
+        logging.getLogger("kvoffload.serve").log(level, "%s", plain)
+    else:
+        err.print(text)
+
+
 def _start_events(cfg: Any, store: Any, server: Any) -> Any:
     """The KV-event feed (docs/spec/events-v1.md), wired to the store and the verbs."""
-    import grp
-
-    from ..errors import ConfigError
     from ..sidecar.events import start_events
+    from ..sidecar.server import socket_gid
 
-    gid = None
-    if cfg.socket_group is not None:
-        try:
-            gid = grp.getgrnam(cfg.socket_group).gr_gid
-        except KeyError as exc:
-            raise ConfigError(f"[server] socket_group: unknown group {cfg.socket_group!r}") from exc
+    gid = socket_gid(cfg.socket_group)
     events = start_events(
         cfg.events, store.index, lambda: server.service.policy, cfg.socket_path, gid
     )
     store.events_hook = events
     server.service.events = events
-    err.print(
-        f"KV events on {events.publisher.endpoint} (replay {events.publisher.replay_endpoint})"
-    )
+    say(f"KV events on {events.publisher.endpoint} (replay {events.publisher.replay_endpoint})")
     return events
 
 

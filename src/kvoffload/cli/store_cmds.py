@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from .admin import SidecarTarget, admin_target, offline_audit, sidecar_listening
+from .admin import (
+    ADMIN_TIMEOUT_S,
+    HELLO_TIMEOUT_S,
+    SidecarTarget,
+    admin_target,
+    offline_audit,
+    sidecar_listening,
+)
 from .app import (
     JsonOpt,
     app,
@@ -21,6 +29,7 @@ from .app import (
     open_store,
     out,
     parse_ns,
+    resolve_ns,
 )
 from .exits import _Aborted, _CliUsageError, _EngineResetFailed, _FsckProblems, _NothingToDo
 from .revoke_cmds import engine_url, reset_engine
@@ -87,12 +96,41 @@ def _duration(text: str | None, option: str) -> float | None:
         raise _CliUsageError(str(exc)) from exc
 
 
+TimeoutOpt = Annotated[
+    str,
+    typer.Option(
+        "--timeout",
+        metavar="DURATION",
+        help=f"How long a running sidecar may take over the job (e.g. 4h; default "
+        f"{ADMIN_TIMEOUT_S / 3600:g}h). One that does not answer at all is given up on "
+        f"after {HELLO_TIMEOUT_S:g} s.",
+    ),
+]
+
+
+def _job_timeout(text: str) -> float:
+    seconds = _duration(text, "--timeout")
+    if not seconds:
+        raise _CliUsageError("--timeout must be more than 0")
+    return seconds
+
+
+NamespaceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--namespace",
+        "-n",
+        metavar="HEX",
+        help="The namespace's fingerprint: 64 hex digits, or a unique prefix of at least 4 "
+        "(as ls and ls --namespaces show it).",
+    ),
+]
+
+
 @app.command("ls")
 def ls_(
     tenant: Annotated[str | None, typer.Option("--tenant", "-t")] = None,
-    namespace: Annotated[
-        str | None, typer.Option("--namespace", "-n", help="Hex fingerprint.")
-    ] = None,
+    namespace: NamespaceOpt = None,
     older_than: Annotated[
         str | None, typer.Option("--older-than", help="Only chunks created before, e.g. 7d.")
     ] = None,
@@ -117,11 +155,19 @@ def ls_(
 
         show_namespaces(tenant, as_json)
         return
-    ns = parse_ns(namespace)
+    given = parse_ns(namespace)
     old = _duration(older_than, "--older-than")
     new = _duration(newer_than, "--newer-than")
     cfg = config()
     with admin_target(cfg) as target:
+        ns = None
+        if given is not None:
+            ns = resolve_ns(given, target.inspect() if len(given) < 64 else {}, tenant)
+            if ns is None:
+                of = f" of tenant {tenant}" if tenant else ""
+                raise _CliUsageError(
+                    f"--namespace {given}: no namespace{of} in {target.where} starts with it"
+                )
         rows = target.ls(tenant, ns, old, new, limit)
     table = Table()
     for col in ("tenant", "key", "namespace", "bytes", "layers", "sealed", "age_s"):
@@ -137,9 +183,10 @@ def ls_(
 @app.command()
 def purge(
     tenant: Annotated[str | None, typer.Option("--tenant", "-t")] = None,
-    namespace: Annotated[str | None, typer.Option("--namespace", "-n")] = None,
+    namespace: NamespaceOpt = None,
     older_than: Annotated[str | None, typer.Option("--older-than")] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    timeout: TimeoutOpt = "1h",
     engine: Annotated[
         list[str] | None,
         typer.Option(
@@ -154,7 +201,8 @@ def purge(
     """Remove data. --tenant alone is a crypto-erase: its keys are destroyed first.
 
     Through the running sidecar when one serves the socket, else offline. A
-    tenant with neither keys nor data is exit 8 (a typo?), nothing asked.
+    tenant with neither keys nor data, or a namespace without chunks, is exit
+    8 (a typo?), nothing asked.
     The report lists the tiers the purge reached (index, objects, keys, loads
     in flight, leased files, pending stores, KV events, other nodes of a
     shared root) and those outside kvoffload (the engines' own GPU and CPU
@@ -170,25 +218,29 @@ def purge(
     if namespace is not None and older_than is not None:
         raise _CliUsageError("--namespace and --older-than do not combine")
     check_tenant(tenant)
-    ns = parse_ns(namespace)
+    given = parse_ns(namespace)
     age = _duration(older_than, "--older-than")
+    job_timeout = _job_timeout(timeout)
     try:
         engines = [engine_url(e) for e in engine or []]
     except ValueError as exc:
         raise _CliUsageError(str(exc)) from None
     cfg = config()
-    what = (
-        f"tenant {tenant} (crypto-erase: keys destroyed, irreversible)"
-        if tenant and ns is None and age is None
-        else f"namespace {namespace} of tenant {tenant}"
-        if ns is not None
-        else f"chunks older than {older_than}" + (f" of tenant {tenant}" if tenant else "")
-    )
-    with admin_target(cfg) as target:
+    with admin_target(cfg, job_timeout, command="purge") as target:
+        ns = None
         if tenant is not None:
             info = target.inspect()
             if tenant not in info["tenants"] and tenant not in info["tenants_with_keys"]:
                 raise _NothingToDo(f"tenant {tenant} has no keys or data in {target.where}")
+            if given is not None:
+                ns = _purged_namespace(given, info, tenant, target.where)
+        what = (
+            f"tenant {tenant} (crypto-erase: keys destroyed, irreversible)"
+            if tenant and ns is None and age is None
+            else f"namespace {ns.hex()} of tenant {tenant}"
+            if ns is not None
+            else f"chunks older than {older_than}" + (f" of tenant {tenant}" if tenant else "")
+        )
         if not yes:
             try:
                 ok = typer.confirm(f"Purge {what}?", default=False, err=True)
@@ -214,6 +266,7 @@ def purge(
             kind = "tenant"
         tiers = getattr(target, "tiers", None) if kind != "age" else None
     results = [reset_engine(u) for u in engines]
+    namespace = ns.hex() if ns is not None else None
     report: dict[str, Any] = {"purged": kind, "tenant": tenant, "namespace": namespace, "chunks": n}
     if tiers is not None:
         report["tiers"] = tiers
@@ -235,6 +288,18 @@ def purge(
             "; ".join(f"{r['engine']}: {r['detail']}" for r in failed)
             + " (the store purge itself was done)"
         )
+
+
+def _purged_namespace(given: str, info: dict[str, Any], tenant: str, where: str) -> bytes:
+    """The namespace a purge names; exit 8 when it has no chunks (a typo?)."""
+    ns = resolve_ns(given, info, tenant)
+    if ns is None or ns.hex() not in info["tenants"].get(tenant, {}).get("namespaces", {}):
+        raise _NothingToDo(
+            f"no namespace of tenant {tenant} in {where} "
+            + (f"is {given}" if len(given) == 64 else f"starts with {given}")
+            + " (`kvoffload ls --namespaces --tenant T` lists them)"
+        )
+    return ns
 
 
 @app.command("drop-cache")
@@ -317,14 +382,16 @@ def fsck(
     verify_data: Annotated[
         bool, typer.Option("--verify-data", help="Also decrypt/checksum every layer.")
     ] = False,
+    timeout: TimeoutOpt = "1h",
     as_json: JsonOpt = False,
 ) -> None:
     """Compare the index with the files; --repair rebuilds the index from the files alone.
 
     Through the running sidecar when one serves the socket, else offline.
     """
+    job_timeout = _job_timeout(timeout)
     cfg = config()
-    with admin_target(cfg) as target:
+    with admin_target(cfg, job_timeout) as target:
         if as_json:
             data = target.fsck(repair, verify_data, None)
         else:
@@ -347,8 +414,13 @@ def rotate_kek(
     new_kek_file: Annotated[Path, typer.Option("--new-kek-file", help="The new KEK.")],
     as_json: JsonOpt = False,
 ) -> None:
-    """Re-wrap every tenant's keys under a new KEK; then destroy the old KEK."""
-    from ..errors import KeyringError
+    """Re-wrap every tenant's keys under a new KEK; then destroy the old KEK.
+
+    Offline only: the sidecar holds the store and its KEK, and has no verb for
+    this. Stop it, rotate, point it at the new KEK and start it again (an
+    unfinished rotation opens with either KEK; running this again finishes it).
+    """
+    from ..errors import KeyringError, StoreLocked
     from ..store.keys.keyring import Kek
 
     cfg = config()
@@ -356,7 +428,21 @@ def rotate_kek(
         new = Kek.from_file(new_kek_file)
     except KeyringError as exc:
         raise KeyringError(f"new KEK: {exc}") from exc
-    with open_store(cfg) as store:
+    stop_first = (
+        "stop it first (systemctl stop kvoffload), run keys rotate-kek, point it at the "
+        "new KEK (under systemd: its LoadCredential= file) and start it again; the "
+        "sidecar has no verb to rotate the KEK while it runs"
+    )
+    if sidecar_listening(cfg.socket_path):
+        raise StoreLocked(f"the sidecar on {cfg.socket_path} holds the store: {stop_first}")
+    with contextlib.ExitStack() as opened:
+        try:
+            store = opened.enter_context(open_store(cfg))
+        except StoreLocked as exc:
+            raise StoreLocked(
+                f"the index at {cfg.resolved_index_dir} is held by another process (a "
+                f"sidecar on another socket than {cfg.socket_path}?): {stop_first}"
+            ) from exc
         n = store.rotate_kek(new)
         offline_audit(store, "rotate-kek", "ok", new_kek_id=new.key_id, rewrapped_tenants=n)
     emit(

@@ -38,7 +38,7 @@ from ..protocol import (
     request_message,
 )
 from ..staging import StagingError
-from ..transport import Transport, TransportError, UnixTransport
+from ..transport import Transport, TransportError, TransportTimeout, UnixTransport
 
 #: Every module of the client logs as ``kvoffload.client``.
 log = logging.getLogger("kvoffload.client")
@@ -243,12 +243,17 @@ class Session:
             )
 
 
+#: How a ``call_tenantless`` timeout before the ``hello`` reply starts its message.
+NO_HELLO = "no answer to hello"
+
+
 def call_tenantless(
     socket_path: str | os.PathLike[str],
     requests: Sequence[Request],
     *,
     client: str = "kvoffload",
     timeout_s: float = 5.0,
+    hello_timeout_s: float | None = None,
 ) -> tuple[HelloReply, list[Reply]]:
     """``requests`` on one connection that names no tenant: the ``hello`` reply and
     the requests' replies, in order.
@@ -258,8 +263,15 @@ def call_tenantless(
     no staging buffer is registered. Raises ``TransportError`` if the sidecar
     is unreachable and ``ProtocolError`` (with the reply's code) if it refuses
     a request.
+
+    ``hello_timeout_s`` (default ``timeout_s``) bounds the connect and the
+    ``hello``: a sidecar that accepts connections but serves none (wedged)
+    is told from one running a long request, which ``timeout_s`` bounds. A
+    timeout is ``TransportTimeout``, its message starting with
+    :data:`NO_HELLO` or naming the request.
     """
-    transport = UnixTransport.connect(os.fspath(socket_path), timeout_s=timeout_s)
+    first = timeout_s if hello_timeout_s is None else hello_timeout_s
+    transport = UnixTransport.connect(os.fspath(socket_path), timeout_s=first)
     try:
         exchanges: list[Request] = [
             Hello(MIN_PROTOCOL_VERSION, MAX_PROTOCOL_VERSION, client[:128], ()),
@@ -268,7 +280,12 @@ def call_tenantless(
         replies: list[Reply] = []
         for rid, req in enumerate(exchanges, start=1):
             transport.send(request_message(rid, req))
-            frame = transport.recv()
+            wait = first if rid == 1 else timeout_s
+            try:
+                frame = transport.recv(wait)
+            except TransportTimeout as exc:
+                what = NO_HELLO if rid == 1 else f"no reply to {req.OP.value}"
+                raise TransportTimeout(f"{what} within {wait:g} s") from exc
             close_fds(frame.fds)
             got, reply = parse_reply(frame.msg)
             if isinstance(reply, ErrorReply):

@@ -176,6 +176,11 @@ class Metrics:
             "Bound on how long another node may use a purged tenant's cached keys",
             registry=self.registry,
         )
+        self.high_watermark = Gauge(
+            "kvoffload_high_watermark_ratio",
+            "[store] high_watermark: above it, eviction runs down to the low watermark",
+            registry=self.registry,
+        )
         self.policy_reloads = Counter(
             "kvoffload_policy_reloads",
             "Policy reloads (SIGHUP or a change of the file), by result: ok or refused",

@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvoffload.errors import ListenError
+from kvoffload.errors import ConfigError, ListenError
 from kvoffload.protocol import ErrorCode, encode_frame, error_message
 
 from .config import ServerConfig
@@ -40,6 +40,44 @@ log = logging.getLogger("kvoffload.server")
 
 #: sun_path holds 108 bytes, the terminating NUL included.
 MAX_SUN_PATH = 108
+
+
+def check_socket_path(path: Path) -> None:
+    """:class:`ListenError` (one line) when the server cannot listen on ``path``,
+    found before anything is bound; ``kvoffload config check`` runs it too."""
+    size = len(os.fsencode(path))
+    if size >= MAX_SUN_PATH:
+        raise ListenError(
+            f"socket path {path} is {size} bytes long; a Unix socket path must be "
+            f"shorter than {MAX_SUN_PATH} bytes: choose a shorter [server] socket"
+        )
+    if path.parent.exists() and not path.parent.is_dir():
+        raise ListenError(f"cannot listen on {path}: {path.parent} is not a directory")
+    try:
+        mode: int | None = path.lstat().st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISSOCK(mode):
+        raise ListenError(
+            f"cannot listen on {path}: it exists and is not a socket (remove it, "
+            "or choose another [server] socket)"
+        )
+
+
+def socket_gid(group: str | None) -> int | None:
+    """The gid of ``[server] socket_group`` (None when unset); :class:`ConfigError`
+    when no such group exists (the socket, and the events' ipc files, get it)."""
+    if group is None:
+        return None
+    import grp
+
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(
+            f"[server] socket_group {group!r}: no such group (create it first: "
+            "systemd-sysusers kvoffload.sysusers.conf, or groupadd)"
+        ) from None
 
 
 # ---------------------------------------------------------------------------
@@ -122,22 +160,17 @@ class Server:
         if cfg.socket_path is None:
             raise ValueError("ServerConfig needs socket_path or socket_fd")
         path = Path(cfg.socket_path)
-        if len(os.fsencode(path)) >= MAX_SUN_PATH:
-            raise ListenError(
-                f"socket path {path} is {len(os.fsencode(path))} bytes long; a Unix socket "
-                f"path must be shorter than {MAX_SUN_PATH} bytes: choose a shorter [server] socket"
-            )
+        check_socket_path(path)
+        gid = socket_gid(cfg.socket_group)
         try:
-            return self._bind(path)
+            return self._bind(path, gid)
         except ListenError:
             raise
         except OSError as exc:
             raise ListenError(f"cannot listen on {path}: {exc.strerror or exc}") from exc
 
-    def _bind(self, path: Path) -> socket.socket:
+    def _bind(self, path: Path, gid: int | None) -> socket.socket:
         cfg = self.config
-        if path.parent.exists() and not path.parent.is_dir():
-            raise ListenError(f"cannot listen on {path}: {path.parent} is not a directory")
         path.parent.mkdir(parents=True, exist_ok=True)
         self._remove_stale(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -150,16 +183,7 @@ class Server:
             os.umask(old)
         self._owns_path = True
         os.chmod(path, cfg.socket_mode)
-        if cfg.socket_group is not None:
-            import grp
-
-            try:
-                gid = grp.getgrnam(cfg.socket_group).gr_gid
-            except KeyError:
-                sock.close()
-                raise ListenError(
-                    f"[server] socket_group {cfg.socket_group!r}: no such group"
-                ) from None
+        if gid is not None:
             os.chown(path, -1, gid)
         sock.listen(128)
         return sock
@@ -171,10 +195,7 @@ class Server:
         except FileNotFoundError:
             return
         if not stat.S_ISSOCK(st.st_mode):
-            raise ListenError(
-                f"cannot listen on {path}: it exists and is not a socket (remove it, "
-                "or choose another [server] socket)"
-            )
+            return  # never removed: check_socket_path refuses it
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(os.fspath(path))
@@ -297,4 +318,4 @@ async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
         loop.remove_reader(fd)
 
 
-__all__ = ["Server"]
+__all__ = ["Server", "check_socket_path", "socket_gid"]

@@ -223,7 +223,8 @@ class AuditLog:
             raise StoreIOError(
                 f"writing the audit log {self.path} failed: {exc}", exc.errno
             ) from exc
-        log.info("audit: %s", line)
+        # A JSON log (serve --log-format json) writes the record as an object.
+        log.info("audit: %s", line, extra={"audit": json.loads(line)})
         if self.hook is not None:
             self.hook(event, details)
         return True

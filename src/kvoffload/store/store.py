@@ -238,20 +238,10 @@ class Store(Leases):
         name, refusing a KEK that none of them names."""
         layout = self.layout
         ours = kek.key_id
+        self.keyring.check_store_kek(layout, self.root)
         if layout.kek_id is None:
-            on_disk = self.keyring.kek_ids_on_disk()
-            if on_disk and ours not in on_disk:
-                raise StoreError(
-                    f"the KEK given (id {ours}) is not this store's KEK: its key files are "
-                    f"wrapped by KEK id {', '.join(sorted(on_disk))}; give the sidecar that KEK"
-                )
             self.layout = record_kek_id(self.root, ours)
             log.info("store %s: KEK id %s recorded in layout.json", layout.store_id, ours)
-        elif ours not in (layout.kek_id, layout.kek_id_previous):
-            raise StoreError(
-                f"the KEK given (id {ours}) is not this store's KEK (id {layout.kek_id}, "
-                f"recorded in {self.root / 'layout.json'}); give the sidecar that KEK"
-            )
         elif ours != layout.kek_id:
             log.warning(
                 "store %s: a KEK rotation to id %s is unfinished; opened with the previous "

@@ -30,12 +30,17 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvoffload.contract import TENANT_RE
 from kvoffload.errors import KeyringError
 
+from ...errors import StoreError
 from ...posix import atomic_create, pwrite_all
+
+if TYPE_CHECKING:
+    from ...layouts.store_root import LayoutInfo
+
 from .kek import KEK_SIZE, Kek, _fsync_dir
 from .kek import NONCE_SIZE as NONCE_SIZE  # unused here, re-exported
 from .keyfile import (
@@ -268,6 +273,25 @@ class Keyring:
             if isinstance(kid, str):
                 ids.add(kid)
         return ids
+
+    def check_store_kek(self, layout: LayoutInfo, root: Path) -> None:
+        """:class:`StoreError` unless this keyring's KEK is the store's (layout-v1.md §2):
+        the id ``layout.json`` records, or the one an unfinished rotation replaces;
+        in a root that records none yet, an id its key files name (or none do).
+        Unwraps nothing: ``kvoffload config check`` runs it before a start."""
+        ours = self._kek.key_id
+        if layout.kek_id is None:
+            on_disk = self.kek_ids_on_disk()
+            if on_disk and ours not in on_disk:
+                raise StoreError(
+                    f"the KEK given (id {ours}) is not this store's KEK: its key files are "
+                    f"wrapped by KEK id {', '.join(sorted(on_disk))}; give the sidecar that KEK"
+                )
+        elif ours not in (layout.kek_id, layout.kek_id_previous):
+            raise StoreError(
+                f"the KEK given (id {ours}) is not this store's KEK (id {layout.kek_id}, "
+                f"recorded in {root / 'layout.json'}); give the sidecar that KEK"
+            )
 
     def rotate_dek(self, tenant: str) -> int:
         """Add a new epoch with a fresh DEK and make it current; returns the new epoch.
