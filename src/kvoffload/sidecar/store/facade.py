@@ -110,6 +110,7 @@ class Store(Leases):
         self._journal_thread: threading.Thread | None = None
         if self._shared is not None:
             with mapped_errors("open"):
+                self._settle_crashed_writes()
                 self.follow_journals()
                 self.evictor_tick()  # a lone node holds the role and its grant at once
             self._journal_thread = threading.Thread(
@@ -180,6 +181,7 @@ class Store(Leases):
                     durable=config.durability is not Durability.NONE,
                     lease_ttl_s=config.evictor_lease_s,
                     segment_bytes=config.journal_segment_bytes,
+                    index=self.index,
                 )
                 self._shared.restore_positions(self.index.get_meta(POSITIONS_META))
         except BaseException:
@@ -391,6 +393,7 @@ class Store(Leases):
                     self.config.high_watermark,
                     self.config.low_watermark,
                     now=time.monotonic(),
+                    reserved=self._reserved,
                 )
             else:
                 sh.refresh_view_locked()
