@@ -250,12 +250,12 @@ class Maintenance(Capacity):
 
     def _settle_crashed_writes(self) -> None:
         """At the open of a shared root: settle the writes this node's previous run
-        left in flight (:attr:`SharedRoot.crashed`). One whose object took its
-        name is indexed, counted against the grant it was written under (else
-        the bytes would be granted again and the root outgrow its capacity) and
-        journaled, so the other nodes and the evictor learn of it; the directory
-        of each is cleared of the temp file it may have left, once that file is
-        old enough (:meth:`_sweep_shared`)."""
+        left in flight (:attr:`SharedRoot.crashed`). Each is counted against the
+        grant it was written under (else its bytes would be granted again while
+        its object, or the temp file it left, still holds them); one whose object
+        took its name is indexed and journaled, so the other nodes and the
+        evictor learn of it; the directory of each is cleared of the temp file it
+        may have left, once that file is old enough (:meth:`_sweep_shared`)."""
         sh = self._shared
         if sh is None or not sh.crashed:
             return
@@ -266,10 +266,10 @@ class Maintenance(Capacity):
             if rec is None and self._adopt(c.tenant, c.key):
                 rec = self.index.get(c.tenant, c.key)
             with self._mu:
-                if rec is not None:
-                    sh.count_written_locked(c.epoch, c.nbytes)
-                    published.append((rec, c.epoch))
+                sh.count_written_locked(c.epoch, c.nbytes)
                 sh.sweep_later(c.tenant, c.key, due)
+            if rec is not None:
+                published.append((rec, c.epoch))
         n, sh.crashed = len(sh.crashed), []
         sh.stats.crashed_writes = n
         # Counted before journaled: a crash in between leaves a record missing
@@ -280,7 +280,7 @@ class Maintenance(Capacity):
             self._journal_stored(rec, grant_epoch=epoch)
         log.info(
             "shared root: %d write(s) in flight when this node last stopped; %d had "
-            "taken their name (indexed, journaled and counted against the grant)",
+            "taken their name (indexed and journaled); all counted against the grant",
             n, len(published),
         )  # fmt: skip
 
