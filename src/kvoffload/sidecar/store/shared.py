@@ -307,11 +307,7 @@ class SharedRoot:
         if room > 0:
             per = min(room // len(nodes), self.grant_max(capacity))
             for n in nodes:
-                # Topped up once half of it is used, not at every tick: each raise
-                # is a rewrite of the lease file (an fsync and a rename on the
-                # shared filesystem), so a trickle of writes does not cost one per
-                # journal poll.
-                if grants.get(n, 0) - self._seen(n, epoch) <= per // 2:
+                if grants.get(n, 0) - self._seen(n, epoch) < per:
                     grants[n] = self._seen(n, epoch) + per
         self.refresh_view_locked()
         return max(0, bound - int(capacity * low)) if bound > capacity * high else 0
