@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from kvoffload.layouts import v1
-from kvoffload.sidecar.errors import StoreFull
+from kvoffload.sidecar.errors import StoreError, StoreFull
 from kvoffload.sidecar.journal import JournalFollower, Op
 from kvoffload.sidecar.keyring import Kek
 from kvoffload.sidecar.store import Store, StoreConfig
@@ -252,3 +252,34 @@ def test_the_sweep_of_a_shared_root_lists_no_object_directory(nodes: Nodes) -> N
     b = nodes.node("b")
     assert _listings_during(b.maintain, nodes.tmp / "root" / "objects") == set()
     assert _listings_during(a.maintain, nodes.tmp / "root" / "objects") == set()
+
+
+def test_a_root_that_other_nodes_journal_into_refuses_a_node_that_is_not_shared(
+    nodes: Nodes, kek_file: Path
+) -> None:
+    a = nodes.node("a")
+    for i in range(5):
+        a.put("acme", NS, key(i), layers(i))
+    files = sorted(p for p in (nodes.tmp / "root").rglob("*") if p.is_file())
+    cfg = StoreConfig(
+        root=nodes.tmp / "root",
+        index_dir=nodes.tmp / "index-plain",
+        durability="none",  # type: ignore[arg-type]
+        capacity_bytes=SIZE,
+    )
+    node_id = a._shared.node_id  # type: ignore[union-attr]
+    with pytest.raises(
+        StoreError, match=rf"is shared: 1 other node\(s\).*{node_id}.*shared = true"
+    ):
+        Store(cfg, Kek.from_file(kek_file))
+    assert sorted(p for p in (nodes.tmp / "root").rglob("*") if p.is_file()) == files
+    assert not (nodes.tmp / "index-plain" / "lmdb").exists()
+    # The node that journals there may stop sharing the root (nobody else uses it).
+    a.close()
+    own = StoreConfig(
+        root=nodes.tmp / "root",
+        index_dir=nodes.tmp / "index-a",
+        durability="none",  # type: ignore[arg-type]
+    )
+    with Store(own, Kek.from_file(kek_file)) as s:
+        assert s.lookup("acme", [key(i) for i in range(5)]) == 5

@@ -55,7 +55,7 @@ from .layerwise import PlanFn, ReportFn, get_layerwise_into, load_layerwise
 from .leases import Leases
 from .ramtier import RamTier, auto_capacity
 from .retention import RetentionJournal
-from .shared import POSITIONS_META, SharedRoot
+from .shared import POSITIONS_META, SharedRoot, check_unshared_open
 
 
 class Store(Leases):
@@ -73,6 +73,8 @@ class Store(Leases):
         self.root = config.root
         index_dir = config.resolved_index_dir()
         self.layout = _load_layout(self.root, index_dir, kek, create)
+        if not config.shared:
+            check_unshared_open(self.root, index_dir)  # other nodes' journals: refused
         self.contracts = ContractRegistry(self.root)
         _tighten_modes(self.root)
         index_dir.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -12,21 +12,26 @@ one capacity, and only while :meth:`~..rootlease.EvictorLease.fence` allows.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import StoreError
 from ..index import Index
 from ..journal import (
+    NODE_ID_FILE,
     JournalFollower,
     JournalRecord,
     JournalWriter,
     Op,
     Reason,
+    is_node_id,
     load_or_create_node_id,
 )
 from ..rootlease import EvictorLease
@@ -79,6 +84,35 @@ class CrashedWrite:
     key: bytes
     epoch: int  # the grant epoch it was written under
     nbytes: int
+
+
+def check_unshared_open(root: Path, state_dir: Path) -> None:
+    """Refuse to open, without ``shared``, a root that other nodes journal into.
+
+    Such a node would walk the object tree into its index, journal nothing
+    (the others never learn of its writes or removals) and, with a capacity,
+    evict the other nodes' objects with no record: their indexes then name
+    files that are gone. Joining silently is no better (a typo in one node's
+    config would change how the whole root evicts), so the open is refused
+    with what to do. This node's own journal does not count: a node that
+    stops sharing a root nobody else uses may do so."""
+    nodes = Path(root) / "journal" / "nodes"
+    try:
+        names = os.listdir(nodes)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    own = ""
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        own = (Path(state_dir) / NODE_ID_FILE).read_text(encoding="ascii").strip()
+    others = sorted(n for n in names if is_node_id(n) and n != own)
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise StoreError(
+            f"the store root {root} is shared: {len(others)} other node(s) journal into "
+            f"{nodes} ({shown}); set [store] shared = true on this node (and the same "
+            "capacity on every node), or, if no other node uses this root any more, "
+            "remove their directories there"
+        )
 
 
 class SharedRoot:
