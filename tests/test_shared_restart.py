@@ -1,8 +1,8 @@
-"""A node of a shared root that restarts, crashes mid-write or opens the root
-without ``shared`` (issue 28, items 1-3), on the fast tier: several Stores on
-one local directory, real files, LMDB indexes, journals and lease files; the
-crashes are real SIGKILLs of real processes. The JuiceFS tier with real
-sidecars is tests/test_shared_juicefs_restart.py.
+"""A node of a shared root that restarts, crashes mid-write, opens the root
+without ``shared`` or holds the lease (issue 28, items 1-4), on the fast tier:
+several Stores on one local directory, real files, LMDB indexes, journals and
+lease files; the crashes are real SIGKILLs of real processes. The JuiceFS tier
+with real sidecars is tests/test_shared_juicefs_restart.py.
 """
 
 from __future__ import annotations
@@ -283,3 +283,25 @@ def test_a_root_that_other_nodes_journal_into_refuses_a_node_that_is_not_shared(
     )
     with Store(own, Kek.from_file(kek_file)) as s:
         assert s.lookup("acme", [key(i) for i in range(5)]) == 5
+
+
+def test_a_holder_store_ticking_at_every_poll_rewrites_its_lease_only_when_due(
+    nodes: Nodes,
+) -> None:
+    """The journal loop ticks the lease at every poll (0.5 s by default); the lease
+    file is rewritten every ttl/3 (and when a grant is raised), not at every tick."""
+    from kvoffload.sidecar.rootlease import EvictorLease
+
+    a = nodes.node("a", capacity_bytes=24 * SIZE, evictor_lease_s=3600.0)
+    nodes.node("b", capacity_bytes=24 * SIZE, evictor_lease_s=3600.0)
+    observer = EvictorLease(nodes.tmp / "root", "0" * 32, "observer")
+    a.follow_journals()
+    a.evictor_tick()  # grants b: one publication
+    first = observer.current()
+    assert first is not None
+    for _ in range(50):  # 25 s of polls at the default interval, nothing written
+        a.follow_journals()
+        assert a.evictor_tick() is True
+    cur = observer.current()
+    assert cur is not None and cur.renewal == first.renewal
+    assert a.shared_info()["lease_renewals"] == first.renewal  # type: ignore[index]
