@@ -305,3 +305,25 @@ def test_a_holder_store_ticking_at_every_poll_rewrites_its_lease_only_when_due(
     cur = observer.current()
     assert cur is not None and cur.renewal == first.renewal
     assert a.shared_info()["lease_renewals"] == first.renewal  # type: ignore[index]
+
+
+def test_the_index_directory_is_judged_by_the_mount_that_holds_it(tmp_path: Path) -> None:
+    """``serve`` refuses an index on a network or cluster filesystem and warns of an
+    unknown FUSE one (the JuiceFS tier runs serve on a real mount). Here the mount
+    table is a file written for the test, so every kind can be named."""
+    from kvoffload.sidecar.fstypes import index_dir_kind
+
+    for sub in ("jfs", "nfs", "sshfs"):
+        (tmp_path / sub).mkdir()
+    table = tmp_path / "mounts"
+    table.write_text(
+        "/dev/root / ext4 rw 0 0\n"
+        f"JuiceFS:vol {tmp_path}/jfs fuse.juicefs rw 0 0\n"
+        f"srv:/export {tmp_path}/nfs nfs4 rw 0 0\n"
+        f"me@host: {tmp_path}/sshfs fuse.sshfs rw 0 0\n"
+    )
+    # The default index_dir, <root>.index, of a root below the mount point.
+    assert index_dir_kind(tmp_path / "jfs" / "store.index", table).network is True
+    assert index_dir_kind(tmp_path / "nfs" / "a" / "b", table).family == "NFS"
+    assert index_dir_kind(tmp_path / "sshfs" / "idx", table).network is None
+    assert index_dir_kind(tmp_path / "local" / "idx", table).network is False

@@ -9,8 +9,9 @@ also where the index must never live (LMDB needs a local filesystem).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["FsKind", "classify"]
+__all__ = ["FsKind", "classify", "index_dir_kind"]
 
 #: type → (family, what it implies for a shared root)
 _NETWORK: dict[str, tuple[str, str]] = {
@@ -67,3 +68,15 @@ def classify(fs_type: str | None, mount_source_type: str | None = None) -> FsKin
     if not t:
         return FsKind("", None, "unknown", "the filesystem type could not be read")
     return FsKind(t, False, t, "a local filesystem: one node's store")
+
+
+def index_dir_kind(index_dir: Path, mounts_file: Path = Path("/proc/self/mounts")) -> FsKind:
+    """What holds ``index_dir`` (its nearest existing ancestor), from the mount
+    table: ``network`` True means LMDB would live on a network or cluster
+    filesystem, where it must not (locks and mmap are not coherent across
+    clients; a second node's open is refused as "in use"). ``kvoffload serve``
+    refuses such an index; ``doctor`` warns."""
+    from .iobackend import mount_of
+
+    m = mount_of(index_dir, mounts_file)
+    return classify(m.fs_type if m else None, m.fs_type if m else None)
