@@ -355,6 +355,22 @@ def test_doctor_recognises_a_juicefs_root_and_an_index_on_it(
     assert "[store] shared is off" in warnings
 
 
+def test_doctor_reads_the_juicefs_trash_setting_from_the_mount(
+    mounts: list[Path], tmp_path: Path, kek_file: Path
+) -> None:
+    """A volume formatted with JuiceFS's defaults keeps removed files for a day:
+    every evicted object and replaced lease file (and a purged tenant's key file)
+    stays on the volume. doctor reads it from the mount and says what to set."""
+    sh = doctor_sharing(
+        tmp_path, kek_file, mounts[0] / "trash", index_dir=tmp_path / "idx", shared=True
+    )
+    jfs = sh["juicefs"]
+    assert isinstance(jfs, dict) and jfs["trash_days"] == 1 and jfs["attr_cache_s"] == 1.0
+    warnings = " | ".join(sh["warnings"])  # type: ignore[arg-type]
+    assert "trash for 1 day(s)" in warnings and "--trash-days 0" in warnings
+    assert "juicefs gc META --delete" in warnings
+
+
 def test_serve_refuses_an_index_on_the_shared_filesystem(
     mounts: list[Path], tmp_path: Path, kek_file: Path
 ) -> None:

@@ -327,3 +327,18 @@ def test_the_index_directory_is_judged_by_the_mount_that_holds_it(tmp_path: Path
     assert index_dir_kind(tmp_path / "nfs" / "a" / "b", table).family == "NFS"
     assert index_dir_kind(tmp_path / "sshfs" / "idx", table).network is None
     assert index_dir_kind(tmp_path / "local" / "idx", table).network is False
+
+
+def test_the_juicefs_settings_are_read_from_the_mounts_config_file(tmp_path: Path) -> None:
+    """``doctor`` reads a JuiceFS mount's virtual ``.config`` (the JuiceFS tier reads
+    a real one); here a directory stands for the mount point."""
+    import json
+
+    from kvoffload.sidecar.fstypes import juicefs_settings
+
+    cfg = {"Format": {"Name": "vol", "TrashDays": 0}, "AttrTimeout": 500_000_000}
+    (tmp_path / ".config").write_text(json.dumps(cfg))
+    assert juicefs_settings(tmp_path) == {"volume": "vol", "trash_days": 0, "attr_cache_s": 0.5}
+    (tmp_path / ".config").write_text("{}")
+    assert "does not say the trash days" in juicefs_settings(tmp_path)["error"]
+    assert "cannot read" in juicefs_settings(tmp_path / "absent")["error"]
