@@ -21,6 +21,7 @@ from pathlib import Path
 
 __all__ = [
     "JuiceVolume",
+    "bytes_under",
     "doctor_sharing",
     "juice_volume",
     "juicefs_binary",
@@ -152,3 +153,26 @@ def doctor_sharing(
     assert r.returncode == 0, r.stderr
     sharing: dict[str, object] = json.loads(r.stdout)["sharing"]
     return sharing
+
+
+def bytes_under(meta_db: Path, directory: Path) -> int:
+    """The bytes of every file below ``directory`` (temp files of writes in flight
+    included), in one read of the volume's own metadata (its sqlite database):
+    a walk through a mount is not atomic, and files written and removed during
+    it would count. ``directory`` is named through a mount that caches nothing."""
+    import sqlite3
+
+    ino = os.stat(directory).st_ino
+    query = (
+        "WITH RECURSIVE t(inode) AS (SELECT ? UNION ALL "
+        "SELECT e.inode FROM jfs_edge e JOIN t ON e.parent = t.inode) "
+        "SELECT COALESCE(SUM(n.length), 0) FROM jfs_node n JOIN t ON n.inode = t.inode "
+        "WHERE n.type = 1"
+    )
+    for _ in range(50):
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{meta_db}?mode=ro", uri=True)) as db:
+                return int(db.execute(query, (ino,)).fetchone()[0])
+        except sqlite3.OperationalError:  # the volume's clients hold a write lock
+            time.sleep(0.02)
+    raise AssertionError("the volume's metadata stayed locked")

@@ -33,7 +33,7 @@ def test_one_holder_at_a_time_and_renewal_keeps_it(tmp_path: Path) -> None:
     la, lb = lease(tmp_path, A, ca), lease(tmp_path, B, cb)
     assert la.tick() is True
     assert lb.tick() is False
-    for _ in range(10):  # A renews every 3 s; B never sees it stale for 10 s
+    for _ in range(10):  # A ticks every 3 s; B never sees it stale for 10 s
         ca.t += 3
         cb.t += 3
         assert la.tick() is True
@@ -41,7 +41,35 @@ def test_one_holder_at_a_time_and_renewal_keeps_it(tmp_path: Path) -> None:
         assert la.fence() is True
         assert lb.fence() is False
     cur = la.current()
-    assert cur is not None and cur.holder == A and cur.epoch == 1 and cur.renewal == 10
+    # A renewal is due ttl/3 (3.3 s) after the last one: every second tick.
+    assert cur is not None and cur.holder == A and cur.epoch == 1 and cur.renewal == 5
+
+
+def test_the_holder_rewrites_its_lease_file_every_third_of_the_ttl_not_every_tick(
+    tmp_path: Path,
+) -> None:
+    """A holder's loop ticks at every journal poll (0.5 s by default, often less);
+    each renewal is an fsync and a rename on the shared filesystem (on JuiceFS a
+    file left in its trash). Over 60 s of ticks every 0.25 s under a 9 s lease,
+    the file is rewritten every 3 s: 20 times, not 240."""
+    ca, cb = Clock(), Clock()
+    la, lb = lease(tmp_path, A, ca, ttl=9.0), lease(tmp_path, B, cb, ttl=9.0)
+    assert la.tick() is True
+    assert lb.tick() is False
+    renewals_seen = set()
+    for _ in range(240):
+        ca.t += 0.25
+        cb.t += 0.25
+        assert la.tick() is True
+        assert lb.tick() is False  # the observer never sees it stale
+        assert la.fence() is True
+        cur = lb.current()
+        assert cur is not None
+        renewals_seen.add(cur.renewal)
+    cur = lb.current()
+    assert cur is not None and cur.holder == A and cur.epoch == 1
+    assert cur.renewal == 20 and la.renewals == 20
+    assert renewals_seen == set(range(21))
 
 
 def test_a_silent_holder_is_replaced_after_the_ttl_as_seen_by_the_taker(tmp_path: Path) -> None:

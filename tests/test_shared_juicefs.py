@@ -355,6 +355,57 @@ def test_doctor_recognises_a_juicefs_root_and_an_index_on_it(
     assert "[store] shared is off" in warnings
 
 
+def test_doctor_reads_the_juicefs_trash_setting_from_the_mount(
+    mounts: list[Path], tmp_path: Path, kek_file: Path
+) -> None:
+    """A volume formatted with JuiceFS's defaults keeps removed files for a day:
+    every evicted object and replaced lease file (and a purged tenant's key file)
+    stays on the volume. doctor reads it from the mount and says what to set."""
+    sh = doctor_sharing(
+        tmp_path, kek_file, mounts[0] / "trash", index_dir=tmp_path / "idx", shared=True
+    )
+    jfs = sh["juicefs"]
+    assert isinstance(jfs, dict) and jfs["trash_days"] == 1 and jfs["attr_cache_s"] == 1.0
+    warnings = " | ".join(sh["warnings"])  # type: ignore[arg-type]
+    assert "trash for 1 day(s)" in warnings and "--trash-days 0" in warnings
+    assert "juicefs gc META --delete" in warnings
+
+
+def test_serve_refuses_an_index_on_the_shared_filesystem(
+    mounts: list[Path], tmp_path: Path, kek_file: Path
+) -> None:
+    """The default index_dir, <root>.index, of a root on JuiceFS is on JuiceFS: LMDB
+    and the server secret would live there, and a second node be refused as "in
+    use". serve refuses at start with one line; nothing is created."""
+    import subprocess
+
+    from kvoffload.testing import cli_argv, sidecar_env
+
+    root = mounts[0] / "idxroot" / "store"
+    policy = tmp_path / "policy.toml"
+    policy.write_text("version = 1\n")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        f'[store]\nroot = "{root}"\nshared = true\n'
+        f'[server]\nsocket = "{tmp_path}/s.sock"\n'
+        f'[security]\nkek_file = "{kek_file}"\npolicy = "{policy}"\n'
+    )
+    r = subprocess.run(
+        cli_argv("--config", str(cfg), "serve"),
+        capture_output=True,
+        text=True,
+        env=sidecar_env(),
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 1, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "store.index" in lines[0] and "JuiceFS" in lines[0]
+    assert "LMDB must live on node-local disk" in lines[0]
+    assert not (mounts[0] / "idxroot").exists()
+
+
 def _cap_writer(mount: str, index: str, kek: str, cap: int, name: str, stop: Any) -> None:
     import hashlib
 

@@ -17,8 +17,9 @@ def doctor(as_json: JsonOpt = False) -> None:
     cufile-python, the file system and O_DIRECT support of the objects and
     index directories (a probe file is created and removed in each), and the
     backend chosen for auto and for the configured mode. Does not open the
-    store, so it runs while a sidecar holds the index. Exits 0 whatever the
-    node offers; a configuration that does not load is one line, exit 1.
+    store, so it runs while a sidecar holds the index. On a JuiceFS root it reads
+    the mount's own .config for the volume's trash days (warning unless 0). Exits 0
+    whatever the node offers; a configuration that does not load is one line, exit 1.
     """
     import platform
 
@@ -135,7 +136,7 @@ def _sharing(configured_shared: bool, paths: dict[str, Any]) -> dict[str, Any]:
             "[store] shared is on, but the root is on a local filesystem: only this "
             "node can reach it"
         )
-    return {
+    data: dict[str, Any] = {
         "fs_type": root.fs_type,
         "family": root.family,
         "looks_shared": root.network,
@@ -143,3 +144,29 @@ def _sharing(configured_shared: bool, paths: dict[str, Any]) -> dict[str, Any]:
         "advice": root.advice,
         "warnings": warnings,
     }
+    if root.family == "JuiceFS" and paths["objects"].get("mount_point"):
+        data["juicefs"] = _juicefs(paths["objects"]["mount_point"], warnings)
+    return data
+
+
+def _juicefs(mount_point: str, warnings: list[str]) -> dict[str, Any]:
+    """The JuiceFS volume's trash setting (docs/shared-root.md, "JuiceFS")."""
+    from pathlib import Path
+
+    from ..store.fstypes import juicefs_settings
+
+    jfs = juicefs_settings(Path(mount_point))
+    days = jfs.get("trash_days")
+    if days:
+        warnings.append(
+            f"JuiceFS keeps every removed file in its trash for {days} day(s): evicted "
+            "objects, replaced lease files and purged tenants' key files stay on the "
+            "volume (and count against it); set `juicefs config META --trash-days 0` and "
+            "run `juicefs gc META --delete` periodically"
+        )
+    elif days is None:
+        warnings.append(
+            f"the JuiceFS trash setting could not be checked ({jfs['error']}): it must be "
+            "0 (`juicefs config META --trash-days 0`)"
+        )
+    return jfs

@@ -77,6 +77,7 @@ def serve(
             raise _CliUsageError(f"socket activation: expected one socket, got {len(inherited)}")
         fd = inherited[0] if inherited else None
     preflight.sock(cfg, inherited=fd is not None)
+    _check_index_dir(cfg)
     if fd is None and sidecar_listening(cfg.socket_path):
         # Said before the store is opened: its lock would only say "in use".
         raise ListenError(
@@ -160,6 +161,31 @@ def say(text: str | Text, level: int = logging.INFO) -> None:
         logging.getLogger("kvoffload.serve").log(level, "%s", plain)
     else:
         err.print(text)
+
+
+def _check_index_dir(cfg: Any) -> None:
+    """Refuse an index (LMDB, the server secret) on a network or cluster
+    filesystem, as ``doctor`` warns of it: the default ``index_dir`` is beside
+    the store root, so a root on a shared filesystem puts it there. On a FUSE
+    filesystem of unknown kind: one warning line."""
+    from ..errors import ConfigError
+    from ..store.fstypes import index_dir_kind
+
+    index_dir = cfg.resolved_index_dir
+    kind = index_dir_kind(index_dir)
+    where = "[store] index_dir" if cfg.index_dir is not None else "the default index_dir"
+    if kind.network:
+        raise ConfigError(
+            f"the index directory {index_dir} ({where}) is on {kind.family}: LMDB must "
+            "live on node-local disk; set [store] index_dir to a local directory"
+        )
+    if kind.network is None and kind.family == "FUSE":
+        say(
+            f"warning: the index directory {index_dir} is on a FUSE filesystem "
+            f"({kind.fs_type}): if it is shared or remote, LMDB must not live there; "
+            "set [store] index_dir to node-local disk",
+            logging.WARNING,
+        )
 
 
 def _start_events(cfg: Any, store: Any, server: Any) -> Any:

@@ -319,8 +319,9 @@ class StoreBase:
                     self._shared.journal([JournalRecord.remove(tenant, key, jr, lease_epoch=epoch)])
         return rec is not None
 
-    def _journal_stored(self, rec: ChunkRecord) -> None:
-        """Tell the other nodes of a shared root about a chunk this node published."""
+    def _journal_stored(self, rec: ChunkRecord, grant_epoch: int | None = None) -> None:
+        """Tell the other nodes of a shared root about a chunk this node published
+        (under the grant epoch it knows now, unless told which)."""
         if self._shared is not None:
             self._shared.journal(
                 [
@@ -334,7 +335,9 @@ class StoreBase:
                         num_layers=rec.num_layers,
                         expires_ns=rec.expires_ns,
                         time_ns=rec.created_ns,
-                        grant_epoch=self._shared.view_epoch,
+                        grant_epoch=(
+                            self._shared.view_epoch if grant_epoch is None else grant_epoch
+                        ),
                     )
                 ]
             )

@@ -27,23 +27,37 @@ class Reservation:
         self.tenant = tenant
         self.nbytes = nbytes
         self._released = False
+        self._intent: tuple[str, bytes] | None = None
 
     @property
     def released(self) -> bool:
         return self._released
 
+    def intend(self, key: bytes) -> None:
+        """The reservation is about to be written as ``key``'s object: on a shared
+        root, record that durably first, so that a restart after a crash counts
+        the object against this node's grant if it took its name (and clears its
+        directory of the temp file), instead of granting the bytes again."""
+        shared = self._store._shared
+        if shared is None or self._released:
+            return
+        with self._store._mu:
+            shared.intend_locked(self.tenant, key, self.nbytes)
+            self._intent = (self.tenant, key)
+
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._store._unreserve(self.tenant, self.nbytes)
+            self._store._unreserve(self.tenant, self.nbytes, self._intent)
 
     def _commit_locked(self) -> None:
-        # Caller holds the store's lock and has just added the bytes to `used`.
+        # Caller holds the store's lock and has just added the bytes to `used`;
+        # on a shared root it persists the accounting before it releases the lock.
         if not self._released:
             self._released = True
             self._store._unreserve_locked(self.tenant, self.nbytes)
             if self._store._shared is not None:
-                self._store._shared.committed_locked(self.nbytes)
+                self._store._shared.committed_locked(self.nbytes, self._intent)
 
     def __enter__(self) -> Reservation:
         return self
@@ -121,9 +135,17 @@ class Capacity(StoreBase):
         with self._mu:
             return self._used + self._reserved
 
-    def _unreserve(self, tenant: str, n: int) -> None:
+    def _unreserve(self, tenant: str, n: int, intent: tuple[str, bytes] | None = None) -> None:
         with self._mu:
             self._unreserve_locked(tenant, n)
+            if intent is not None and self._shared is not None:
+                self._shared.forget_locked(intent)
+
+    def _persist_shared(self) -> None:
+        """Keep a shared root's grant accounting in the index (a no-op when unchanged)."""
+        if self._shared is not None:
+            with self._mu:
+                self._shared.persist_locked()
 
     def _unreserve_locked(self, tenant: str, n: int) -> None:
         self._reserved -= n
@@ -181,7 +203,7 @@ class Capacity(StoreBase):
             for attempt in (0, 1):
                 with self._mu:
                     if scope.accounted_locked() + nbytes > scope.limit:
-                        self._shared.refill_own_locked(self._used, scope.limit)
+                        self._shared.refill_own_locked(self._used, scope.limit, self._reserved)
                     if scope.accounted_locked() + nbytes <= scope.limit:
                         scope.add_locked(nbytes)
                         return

@@ -99,6 +99,7 @@ class Leases(Pipeline):
         res = self.reserve(tenant, size, quota=quota)
         final = self._path(tenant, chunk_key)
         try:
+            res.intend(chunk_key)  # a shared root's restart finds it if we crash
             tmp = fileio.create_lease_file(
                 final,
                 size,
@@ -118,6 +119,7 @@ class Leases(Pipeline):
         with contextlib.suppress(FileNotFoundError):
             lease.tmp.unlink()
         lease.reservation.release()
+        self._persist_shared()
 
     @boundary
     def publish_lease(self, lease: StoreLease) -> bool:
@@ -177,6 +179,8 @@ class Leases(Pipeline):
                 if inserted:
                     self._used += lease.size
                     lease.reservation._commit_locked()
+                    if self._shared is not None:
+                        self._shared.persist_locked()  # counted with its record
             if inserted:
                 self.counters.puts += 1
                 self.counters.bytes_in += rec.payload

@@ -189,18 +189,15 @@ class Maintenance(Capacity):
         """One walk of the object tree: remove temp files older than ``tmp_max_age_s``
         (cancelled or crashed writers) and index objects the index lacks (a crash
         between an object's rename and its index insert, another node's write),
-        header-checked as on a miss."""
+        header-checked as on a miss. On a shared root, no walk: :meth:`_sweep_shared`."""
+        if self._shared is not None:
+            return self._sweep_shared()
         removed = adopted = 0
         now = time.time()
         retention: Retention | None = None
         for path in self._walk_objects():
             if path.name.startswith(v1.TMP_PREFIX):
-                try:
-                    if now - path.stat().st_mtime > self.config.tmp_max_age_s:
-                        path.unlink()
-                        removed += 1
-                except FileNotFoundError:
-                    pass
+                removed += self._remove_if_old(path, now)
                 continue
             ident = _identity_from_path(str(path.relative_to(self.root)), self.layout.fanout)
             if ident is None or self.index.get(*ident) is not None:
@@ -211,6 +208,81 @@ class Maintenance(Capacity):
                 adopted += self._adopt(*ident, retention)
         self._compact_retention()
         return {"tmp_removed": removed, "adopted": adopted}
+
+    def _remove_if_old(self, tmp: Path, now: float) -> bool:
+        """Remove a temp file older than ``tmp_max_age_s``; whether it was removed."""
+        try:
+            if now - tmp.stat().st_mtime > self.config.tmp_max_age_s:
+                tmp.unlink()
+                return True
+        except FileNotFoundError:
+            pass
+        return False
+
+    def _sweep_shared(self) -> dict[str, int]:
+        """A shared root's sweep never walks the object tree (shared-root-v1.md: a
+        walk of millions of objects, every 30 s, on every node). What the walk
+        finds elsewhere comes by name here: other nodes' objects through their
+        journals and existence checks, this node's crashed writes from the
+        intents it kept (:meth:`_settle_crashed_writes`). Only those writes'
+        directories are listed, once a temp file they left is old enough."""
+        sh = self._shared
+        assert sh is not None
+        now = time.time()
+        removed = 0
+        done: list[tuple[str, bytes]] = []
+        for tenant, key in sh.due_sweeps(now):
+            directory = self._path(tenant, key).parent
+            try:
+                names = os.listdir(directory)
+            except FileNotFoundError:
+                names = []
+            for name in names:
+                if name.startswith(v1.TMP_PREFIX):
+                    removed += self._remove_if_old(directory / name, now)
+            done.append((tenant, key))
+        if done:
+            with self._mu:
+                sh.swept_locked(done)
+                sh.persist_locked()
+        self._compact_retention()
+        return {"tmp_removed": removed, "adopted": 0}
+
+    def _settle_crashed_writes(self) -> None:
+        """At the open of a shared root: settle the writes this node's previous run
+        left in flight (:attr:`SharedRoot.crashed`). Each is counted against the
+        grant it was written under (else its bytes would be granted again while
+        its object, or the temp file it left, still holds them); one whose object
+        took its name is indexed and journaled, so the other nodes and the
+        evictor learn of it; the directory of each is cleared of the temp file it
+        may have left, once that file is old enough (:meth:`_sweep_shared`)."""
+        sh = self._shared
+        if sh is None or not sh.crashed:
+            return
+        due = time.time() + self.config.tmp_max_age_s
+        published: list[tuple[ChunkRecord, int]] = []
+        for c in sh.crashed:
+            rec = self.index.get(c.tenant, c.key)
+            if rec is None and self._adopt(c.tenant, c.key):
+                rec = self.index.get(c.tenant, c.key)
+            with self._mu:
+                sh.count_written_locked(c.epoch, c.nbytes)
+                sh.sweep_later(c.tenant, c.key, due)
+            if rec is not None:
+                published.append((rec, c.epoch))
+        n, sh.crashed = len(sh.crashed), []
+        sh.stats.crashed_writes = n
+        # Counted before journaled: a crash in between leaves a record missing
+        # from the journal (the holder counts it as grant not yet used), never a
+        # write counted twice.
+        self._persist_shared()
+        for rec, epoch in published:
+            self._journal_stored(rec, grant_epoch=epoch)
+        log.info(
+            "shared root: %d write(s) in flight when this node last stopped; %d had "
+            "taken their name (indexed and journaled); all counted against the grant",
+            n, len(published),
+        )  # fmt: skip
 
     def _compact_retention(self) -> None:
         """Rewrite this node's retention files that have grown, keeping the

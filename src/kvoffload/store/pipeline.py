@@ -437,6 +437,7 @@ class Pipeline(Maintenance):
                 aead = tk.aead(epoch)
                 if aead is None:
                     raise StoreError(f"tenant {tenant}: no data key for epoch {epoch}")
+            res.intend(chunk_key)  # a shared root's restart finds it if we crash
         except BaseException:
             res.release()
             raise
@@ -529,6 +530,8 @@ class Pipeline(Maintenance):
                         self._used += job.size
                         job.res._commit_locked()
                         out[n] = True
+                if self._shared is not None:
+                    self._shared.persist_locked()  # counted with their records
             for (_n, _job, rec), new in zip(recs, inserted, strict=True):
                 self.counters.puts += 1
                 self.counters.bytes_in += rec.payload
@@ -537,6 +540,7 @@ class Pipeline(Maintenance):
         finally:
             for _i, job, _w in done:
                 job.res.release()
+            self._persist_shared()
         self._after_write()
         return self._cancelled_puts(cancelled, out)
 

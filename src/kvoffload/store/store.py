@@ -56,7 +56,7 @@ from .leases import Leases
 from .ramtier import RamTier, auto_capacity
 from .retention import RetentionJournal
 from .shared.journal import JournalRecord, Op
-from .shared.root import POSITIONS_META, SharedRoot
+from .shared.root import POSITIONS_META, SharedRoot, check_unshared_open
 
 
 class Store(Leases):
@@ -74,6 +74,8 @@ class Store(Leases):
         self.root = config.root
         index_dir = config.resolved_index_dir()
         self.layout = _load_layout(self.root, index_dir, kek, create)
+        if not config.shared:
+            check_unshared_open(self.root, index_dir)  # other nodes' journals: refused
         self.contracts = ContractRegistry(self.root)
         _tighten_modes(self.root)
         index_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -111,6 +113,7 @@ class Store(Leases):
         self._journal_thread: threading.Thread | None = None
         if self._shared is not None:
             with mapped_errors("open"):
+                self._settle_crashed_writes()
                 self.follow_journals()
                 self.evictor_tick()  # a lone node holds the role and its grant at once
             self._journal_thread = threading.Thread(
@@ -181,6 +184,7 @@ class Store(Leases):
                     durable=config.durability is not Durability.NONE,
                     lease_ttl_s=config.evictor_lease_s,
                     segment_bytes=config.journal_segment_bytes,
+                    index=self.index,
                 )
                 self._shared.restore_positions(self.index.get_meta(POSITIONS_META))
         except BaseException:
@@ -382,6 +386,7 @@ class Store(Leases):
                     self.config.high_watermark,
                     self.config.low_watermark,
                     now=time.monotonic(),
+                    reserved=self._reserved,
                 )
             else:
                 sh.refresh_view_locked()

@@ -46,6 +46,7 @@ __all__ = [
     "Reason",
     "decode_records",
     "encode_record",
+    "is_node_id",
     "load_or_create_node_id",
     "node_dir",
 ]
@@ -297,6 +298,11 @@ class _UnknownVersion(JournalError):
             f"(this kvoffload reads version {JOURNAL_VERSION})"
         )
         self.version = version
+
+
+def is_node_id(name: str) -> bool:
+    """Whether ``name`` is a node id (32 lower-case hex digits, spec §1)."""
+    return _NODE_ID_RE.match(name) is not None
 
 
 def node_dir(root: Path, node_id: str) -> Path:

@@ -107,8 +107,9 @@ class EvictorLease:
     """One node's view of, and claim on, the root's evictor role.
 
     Call :meth:`tick` periodically (every ``ttl/3`` or more often): it renews
-    a held lease, or tries to take a free or expired one; it returns whether
-    this node holds the role. Before each removal call :meth:`fence`.
+    a held lease when ``ttl/3`` has passed since its last renewal, or tries to
+    take a free or expired one; it returns whether this node holds the role.
+    Before each removal call :meth:`fence`.
     """
 
     def __init__(
@@ -135,6 +136,8 @@ class EvictorLease:
         self._seen: tuple[int, int] | None = None
         self._seen_at = 0.0
         self.takeovers = 0
+        #: Rewrites of the held lease file (renewals, grants published, releases).
+        self.renewals = 0
         self.errors: list[str] = []
         #: What the holder writes into its lease file at the next renewal.
         self.grants: dict[str, int] = {}
@@ -191,7 +194,7 @@ class EvictorLease:
     def _tick(self) -> bool:
         now = self._clock()
         if self._held is not None:
-            if now < self._deadline and self._renew(now):
+            if now < self._deadline and self._keep(now):
                 return True
             self._held = None
         cur = self.current()
@@ -229,6 +232,17 @@ class EvictorLease:
                     os.unlink(self.dir / _name(old))
         return True
 
+    def _keep(self, now: float) -> bool:
+        """The holder's tick: renew once ``ttl_s / 3`` has passed since the last
+        renewal began (its deadline less two thirds of the ttl), else only check
+        that no higher epoch exists. A tick runs at every journal poll, many
+        times per renewal period; each renewal is an fsync and a rename on the
+        shared filesystem, so it is written only when due (shared-root-v1.md §4)."""
+        assert self._held is not None
+        if now >= self._deadline - self.ttl_s * 2 / 3:
+            return self._renew(now)
+        return not self._higher_epoch_exists(self._held.epoch)
+
     def _renew(self, now: float) -> bool:
         assert self._held is not None
         if self._higher_epoch_exists(self._held.epoch):
@@ -248,6 +262,7 @@ class EvictorLease:
             self._error(f"cannot renew the evictor lease (epoch {state.epoch}): {exc}")
             return now < self._deadline
         self._held, self._deadline = state, now + self.ttl_s
+        self.renewals += 1
         return True
 
     def publish(self) -> bool:
