@@ -50,7 +50,7 @@ def demo_deps_message(missing: list[str]) -> str:
     return (
         f"the demo needs {' and '.join(missing or DEMO_MODULES)}, which this environment "
         f"lacks (the sidecar needs neither): {sys.executable} -m pip install "
-        "'kvoffload[demo]' (a CPU build of torch first: README.md, \"Installing\"), "
+        "'kvoffload[demo]' (a CPU build of torch first: README.md, \"Installing without make\"), "
         "or `make demo` in a checkout"
     )
 
