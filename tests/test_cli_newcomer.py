@@ -6,8 +6,8 @@ real sidecar processes.
 
 from __future__ import annotations
 
-import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload.cli.exits import ExitCode
+from kvoffload.testing import cli_argv
 
 from .sidecar_proc import clean_env
 
@@ -102,3 +103,36 @@ def test_the_demo_settings_need_no_torch() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert int(r.stdout) == 2 * 2 * 2 * 32 * 4  # K and V, 2 layers, 2 KV heads x 32, fp32
+
+
+def test_ctrl_c_says_what_stopped_and_exits_130(workdir: Path) -> None:
+    """Ctrl-C in a command that waits (here ``stats`` on a wedged sidecar: a test double,
+    a socket that accepts and never answers) is one line and exit 130, not silence."""
+    import socket as socketlib
+
+    sock_path = workdir / "wedged.sock"
+    listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    listener.bind(os.fspath(sock_path))
+    listener.listen(4)
+    listener.settimeout(60)
+    cmd = subprocess.Popen(
+        cli_argv("stats"),
+        cwd=workdir,
+        env=clean_env({"KVOFFLOAD_SERVER_SOCKET": str(sock_path)}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        conn, _ = listener.accept()  # the command is connected and waits for the handshake
+        cmd.send_signal(signal.SIGINT)
+        out, err = cmd.communicate(timeout=60)
+        conn.close()
+    finally:
+        listener.close()
+        if cmd.poll() is None:
+            cmd.kill()
+            cmd.wait()
+    assert cmd.returncode == ExitCode.INTERRUPTED == 130, err
+    assert err.strip().splitlines() == ["interrupted: kvoffload stats stopped at Ctrl-C"]
+    assert out == ""

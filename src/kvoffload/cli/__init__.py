@@ -15,6 +15,7 @@ Exit codes:
   7  the sidecar is not reachable (stats, demo)
   8  nothing to do: purge of a tenant with no keys or data (a typo?)
   9  audit --verify: the audit log's hash chain is broken
+  130  stopped by Ctrl-C (one line says so)
 
 One module per command group: :mod:`.app` (the typer app, global options,
 config and store helpers), :mod:`.store_cmds` (init, inspect, ls, purge, fsck,
@@ -24,7 +25,9 @@ codes and the one exception → exit-code table are :mod:`.exits`.
 
 from __future__ import annotations
 
+import signal
 import sys
+from types import FrameType
 
 from . import (
     audit_cmd,
@@ -37,7 +40,7 @@ from . import (
     store_cmds,
     systemd_cmd,
 )
-from .app import app, err, fail_line, misplaced_global_option, state
+from .app import GLOBAL_VALUED, app, err, fail_line, misplaced_global_option, state
 from .exits import (
     EXIT_ABORTED,
     EXIT_ERROR,
@@ -50,6 +53,7 @@ from .exits import (
     EXIT_UNREACHABLE,
     EXIT_USAGE,
     ExitCode,
+    _Interrupted,
     exit_for,
 )
 
@@ -81,6 +85,54 @@ __all__ = [
 ]
 
 
+class _Sigint:
+    """Notes a Ctrl-C before Python's own handler raises KeyboardInterrupt (which typer
+    turns into a silent exit 130), so that :func:`main` can say what stopped."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.seen = True
+        signal.default_int_handler(signum, frame)
+
+    def install(self) -> None:
+        # Only over Python's default: an ignored SIGINT (a job started with `&` by a
+        # shell without job control) stays ignored.
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, self)
+
+
+def _fail(exc: BaseException) -> None:
+    """One line and the exit code for a known exception; re-raise an unknown one."""
+    mapped = exit_for(exc)
+    if mapped is None:
+        raise exc
+    code, label = mapped
+    err.print(fail_line(label, str(exc)))
+    sys.exit(code)
+
+
+def _command(args: list[str]) -> str:
+    """``kvoffload <command>`` as typed, for messages (global options skipped)."""
+    words, skip = [], False
+    for tok in args:
+        if skip:
+            skip = False
+        elif tok in GLOBAL_VALUED:
+            skip = True
+        elif not tok.startswith("-"):
+            words.append(tok)
+            if len(words) == 2 or tok not in app_groups():
+                break
+    return " ".join(["kvoffload", *words])
+
+
+def app_groups() -> set[str]:
+    """The commands that have subcommands (``events tail``, ``config show``, ...)."""
+    return {g.name for g in app.registered_groups if g.name}
+
+
 def main(argv: list[str] | None = None) -> None:
     """The entry point: run the app, and turn a known exception into one line + its code."""
     args = sys.argv[1:] if argv is None else argv
@@ -88,12 +140,13 @@ def main(argv: list[str] | None = None) -> None:
     if misplaced is not None:
         err.print(fail_line("usage", misplaced))
         sys.exit(ExitCode.USAGE)
+    sigint = _Sigint()
+    sigint.install()
     try:
         app(args=args, prog_name="kvoffload")
+    except SystemExit as exc:
+        if sigint.seen and exc.code == ExitCode.INTERRUPTED:
+            _fail(_Interrupted(f"{_command(args)} stopped at Ctrl-C"))
+        raise
     except Exception as exc:
-        mapped = exit_for(exc)
-        if mapped is None:
-            raise
-        code, label = mapped
-        err.print(fail_line(label, str(exc)))
-        sys.exit(code)
+        _fail(exc)

@@ -33,6 +33,7 @@ EPILOG = """Exit codes:
   7  the sidecar is not reachable (stats, demo)
   8  nothing to do: purge of a tenant with no keys or data (a typo?)
   9  audit --verify: the audit log's hash chain is broken
+  130  stopped by Ctrl-C (one line says so)
 """
 
 HELP = """KV-cache offload sidecar and its store.
