@@ -6,6 +6,7 @@ real sidecar processes.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import pytest
 from kvoffload.cli.exits import ExitCode
 from kvoffload.testing import cli_argv
 
-from .sidecar_proc import clean_env
+from .sidecar_proc import Procs, Sidecar, clean_env
 
 
 def run(
@@ -105,6 +106,117 @@ def test_the_demo_settings_need_no_torch() -> None:
     assert int(r.stdout) == 2 * 2 * 2 * 32 * 4  # K and V, 2 layers, 2 KV heads x 32, fp32
 
 
+# -- item 15: events tail says why nothing shows -------------------------------------------------
+
+
+def _serve(procs: Procs, workdir: Path, *args: str) -> Sidecar:
+    sidecar = procs.sidecar(
+        workdir, workdir / ".kvoffload/kvoffload.sock", cli_argv("--dev", "serve", *args)
+    )
+    sidecar.start().wait_ready()
+    return sidecar
+
+
+def _save_without_hashes(sock: Path, n: int) -> None:
+    """What the demo and the README's client do: a save that carries no engine block hashes."""
+    from kvoffload.client import SidecarClient
+
+    keys = [bytes([i]) * 32 for i in range(n)]
+    with SidecarClient(sock, "demo", staging_bytes=1 << 20) as c:
+        assert c.save(bytes(32), [(k, [b"x" * 4096]) for k in keys]) == [True] * n
+
+
+def test_events_tail_says_the_feed_is_off_and_how_to_turn_it_on(
+    procs: Procs, workdir: Path
+) -> None:
+    _serve(procs, workdir)
+    line = one_line(run(workdir, "--dev", "events", "tail", "--timeout", "1"), 7, "unreachable")
+    assert "publishes no KV events" in line
+    assert "`kvoffload --dev serve --events`" in line and "KVOFFLOAD_EVENTS_ENABLED=1" in line
+    stats = run(workdir, "--dev", "stats")
+    assert "events: off (`kvoffload serve --events`" in stats.stdout
+
+
+def test_serve_events_and_a_tail_that_explains_saves_without_hashes(
+    procs: Procs, workdir: Path
+) -> None:
+    sidecar = _serve(procs, workdir, "--events")
+    tail = subprocess.Popen(
+        cli_argv("--dev", "events", "tail", "--timeout", "60"),
+        cwd=workdir,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert tail.stderr is not None
+        first = tail.stderr.readline()  # it is following: its counters are taken
+        assert first.startswith("following the KV events on ipc://"), first
+        _save_without_hashes(sidecar.socket_path, 3)
+        note = tail.stderr.readline()  # said while the tail waits, not only at its end
+        assert note.startswith("note: 3 chunk(s) stored since this tail started"), note
+        assert "no engine block hashes" in note and "events-v1 §7" in note
+        tail.send_signal(signal.SIGINT)
+        out, rest = tail.communicate(timeout=60)
+    finally:
+        if tail.poll() is None:
+            tail.kill()
+            tail.wait()
+    # Ctrl-C: one line saying what stopped, exit 130 (item 16).
+    assert tail.returncode == ExitCode.INTERRUPTED == 130
+    assert rest.strip().splitlines() == ["interrupted: kvoffload events tail stopped at Ctrl-C"]
+    assert out == ""  # nothing was announced
+    data = json.loads(run(workdir, "--dev", "stats", "--json").stdout)["events"]
+    assert data["enabled"] is True and data["endpoint"].startswith("ipc://")
+    assert (data["stored_without_hashes"], data["stored_announced"]) == (3, 0)
+    human = run(workdir, "--dev", "stats").stdout
+    assert "events: on ipc://" in human and "3 without engine block hashes" in human
+
+
+# -- item 16: the small things -------------------------------------------------------------------
+
+
+def _without_dac_override() -> None:
+    """preexec_fn: the child runs as root without CAP_DAC_OVERRIDE/READ_SEARCH, so file
+    modes bind it as they bind any user (a mode-000 file is unreadable). Root only."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP: gone after exec
+            raise OSError(ctypes.get_errno(), "PR_CAPBSET_DROP")
+
+
+def run_bound_by_modes(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``kvoffload ARGS`` as a process that file modes apply to (see above)."""
+    return subprocess.run(
+        cli_argv(*args),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        env=clean_env(),
+        timeout=120,
+        preexec_fn=_without_dac_override if os.geteuid() == 0 else None,
+    )
+
+
+def test_the_socket_permission_error_says_to_join_the_group(procs: Procs, workdir: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the socket is given to another user and group")
+    import grp
+
+    sidecar = _serve(procs, workdir)
+    os.chown(sidecar.socket_path, 65534, 65534)  # not this user's, nor its group's
+    group = grp.getgrgid(65534).gr_name
+    for args in (("stats",), ("inspect",), ("ls",)):
+        r = run_bound_by_modes(workdir, "--dev", *args)
+        line = one_line(r, ExitCode.UNREACHABLE, "unreachable")
+        assert line.startswith(f"unreachable: permission denied on {sidecar.socket_path}")
+        assert f"join its group {group} (`sudo usermod -aG {group} $USER`" in line, line
+
+
 def test_ctrl_c_says_what_stopped_and_exits_130(workdir: Path) -> None:
     """Ctrl-C in a command that waits (here ``stats`` on a wedged sidecar: a test double,
     a socket that accepts and never answers) is one line and exit 130, not silence."""
@@ -136,3 +248,12 @@ def test_ctrl_c_says_what_stopped_and_exits_130(workdir: Path) -> None:
     assert cmd.returncode == ExitCode.INTERRUPTED == 130, err
     assert err.strip().splitlines() == ["interrupted: kvoffload stats stopped at Ctrl-C"]
     assert out == ""
+
+
+def test_one_open_connection_is_singular() -> None:
+    from kvoffload.cli.serve import stats_lines
+
+    lines = stats_lines({"server": {"connections": 1}, "connections_total": 2})
+    assert any(", 1 open connection, 2 since start" in ln for ln in lines), lines
+    lines = stats_lines({"server": {"connections": 2}})
+    assert any(", 2 open connections," in ln for ln in lines), lines

@@ -270,6 +270,36 @@ def human_bytes(n: int | None) -> str:
     return format_size(n)
 
 
+def socket_group_hint(path: Path) -> str:
+    """What to do about a sidecar socket (or event socket) this user may not open."""
+    import grp
+    import os
+
+    try:
+        group: str | None = grp.getgrgid(os.stat(path).st_gid).gr_name
+    except (OSError, KeyError):
+        group = None
+    if group is None or group == "root":
+        return (
+            "join the sidecar's socket group ([server] socket_group) and log in again, "
+            "or run as the sidecar's user"
+        )
+    return (
+        f"join its group {group} (`sudo usermod -aG {group} $USER`, then log in again), "
+        "or run as the sidecar's user"
+    )
+
+
+def unreachable_line(socket_path: Path, exc: BaseException) -> str:
+    """Why no sidecar answered on ``socket_path``; a permission error says what to do."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, PermissionError):
+        cause = cause.__cause__
+    if cause is not None:
+        return f"permission denied on {socket_path}: {socket_group_hint(socket_path)}"
+    return f"no sidecar answered on {socket_path}: {exc}"
+
+
 def check_tenant(tenant: str | None) -> str | None:
     """A usage error (exit 2) for a malformed tenant id, before anything is opened."""
     from ..contract import validate_tenant

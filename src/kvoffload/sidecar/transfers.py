@@ -389,10 +389,20 @@ class Transfers:
         keys: dict[int, bytes] | None = None,
     ) -> None:
         """Hand the engine hashes of stored chunks to the KV-event feed, before
-        the reply: a worker that got ``stored`` can rely on the event being out."""
+        the reply: a worker that got ``stored`` can rely on the event being out.
+
+        ``chunks`` None: ``which`` are the chunks a completed write stored, and the
+        feed also counts those it will not announce (no hashes, events off).
+        """
         events = self.service.events
-        if events is None or not h.blocks:
+        if events is None:
             return
+        if chunks is None:  # a completed write: ``which`` are the chunks it stored
+            written = [i for i, w in enumerate(which) if w]
+            try:
+                events.saved(h.tenant, len(written), sum(i in h.blocks for i in written))
+            except Exception:  # the feed must never fail a save
+                log.exception("%r: counting a save for the KV events failed", self)
         for i, blocks in h.blocks.items():
             if not which[i]:
                 continue
