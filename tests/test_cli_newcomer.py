@@ -217,6 +217,30 @@ def test_the_socket_permission_error_says_to_join_the_group(procs: Procs, workdi
         assert f"join its group {group} (`sudo usermod -aG {group} $USER`" in line, line
 
 
+def test_config_show_spells_out_defaults_and_json_keeps_types(tmp_path: Path) -> None:
+    human = run(tmp_path, "--dev", "config", "show")
+    assert human.returncode == 0, human.stderr
+    rows = {}
+    for ln in human.stdout.splitlines():
+        cells = [c.strip() for c in ln.strip("│ ").split("│")]
+        if len(cells) == 3 and cells[0].startswith("["):
+            rows[cells[0]] = cells[1]
+    assert rows["[store] direct_read_min"] == "16MiB"
+    assert rows["[store] ram_cache"].startswith("auto (")
+    assert rows["[store] key_cache_ttl"] == "30s" and rows["[server] max_inflight"] == "1GiB"
+    assert rows["[events] locality"] == "LOCAL" and rows["[store] shared"] == "false"
+    assert rows["[events] endpoint"].startswith("ipc://")
+    assert "-" not in rows.values()
+    data = {
+        r["setting"]: r["value"]
+        for r in json.loads(run(tmp_path, "--dev", "config", "show", "--json").stdout)
+    }
+    assert data["[store] direct_read_min"] == 16 << 20 and data["[store] ram_cache"] == "auto"
+    assert data["[server] max_inflight"] == 1 << 30 and data["[store] key_cache_ttl"] == 30.0
+    assert data["[store] shared"] is False and data["[audit] keep"] == 8
+    assert data["[store] capacity"] is None and data["[server] socket_group"] is None
+
+
 def test_ctrl_c_says_what_stopped_and_exits_130(workdir: Path) -> None:
     """Ctrl-C in a command that waits (here ``stats`` on a wedged sidecar: a test double,
     a socket that accepts and never answers) is one line and exit 130, not silence."""
@@ -257,3 +281,20 @@ def test_one_open_connection_is_singular() -> None:
     assert any(", 1 open connection, 2 since start" in ln for ln in lines), lines
     lines = stats_lines({"server": {"connections": 2}})
     assert any(", 2 open connections," in ln for ln in lines), lines
+
+
+def test_policy_diff_writes_settings_as_the_file_does(tmp_path: Path) -> None:
+    base = 'version = 1\n[tenants.acme]\nttl = "{ttl}"\nquota = "{quota}"\nevents = {events}\n'
+    base += '[[grants]]\nuid = 0\ntenants = ["acme"]\n'
+    old, new = tmp_path / "old.toml", tmp_path / "new.toml"
+    old.write_text(base.format(ttl="12h", quota="10GiB", events="true"))
+    new.write_text(base.format(ttl="90m", quota="512MiB", events="false"))
+    r = run(tmp_path, "policy", "diff", str(old), str(new))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        '~ acme ttl = "12h" -> "1.5h"',
+        '~ acme quota = "10GiB" -> "512MiB"',
+        "~ acme events = true -> false",
+    ]
+    js = json.loads(run(tmp_path, "policy", "diff", str(old), str(new), "--json").stdout)
+    assert js["settings"]["acme"]["ttl_s"] == [43200.0, 5400.0]  # JSON: seconds

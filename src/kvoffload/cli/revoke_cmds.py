@@ -42,8 +42,9 @@ def policy_diff_cmd(
     Lines: `+ grant uid N: T` / `- grant …` (grants added or removed per
     principal), `~ admin …`, `+ tenant T`, `- tenant T (revoked …)` (a tenant
     NEW no longer names is revoked: served to nobody until granted again),
-    `~ T field: old -> new` (settings). Exit 0 whether or not they differ;
-    1 (one line, file:line) if either file is invalid.
+    `~ T key = old -> new` (settings, as the file writes them: `~ acme ttl =
+    "12h" -> "1h"`; --json: each changed field in bytes and seconds). Exit 0
+    whether or not they differ; 1 (one line, file:line) if either file is invalid.
     """
     from ..sidecar.policy import load_policy
     from ..sidecar.revocation import diff_is_empty, format_diff, policy_diff
