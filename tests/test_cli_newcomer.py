@@ -217,6 +217,14 @@ def test_the_socket_permission_error_says_to_join_the_group(procs: Procs, workdi
         assert f"join its group {group} (`sudo usermod -aG {group} $USER`" in line, line
 
 
+def test_a_failed_start_leaves_no_socket_file(tmp_path: Path) -> None:
+    r = run(tmp_path, "--dev", "serve", env={"KVOFFLOAD_SERVER_SOCKET_GROUP": "no-such-group-29"})
+    assert r.returncode == ExitCode.ERROR and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]  # after the development-mode banners
+    assert last == "cannot serve: [server] socket_group 'no-such-group-29': no such group"
+    assert not (tmp_path / ".kvoffload/kvoffload.sock").exists()
+
+
 def test_config_show_spells_out_defaults_and_json_keeps_types(tmp_path: Path) -> None:
     human = run(tmp_path, "--dev", "config", "show")
     assert human.returncode == 0, human.stderr
@@ -239,6 +247,51 @@ def test_config_show_spells_out_defaults_and_json_keeps_types(tmp_path: Path) ->
     assert data["[server] max_inflight"] == 1 << 30 and data["[store] key_cache_ttl"] == 30.0
     assert data["[store] shared"] is False and data["[audit] keep"] == 8
     assert data["[store] capacity"] is None and data["[server] socket_group"] is None
+
+
+@pytest.fixture
+def dev_store(tmp_path: Path) -> Path:
+    """A dev store with three chunks of tenant acme (offline)."""
+    from kvoffload.sidecar.keyring import Kek
+    from kvoffload.sidecar.store import Store, StoreConfig
+
+    assert run(tmp_path, "--dev", "init").returncode == 0
+    cfg = StoreConfig(root=tmp_path / ".kvoffload/store", index_dir=tmp_path / ".kvoffload/index")
+    s = Store(cfg, Kek.from_file(tmp_path / ".kvoffload/dev-kek"))
+    for i in range(3):
+        s.put("acme", bytes(range(32)), bytes([i]) * 32, [os.urandom(3 << 20)])
+    s.record_audit("admin", {"verb": "probe", "tenant": None, "uid": None, "result": "ok"})
+    s.close()
+    return tmp_path
+
+
+def test_a_second_init_says_the_store_already_exists(dev_store: Path) -> None:
+    r = run(dev_store, "--dev", "init")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"already exists: the store at {dev_store}/.kvoffload/store")
+    assert "nothing changed" in r.stdout
+    assert json.loads(run(dev_store, "--dev", "init", "--json").stdout)["created"] is False
+
+
+def test_ls_prints_sizes_as_inspect_does(dev_store: Path) -> None:
+    ls = run(dev_store, "--dev", "ls")
+    assert ls.returncode == 0, ls.stderr
+    assert "3.0 MiB" in ls.stdout and str(3 << 20) not in ls.stdout  # as inspect prints it
+    assert [
+        r["bytes"] > 3 << 20 for r in json.loads(run(dev_store, "--dev", "ls", "--json").stdout)
+    ] == [True] * 3
+
+
+def test_purge_prints_no_none(dev_store: Path) -> None:
+    purge = run(dev_store, "--dev", "purge", "--older-than", "1d", "--yes")
+    assert purge.returncode == 0, purge.stderr
+    assert "None" not in purge.stdout and "older than: 1d" in purge.stdout
+
+
+def test_audit_prints_no_none(dev_store: Path) -> None:
+    audit = run(dev_store, "--dev", "audit")
+    assert audit.returncode == 0, audit.stderr
+    assert "probe" in audit.stdout and "None" not in audit.stdout
 
 
 def test_ctrl_c_says_what_stopped_and_exits_130(workdir: Path) -> None:
@@ -298,3 +351,13 @@ def test_policy_diff_writes_settings_as_the_file_does(tmp_path: Path) -> None:
     ]
     js = json.loads(run(tmp_path, "policy", "diff", str(old), str(new), "--json").stdout)
     assert js["settings"]["acme"]["ttl_s"] == [43200.0, 5400.0]  # JSON: seconds
+
+
+def test_tokenizer_hash_refuses_a_file_that_is_no_tokenizer(tmp_path: Path) -> None:
+    r = run(tmp_path, "tokenizer-hash", "/etc/passwd")
+    line = one_line(r, ExitCode.USAGE, "usage")
+    assert "/etc/passwd is not a tokenizer file" in line and r.stdout == ""
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text('{"model": {"type": "BPE", "vocab": {"a": 0}}}')
+    ok = run(tmp_path, "tokenizer-hash", str(tok))
+    assert ok.returncode == 0 and ok.stdout.startswith("tok-b2-")

@@ -204,6 +204,16 @@ class Server:
         cfg = self.config
         if path.parent.exists() and not path.parent.is_dir():
             raise ListenError(f"cannot listen on {path}: {path.parent} is not a directory")
+        gid = None
+        if cfg.socket_group is not None:
+            import grp
+
+            try:
+                gid = grp.getgrnam(cfg.socket_group).gr_gid
+            except KeyError:
+                raise ListenError(
+                    f"[server] socket_group {cfg.socket_group!r}: no such group"
+                ) from None
         path.parent.mkdir(parents=True, exist_ok=True)
         self._remove_stale(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -212,22 +222,23 @@ class Server:
         old = os.umask(0o777 & ~cfg.socket_mode)
         try:
             sock.bind(os.fspath(path))
+        except BaseException:
+            sock.close()
+            raise
         finally:
             os.umask(old)
+        try:
+            os.chmod(path, cfg.socket_mode)
+            if gid is not None:
+                os.chown(path, -1, gid)
+            sock.listen(128)
+        except BaseException:
+            # A start that fails leaves no socket file behind (nor one that looks
+            # like a live sidecar's to the next start).
+            sock.close()
+            path.unlink(missing_ok=True)
+            raise
         self._owns_path = True
-        os.chmod(path, cfg.socket_mode)
-        if cfg.socket_group is not None:
-            import grp
-
-            try:
-                gid = grp.getgrnam(cfg.socket_group).gr_gid
-            except KeyError:
-                sock.close()
-                raise ListenError(
-                    f"[server] socket_group {cfg.socket_group!r}: no such group"
-                ) from None
-            os.chown(path, -1, gid)
-        sock.listen(128)
         return sock
 
     @staticmethod
