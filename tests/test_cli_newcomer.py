@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -104,6 +106,54 @@ def test_the_demo_settings_need_no_torch() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert int(r.stdout) == 2 * 2 * 2 * 32 * 4  # K and V, 2 layers, 2 KV heads x 32, fp32
+
+
+# -- item 16: every option says what it is ------------------------------------------------------
+
+
+def _params() -> list[tuple[str, Any]]:
+    """(command path, parameter) for every command of the CLI, groups included."""
+    import typer.main
+
+    from kvoffload.cli import app
+
+    found: list[tuple[str, Any]] = []
+
+    def walk(cmd: Any, path: str) -> None:
+        for p in cmd.params:
+            if p.name != "help":
+                found.append((path, p))
+        for name, sub in getattr(cmd, "commands", {}).items():
+            walk(sub, f"{path} {name}")
+
+    walk(typer.main.get_command(app), "kvoffload")
+    return found
+
+
+def test_every_option_has_help_and_a_plain_metavar() -> None:
+    metavar = re.compile(r"^([A-Z][A-Z0-9_]*|[a-z]+(\|[a-z]+)+)$")
+    missing, odd = [], []
+    params = _params()
+    for path, p in params:
+        where = f"{path} {'/'.join(p.opts)}"
+        if p.param_type_name == "option":
+            if not p.help:
+                missing.append(where)
+            if not p.is_flag and not (p.metavar and metavar.match(p.metavar)):
+                odd.append((where, p.metavar))
+        elif not (p.metavar and metavar.match(p.metavar)):
+            odd.append((where, p.metavar))
+    assert missing == [], missing
+    assert odd == [], odd
+    assert len(params) > 50  # the walk saw the whole CLI
+
+
+def test_help_shows_no_typer_type_names(tmp_path: Path) -> None:
+    for args in (("purge",), ("ls",), ("audit",), ("invalidate",), ("tokenizer-hash",)):
+        r = run(tmp_path, *args, "--help")
+        assert r.returncode == 0, r.stderr
+        for bad in ("<str>", "<list[str]>", "{path}", "<int range>", "<int>"):
+            assert bad not in r.stdout, (args, bad, r.stdout)
 
 
 # -- item 15: events tail says why nothing shows -------------------------------------------------
@@ -200,6 +250,23 @@ def run_bound_by_modes(cwd: Path, *args: str) -> subprocess.CompletedProcess[str
         timeout=120,
         preexec_fn=_without_dac_override if os.geteuid() == 0 else None,
     )
+
+
+def test_an_unreadable_config_is_one_line(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("[store]\ncapacity = '1GiB'\n")
+    cfg.chmod(0)
+    for args in (("config", "show"), ("inspect",), ("serve",)):
+        r = run_bound_by_modes(tmp_path, "--dev", "--config", str(cfg), *args)
+        line = one_line(r, ExitCode.ERROR, "config error")
+        assert line == (
+            f"config error: cannot read config {cfg}: [Errno 13] Permission denied: '{cfg}'"
+        )
+    policy = tmp_path / "policy.toml"
+    policy.write_text("version = 1\n")
+    policy.chmod(0)
+    r = run_bound_by_modes(tmp_path, "policy", "check", str(policy))
+    assert "Permission denied" in one_line(r, ExitCode.ERROR, "policy")
 
 
 def test_the_socket_permission_error_says_to_join_the_group(procs: Procs, workdir: Path) -> None:

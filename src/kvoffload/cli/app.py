@@ -94,7 +94,8 @@ def _version(value: bool) -> None:
 @app.callback()
 def _main(
     config: Annotated[
-        Path | None, typer.Option("--config", "-c", help="Config file (TOML).")
+        Path | None,
+        typer.Option("--config", "-c", metavar="FILE", readable=False, help="Config file (TOML)."),
     ] = None,
     dev: Annotated[
         bool,
@@ -103,12 +104,18 @@ def _main(
             help="Use the embedded default store under ./.kvoffload with a development KEK.",
         ),
     ] = False,
-    root: Annotated[Path | None, typer.Option("--root", help="Store root.")] = None,
+    root: Annotated[
+        Path | None, typer.Option("--root", metavar="DIR", readable=False, help="Store root.")
+    ] = None,
     index_dir: Annotated[
-        Path | None, typer.Option("--index-dir", help="Node-local index directory.")
+        Path | None,
+        typer.Option(
+            "--index-dir", metavar="DIR", readable=False, help="Node-local index directory."
+        ),
     ] = None,
     kek_file: Annotated[
-        Path | None, typer.Option("--kek-file", help="KEK credential file.")
+        Path | None,
+        typer.Option("--kek-file", metavar="FILE", readable=False, help="KEK credential file."),
     ] = None,
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Log at INFO level (serve always does).")

@@ -202,7 +202,9 @@ def _dur(seconds: float | None) -> str:
 
 @policy_app.command("check")
 def policy_check(
-    file: Annotated[Path, typer.Argument(help="The policy file (TOML).")],
+    file: Annotated[
+        Path, typer.Argument(metavar="FILE", readable=False, help="The policy file (TOML).")
+    ],
     as_json: JsonOpt = False,
 ) -> None:
     """Validate a policy file and print what each uid and gid may do.
@@ -266,7 +268,14 @@ def policy_check(
 
 @app.command("tokenizer-hash")
 def tokenizer_hash_cmd(
-    path: Annotated[Path, typer.Argument(help="A tokenizer directory (or one tokenizer file).")],
+    path: Annotated[
+        Path,
+        typer.Argument(
+            metavar="PATH",
+            readable=False,
+            help="A tokenizer directory (or its tokenizer.json / tokenizer.model).",
+        ),
+    ],
 ) -> None:
     """The canonical hash of a tokenizer's files and special tokens (the contract's
     tokenizer_hash; the vLLM connector's default for a local tokenizer directory)."""

@@ -24,20 +24,33 @@ def _ms(seconds: float) -> str:
 @app.command()
 def demo(
     prompt_tokens: Annotated[
-        int, typer.Option("--prompt-tokens", help="Tokens of the shared prefix (a document).")
+        int,
+        typer.Option(
+            "--prompt-tokens", metavar="N", help="Tokens of the shared prefix (a document)."
+        ),
     ] = 1024,
     suffix_tokens: Annotated[
-        int, typer.Option("--suffix-tokens", help="Tokens of each worker's own question.")
+        int,
+        typer.Option("--suffix-tokens", metavar="N", help="Tokens of each worker's own question."),
     ] = 32,
-    layers: Annotated[int, typer.Option("--layers", help="Model layers.")] = 4,
-    hidden: Annotated[int, typer.Option("--hidden", help="Model hidden size.")] = 256,
-    heads: Annotated[int, typer.Option("--heads", help="Attention heads.")] = 4,
-    kv_heads: Annotated[int, typer.Option("--kv-heads", help="KV heads.")] = 2,
-    chunk_tokens: Annotated[int, typer.Option("--chunk-tokens", help="Tokens per chunk.")] = 256,
-    seed: Annotated[int, typer.Option("--seed", help="Weight seed (= model revision).")] = 0,
-    threads: Annotated[int, typer.Option("--threads", help="torch threads per worker.")] = 2,
+    layers: Annotated[int, typer.Option("--layers", metavar="N", help="Model layers.")] = 4,
+    hidden: Annotated[int, typer.Option("--hidden", metavar="N", help="Model hidden size.")] = 256,
+    heads: Annotated[int, typer.Option("--heads", metavar="N", help="Attention heads.")] = 4,
+    kv_heads: Annotated[int, typer.Option("--kv-heads", metavar="N", help="KV heads.")] = 2,
+    chunk_tokens: Annotated[
+        int, typer.Option("--chunk-tokens", metavar="N", help="Tokens per chunk.")
+    ] = 256,
+    seed: Annotated[
+        int, typer.Option("--seed", metavar="N", help="Weight seed (= model revision).")
+    ] = 0,
+    threads: Annotated[
+        int, typer.Option("--threads", metavar="N", help="torch threads per worker.")
+    ] = 2,
     repeats: Annotated[
-        int, typer.Option("--repeats", help="B's rounds of reuse + recompute (medians shown).")
+        int,
+        typer.Option(
+            "--repeats", metavar="N", help="B's rounds of reuse + recompute (medians shown)."
+        ),
     ] = 3,
     as_json: JsonOpt = False,
 ) -> None:

@@ -33,8 +33,12 @@ ENGINE_TIMEOUT_S = 10.0
 
 @policy_app.command("diff")
 def policy_diff_cmd(
-    old: Annotated[Path, typer.Argument(help="The policy in force (TOML).")],
-    new: Annotated[Path, typer.Argument(help="The edited policy (TOML).")],
+    old: Annotated[
+        Path, typer.Argument(metavar="OLD", readable=False, help="The policy in force (TOML).")
+    ],
+    new: Annotated[
+        Path, typer.Argument(metavar="NEW", readable=False, help="The edited policy (TOML).")
+    ],
     as_json: JsonOpt = False,
 ) -> None:
     """Show what a reload from OLD to NEW would change (nothing is reloaded).
