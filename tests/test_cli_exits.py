@@ -27,7 +27,7 @@ def run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_the_table_covers_every_documented_code() -> None:
     assert cli.__doc__ is not None
-    documented = {int(m) for m in re.findall(r"^  (\d)  ", cli.__doc__, re.M)}
+    documented = {int(m) for m in re.findall(r"^  (\d+)  ", cli.__doc__, re.M)}
     assert documented == {int(c) for c in ExitCode}
     # USAGE also comes from click's own option parsing; every other failure code
     # is reached through the table.

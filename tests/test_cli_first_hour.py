@@ -315,11 +315,11 @@ def test_config_show_names_each_source(tmp_path: Path) -> None:
     rows = {row["setting"]: row for row in json.loads(r.stdout)}
     assert rows["[store] capacity"] == {
         "setting": "[store] capacity",
-        "value": str(1 << 30),
+        "value": 1 << 30,
         "source": str(cfg),
     }
     assert rows["[metrics] port"]["source"] == "$KVOFFLOAD_METRICS_PORT"
-    assert rows["[metrics] port"]["value"] == "9400"
+    assert rows["[metrics] port"]["value"] == 9400
     assert rows["[store] root"]["source"] == "--root"
     assert rows["[server] workers"]["source"] == "dev default"
 

@@ -288,10 +288,10 @@ def test_policy_check_and_config_show_print_the_effective_values(tmp_path: Path)
     )
     assert r.returncode == 0, r.stderr
     rows = {row["setting"]: row["value"] for row in json.loads(r.stdout)}
-    assert rows["policy secret max_age"] == "3600 s"
-    assert rows["policy secret idle_ttl"] == "600 s"
-    assert rows["policy secret events"] == "off"
-    assert rows["[audit] keep"] == "8"
+    assert rows["policy secret max_age"] == 3600  # JSON: seconds, booleans, numbers
+    assert rows["policy secret idle_ttl"] == 600
+    assert rows["policy secret events"] is False
+    assert rows["[audit] keep"] == 8
 
 
 def test_a_built_in_policy_has_no_limits() -> None:

@@ -54,12 +54,20 @@ def _canonical(name: str, data: bytes) -> bytes:
 
 
 def tokenizer_hash(path: str | os.PathLike[str]) -> str:
-    """``tok-b2-<32 hex>`` of the tokenizer in directory ``path`` (or of one file).
+    """``tok-b2-<32 hex>`` of the tokenizer in directory ``path`` (or of one of its
+    files, by one of the names in :data:`TOKENIZER_FILES`).
 
-    Raises FileNotFoundError when there is nothing to hash.
+    Raises FileNotFoundError when there is nothing to hash: no such path, a
+    directory without tokenizer files, or a file that is not one (``/etc/passwd``
+    would otherwise hash to a "tokenizer" like any other bytes).
     """
     p = Path(path)
     if p.is_file():
+        if p.name not in TOKENIZER_FILES:
+            raise FileNotFoundError(
+                f"{p} is not a tokenizer file (one of {', '.join(TOKENIZER_FILES)}); "
+                "or give the tokenizer's directory"
+            )
         files = [p]
     elif p.is_dir():
         files = [p / n for n in TOKENIZER_FILES if (p / n).is_file()]

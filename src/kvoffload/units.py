@@ -23,10 +23,12 @@ from .errors import ConfigError
 __all__ = [
     "DURATION_UNITS",
     "SIZE_UNITS",
+    "duration_setting",
     "format_duration",
     "format_size",
     "parse_duration",
     "parse_size",
+    "size_setting",
 ]
 
 SIZE_UNITS: Final[dict[str, int]] = {
@@ -122,3 +124,34 @@ def format_duration(seconds: float | None) -> str:
         if seconds >= scale:
             return f"{seconds / scale:.3g} {unit}"
     return f"{seconds * 1e3:.3g} ms"
+
+
+def duration_setting(seconds: float | None) -> str:
+    """A duration as a config or policy file writes it, which :func:`parse_duration`
+    reads back: ``"12h"``, ``"1.5h"``, ``"30s"``, ``"5ms"``; None is ``"none"``."""
+    if seconds is None:
+        return "none"
+    if seconds == 0:
+        return "0s"
+    for unit in ("d", "h", "m", "s"):
+        q = seconds / DURATION_UNITS[unit]
+        if q >= 1 and abs(q - round(q, 3)) < 1e-9:
+            return f"{_plain(q)}{unit}"
+    return f"{_plain(seconds * 1e3)}ms"
+
+
+def _plain(x: float) -> str:
+    """At most 3 decimals, no exponent: ``1.5``, ``12``, ``1542720``."""
+    return f"{x:.3f}".rstrip("0").rstrip(".")
+
+
+def size_setting(n: int | None) -> str:
+    """A size as a config or policy file writes it: ``"10GiB"``, ``"1.5MiB"``, ``"100B"``
+    (exact: :func:`parse_size` reads back the same bytes); None is ``"none"``."""
+    if n is None:
+        return "none"
+    for unit in ("PiB", "TiB", "GiB", "MiB", "KiB"):
+        q = Fraction(n, SIZE_UNITS[unit])
+        if q >= 1 and (q * 1000).denominator == 1:
+            return f"{_plain(float(q))}{unit}"
+    return f"{n}B"

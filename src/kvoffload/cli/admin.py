@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from .app import open_store
+from .app import open_store, unreachable_line
+from .exits import _SidecarUnreachable
 
 if TYPE_CHECKING:
     from ..protocol import Reply, Request
@@ -374,13 +375,17 @@ def _offline_tiers(store: Store, *, whole: bool) -> dict[str, list[str]]:
 
 
 def sidecar_listening(path: Path) -> bool:
-    """Whether something accepts connections on the Unix socket ``path``."""
+    """Whether something accepts connections on the Unix socket ``path``; one this
+    user may not connect to is :class:`~.exits._SidecarUnreachable` (exit 7)."""
     if not os.path.exists(path):
         return False
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(2.0)
     try:
         sock.connect(os.fspath(path))
+    except PermissionError as exc:
+        # A sidecar may well serve it, for its group: not a reason to open the store.
+        raise _SidecarUnreachable(unreachable_line(path, exc)) from exc
     except OSError:
         return False
     finally:

@@ -32,6 +32,7 @@ EPILOG = """Exit codes:
   7  the sidecar is not reachable (stats, demo)
   8  nothing to do: a purge or invalidate that matches nothing (a typo?)
   9  audit --verify: the audit log's hash chain is broken
+  130  stopped by Ctrl-C (one line says so)
 """
 
 HELP = """KV-cache offload sidecar and its store.
@@ -111,7 +112,8 @@ def _version(value: bool) -> None:
 @app.callback()
 def _main(
     config: Annotated[
-        Path | None, typer.Option("--config", "-c", help="Config file (TOML).")
+        Path | None,
+        typer.Option("--config", "-c", metavar="FILE", readable=False, help="Config file (TOML)."),
     ] = None,
     dev: Annotated[
         bool,
@@ -120,12 +122,18 @@ def _main(
             help="Use the embedded default store under ./.kvoffload with a development KEK.",
         ),
     ] = False,
-    root: Annotated[Path | None, typer.Option("--root", help="Store root.")] = None,
+    root: Annotated[
+        Path | None, typer.Option("--root", metavar="DIR", readable=False, help="Store root.")
+    ] = None,
     index_dir: Annotated[
-        Path | None, typer.Option("--index-dir", help="Node-local index directory.")
+        Path | None,
+        typer.Option(
+            "--index-dir", metavar="DIR", readable=False, help="Node-local index directory."
+        ),
     ] = None,
     kek_file: Annotated[
-        Path | None, typer.Option("--kek-file", help="KEK credential file.")
+        Path | None,
+        typer.Option("--kek-file", metavar="FILE", readable=False, help="KEK credential file."),
     ] = None,
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Log at INFO level (serve always does).")
@@ -335,6 +343,36 @@ def human_bytes(n: int | None) -> str:
     from ..units import format_size
 
     return format_size(n)
+
+
+def socket_group_hint(path: Path) -> str:
+    """What to do about a sidecar socket (or event socket) this user may not open."""
+    import grp
+    import os
+
+    try:
+        group: str | None = grp.getgrgid(os.stat(path).st_gid).gr_name
+    except (OSError, KeyError):
+        group = None
+    if group is None or group == "root":
+        return (
+            "join the sidecar's socket group ([server] socket_group) and log in again, "
+            "or run as the sidecar's user"
+        )
+    return (
+        f"join its group {group} (`sudo usermod -aG {group} $USER`, then log in again), "
+        "or run as the sidecar's user"
+    )
+
+
+def unreachable_line(socket_path: Path, exc: BaseException) -> str:
+    """Why no sidecar answered on ``socket_path``; a permission error says what to do."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, PermissionError):
+        cause = cause.__cause__
+    if cause is not None:
+        return f"permission denied on {socket_path}: {socket_group_hint(socket_path)}"
+    return f"no sidecar answered on {socket_path}: {exc}"
 
 
 def check_tenant(tenant: str | None) -> str | None:

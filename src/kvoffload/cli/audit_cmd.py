@@ -45,6 +45,11 @@ def _since(text: str | None) -> float | None:
     return when.timestamp()
 
 
+def _cell(value: Any) -> str:
+    """A table cell: a field a record does not have (or has as null) is ``-``."""
+    return "-" if value is None or value == "" else str(value)
+
+
 def _matches(rec: dict[str, Any], since: float | None, tenant: str | None) -> bool:
     if since is not None and float(rec.get("ts", 0)) < since:
         return False
@@ -58,9 +63,18 @@ def _matches(rec: dict[str, Any], since: float | None, tenant: str | None) -> bo
 def audit(
     since: Annotated[
         str | None,
-        typer.Option("--since", help="Only records since: 30m, 2h, 7d, an ISO time, unix secs."),
+        typer.Option(
+            "--since",
+            metavar="WHEN",
+            help="Only records since: 30m, 2h, 7d, an ISO time, unix secs.",
+        ),
     ] = None,
-    tenant: Annotated[str | None, typer.Option("--tenant", "-t")] = None,
+    tenant: Annotated[
+        str | None,
+        typer.Option(
+            "--tenant", "-t", metavar="TENANT", help="Only the records about this tenant."
+        ),
+    ] = None,
     verify: Annotated[
         bool,
         typer.Option("--verify", help="Check the hash chain and its anchor; exit 9 if broken."),
@@ -100,14 +114,11 @@ def audit(
         for r in records:
             when = dt.datetime.fromtimestamp(float(r.get("ts", 0)), dt.UTC)
             table.add_row(
-                str(r.get("seq")),
+                _cell(r.get("seq")),
                 when.strftime("%Y-%m-%d %H:%M:%S"),
-                str(r.get("event")),
-                str(r.get("tenant", "")),
-                str(r.get("verb", "")),
-                str(r.get("result", "")),
-                str(r.get("uid", "")),
-                str(r.get("pid", "")),
+                _cell(r.get("event")),
+                _cell(r.get("tenant") or ", ".join(map(str, r.get("tenants") or []))),
+                *(_cell(r.get(k)) for k in ("verb", "result", "uid", "pid")),
             )
         if not rep.files:
             out.print(f"no audit log in {directory}")

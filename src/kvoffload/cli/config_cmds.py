@@ -37,56 +37,115 @@ def _effective() -> tuple[Any, dict[str, str]]:
     return cfg, sources
 
 
+#: Config fields that are sizes (bytes) and durations (seconds): shown as a file writes them.
+_SIZES = ("capacity_bytes", "max_inflight_bytes", "direct_read_min", "ram_cache", "audit_max_bytes")
+_DURATIONS = ("key_cache_ttl_s", "journal_poll_s", "evictor_lease_s", "idle_reservation_timeout_s")
+
+
+def _unset(cfg: Any, name: str) -> tuple[Any, str]:
+    """What a setting left unset means: (its JSON value, how it is shown)."""
+    import socket
+
+    from ..sidecar.events import default_endpoints
+    from ..store.iobackend import DIRECT_READ_MIN
+    from ..store.ramtier import auto_capacity
+    from ..units import format_size, size_setting
+
+    pub, replay = default_endpoints(cfg.socket_path)
+    meaning: dict[str, tuple[Any, str]] = {
+        "capacity_bytes": (None, "none (no limit)"),
+        "direct_read_min": (DIRECT_READ_MIN, size_setting(DIRECT_READ_MIN)),
+        "ram_cache": ("auto", f"auto ({format_size(auto_capacity())} here)"),
+        "socket_group": (None, "none (the sidecar's own group)"),
+        "events_endpoint": (pub, pub),
+        "events_replay_endpoint": (replay, replay),
+        "events_snapshot_endpoint": (None, "none (the replay endpoint answers snapshots)"),
+        "events_topic": (f"kv@{socket.gethostname()}@kvoffload",) * 2,
+    }
+    return meaning.get(name, (None, "none"))
+
+
+def setting_value(cfg: Any, name: str) -> tuple[Any, str]:
+    """A config field's effective value: (for --json: bytes, seconds, booleans, null;
+    for people: as the file would write it, defaults that are set spelled out)."""
+    from enum import Enum
+
+    from ..units import duration_setting, size_setting
+
+    value = getattr(cfg, name)
+    if name == "index_dir" and value is None:
+        value = cfg.resolved_index_dir
+    if name == "events_locality" and not value:
+        value = cfg.events.locality
+    if value is None:
+        return _unset(cfg, name)
+    if isinstance(value, Enum):
+        value = value.value
+    if isinstance(value, Path):
+        return str(value), str(value)
+    if isinstance(value, bool):
+        return value, "true" if value else "false"
+    if name in _SIZES:
+        return value, size_setting(value)
+    if name in _DURATIONS:
+        return value, duration_setting(value)
+    return value, str(value)
+
+
 @config_app.command("show")
 def show(as_json: JsonOpt = False) -> None:
-    """Every setting's effective value and where it came from (default, file, env, flag)."""
+    """Every setting's effective value and where it came from (default, file, env, flag).
+
+    Defaults are shown as what they mean (16MiB, auto, the event endpoints
+    beside the socket); with --json sizes are bytes, durations seconds and
+    booleans true/false.
+    """
     from ..sidecar.config import _KEYS
 
     cfg, sources = _effective()
     rows: list[dict[str, Any]] = []
     for (section, key), (name, _) in _KEYS.items():
-        value = getattr(cfg, name)
-        if name == "index_dir" and value is None:
-            value = cfg.resolved_index_dir
-            src = sources[name] + " (next to the store root)"
-        else:
-            src = sources[name]
-        rows.append(
-            {
-                "setting": f"[{section}] {key}",
-                "value": None if value is None else str(value),
-                "source": src,
-            }
-        )
+        src = sources[name]
+        if name == "index_dir" and cfg.index_dir is None:
+            src += " (next to the store root)"
+        value, shown = setting_value(cfg, name)
+        row = {"setting": f"[{section}] {key}", "value": value, "shown": shown, "source": src}
+        rows.append(row)
     if cfg.policy_file is not None:
-        from ..sidecar.access.policy import load_policy
-
-        policy = load_policy(cfg.policy_file)
-        for name, t in [("(defaults)", policy.defaults), *sorted(policy.tenants.items())]:
-            for field, value in (
-                ("ttl", _dur(t.ttl_s)),
-                ("max_age", _dur(t.max_age_s)),
-                ("idle_ttl", _dur(t.idle_ttl_s)),
-                ("sensitivity", t.sensitivity),
-                ("events", "on" if t.events else "off"),
-                ("encryption", "aes-256-gcm" if t.encryption else "none"),
-            ):
-                rows.append(
-                    {
-                        "setting": f"policy {name} {field}",
-                        "value": value,
-                        "source": str(cfg.policy_file),
-                    }
-                )
+        rows += _policy_rows(cfg.policy_file)
     if as_json:
-        emit(True, rows)
+        emit(True, [{k: v for k, v in r.items() if k != "shown"} for r in rows])
         return
     table = Table(title="kvoffload configuration" + (" (--dev)" if cfg.dev else ""))
     for col in ("setting", "value", "source"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["setting"], "-" if r["value"] is None else r["value"], r["source"])
+        table.add_row(r["setting"], r["shown"], r["source"])
     out.print(table)
+
+
+def _policy_rows(policy_file: Path) -> list[dict[str, Any]]:
+    """The retention and feed settings of each tenant table of the policy in force."""
+    from ..sidecar.access.policy import load_policy
+    from ..sidecar.access.revocation import setting_as_written
+
+    policy = load_policy(policy_file)
+    rows = []
+    for name, t in [("(defaults)", policy.defaults), *sorted(policy.tenants.items())]:
+        for field in ("ttl_s", "max_age_s", "idle_ttl_s", "sensitivity", "events", "encryption"):
+            value = getattr(t, field)
+            key, shown = setting_as_written(field, value)
+            if field == "encryption":
+                value = "aes-256-gcm" if value else "none"
+            rows.append(
+                {
+                    "setting": f"policy {name} {key}",
+                    "value": value,
+                    "shown": shown.strip('"'),
+                    "source": str(policy_file),
+                }
+            )
+    return rows
 
 
 @config_app.command("check")
@@ -182,7 +241,9 @@ def _dur(seconds: float | None) -> str:
 
 @policy_app.command("check")
 def policy_check(
-    file: Annotated[Path, typer.Argument(help="The policy file (TOML).")],
+    file: Annotated[
+        Path, typer.Argument(metavar="FILE", readable=False, help="The policy file (TOML).")
+    ],
     as_json: JsonOpt = False,
 ) -> None:
     """Validate a policy file and print what each uid and gid may do.
@@ -246,7 +307,14 @@ def policy_check(
 
 @app.command("tokenizer-hash")
 def tokenizer_hash_cmd(
-    path: Annotated[Path, typer.Argument(help="A tokenizer directory (or one tokenizer file).")],
+    path: Annotated[
+        Path,
+        typer.Argument(
+            metavar="PATH",
+            readable=False,
+            help="A tokenizer directory (or its tokenizer.json / tokenizer.model).",
+        ),
+    ],
 ) -> None:
     """The canonical hash of a tokenizer's files and special tokens (the contract's
     tokenizer_hash; the vLLM connector's default for a local tokenizer directory)."""

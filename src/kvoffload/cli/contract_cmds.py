@@ -133,12 +133,35 @@ def _print_report(report: dict[str, Any]) -> None:
 def invalidate(
     model_revision: Annotated[
         str | None,
-        typer.Option("--model-revision", help="Revision (or model@revision) to invalidate."),
+        typer.Option(
+            "--model-revision",
+            metavar="REVISION",
+            help="Revision (or model@revision) to invalidate.",
+        ),
     ] = None,
-    tokenizer_hash: Annotated[str | None, typer.Option("--tokenizer-hash")] = None,
-    chat_template_version: Annotated[str | None, typer.Option("--chat-template-version")] = None,
-    model: Annotated[str | None, typer.Option("--model", help="Only this model's.")] = None,
-    tenant: Annotated[str | None, typer.Option("--tenant", "-t")] = None,
+    tokenizer_hash: Annotated[
+        str | None,
+        typer.Option(
+            "--tokenizer-hash",
+            metavar="HASH",
+            help="Tokenizer hash to invalidate (as `kvoffload tokenizer-hash` prints it).",
+        ),
+    ] = None,
+    chat_template_version: Annotated[
+        str | None,
+        typer.Option(
+            "--chat-template-version",
+            metavar="VERSION",
+            help="Chat-template version to invalidate.",
+        ),
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", metavar="MODEL", help="Only this model's.")
+    ] = None,
+    tenant: Annotated[
+        str | None,
+        typer.Option("--tenant", "-t", metavar="TENANT", help="Only this tenant's namespaces."),
+    ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Report, remove nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     as_json: JsonOpt = False,

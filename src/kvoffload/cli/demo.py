@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import sys
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -12,6 +13,9 @@ from ..errors import SidecarStartError
 from .app import JsonOpt, app, emit, err, human_bytes, out, state
 from .exits import _CliUsageError, _DemoFailed
 
+if TYPE_CHECKING:
+    from ..integrations.demo_config import DemoConfig
+
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.1f} ms"
@@ -20,20 +24,33 @@ def _ms(seconds: float) -> str:
 @app.command()
 def demo(
     prompt_tokens: Annotated[
-        int, typer.Option("--prompt-tokens", help="Tokens of the shared prefix (a document).")
+        int,
+        typer.Option(
+            "--prompt-tokens", metavar="N", help="Tokens of the shared prefix (a document)."
+        ),
     ] = 1024,
     suffix_tokens: Annotated[
-        int, typer.Option("--suffix-tokens", help="Tokens of each worker's own question.")
+        int,
+        typer.Option("--suffix-tokens", metavar="N", help="Tokens of each worker's own question."),
     ] = 32,
-    layers: Annotated[int, typer.Option("--layers", help="Model layers.")] = 4,
-    hidden: Annotated[int, typer.Option("--hidden", help="Model hidden size.")] = 256,
-    heads: Annotated[int, typer.Option("--heads", help="Attention heads.")] = 4,
-    kv_heads: Annotated[int, typer.Option("--kv-heads", help="KV heads.")] = 2,
-    chunk_tokens: Annotated[int, typer.Option("--chunk-tokens", help="Tokens per chunk.")] = 256,
-    seed: Annotated[int, typer.Option("--seed", help="Weight seed (= model revision).")] = 0,
-    threads: Annotated[int, typer.Option("--threads", help="torch threads per worker.")] = 2,
+    layers: Annotated[int, typer.Option("--layers", metavar="N", help="Model layers.")] = 4,
+    hidden: Annotated[int, typer.Option("--hidden", metavar="N", help="Model hidden size.")] = 256,
+    heads: Annotated[int, typer.Option("--heads", metavar="N", help="Attention heads.")] = 4,
+    kv_heads: Annotated[int, typer.Option("--kv-heads", metavar="N", help="KV heads.")] = 2,
+    chunk_tokens: Annotated[
+        int, typer.Option("--chunk-tokens", metavar="N", help="Tokens per chunk.")
+    ] = 256,
+    seed: Annotated[
+        int, typer.Option("--seed", metavar="N", help="Weight seed (= model revision).")
+    ] = 0,
+    threads: Annotated[
+        int, typer.Option("--threads", metavar="N", help="torch threads per worker.")
+    ] = 2,
     repeats: Annotated[
-        int, typer.Option("--repeats", help="B's rounds of reuse + recompute (medians shown).")
+        int,
+        typer.Option(
+            "--repeats", metavar="N", help="B's rounds of reuse + recompute (medians shown)."
+        ),
     ] = 3,
     as_json: JsonOpt = False,
 ) -> None:
@@ -48,43 +65,34 @@ def demo(
     its own question, then recomputes everything to compare logits and time
     to first token (--repeats rounds, medians shown); C, another revision
     (seed + 1), must miss and recompute.
-    Needs transformers (pip install 'kvoffload[demo]').
+    Needs torch and transformers (pip install 'kvoffload[demo]', or `make demo`);
+    the options are checked first, without them.
     """
-    from ..integrations import demo_model as kd
+    from ..integrations.demo_config import demo_deps_message, demo_deps_missing
 
-    given = [
-        flag
-        for flag, value in (
-            ("--root", state.root),
-            ("--config", state.config_path),
-            ("--index-dir", state.index_dir),
-            ("--kek-file", state.kek_file),
-        )
-        if value is not None
-    ]
-    if given:
-        raise _CliUsageError(
-            f"demo always uses the embedded development store under ./.kvoffload; "
-            f"drop {', '.join(given)}"
-        )
-    if not kd.transformers_available():
-        raise _DemoFailed(kd.TRANSFORMERS_MISSING)
+    cfg = _demo_config(
+        prompt_tokens=prompt_tokens,
+        suffix_tokens=suffix_tokens,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        chunk_tokens=chunk_tokens,
+        seed=seed,
+        threads=threads,
+        repeats=repeats,
+    )
+    missing = demo_deps_missing()
+    if missing:
+        raise _DemoFailed(demo_deps_message(missing))
     try:
-        shape = kd.ModelShape(
-            num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads
-        )
-        cfg = kd.DemoConfig(
-            shape=shape,
-            prompt_tokens=prompt_tokens,
-            suffix_tokens=suffix_tokens,
-            chunk_tokens=chunk_tokens,
-            seed=seed,
-            other_seed=seed + 1,
-            threads=threads,
-            repeats=repeats,
-        )
-    except ValueError as exc:
-        raise _CliUsageError(str(exc)) from exc
+        from ..integrations import demo_model as kd
+    except ImportError as exc:  # found but broken (a torch built for another Python, ...)
+        raise _DemoFailed(
+            f"the demo's torch or transformers does not import in {sys.executable} "
+            f"({exc}): reinstall them: {sys.executable} -m pip install --force-reinstall "
+            "'kvoffload[demo]'"
+        ) from exc
     try:
         if as_json:
             data = kd.run_demo(cfg)
@@ -174,3 +182,66 @@ def demo(
     out.print("  kvoffload --dev ls          its chunks; kvoffload --dev purge --tenant demo")
     out.print("  make serve                  a sidecar for your own worker (README.md)")
     out.print("  vLLM: src/kvoffload/integrations/vllm/README.md (the connector, set-up)")
+
+
+def _demo_config(
+    *,
+    prompt_tokens: int,
+    suffix_tokens: int,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    chunk_tokens: int,
+    seed: int,
+    threads: int,
+    repeats: int,
+) -> DemoConfig:
+    """The demo's settings from its options, checked before torch is imported; a bad
+    option (or options that do not fit together) is a usage error, exit 2."""
+    from ..integrations.demo_config import DemoConfig, ModelShape
+
+    given = [
+        flag
+        for flag, value in (
+            ("--root", state.root),
+            ("--config", state.config_path),
+            ("--index-dir", state.index_dir),
+            ("--kek-file", state.kek_file),
+        )
+        if value is not None
+    ]
+    if given:
+        raise _CliUsageError(
+            f"demo always uses the embedded development store under ./.kvoffload; "
+            f"drop {', '.join(given)}"
+        )
+    for flag, value in (
+        ("--prompt-tokens", prompt_tokens),
+        ("--suffix-tokens", suffix_tokens),
+        ("--layers", layers),
+        ("--hidden", hidden),
+        ("--heads", heads),
+        ("--kv-heads", kv_heads),
+        ("--chunk-tokens", chunk_tokens),
+        ("--threads", threads),
+        ("--repeats", repeats),
+    ):
+        if value < 1:
+            raise _CliUsageError(f"{flag} must be at least 1, got {value}")
+    try:
+        shape = ModelShape(
+            num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads
+        )
+        return DemoConfig(
+            shape=shape,
+            prompt_tokens=prompt_tokens,
+            suffix_tokens=suffix_tokens,
+            chunk_tokens=chunk_tokens,
+            seed=seed,
+            other_seed=seed + 1,
+            threads=threads,
+            repeats=repeats,
+        )
+    except ValueError as exc:
+        raise _CliUsageError(str(exc)) from exc

@@ -16,8 +16,13 @@ from typing import Annotated, Any
 
 import typer
 
-from .app import JsonOpt, app, config, out
+from .app import JsonOpt, app, config, out, socket_group_hint
 from .exits import _CliUsageError, _SidecarUnreachable
+
+#: How long a ``stats`` call for the hints may take.
+STATS_TIMEOUT_S = 2.0
+#: How often an idle tail asks the sidecar why nothing shows.
+HINT_INTERVAL_S = 1.0
 
 events_app = typer.Typer(help="KV events of the running sidecar.", no_args_is_help=True)
 app.add_typer(events_app, name="events")
@@ -49,18 +54,86 @@ def event_record(seq: int, ts: float, event: Any) -> dict[str, Any]:
     return rec
 
 
-def _check_endpoint(endpoint: str) -> None:
+def _feed_state(socket_path: Path) -> dict[str, Any] | None:
+    """The sidecar's ``events`` stats (events-v1 §9), or None if no sidecar answers."""
+    from ..client import fetch_stats
+    from ..errors import ProtocolError, TransportError
+
+    try:
+        stats = fetch_stats(socket_path, timeout_s=STATS_TIMEOUT_S)
+    except (TransportError, ProtocolError, OSError):
+        return None
+    events = stats.get("events")
+    return events if isinstance(events, dict) else {}
+
+
+def _check_endpoint(endpoint: str, socket_path: Path, dev: bool) -> None:
     if not endpoint.startswith("ipc://"):
         return
     path = Path(endpoint.removeprefix("ipc://"))
+    serve = f"`kvoffload{' --dev' if dev else ''} serve --events`"
     if not path.exists():
+        feed = _feed_state(socket_path)
+        if feed is None:
+            raise _SidecarUnreachable(
+                f"no sidecar answered on {socket_path} and no KV-event socket is at {path}: "
+                f"start one with {serve}"
+            )
+        if feed.get("enabled") is False:
+            raise _SidecarUnreachable(
+                f"the sidecar on {socket_path} publishes no KV events: start it with "
+                f"{serve} (or [events] enabled = true, KVOFFLOAD_EVENTS_ENABLED=1)"
+            )
         raise _SidecarUnreachable(
-            f"no KV-event socket at {path}: is the sidecar running with [events] enabled = true?"
+            f"no KV-event socket at {path}: the sidecar on {socket_path} publishes "
+            f"elsewhere ([events] endpoint): pass the same config to `events tail`"
         )
     if not os.access(path, os.R_OK | os.W_OK):
         raise _SidecarUnreachable(
-            f"permission denied on {path}: join the sidecar's socket group to read its events"
+            f"permission denied on {path}: {socket_group_hint(path)} to read its events"
         )
+
+
+class _SilenceHints:
+    """Why nothing shows (events-v1 §7): chunks stored without engine block hashes, or of
+    tenants with ``events = false``, are never announced. While the tail is idle it
+    compares the sidecar's counters (admins see them) with those at its start and
+    says so once, on stderr."""
+
+    KEYS = (
+        (
+            "stored_without_hashes",
+            "carried no engine block hashes, so they are not announced (events-v1 §7): "
+            "the vLLM connector sends them with its saves; `kvoffload demo` and "
+            "SidecarClient.save without blocks do not",
+        ),
+        (
+            "stored_tenant_events_off",
+            "belong to tenants with events = false in the policy: never announced",
+        ),
+    )
+
+    def __init__(self, socket_path: Path) -> None:
+        self.socket_path = socket_path
+        self.base = self._counts()
+        self.said: set[str] = set()
+        self.next_check = 0.0
+
+    def _counts(self) -> dict[str, int]:
+        feed = _feed_state(self.socket_path) or {}
+        return {k: int(feed[k]) for k, _ in self.KEYS if isinstance(feed.get(k), int)}
+
+    def check(self, *, now: bool = False) -> None:
+        t = time.monotonic()
+        if (t < self.next_check and not now) or len(self.said) == len(self.KEYS):
+            return
+        self.next_check = t + HINT_INTERVAL_S
+        counts = self._counts()
+        for key, why in self.KEYS:
+            n = counts.get(key, 0) - self.base.get(key, 0)
+            if n > 0 and key not in self.said:
+                self.said.add(key)
+                print(f"note: {n} chunk(s) stored since this tail started {why}", file=sys.stderr)
 
 
 @events_app.command("tail")
@@ -69,18 +142,29 @@ def tail(
     from_seq: Annotated[
         int | None,
         typer.Option(
-            "--from", help="Replay from this seq first (the durable buffer), then follow."
+            "--from",
+            metavar="SEQ",
+            help="Replay from this seq first (the durable buffer), then follow.",
         ),
     ] = None,
     count: Annotated[
-        int | None, typer.Option("--count", "-n", help="Stop after this many events.")
+        int | None, typer.Option("--count", "-n", metavar="N", help="Stop after this many events.")
     ] = None,
     timeout: Annotated[
         float | None,
-        typer.Option("--timeout", help="Stop after this many seconds without an event."),
+        typer.Option(
+            "--timeout", metavar="SECONDS", help="Stop after this many seconds without an event."
+        ),
     ] = None,
 ) -> None:
-    """Print the sidecar's KV events as they are published (one line each)."""
+    """Print the sidecar's KV events as they are published (one line each).
+
+    The feed is on only where the sidecar runs with `kvoffload serve --events`
+    ([events] enabled = true). Only chunks saved with engine block hashes are
+    announced (events-v1 §7: the vLLM connector sends them; `kvoffload demo`
+    and a plain SidecarClient.save do not): while none arrive, a note on stderr
+    says when the sidecar stored chunks it does not announce, and why.
+    """
     import zmq
 
     from ..errors import EventDecodeError
@@ -95,7 +179,9 @@ def tail(
     pub_default, replay_default = default_endpoints(cfg.socket_path)
     endpoint = cfg.events_endpoint or pub_default
     replay = cfg.events_replay_endpoint or replay_default
-    _check_endpoint(endpoint)
+    _check_endpoint(endpoint, cfg.socket_path, cfg.dev)
+    hints = _SilenceHints(cfg.socket_path)
+    print(f"following the KV events on {endpoint} (Ctrl-C stops)", file=sys.stderr)
     shown = 0
     last_event = time.monotonic()
 
@@ -135,7 +221,7 @@ def tail(
     last_seq: int | None = None
     try:
         if from_seq is not None:
-            _check_endpoint(replay)
+            _check_endpoint(replay, cfg.socket_path, cfg.dev)
             dealer = ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.RCVTIMEO, 5000)
@@ -160,8 +246,10 @@ def tail(
                 dealer.close(linger=0)
         while True:
             if timeout is not None and time.monotonic() - last_event > timeout:
+                hints.check(now=True)
                 return
             if not sub.poll(200):
+                hints.check()
                 continue
             try:
                 frame = unpack_frames(sub.recv_multipart())
@@ -172,8 +260,6 @@ def tail(
                 continue  # already shown by the replay
             if show(frame.seq, frame.payload):
                 return
-    except KeyboardInterrupt:
-        return
     finally:
         sub.close(linger=0)
         ctx.term()

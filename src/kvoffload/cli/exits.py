@@ -31,6 +31,7 @@ __all__ = [
     "EXIT_AUDIT_BROKEN",
     "EXIT_ERROR",
     "EXIT_FSCK_PROBLEMS",
+    "EXIT_INTERRUPTED",
     "EXIT_LOCKED",
     "EXIT_NOTHING",
     "EXIT_NO_STORE",
@@ -56,6 +57,7 @@ class ExitCode(IntEnum):
     UNREACHABLE = 7  # the sidecar is not reachable (stats, demo)
     NOTHING = 8  # nothing to do: a purge or invalidate that matches nothing (a typo?)
     AUDIT_BROKEN = 9  # the audit log's hash chain is broken (audit --verify)
+    INTERRUPTED = 130  # stopped by Ctrl-C (SIGINT), as shells report it (128 + 2)
 
 
 EXIT_OK = ExitCode.OK
@@ -68,6 +70,7 @@ EXIT_ABORTED = ExitCode.ABORTED
 EXIT_UNREACHABLE = ExitCode.UNREACHABLE
 EXIT_NOTHING = ExitCode.NOTHING
 EXIT_AUDIT_BROKEN = ExitCode.AUDIT_BROKEN
+EXIT_INTERRUPTED = ExitCode.INTERRUPTED
 
 
 # -- outcomes only the CLI has (not library errors) ----------------------------
@@ -119,6 +122,10 @@ class _EngineResetFailed(_CliOutcome):
     """``purge --engine``: an engine's prefix cache was not reset (the store purge was done)."""
 
 
+class _Interrupted(_CliOutcome):
+    """Ctrl-C (SIGINT) stopped the command; :func:`kvoffload.cli.main` says so."""
+
+
 class _DemoFailed(_CliOutcome):
     """A demo worker failed, or the demo cannot run here (the message says why)."""
 
@@ -131,6 +138,7 @@ EXIT_TABLE: tuple[tuple[type[BaseException], ExitCode, str], ...] = (
     (_FsckProblems, ExitCode.FSCK_PROBLEMS, "fsck"),
     (_NothingToDo, ExitCode.NOTHING, "nothing to do"),
     (_AuditBroken, ExitCode.AUDIT_BROKEN, "audit"),
+    (_Interrupted, ExitCode.INTERRUPTED, "interrupted"),
     (_NoStore, ExitCode.NO_STORE, "no store"),
     (StoreLocked, ExitCode.LOCKED, "locked"),
     (_SidecarUnreachable, ExitCode.UNREACHABLE, "unreachable"),

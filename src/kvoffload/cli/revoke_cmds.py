@@ -33,8 +33,12 @@ ENGINE_TIMEOUT_S = 10.0
 
 @policy_app.command("diff")
 def policy_diff_cmd(
-    old: Annotated[Path, typer.Argument(help="The policy in force (TOML).")],
-    new: Annotated[Path, typer.Argument(help="The edited policy (TOML).")],
+    old: Annotated[
+        Path, typer.Argument(metavar="OLD", readable=False, help="The policy in force (TOML).")
+    ],
+    new: Annotated[
+        Path, typer.Argument(metavar="NEW", readable=False, help="The edited policy (TOML).")
+    ],
     as_json: JsonOpt = False,
 ) -> None:
     """Show what a reload from OLD to NEW would change (nothing is reloaded).
@@ -42,8 +46,9 @@ def policy_diff_cmd(
     Lines: `+ grant uid N: T` / `- grant …` (grants added or removed per
     principal), `~ admin …`, `+ tenant T`, `- tenant T (revoked …)` (a tenant
     NEW no longer names is revoked: served to nobody until granted again),
-    `~ T field: old -> new` (settings). Exit 0 whether or not they differ;
-    1 (one line, file:line) if either file is invalid.
+    `~ T key = old -> new` (settings, as the file writes them: `~ acme ttl =
+    "12h" -> "1h"`; --json: each changed field in bytes and seconds). Exit 0
+    whether or not they differ; 1 (one line, file:line) if either file is invalid.
     """
     from ..sidecar.access.policy import load_policy
     from ..sidecar.access.revocation import diff_is_empty, format_diff, policy_diff

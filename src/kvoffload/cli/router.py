@@ -35,8 +35,10 @@ def _need(module: str, what: str) -> None:
 
 @app.command("router")
 def router(
-    host: Annotated[str | None, typer.Option("--host", help="Listen address.")] = None,
-    port: Annotated[int | None, typer.Option("--port", help="Listen port.")] = None,
+    host: Annotated[
+        str | None, typer.Option("--host", metavar="HOST", help="Listen address.")
+    ] = None,
+    port: Annotated[int | None, typer.Option("--port", metavar="PORT", help="Listen port.")] = None,
     check: Annotated[
         bool, typer.Option("--check", help="Validate the config (and tokenizer), then exit.")
     ] = False,

@@ -20,6 +20,7 @@ from .app import (
     out,
     setup_logging,
     state,
+    unreachable_line,
 )
 from .exits import _CliUsageError, _SidecarUnreachable
 
@@ -28,12 +29,15 @@ from .exits import _CliUsageError, _SidecarUnreachable
 def serve(
     fd: Annotated[
         int | None,
-        typer.Option("--fd", help="Serve an inherited listening socket (socket activation)."),
+        typer.Option(
+            "--fd", metavar="FD", help="Serve an inherited listening socket (socket activation)."
+        ),
     ] = None,
     metrics_port: Annotated[
         int | None,
         typer.Option(
             "--metrics-port",
+            metavar="PORT",
             min=0,
             max=65535,
             help="Prometheus /metrics port (0 = off; default: [metrics] port).",
@@ -43,11 +47,20 @@ def serve(
         str,
         typer.Option(
             "--log-format",
+            metavar="plain|json",
             help="plain (no timestamp under journald, which stamps lines) or json (every "
             "line one object: log records, serve's own lines, a start-up failure; audit "
             "records as an `audit` object).",
         ),
     ] = "plain",
+    publish_events: Annotated[
+        bool,
+        typer.Option(
+            "--events",
+            help="Publish KV events (docs/spec/events-v1.md): as [events] enabled = true "
+            "or KVOFFLOAD_EVENTS_ENABLED=1; `kvoffload events tail` shows them.",
+        ),
+    ] = False,
 ) -> None:
     """Run the sidecar: serve the store on its Unix socket until SIGTERM.
 
@@ -69,6 +82,8 @@ def serve(
         raise _CliUsageError(f"--log-format: {log_format!r} is not plain or json")
     setup_logging(logging.DEBUG if state.verbose else logging.INFO, log_format, daemon=True)
     cfg = config()
+    if publish_events:
+        cfg.events_enabled = True
     # `config check` runs these same checks (cli/preflight.py).
     policy, reloader = preflight.policy(cfg)
     if fd is None:
@@ -213,7 +228,7 @@ def stats(as_json: JsonOpt = False) -> None:
     try:
         data = fetch_stats(cfg.socket_path)
     except (TransportError, ProtocolError, OSError) as exc:
-        raise _SidecarUnreachable(f"no sidecar answered on {cfg.socket_path}: {exc}") from exc
+        raise _SidecarUnreachable(unreachable_line(cfg.socket_path, exc)) from exc
     if as_json:
         emit(True, data)
     else:
@@ -245,9 +260,10 @@ def stats_lines(s: dict[str, Any]) -> list[str]:
         f"durability: {s.get('durability', '?')}; I/O: {io.get('backend', '?')} "
         "(`kvoffload doctor` says why)",
         f"server: {server.get('server_id', '?')}, protocol v{server.get('protocol_version', '?')}, "
-        f"{server.get('connections', 0)} open connections, "
+        f"{_count(server.get('connections', 0), 'open connection')}, "
         f"{n('connections_total')} since start",
     ]
+    lines += _tier_and_events_lines(s)
     usage = s.get("tenant_usage")
     if isinstance(usage, dict) and usage:
         lines.append(
@@ -278,4 +294,38 @@ def stats_lines(s: dict[str, Any]) -> list[str]:
         if isinstance(revoked, list) and revoked:
             line += f"; revoked tenants: {', '.join(map(str, revoked))}"
         lines.append(line)
+    return lines
+
+
+def _count(n: object, noun: str) -> str:
+    """``1 open connection``, ``2 open connections``."""
+    k = int(n) if isinstance(n, int | float) else 0
+    return f"{k} {noun}" + ("" if k == 1 else "s")
+
+
+def _tier_and_events_lines(s: dict[str, Any]) -> list[str]:
+    """The RAM tier (``ram_tier``) and the KV-event feed (``events``) of ``stats``."""
+    lines = []
+    ram = s.get("ram_tier")
+    if isinstance(ram, dict):
+        lines.append(
+            f"RAM tier: {_count(ram.get('images', 0), 'chunk image')}, "
+            f"{human_bytes(ram.get('image_bytes', 0))} of {human_bytes(ram.get('capacity_bytes'))}"
+            f"; {ram.get('hits', 0)} hits, {ram.get('evicted', 0)} evicted"
+        )
+    elif "ram_tier" in s:
+        lines.append("RAM tier: off ([store] ram_cache = 0)")
+    ev = s.get("events")
+    if isinstance(ev, dict):
+        if not ev.get("enabled"):
+            lines.append("events: off (`kvoffload serve --events`, or [events] enabled = true)")
+        elif "endpoint" not in ev:
+            lines.append("events: on")
+        else:
+            lines.append(
+                f"events: on {ev['endpoint']}, last seq {ev.get('last_seq', '?')}; stored "
+                f"chunks announced {ev.get('stored_announced', 0)}, not announced: "
+                f"{ev.get('stored_without_hashes', 0)} without engine block hashes, "
+                f"{ev.get('stored_tenant_events_off', 0)} of tenants with events = false"
+            )
     return lines

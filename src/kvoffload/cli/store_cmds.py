@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from ..units import format_duration
 from .admin import (
     ADMIN_TIMEOUT_S,
     HELLO_TIMEOUT_S,
@@ -37,17 +38,28 @@ from .revoke_cmds import engine_url, reset_engine
 
 @app.command()
 def init(as_json: JsonOpt = False) -> None:
-    """Create a store (layout.json, keys/, objects/) and its index."""
+    """Create a store (layout.json, keys/, objects/) and its index.
+
+    A store that exists already is left as it is (exit 0, and it says so).
+    """
     cfg = config()
+    existed = (cfg.store_root / "layout.json").exists()
     with open_store(cfg, create=True) as store:
-        offline_audit(store, "init", "ok")
+        offline_audit(store, "init", "ok", created=not existed)
         data = {
             "store_root": str(cfg.store_root),
             "index_dir": str(cfg.resolved_index_dir),
             "store_id": store.layout.store_id,
             "layout_version": store.layout.version,
+            "created": not existed,
         }
-    emit(as_json, data)
+    if existed and not as_json:
+        out.print(
+            f"already exists: the store at {cfg.store_root} (store id {data['store_id']}, "
+            f"layout v{data['layout_version']}, index {data['index_dir']}); nothing changed"
+        )
+        return
+    emit(as_json, data if as_json else {k: v for k, v in data.items() if k != "created"})
 
 
 @app.command()
@@ -129,14 +141,23 @@ NamespaceOpt = Annotated[
 
 @app.command("ls")
 def ls_(
-    tenant: Annotated[str | None, typer.Option("--tenant", "-t")] = None,
+    tenant: Annotated[
+        str | None,
+        typer.Option(
+            "--tenant", "-t", metavar="TENANT", help="Only this tenant's chunks (or namespaces)."
+        ),
+    ] = None,
     namespace: NamespaceOpt = None,
     older_than: Annotated[
-        str | None, typer.Option("--older-than", help="Only chunks created before, e.g. 7d.")
+        str | None,
+        typer.Option("--older-than", metavar="AGE", help="Only chunks created before, e.g. 7d."),
     ] = None,
-    newer_than: Annotated[str | None, typer.Option("--newer-than")] = None,
+    newer_than: Annotated[
+        str | None,
+        typer.Option("--newer-than", metavar="AGE", help="Only chunks created since, e.g. 1h."),
+    ] = None,
     limit: Annotated[
-        int, typer.Option("--limit", min=0, help="Most rows to print (0 = all).")
+        int, typer.Option("--limit", min=0, metavar="N", help="Most rows to print (0 = all).")
     ] = 100,
     namespaces: Annotated[
         bool,
@@ -170,27 +191,44 @@ def ls_(
                 )
         rows = target.ls(tenant, ns, old, new, limit)
     table = Table()
-    for col in ("tenant", "key", "namespace", "bytes", "layers", "sealed", "age_s"):
+    for col in ("tenant", "key", "namespace", "size", "layers", "sealed", "age"):
         table.add_column(col)
     for r in rows:
+        # Sizes and ages for people, as inspect prints them; --json keeps bytes and seconds.
         table.add_row(
-            r["tenant"], r["key"][:16], r["namespace"][:12], str(r["bytes"]),
-            str(r["layers"]), str(r["sealed"]), str(r["age_s"]),
+            r["tenant"], r["key"][:16], r["namespace"][:12], human_bytes(r["bytes"]),
+            str(r["layers"]), "yes" if r["sealed"] else "no", format_duration(r["age_s"]),
         )  # fmt: skip
     emit(as_json, rows, table)
 
 
 @app.command()
 def purge(
-    tenant: Annotated[str | None, typer.Option("--tenant", "-t")] = None,
+    tenant: Annotated[
+        str | None,
+        typer.Option(
+            "--tenant",
+            "-t",
+            metavar="TENANT",
+            help="The tenant to purge; alone, a crypto-erase (its keys are destroyed first).",
+        ),
+    ] = None,
     namespace: NamespaceOpt = None,
-    older_than: Annotated[str | None, typer.Option("--older-than")] = None,
+    older_than: Annotated[
+        str | None,
+        typer.Option(
+            "--older-than",
+            metavar="AGE",
+            help="Only chunks created longer ago, e.g. 7d (of --tenant, or of all).",
+        ),
+    ] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     timeout: TimeoutOpt = "1h",
     engine: Annotated[
         list[str] | None,
         typer.Option(
             "--engine",
+            metavar="URL",
             help="After the purge, POST URL/reset_prefix_cache to this vLLM server "
             "(repeatable). Resets EVERY tenant's prefix cache of that engine; vLLM "
             "serves it only with VLLM_SERVER_DEV_MODE=1.",
@@ -275,7 +313,15 @@ def purge(
     if as_json:
         emit(True, report)
     else:
-        out.print(f"purged: {kind}\ntenant: {tenant}\nnamespace: {namespace}\nchunks: {n}")
+        for label, value in (
+            ("purged", kind),
+            ("tenant", tenant),
+            ("namespace", namespace),
+            ("older than", older_than),
+            ("chunks", n),
+        ):
+            if value is not None:  # only what this purge was about
+                out.print(f"{label}: {value}")
         if tiers is not None:
             out.print(f"tiers reached: {', '.join(tiers.get('reached', []))}")
             out.print(f"tiers outside kvoffload: {', '.join(tiers.get('outside', []))}"
@@ -411,7 +457,9 @@ def fsck(
 
 @keys_app.command("rotate-kek")
 def rotate_kek(
-    new_kek_file: Annotated[Path, typer.Option("--new-kek-file", help="The new KEK.")],
+    new_kek_file: Annotated[
+        Path, typer.Option("--new-kek-file", metavar="FILE", readable=False, help="The new KEK.")
+    ],
     as_json: JsonOpt = False,
 ) -> None:
     """Re-wrap every tenant's keys under a new KEK; then destroy the old KEK.

@@ -86,7 +86,7 @@ def render(name: str) -> str:
 
 @systemd_app.command("print")
 def print_(
-    name: Annotated[str, typer.Argument(help=" | ".join(FILES))],
+    name: Annotated[str, typer.Argument(metavar="NAME", help=" | ".join(FILES))],
 ) -> None:
     """Print a unit or example, e.g. `kvoffload systemd print service > kvoffload.service`."""
     sys.stdout.write(render(name))

@@ -21,9 +21,11 @@ A library of small steps, used by ``kvoffload demo`` and ``scripts/bench_ttft.py
   (``python -m kvoffload.integrations.demo_model worker``, a JSON job on stdin, a JSON result on
   stdout) that share nothing but the sidecar.
 
-transformers is imported inside the functions that need it (``pip install
-'kvoffload[demo]'``), so importing this module costs nothing. Everything runs
-in float32.
+This module imports torch (transformers only inside the functions that need it;
+both come with ``pip install 'kvoffload[demo]'``). What needs neither, the
+model's shape and the demo's settings (:class:`ModelShape`, :class:`DemoConfig`),
+lives in :mod:`kvoffload.integrations.demo_config` and is re-exported here, so
+that the CLI checks its options before importing torch. Everything runs in float32.
 
 Exactness: "prefix loaded + suffix computed" attends to the very KV bytes a
 full prefill computes, so the logits differ only where the BLAS kernels that
@@ -41,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -61,10 +62,18 @@ from ..keys import chunk_keys
 from ..protocol import ALIGNMENT, region_size
 from ..testing import RunningSidecar
 from ..testing import dev_sidecar as start_dev_sidecar
+from .demo_config import (  # the torch-free part of the demo, re-exported
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_CHUNK_TOKENS,
+    DEFAULT_TENANT,
+    DemoConfig,
+    ModelShape,
+)
+from .demo_config import TRANSFORMERS_MISSING as TRANSFORMERS_MISSING
+from .demo_config import demo_deps_message as demo_deps_message
+from .demo_config import demo_deps_missing as demo_deps_missing
+from .demo_config import transformers_available as transformers_available
 
-DEFAULT_TENANT = "demo"
-DEFAULT_CHUNK_TOKENS = 256
-DEFAULT_BLOCK_SIZE = 16
 CACHE_LAYOUT = "HND"
 #: Relative logits tolerance (see the module docstring and :func:`logits_tolerance`).
 LOGITS_RTOL = 1e-4
@@ -73,72 +82,7 @@ MAX_STAGING_BYTES = 512 << 20
 WORKER_TIMEOUT_S = 900.0
 SIDECAR_READY_TIMEOUT_S = 60.0
 
-TRANSFORMERS_MISSING = (
-    "the demo needs transformers, in the environment kvoffload runs from: "
-    f"{sys.executable} -m pip install 'kvoffload[demo]'"
-)
-
-
-def transformers_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("transformers") is not None
-
-
 # --------------------------------------------------------------------------- the model
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A Llama architecture, without weights (JSON-friendly, for worker jobs)."""
-
-    num_layers: int = 4
-    hidden_size: int = 256
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    vocab_size: int = 32000
-    #: None: Llama's 8/3 x hidden, rounded up to a multiple of 64.
-    intermediate_size: int | None = None
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 8192
-    #: Llama's own init scale: logits of a random model spread over ~0.3-1.
-    initializer_range: float = 0.02
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden size {self.hidden_size} is not a multiple of {self.num_heads} heads"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"{self.num_heads} heads are not a multiple of {self.num_kv_heads} KV heads"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def ffn_size(self) -> int:
-        if self.intermediate_size is not None:
-            return self.intermediate_size
-        return 64 * math.ceil(8 * self.hidden_size / 3 / 64)
-
-    def kv_bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
-        """K and V of one token in every layer."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
-
-    def describe(self) -> str:
-        return (
-            f"Llama, {self.num_layers} layers, hidden {self.hidden_size}, {self.num_heads} heads / "
-            f"{self.num_kv_heads} KV heads x {self.head_dim}, FFN {self.ffn_size}, "
-            f"vocab {self.vocab_size}"
-        )
 
 
 def llama_config(shape: ModelShape, *, attn_implementation: str = "sdpa") -> Any:
@@ -873,41 +817,6 @@ def spawn_worker(job: WorkerJob, *, timeout_s: float = WORKER_TIMEOUT_S) -> dict
 
 
 # --------------------------------------------------------------------------- the demo
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    shape: ModelShape = ModelShape()
-    prompt_tokens: int = 1024
-    suffix_tokens: int = 32
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-    seed: int = 0
-    other_seed: int = 1
-    tenant: str = DEFAULT_TENANT
-    threads: int = 2
-    token_seed: int = 1234
-    #: Rounds of (reuse, recompute) in worker B; the medians are reported.
-    repeats: int = 3
-
-    def __post_init__(self) -> None:
-        if self.prompt_tokens < 1 or self.suffix_tokens < 1:
-            raise ValueError("--prompt-tokens and --suffix-tokens must be at least 1")
-        if self.chunk_tokens < DEFAULT_BLOCK_SIZE or self.chunk_tokens % DEFAULT_BLOCK_SIZE:
-            raise ValueError(f"chunk tokens must be a multiple of {DEFAULT_BLOCK_SIZE}")
-        if self.prompt_tokens < self.chunk_tokens:
-            raise ValueError(
-                f"--prompt-tokens {self.prompt_tokens} is shorter than one chunk "
-                f"({self.chunk_tokens} tokens): nothing could be saved or reused; "
-                f"use at least {self.chunk_tokens}"
-            )
-        if self.repeats < 1 or self.threads < 1:
-            raise ValueError("--repeats and --threads must be at least 1")
-        if self.seed == self.other_seed:
-            raise ValueError("the other revision needs another seed")
-        if self.prompt_tokens + self.suffix_tokens > self.shape.max_position_embeddings:
-            raise ValueError(
-                f"prompt + suffix exceed {self.shape.max_position_embeddings} positions"
-            )
 
 
 def demo_prompts(cfg: DemoConfig) -> tuple[list[int], list[int]]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -126,6 +127,9 @@ class SidecarEvents:
         self._pub = publisher
         self._policy = policy
         self._locality = locality
+        # What was stored and why it was or was not announced (stats, `events tail`).
+        self._counts_mu = threading.Lock()
+        self._counts = {"announced": 0, "without_hashes": 0, "tenant_events_off": 0}
 
     @property
     def lock(self) -> AbstractContextManager[Any]:
@@ -174,7 +178,36 @@ class SidecarEvents:
             if not self._index.set_blocks(tenant, chunk_key, blob):
                 return False
             self._pub.publish([self._stored(blocks)])
+        self._count("announced", 1)
         return True
+
+    def _count(self, what: str, n: int) -> None:
+        with self._counts_mu:
+            self._counts[what] += n
+
+    def saved(self, tenant: str, written: int, with_hashes: int) -> None:
+        """A save stored ``written`` new chunks, ``with_hashes`` of them with engine
+        block hashes: count those that will not be announced, and why (§7)."""
+        if not self.enabled_for(tenant):
+            self._count("tenant_events_off", written)
+        elif written > with_hashes:
+            self._count("without_hashes", written - with_hashes)
+
+    def stats(self) -> dict[str, Any]:
+        """The feed for ``stats`` (admins; events-v1 §9): where it publishes, its last
+        seq, and how many stored chunks were announced or not, and why."""
+        with self._counts_mu:
+            counts = dict(self._counts)
+        return {
+            "enabled": True,
+            "endpoint": self._pub.endpoint,
+            "replay_endpoint": self._pub.replay_endpoint,
+            "incarnation": self._pub.incarnation,
+            "last_seq": self._pub.last_seq(),
+            "stored_announced": counts["announced"],
+            "stored_without_hashes": counts["without_hashes"],
+            "stored_tenant_events_off": counts["tenant_events_off"],
+        }
 
     def removed(self, tenant: str, blob: bytes, reason: str) -> None:
         """The store dropped a chunk with hashes (called under :attr:`lock`)."""

@@ -179,13 +179,23 @@ class Server:
         old = os.umask(0o777 & ~cfg.socket_mode)
         try:
             sock.bind(os.fspath(path))
+        except BaseException:
+            sock.close()
+            raise
         finally:
             os.umask(old)
+        try:
+            os.chmod(path, cfg.socket_mode)
+            if gid is not None:
+                os.chown(path, -1, gid)
+            sock.listen(128)
+        except BaseException:
+            # A start that fails leaves no socket file behind (nor one that looks
+            # like a live sidecar's to the next start).
+            sock.close()
+            path.unlink(missing_ok=True)
+            raise
         self._owns_path = True
-        os.chmod(path, cfg.socket_mode)
-        if gid is not None:
-            os.chown(path, -1, gid)
-        sock.listen(128)
         return sock
 
     @staticmethod

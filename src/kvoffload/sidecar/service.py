@@ -79,6 +79,10 @@ class EventsAPI(Protocol):
 
     def record(self, tenant: str, chunk_key: bytes, blocks: EngineBlocks) -> bool: ...
 
+    def saved(self, tenant: str, written: int, with_hashes: int) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
 
 # ---------------------------------------------------------------------------
 # The shared state

@@ -420,6 +420,12 @@ class Session:
         if not admin:
             policy.pop("revoked_tenants")
         stats["policy"] = policy
+        # The KV-event feed: whether it is on; its counters are about every tenant's
+        # saves, so for admins only (events-v1 §9).
+        if svc.events is None:
+            stats["events"] = {"enabled": False}
+        else:
+            stats["events"] = svc.events.stats() if admin else {"enabled": True}
         if svc.metrics is not None:
             stats.update(svc.metrics.summary())
         return StatsReply(plainify(stats))

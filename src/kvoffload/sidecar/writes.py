@@ -186,7 +186,9 @@ class Writes:
         h.blocks = {i: c.blocks for i, c in enumerate(req.chunks) if c.blocks is not None}
         # A chunk present already may still lack its hashes (saved without them).
         exists = [sl.status is StoreStatus.EXISTS for sl in slots]
-        self._record_blocks(h, exists, {i: c.key for i, c in enumerate(req.chunks)})
+        self._record_blocks(
+            h, exists, {i: c.key for i, c in enumerate(req.chunks)}, completed=False
+        )
         return h, tuple(slots)
 
     def _reserve(
@@ -231,7 +233,8 @@ class Writes:
             for ok, sl in zip(stored, slots, strict=True)
         ]
         keys = {sw.index: sw.key for sw in h.staged}
-        self._record_blocks(h, [stored[i] and i in keys for i in range(len(stored))], keys)
+        written = [stored[i] and i in keys for i in range(len(stored))]
+        self._record_blocks(h, written, keys, completed=True)
         return StoreReply(tuple(stored), tuple(codes))
 
     def _store_regions(self, req: StoreBatch, size: int) -> None:
@@ -287,15 +290,27 @@ class Writes:
             lw.index: lw.lease.chunk_key for lw in h.leased
         }
         written = [stored[i] and i in keys for i in range(len(stored))]
-        self._record_blocks(h, written, keys)
+        self._record_blocks(h, written, keys, completed=True)
         return CompleteStoreReply(tuple(stored))
 
-    def _record_blocks(self, h: WriteHandle, which: list[bool], keys: dict[int, bytes]) -> None:
+    def _record_blocks(
+        self, h: WriteHandle, which: list[bool], keys: dict[int, bytes], *, completed: bool
+    ) -> None:
         """Hand the engine hashes of stored chunks to the KV-event feed, before
-        the reply: a worker that got ``stored`` can rely on the event being out."""
+        the reply: a worker that got ``stored`` can rely on the event being out.
+
+        ``completed``: ``which`` are the chunks a completed write stored, and the
+        feed also counts those it will not announce (no hashes, events off).
+        """
         events = self.service.events
-        if events is None or not h.blocks:
+        if events is None:
             return
+        if completed:
+            written = [i for i, w in enumerate(which) if w]
+            try:
+                events.saved(h.tenant, len(written), sum(i in h.blocks for i in written))
+            except Exception:  # the feed must never fail a save
+                log.exception("%r: counting a save for the KV events failed", self)
         for i, blocks in h.blocks.items():
             key = keys.get(i)
             if not which[i] or key is None:

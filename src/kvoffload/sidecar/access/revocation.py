@@ -29,13 +29,14 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Final
 
 from kvoffload.errors import ConfigError
 from kvoffload.posix import atomic_create
+from kvoffload.units import duration_setting, size_setting
 
 from .policy import AllTenants, Grant, Policy, TenantPolicy
 
@@ -167,8 +168,35 @@ def format_diff(d: Mapping[str, Any]) -> list[str]:
         lines.append(f"- tenant {name} (revoked: served to nobody until granted again)")
     for name, changed in d["settings"].items():
         for k, (o, n) in changed.items():
-            lines.append(f"~ {name} {k}: {o!r} -> {n!r}")
+            key, old_text = setting_as_written(k, o)
+            lines.append(f"~ {name} {key} = {old_text} -> {setting_as_written(k, n)[1]}")
     return lines
+
+
+#: TenantPolicy field → the policy file's key and how a value of it is written there.
+_AS_WRITTEN: dict[str, tuple[str, Callable[[Any], str]]] = {
+    "encryption": ("encryption", lambda v: '"aes-256-gcm"' if v else '"none"'),
+    "ttl_s": ("ttl", lambda v: f'"{duration_setting(v)}"'),
+    "quota_bytes": ("quota", lambda v: f'"{size_setting(v)}"'),
+    "max_age_s": ("max_age", lambda v: f'"{duration_setting(v)}"'),
+    "idle_ttl_s": ("idle_ttl", lambda v: f'"{duration_setting(v)}"'),
+    "lookup_floor_s": ("lookup_floor", lambda v: f'"{duration_setting(v)}"'),
+    "lookup_jitter_s": ("lookup_jitter", lambda v: f'"{duration_setting(v)}"'),
+    "direct_gid": ("direct_group", lambda v: "(none)" if v is None else str(v)),
+}
+
+
+def setting_as_written(field_name: str, value: Any) -> tuple[str, str]:
+    """A tenant setting as the policy file spells it: ``("ttl", '"12h"')`` for
+    ``ttl_s = 43200.0``; booleans ``true``/``false``, strings quoted, unset ``(none)``."""
+    if field_name in _AS_WRITTEN:
+        key, show = _AS_WRITTEN[field_name]
+        return key, show(value)
+    if isinstance(value, bool):
+        return field_name, "true" if value else "false"
+    if value is None:
+        return field_name, "(none)"
+    return field_name, json.dumps(value) if isinstance(value, str) else str(value)
 
 
 # ---------------------------------------------------------------------------
