@@ -69,6 +69,7 @@ from benchlib.tables import begin, machine_table
 from kvoffload.cli.admin import SidecarTarget
 from kvoffload.client import SidecarClient
 from kvoffload.integrations import demo_model as kd
+from kvoffload.integrations.demo_run import dev_sidecar
 from kvoffload.keys import chunk_keys
 from kvoffload.layouts import v1
 
@@ -576,7 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             n_chunks = args.prefix_tokens // args.chunk_tokens
             staging = kd.staging_bytes_for(contract.layer_layout, args.chunk_tokens, n_chunks)
             with (
-                kd.dev_sidecar(base) as sc,
+                dev_sidecar(base) as sc,
                 SidecarClient(
                     sc.socket_path, TENANT, staging_bytes=staging, name="bench_ttft"
                 ) as client,

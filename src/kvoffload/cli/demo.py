@@ -86,7 +86,7 @@ def demo(
     if missing:
         raise _DemoFailed(demo_deps_message(missing))
     try:
-        from ..integrations import demo_model as kd
+        from ..integrations import demo_run as kd
     except ImportError as exc:  # found but broken (a torch built for another Python, ...)
         raise _DemoFailed(
             f"the demo's torch or transformers does not import in {sys.executable} "
