@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.sidecar.access.policy import Policy, PolicyError, load_policy
+from kvoffload.errors import PolicyError
+from kvoffload.sidecar.access.policy_file import load_policy, parse_policy
 
 # ----------------------------------------------------------------------- policy
 
@@ -119,5 +120,5 @@ def test_policy_direct_must_be_a_bool(tmp_path: Path, value: str) -> None:
 
 def test_policy_text_api_agrees(tmp_path: Path) -> None:
     text = 'version = 1\n[tenants.acme]\nencryption = "none"\ndirect = true\ndirect_group = 0\n'
-    pol = Policy.from_toml_text(text)
+    pol = parse_policy(text)
     assert pol.tenant("acme") == load_policy(policy_file(tmp_path, text)).tenant("acme")

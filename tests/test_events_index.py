@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload.errors import ConfigError, PolicyError
-from kvoffload.sidecar.access.policy import load_policy
+from kvoffload.sidecar.access.policy_file import load_policy
 from kvoffload.sidecar.config import load_config
 from kvoffload.store.index import ChunkRecord, Index
 

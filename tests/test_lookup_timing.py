@@ -28,7 +28,8 @@ import pytest
 from kvoffload import protocol as p
 from kvoffload.errors import PolicyError
 from kvoffload.protocol import ErrorCode, ProtocolError
-from kvoffload.sidecar.access.policy import MAX_LOOKUP_PADDING_S, Grant, Policy, TenantPolicy
+from kvoffload.sidecar.access.policy import Grant, Policy, TenantPolicy
+from kvoffload.sidecar.access.policy_file import MAX_LOOKUP_PADDING_S, parse_policy
 from kvoffload.sidecar.config import ServerConfig
 from kvoffload.sidecar.peer import Peer
 from kvoffload.sidecar.service import Service
@@ -51,7 +52,7 @@ def key(i: int) -> bytes:
 
 
 def _policy(body: str) -> Policy:
-    return Policy.from_toml_text("version = 1\n" + body, source="policy.toml")
+    return parse_policy("version = 1\n" + body, source="policy.toml")
 
 
 def test_policy_reads_floor_and_jitter_per_tenant_and_in_defaults() -> None:
@@ -80,7 +81,7 @@ def test_policy_reads_floor_and_jitter_per_tenant_and_in_defaults() -> None:
 def test_policy_refuses_a_bad_floor_with_its_line(value: str, words: str) -> None:
     text = f'version = 1\n\n[tenants.acme]\nttl = "1h"\nlookup_floor = {value}\n'
     with pytest.raises(PolicyError) as err:
-        Policy.from_toml_text(text, source="policy.toml")
+        parse_policy(text, source="policy.toml")
     msg = str(err.value)
     assert "policy.toml" in msg and ":5" in msg and words in msg, msg
 

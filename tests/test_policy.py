@@ -13,14 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.sidecar.access.policy import (
-    ALL_TENANTS,
-    AllTenants,
-    Policy,
-    PolicyError,
-    TenantPolicy,
-    load_policy,
-)
+from kvoffload.errors import PolicyError
+from kvoffload.sidecar.access.policy import ALL_TENANTS, AllTenants, Policy, TenantPolicy
+from kvoffload.sidecar.access.policy_file import load_policy, parse_policy
 
 GOOD = """\
 version = 1
@@ -169,7 +164,7 @@ def test_minimal_file_denies_everything(tmp_path: Path) -> None:
     [("30s", 30.0), ("15m", 900.0), ("12h", 43200.0), ("7d", 604800.0), ("1.5h", 5400.0)],
 )
 def test_durations(ttl: str, seconds: float) -> None:
-    policy = Policy.from_toml_text(f'version = 1\n[defaults]\nttl = "{ttl}"\n')
+    policy = parse_policy(f'version = 1\n[defaults]\nttl = "{ttl}"\n')
     assert policy.defaults.ttl_s == seconds
 
 
@@ -188,13 +183,13 @@ def test_durations(ttl: str, seconds: float) -> None:
     ],
 )
 def test_sizes(quota: str, size: int) -> None:
-    policy = Policy.from_toml_text(f'version = 1\n[defaults]\nquota = "{quota}"\n')
+    policy = parse_policy(f'version = 1\n[defaults]\nquota = "{quota}"\n')
     assert policy.defaults.quota_bytes == size
 
 
 def test_from_text_default_source() -> None:
     with pytest.raises(PolicyError) as info:
-        Policy.from_toml_text("version = 2\n")
+        parse_policy("version = 2\n")
     assert str(info.value).startswith("<string>:1:")
 
 
@@ -410,6 +405,6 @@ def test_policy_ttls_read_as_every_other_duration(text: str) -> None:
     """One units module: a ttl in the policy means what the same text means in the config."""
     from kvoffload import units
 
-    policy = Policy.from_toml_text(f'version = 1\n[defaults]\nttl = "{text}"\n')
+    policy = parse_policy(f'version = 1\n[defaults]\nttl = "{text}"\n')
     assert policy.defaults.ttl_s == units.parse_duration(text)
     assert policy.defaults.ttl_s is not None and policy.defaults.ttl_s > 0

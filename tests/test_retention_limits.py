@@ -24,12 +24,11 @@ import pytest
 
 from kvoffload.client import SidecarClient
 from kvoffload.errors import PolicyError
-from kvoffload.sidecar.access.policy import (
+from kvoffload.sidecar.access.policy import Policy, TenantPolicy
+from kvoffload.sidecar.access.policy_file import (
     HIGH_SENSITIVITY_IDLE_TTL_S,
     HIGH_SENSITIVITY_LOOKUP_FLOOR_S,
     HIGH_SENSITIVITY_MAX_AGE_S,
-    Policy,
-    TenantPolicy,
     load_policy,
 )
 from kvoffload.store import Store, StoreConfig

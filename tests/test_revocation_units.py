@@ -21,7 +21,7 @@ from kvoffload.client import direct
 from kvoffload.errors import ConfigError, LeaseInvalid
 from kvoffload.events.consumer import EventConsumer
 from kvoffload.layouts import v1
-from kvoffload.sidecar.access.policy import Policy, load_policy
+from kvoffload.sidecar.access.policy_file import load_policy, parse_policy
 from kvoffload.sidecar.access.revocation import RevokedSet, policy_diff
 from kvoffload.sidecar.config import ServerConfig
 from kvoffload.sidecar.daemon import PolicyWatcher, reload_policy
@@ -100,8 +100,8 @@ def test_the_watcher_sees_renames_and_in_place_edits_but_not_a_touch(tmp_path: P
 
 def test_the_revoked_set_persists_and_a_damaged_file_fails_closed(tmp_path: Path) -> None:
     path = tmp_path / "revoked.json"
-    old = Policy.from_toml_text(POLICY.format(tenants='["acme", "beta"]'))
-    new = Policy.from_toml_text(POLICY.format(tenants='["acme"]'))
+    old = parse_policy(POLICY.format(tenants='["acme", "beta"]'))
+    new = parse_policy(POLICY.format(tenants='["acme"]'))
     s = RevokedSet(path)
     assert s.apply(old) == ([], [])
     assert s.apply(new) == (["beta"], [])
@@ -116,10 +116,8 @@ def test_the_revoked_set_persists_and_a_damaged_file_fails_closed(tmp_path: Path
 
 
 def test_policy_diff_names_grants_tenants_and_settings() -> None:
-    old = Policy.from_toml_text(POLICY.format(tenants='["acme", "beta"]'))
-    new = Policy.from_toml_text(
-        POLICY.format(tenants='["gamma"]').replace('ttl = "1h"', 'ttl = "2h"')
-    )
+    old = parse_policy(POLICY.format(tenants='["acme", "beta"]'))
+    new = parse_policy(POLICY.format(tenants='["gamma"]').replace('ttl = "1h"', 'ttl = "2h"'))
     d = policy_diff(old, new)
     assert d["grants"] == {"uid 1001": {"added": ["gamma"], "removed": ["acme", "beta"]}}
     assert d["tenants"] == {"added": ["gamma"], "removed": ["beta"], "revoked": ["beta"]}

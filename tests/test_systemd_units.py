@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.sidecar.access.policy import ALL_TENANTS, load_policy
+from kvoffload.sidecar.access.policy import ALL_TENANTS
+from kvoffload.sidecar.access.policy_file import load_policy
 
 SYSTEMD = Path(__file__).resolve().parent.parent / "systemd"
 SERVICE = SYSTEMD / "kvoffload.service"

@@ -19,6 +19,7 @@ from kvoffload.errors import KeyDerivationError, PolicyError
 from kvoffload.keys import chunk_keys, group_salt, root_key
 from kvoffload.protocol import fake_salt
 from kvoffload.sidecar.access.policy import Grant, Policy, TenantPolicy
+from kvoffload.sidecar.access.policy_file import parse_policy
 from kvoffload.sidecar.config import ServerConfig
 from kvoffload.staging import PAGE
 
@@ -86,7 +87,7 @@ tenants = ["*"]
 
 
 def test_policy_reads_share_prefixes() -> None:
-    pol = Policy.from_toml_text(GOOD)
+    pol = parse_policy(GOOD)
     assert pol.tenant("pool").share_prefixes and pol.tenant("pool").trust_group == "research"
     assert not pol.tenant("alice").share_prefixes
 
@@ -135,7 +136,7 @@ def test_policy_refuses_sharing_that_crosses_groups(
     text = GOOD.replace(*edit, 1)
     assert text != GOOD
     with pytest.raises(PolicyError) as info:
-        Policy.from_toml_text(text, "policy.toml")
+        parse_policy(text, "policy.toml")
     msg = str(info.value)
     assert words in msg
     assert f"policy.toml:{line}" in msg

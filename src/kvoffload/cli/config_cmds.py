@@ -126,7 +126,7 @@ def show(as_json: JsonOpt = False) -> None:
 
 def _policy_rows(policy_file: Path) -> list[dict[str, Any]]:
     """The retention and feed settings of each tenant table of the policy in force."""
-    from ..sidecar.access.policy import load_policy
+    from ..sidecar.access.policy_file import load_policy
     from ..sidecar.access.revocation import setting_as_written
 
     policy = load_policy(policy_file)
@@ -251,7 +251,8 @@ def policy_check(
     Check an edited file before `systemctl reload kvoffload` (SIGHUP): an
     invalid file is one line naming the file and line, exit 1.
     """
-    from ..sidecar.access.policy import AllTenants, load_policy
+    from ..sidecar.access.policy import AllTenants
+    from ..sidecar.access.policy_file import load_policy
 
     policy = load_policy(file)
     grants: list[dict[str, Any]] = [

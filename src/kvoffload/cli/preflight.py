@@ -43,7 +43,8 @@ __all__ = [
 def policy(cfg: Config) -> tuple[Policy, Callable[[], Policy] | None]:
     """The policy serve starts with, and how SIGHUP reloads it (None: it cannot)."""
     from ..errors import ConfigError
-    from ..sidecar.access.policy import Policy, load_policy
+    from ..sidecar.access.policy import Policy
+    from ..sidecar.access.policy_file import load_policy
 
     if cfg.policy_file is not None:
         path = cfg.policy_file

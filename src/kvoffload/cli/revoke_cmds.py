@@ -50,7 +50,7 @@ def policy_diff_cmd(
     "12h" -> "1h"`; --json: each changed field in bytes and seconds). Exit 0
     whether or not they differ; 1 (one line, file:line) if either file is invalid.
     """
-    from ..sidecar.access.policy import load_policy
+    from ..sidecar.access.policy_file import load_policy
     from ..sidecar.access.revocation import diff_is_empty, format_diff, policy_diff
 
     d = policy_diff(load_policy(old), load_policy(new))
