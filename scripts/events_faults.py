@@ -29,7 +29,8 @@ from typing import Any
 
 from kvoffload import protocol as p
 from kvoffload.client import SidecarClient
-from kvoffload.events.consumer import EventConsumer, Health, SourceSpec
+from kvoffload.events.consumer import EventConsumer
+from kvoffload.events.sources import Health, SourceSpec
 from kvoffload.testing import dev_sidecar
 from kvoffload.transport import UnixTransport
 

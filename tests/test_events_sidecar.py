@@ -22,7 +22,8 @@ zmq = pytest.importorskip("zmq")
 
 from kvoffload import protocol as p  # noqa: E402
 from kvoffload.client import SidecarClient  # noqa: E402
-from kvoffload.events.consumer import EventConsumer, Health, Recovery, SourceSpec  # noqa: E402
+from kvoffload.events.consumer import EventConsumer  # noqa: E402
+from kvoffload.events.sources import Health, Recovery, SourceSpec  # noqa: E402
 from kvoffload.events.wire import split_seq  # noqa: E402
 from kvoffload.testing import cli_argv  # noqa: E402
 from kvoffload.transport import UnixTransport  # noqa: E402

@@ -17,7 +17,8 @@ import pytest
 zmq = pytest.importorskip("zmq")
 
 from kvoffload import protocol as p  # noqa: E402
-from kvoffload.events.consumer import EventConsumer, Health, SourceSpec  # noqa: E402
+from kvoffload.events.consumer import EventConsumer  # noqa: E402
+from kvoffload.events.sources import Health, SourceSpec  # noqa: E402
 from kvoffload.layouts import v1  # noqa: E402
 from kvoffload.sidecar.access.policy import TenantPolicy  # noqa: E402
 from kvoffload.sidecar.config import EventsSettings  # noqa: E402

@@ -21,8 +21,9 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
-from kvoffload.events.consumer import EventConsumer, Health, Recovery, SourceSpec  # noqa: E402
+from kvoffload.events.consumer import EventConsumer  # noqa: E402
 from kvoffload.events.publisher import KVEventPublisher, MemoryReplayBuffer  # noqa: E402
+from kvoffload.events.sources import Health, Recovery, SourceSpec  # noqa: E402
 from kvoffload.events.view import BlockView  # noqa: E402
 from kvoffload.events.wire import (  # noqa: E402
     BlockRemoved,
@@ -580,8 +581,8 @@ def test_a_uid_outside_the_group_cannot_read_the_feed(ctx: zmq.Context) -> None:
 def test_tcp_with_curve_keys_admits_only_the_key_holder(ctx: zmq.Context) -> None:
     if not zmq.has("curve"):
         pytest.skip("this libzmq has no CURVE")
-    from kvoffload.events.consumer import CurveClient
     from kvoffload.events.publisher import CurveServer
+    from kvoffload.events.sources import CurveClient
 
     server_pub, server_sec = zmq.curve_keypair()
     client_pub, client_sec = zmq.curve_keypair()

@@ -27,7 +27,8 @@ from vllm.config.kv_events import KVEventsConfig
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvoffload import protocol as p
-from kvoffload.events.consumer import EventConsumer, SourceSpec
+from kvoffload.events.consumer import EventConsumer
+from kvoffload.events.sources import SourceSpec
 from kvoffload.events.wire import BlockStored
 from kvoffload.transport import UnixTransport
 

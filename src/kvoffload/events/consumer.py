@@ -35,10 +35,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 import zmq
 from prometheus_client import CollectorRegistry
@@ -47,6 +45,7 @@ from prometheus_client.registry import Collector
 
 from kvoffload.errors import EventDecodeError
 
+from .sources import CurveClient, Health, Recovery, SourceSpec, SourceStatus, copy_status
 from .view import BlockView
 from .wire import (
     END_SEQ_BYTES,
@@ -64,76 +63,12 @@ from .wire import (
 __all__ = [
     "SNAPSHOT_REQUEST",
     "ConsumerMetrics",
-    "CurveClient",
     "EventConsumer",
-    "Health",
-    "Recovery",
-    "SourceSpec",
-    "SourceStatus",
 ]
 
 log = logging.getLogger("kvoffload.events")
 
 
-class Health(StrEnum):
-    LIVE = "live"
-    REPLAYING = "replaying"
-    STALE = "stale"
-
-
-class Recovery(StrEnum):
-    """How a source's view was brought back in line."""
-
-    REPLAY = "replay"
-    SNAPSHOT = "snapshot"
-    RESTART = "restart"
-
-
-@dataclass(frozen=True)
-class CurveClient:
-    """ZMQ CURVE keys (Z85) to reach a publisher on TCP (events-v1 §7)."""
-
-    server_public_key: bytes
-    public_key: bytes
-    secret_key: bytes
-
-
-@dataclass(frozen=True)
-class SourceSpec:
-    """One publisher: its PUB endpoint, replay ROUTER and topic prefix.
-
-    ``snapshots``: the source answers ``snapshot/1`` on its replay socket (a
-    kvoffload sidecar; a vLLM engine does not).
-    """
-
-    name: str
-    endpoint: str
-    replay_endpoint: str | None = None
-    topic: str = ""
-    snapshots: bool = False
-    curve: CurveClient | None = None
-
-
-@dataclass
-class SourceStatus:
-    """Health and counters of one source; a copy when read through the consumer."""
-
-    name: str
-    health: Health = Health.STALE
-    last_seq: int | None = None
-    incarnation: int | None = None
-    batches: int = 0
-    events: int = 0
-    duplicates: int = 0
-    gaps: int = 0
-    malformed: int = 0
-    unknown_events: int = 0
-    failed_requests: int = 0
-    recoveries: Counter[str] = field(default_factory=Counter)
-    last_error: str | None = None
-
-
-#: Applied batches remembered per source to tell a duplicate from a restart.
 _RECENT = 16384
 
 
@@ -164,24 +99,6 @@ class _Source:
 
     def __post_init__(self) -> None:
         self.status = SourceStatus(self.spec.name)
-
-
-def _copy_status(s: SourceStatus) -> SourceStatus:
-    return SourceStatus(
-        name=s.name,
-        health=s.health,
-        last_seq=s.last_seq,
-        incarnation=s.incarnation,
-        batches=s.batches,
-        events=s.events,
-        duplicates=s.duplicates,
-        gaps=s.gaps,
-        malformed=s.malformed,
-        unknown_events=s.unknown_events,
-        failed_requests=s.failed_requests,
-        recoveries=Counter(s.recoveries),
-        last_error=s.last_error,
-    )
 
 
 BatchCallback = Callable[[str, int, EventBatch], None]
@@ -270,11 +187,11 @@ class EventConsumer:
 
     def status(self, name: str) -> SourceStatus:
         with self.lock:
-            return _copy_status(self._sources[name].status)
+            return copy_status(self._sources[name].status)
 
     def statuses(self) -> list[SourceStatus]:
         with self.lock:
-            return [_copy_status(s.status) for s in self._sources.values()]
+            return [copy_status(s.status) for s in self._sources.values()]
 
     def locate(self, hashes: list[bytes | int], medium: str | None = None) -> dict[str, int]:
         """Per live source, how many leading hashes of the chain it holds (0 omitted)."""

@@ -28,7 +28,8 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from kvoffload.events.consumer import EventConsumer, Health, SourceSpec
+from kvoffload.events.consumer import EventConsumer
+from kvoffload.events.sources import Health, SourceSpec
 from kvoffload.events.wire import EventBatch
 
 from .config import RouterConfig

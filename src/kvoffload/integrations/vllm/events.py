@@ -76,7 +76,8 @@ class ConnectorEvents:
     def _open_feed(self) -> Any:
         """The sidecar's feed, beside its socket (events-v1 §7); None if absent."""
         try:
-            from kvoffload.events.consumer import EventConsumer, SourceSpec
+            from kvoffload.events.consumer import EventConsumer
+            from kvoffload.events.sources import SourceSpec
         except ImportError:  # pyzmq missing: stores are announced, removals are not
             return None
         base = Path(self._settings.socket_path).parent
