@@ -8,10 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import kvoffload.cli as cli
 from kvoffload import errors
 from kvoffload.cli.app import hoist_global_options
-from kvoffload.cli.exits import EXIT_TABLE, ExitCode, exit_for
+from kvoffload.cli.exits import (
+    EXIT_MEANINGS,
+    EXIT_TABLE,
+    ExitCode,
+    exit_code_help,
+    exit_code_markdown,
+    exit_for,
+)
 
 
 def run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -26,8 +32,7 @@ def run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_table_covers_every_documented_code() -> None:
-    assert cli.__doc__ is not None
-    documented = {int(m) for m in re.findall(r"^  (\d+)  ", cli.__doc__, re.M)}
+    documented = {int(m) for m in re.findall(r"^  (\d+)  ", exit_code_help(), re.M)}
     assert documented == {int(c) for c in ExitCode}
     # USAGE also comes from click's own option parsing; every other failure code
     # is reached through the table.
@@ -93,3 +98,23 @@ def test_make_serve_puts_dev_before_the_command() -> None:
     makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
     recipe = makefile.split("\nserve:", 1)[1].split("\n\n", 1)[0]
     assert "kvoffload --dev serve" in recipe
+
+
+def test_the_exit_code_table_is_written_once_and_help_and_readme_come_from_it() -> None:
+    """Every code has its meaning in EXIT_MEANINGS; ``--help`` prints that table
+    and the README's rows are exactly the ones made from it."""
+    assert set(EXIT_MEANINGS) == set(ExitCode)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = "<!-- exit-codes: made from kvoffload.cli.exits.EXIT_MEANINGS -->\n"
+    block = readme.split(start, 1)[1].split("<!-- /exit-codes -->", 1)[0]
+    assert block == exit_code_markdown(), "README's exit codes: paste\n" + exit_code_markdown()
+    help_text = subprocess.run(
+        [sys.executable, "-m", "kvoffload.cli", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "COLUMNS": "200"},
+    ).stdout
+    for code, meaning in EXIT_MEANINGS.items():
+        assert f"{int(code)}  {meaning}" in " ".join(help_text.split("\n")), meaning
+    assert exit_code_help().splitlines()[0] == "Exit codes:"

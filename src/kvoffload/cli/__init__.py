@@ -4,18 +4,8 @@ The store commands (inspect, ls, purge, fsck) go through the running
 sidecar's admin verbs when one serves the configured socket, and open the
 store in-process only when none does (:mod:`.admin`).
 
-Exit codes:
-  0  success
-  1  error (I/O, invalid store, invalid config)
-  2  usage error
-  3  no store at that location (run `kvoffload init`)
-  4  the store's index is held by another process (a sidecar on another socket)
-  5  fsck found problems (without --repair)
-  6  aborted at a confirmation prompt
-  7  the sidecar is not reachable (stats, demo)
-  8  nothing to do: a purge or invalidate that matches nothing (a typo?)
-  9  audit --verify: the audit log's hash chain is broken
-  130  stopped by Ctrl-C (one line says so)
+The exit codes, with what each means, are the table of :mod:`.exits`
+(``kvoffload --help`` prints it).
 
 One module per command group: :mod:`.app` (the typer app, global options,
 config and store helpers), :mod:`.store_cmds` (init, inspect, ls, purge, fsck,

@@ -15,25 +15,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .exits import _CliUsageError, _NoStore
+from .exits import _CliUsageError, _NoStore, exit_code_help
 
 if TYPE_CHECKING:
     from ..sidecar.config import Config
     from ..store import Store
 
-EPILOG = """Exit codes:
-  0  success
-  1  error (I/O, invalid store, invalid config)
-  2  usage error
-  3  no store at that location (run `kvoffload init`)
-  4  the store's index is held by another process (a sidecar on another socket)
-  5  fsck found problems (without --repair)
-  6  aborted at a confirmation prompt
-  7  the sidecar is not reachable (stats, demo)
-  8  nothing to do: a purge or invalidate that matches nothing (a typo?)
-  9  audit --verify: the audit log's hash chain is broken
-  130  stopped by Ctrl-C (one line says so)
-"""
+EPILOG = exit_code_help()
 
 HELP = """KV-cache offload sidecar and its store.
 

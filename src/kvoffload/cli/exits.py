@@ -9,7 +9,10 @@ No traceback: an exception no row matches is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import IntEnum
+from types import MappingProxyType
+from typing import Final
 
 from ..errors import (
     ConfigError,
@@ -33,6 +36,7 @@ __all__ = [
     "EXIT_FSCK_PROBLEMS",
     "EXIT_INTERRUPTED",
     "EXIT_LOCKED",
+    "EXIT_MEANINGS",
     "EXIT_NOTHING",
     "EXIT_NO_STORE",
     "EXIT_OK",
@@ -40,6 +44,8 @@ __all__ = [
     "EXIT_UNREACHABLE",
     "EXIT_USAGE",
     "ExitCode",
+    "exit_code_help",
+    "exit_code_markdown",
     "exit_for",
 ]
 
@@ -58,6 +64,38 @@ class ExitCode(IntEnum):
     NOTHING = 8  # nothing to do: a purge or invalidate that matches nothing (a typo?)
     AUDIT_BROKEN = 9  # the audit log's hash chain is broken (audit --verify)
     INTERRUPTED = 130  # stopped by Ctrl-C (SIGINT), as shells report it (128 + 2)
+
+
+#: What each exit code means: the one table that ``kvoffload --help``
+#: (:func:`exit_code_help`) and the README's rows (:func:`exit_code_markdown`,
+#: checked by tests/test_cli_exits.py) are made from.
+EXIT_MEANINGS: Final[Mapping[ExitCode, str]] = MappingProxyType(
+    {
+        ExitCode.OK: "success",
+        ExitCode.ERROR: "error (I/O, invalid store, invalid config)",
+        ExitCode.USAGE: "usage error",
+        ExitCode.NO_STORE: "no store at that location (run `kvoffload init`)",
+        ExitCode.LOCKED: "the store's index is held by another process "
+        "(a sidecar on another socket)",
+        ExitCode.FSCK_PROBLEMS: "fsck found problems (without --repair)",
+        ExitCode.ABORTED: "aborted at a confirmation prompt",
+        ExitCode.UNREACHABLE: "the sidecar is not reachable (stats, demo)",
+        ExitCode.NOTHING: "nothing to do: a purge or invalidate that matches nothing (a typo?)",
+        ExitCode.AUDIT_BROKEN: "audit --verify: the audit log's hash chain is broken",
+        ExitCode.INTERRUPTED: "stopped by Ctrl-C (one line says what stopped)",
+    }
+)
+
+
+def exit_code_help() -> str:
+    """The exit-code table of ``kvoffload --help``."""
+    return "Exit codes:\n" + "".join(f"  {int(c)}  {m}\n" for c, m in EXIT_MEANINGS.items())
+
+
+def exit_code_markdown() -> str:
+    """The README's exit-code rows (tests/test_cli_exits.py holds the README to them)."""
+    rows = "".join(f"| {int(c)} | {m} |\n" for c, m in EXIT_MEANINGS.items())
+    return "| code | meaning |\n|---|---|\n" + rows
 
 
 EXIT_OK = ExitCode.OK
