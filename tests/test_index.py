@@ -16,14 +16,13 @@ from pathlib import Path
 import lmdb
 import pytest
 
+from kvoffload.store.api import ChunkRecord, Usage
 from kvoffload.store.index import (
     INDEX_SCHEMA,
-    ChunkRecord,
     Index,
     IndexCorrupt,
     IndexFailure,
     IndexVersionError,
-    Usage,
 )
 
 NS_A = b"A" * 32

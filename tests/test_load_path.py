@@ -41,8 +41,8 @@ from kvoffload.sidecar.transfers import Transfers
 from kvoffload.store import Store, StoreConfig
 from kvoffload.store import files as fileio
 from kvoffload.store import layerwise as lw
+from kvoffload.store.api import ChunkRecord
 from kvoffload.store.files import Durability
-from kvoffload.store.index import ChunkRecord
 from kvoffload.store.iobackend import local_fs
 from kvoffload.store.keys.keyring import Kek
 from kvoffload.store.pipeline import Pipeline

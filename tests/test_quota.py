@@ -18,7 +18,7 @@ import pytest
 
 from kvoffload.errors import QuotaExceeded, StoreFull
 from kvoffload.layouts import v1
-from kvoffload.store.index import ChunkRecord
+from kvoffload.store.api import ChunkRecord
 
 from .test_store import NS, key, layers, open_store
 

@@ -21,7 +21,7 @@ from ..store.api import RetentionSettings
 if TYPE_CHECKING:
     from ..layouts.store_root import LayoutInfo
     from ..store import FsckReport, ReadLease, Reservation, StoreConfig, StoreLease
-    from ..store.index import ChunkRecord, Usage
+    from ..store.api import ChunkRecord, Usage
 
 
 class ReservationAPI(Protocol):

@@ -71,7 +71,7 @@ from .service import (
 )
 
 if TYPE_CHECKING:
-    from ..store.index import ChunkRecord
+    from ..store.api import ChunkRecord
 
 log = logging.getLogger("kvoffload.server")
 

@@ -43,23 +43,35 @@ The package, one job a module, stacked (each layer uses those below it):
 from __future__ import annotations
 
 from ..errors import LeaseInvalid, QuotaExceeded, StoreError, StoreFull, StoreIOError, StoreLocked
+from .api import (
+    ChunkRecord,
+    FsckReport,
+    LoadPlan,
+    PurgeReport,
+    ReadLease,
+    Reservation,
+    RetentionSettings,
+    StoreLease,
+    Usage,
+)
 from .audit import AuditLog
 from .base import DEFAULT_MAX_SEGMENTS_PER_EPOCH, MAX_OBJECT_BYTES, Counters, StoreConfig
-from .capacity import Reservation
-from .leases import ReadLease, StoreLease
-from .maintenance import FsckReport
 from .store import Store, open_store
 
 __all__ = [
     "DEFAULT_MAX_SEGMENTS_PER_EPOCH",
     "MAX_OBJECT_BYTES",
     "AuditLog",
+    "ChunkRecord",
     "Counters",
     "FsckReport",
     "LeaseInvalid",
+    "LoadPlan",
+    "PurgeReport",
     "QuotaExceeded",
     "ReadLease",
     "Reservation",
+    "RetentionSettings",
     "Store",
     "StoreConfig",
     "StoreError",
@@ -67,5 +79,6 @@ __all__ = [
     "StoreIOError",
     "StoreLease",
     "StoreLocked",
+    "Usage",
     "open_store",
 ]

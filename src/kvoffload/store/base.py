@@ -30,11 +30,11 @@ from kvoffload.errors import IndexFailure, StoreKeyError
 
 from ..errors import StoreIOError
 from ..layouts import LayoutInfo, UnknownKeyEpoch, UnknownLayoutVersion, v1
-from .api import RetentionSettings
+from .api import ChunkRecord, RetentionSettings
 from .audit import AuditLog
 from .cancel import LoadGenerations
 from .files import Durability, PartReader, ScratchBuffers
-from .index import ChunkRecord, Index
+from .index import Index
 from .iobackend import IOBackend, IOMode, IOPlan
 from .keys.keyring import Keyring, KeyringError, TenantKeys
 from .ramtier import RamTier

@@ -15,41 +15,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ..errors import QuotaExceeded, StoreFull
+from .api import ChunkRecord, Reservation
 from .base import StoreBase, boundary
-from .index import ChunkRecord
-
-
-class Reservation:
-    """Bytes held against the capacity for one in-flight write."""
-
-    def __init__(self, store: Capacity, tenant: str, nbytes: int) -> None:
-        self._store = store
-        self.tenant = tenant
-        self.nbytes = nbytes
-        self._released = False
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._store._unreserve(self.tenant, self.nbytes)
-
-    def _commit_locked(self) -> None:
-        # Caller holds the store's lock and has just added the bytes to `used`.
-        if not self._released:
-            self._released = True
-            self._store._unreserve_locked(self.tenant, self.nbytes)
-            if self._store._shared is not None:
-                self._store._shared.committed_locked(self.nbytes)
-
-    def __enter__(self) -> Reservation:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 @dataclass(frozen=True)
@@ -121,6 +88,14 @@ class Capacity(StoreBase):
         with self._mu:
             return self._used + self._reserved
 
+    def _commit_locked(self, res: Reservation) -> None:
+        """A reservation's bytes just became usage (the caller holds the lock
+        and has added them to ``used``)."""
+        if res._claim():
+            self._unreserve_locked(res.tenant, res.nbytes)
+            if self._shared is not None:
+                self._shared.committed_locked(res.nbytes)
+
     def _unreserve(self, tenant: str, n: int) -> None:
         with self._mu:
             self._unreserve_locked(tenant, n)
@@ -163,7 +138,7 @@ class Capacity(StoreBase):
             with self._mu:
                 self._drop_tenant_share_locked(tenant, nbytes)
             raise
-        return Reservation(self, tenant, nbytes)
+        return Reservation(tenant, nbytes, self._unreserve)
 
     @boundary
     def tenant_accounted(self, tenant: str) -> int:

@@ -30,7 +30,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from itertools import repeat, takewhile
 from pathlib import Path
 from types import TracebackType
@@ -40,15 +40,15 @@ import lmdb
 
 from kvoffload.errors import IndexCorrupt, IndexFailure, IndexVersionError
 
+from .api import ChunkRecord, Usage
+
 __all__ = [
     "INDEX_SCHEMA",
     "KEY_SIZE",
-    "ChunkRecord",
     "Index",
     "IndexCorrupt",
     "IndexFailure",
     "IndexVersionError",
-    "Usage",
     "probe_in_child",
 ]
 
@@ -82,30 +82,6 @@ _T = TypeVar("_T")
 if TYPE_CHECKING:
     # lmdb's classes are generic in its stubs only, not at run time.
     _Txn: TypeAlias = lmdb.Transaction[bytes]
-
-
-@dataclass(frozen=True)
-class ChunkRecord:
-    """What the index knows about one stored chunk object."""
-
-    tenant: str
-    chunk_key: bytes  # 32
-    namespace: bytes  # 32
-    key_epoch: int  # 0 = plaintext
-    size: int  # bytes on disk (object file size)
-    payload: int  # plaintext bytes
-    num_layers: int
-    created_ns: int
-    last_access_ns: int
-    expires_ns: int  # 0 = never
-
-
-@dataclass(frozen=True)
-class Usage:
-    """Bytes on disk and number of chunks."""
-
-    bytes: int
-    count: int
 
 
 def _tenant_bytes(tenant: str) -> bytes:

@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING
 
 from ..layouts import CorruptObject, ObjectMismatch, UnknownKeyEpoch, v1
 from . import files as fileio
+from .api import ChunkRecord
 from .base import log
-from .index import ChunkRecord
 from .pipeline import PARALLEL_MIN_BYTES
 from .ramtier import Image, RamTier
 

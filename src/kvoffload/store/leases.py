@@ -11,50 +11,14 @@ import contextlib
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
 from ..errors import LeaseInvalid
 from ..layouts import CorruptObject, LayoutError, v1
 from . import files as fileio
+from .api import ChunkRecord, ReadLease, StoreLease
 from .base import MAX_OBJECT_BYTES, boundary
-from .capacity import Reservation
 from .files import Durability, read_prefix
-from .index import ChunkRecord
 from .pipeline import Pipeline
-
-
-@dataclass
-class StoreLease:
-    """A direct-path write in progress (docs/spec/layout-v1.md §4.1): the leased temp
-    file, its reservation, and what the finished object must be."""
-
-    tenant: str
-    namespace: bytes
-    chunk_key: bytes
-    lengths: tuple[int, ...]
-    size: int
-    tmp: Path
-    final: Path
-    reservation: Reservation
-    ttl_s: float | None
-    #: The tenant's load generation (cancel.py) at lease time: a purge or
-    #: revocation since then refuses the lease at publication.
-    generation: int = 0
-
-    @property
-    def offsets(self) -> tuple[int, list[int]]:
-        """(data_offset, layer offsets) of the object the worker must write."""
-        return v1.plan_offsets(len(self.lengths), self.lengths, False)
-
-
-@dataclass(frozen=True)
-class ReadLease:
-    """What a worker needs to read one verified-at-rest direct-path object itself."""
-
-    path: Path
-    size: int
-    header: v1.ObjectHeader
 
 
 class Leases(Pipeline):
@@ -176,7 +140,7 @@ class Leases(Pipeline):
                 inserted = self.index.put(rec)
                 if inserted:
                     self._used += lease.size
-                    lease.reservation._commit_locked()
+                    self._commit_locked(lease.reservation)
             if inserted:
                 self.counters.puts += 1
                 self.counters.bytes_in += rec.payload

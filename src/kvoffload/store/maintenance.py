@@ -9,52 +9,14 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ..layouts import CorruptObject, v1
+from .api import ChunkRecord, FsckReport
 from .base import MAX_OBJECT_BYTES, boundary, log
 from .capacity import Capacity
 from .files import read_prefix
-from .index import ChunkRecord
 from .retention import Retention
-
-
-@dataclass
-class FsckReport:
-    objects_on_disk: int = 0
-    index_records: int = 0
-    ok: int = 0
-    missing_files: list[str] = field(default_factory=list)  # index says present, no file
-    unindexed_files: list[str] = field(default_factory=list)  # file, no index record
-    corrupt_files: list[str] = field(default_factory=list)
-    orphan_tmp_files: list[str] = field(default_factory=list)
-    purged_tenant_files: list[str] = field(default_factory=list)
-    mismatched_records: list[str] = field(default_factory=list)
-    #: "tenant: why" for key files that cannot be read: those tenants' chunks
-    #: miss, their objects are kept (the key file may be restored), others serve.
-    unreadable_key_files: list[str] = field(default_factory=list)
-    repaired: bool = False
-
-    @property
-    def clean(self) -> bool:
-        # Unindexed objects are not a problem: a crash between an object's
-        # rename and its index insert leaves one (layout-v1.md §4); fsck
-        # indexes those that verify.
-        return not (
-            self.missing_files
-            or self.corrupt_files
-            or self.orphan_tmp_files
-            or self.purged_tenant_files
-            or self.mismatched_records
-            or self.unreadable_key_files
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items()}
-        d["clean"] = self.clean
-        return d
 
 
 class Maintenance(Capacity):

@@ -33,6 +33,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from ..errors import StoreError
 from ..layouts import ObjectMismatch, v1
 from . import files as fileio
+from .api import ChunkRecord, Reservation
 from .base import (
     MAX_OBJECT_BYTES,
     SEAL_COUNT_BLOCK,
@@ -42,9 +43,7 @@ from .base import (
     log,
 )
 from .cancel import LoadCancelled, PutCancelled, may_wait_between_layers
-from .capacity import Reservation
 from .files import Durability, ScratchBuffers
-from .index import ChunkRecord
 from .maintenance import Maintenance
 from .ramtier import RamTier, Slot
 from .shared.root import SHARED_NONCE_SHARES
@@ -527,7 +526,7 @@ class Pipeline(Maintenance):
                 for (n, job, _rec), new in zip(recs, inserted, strict=True):
                     if new:
                         self._used += job.size
-                        job.res._commit_locked()
+                        self._commit_locked(job.res)
                         out[n] = True
             for (_n, _job, rec), new in zip(recs, inserted, strict=True):
                 self.counters.puts += 1

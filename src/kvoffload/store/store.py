@@ -33,6 +33,7 @@ from ..layouts import (
 )
 from ..layouts.store_root import ROOT_DIR_MODES
 from ..posix import atomic_create
+from .api import ChunkRecord, Usage
 from .audit import AuditLog
 from .base import (
     SEAL_COUNTS_LOST,
@@ -47,7 +48,7 @@ from .cancel import LoadGenerations, TransferCancelled
 from .capacity import _Scope
 from .contracts import ContractRegistry, check_selector, contract_fields, contract_matches
 from .files import Durability, ScratchBuffers, syncfs
-from .index import ChunkRecord, Index, IndexCorrupt, IndexFailure, Usage, probe_in_child
+from .index import Index, IndexCorrupt, IndexFailure, probe_in_child
 from .iobackend import DIRECT_WRITE_MIN, IOPlan, select_backend
 from .keys.keyring import Kek, Keyring
 from .layerwise import PlanFn, ReportFn, get_layerwise_into, load_layerwise
