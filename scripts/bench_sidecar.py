@@ -111,7 +111,7 @@ from kvoffload.protocol import (
     reply_message,
     request_message,
 )
-from kvoffload.store.base import default_io_streams
+from kvoffload.store.config import default_io_streams
 
 if TYPE_CHECKING:
     import bench_io as bio

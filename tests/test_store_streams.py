@@ -20,7 +20,7 @@ from kvoffload.layouts import v1
 from kvoffload.sidecar.config import ConfigError, load_config
 from kvoffload.store import Store, StoreConfig, pipeline
 from kvoffload.store import files as fileio
-from kvoffload.store.base import MAX_DEFAULT_IO_STREAMS, default_io_streams
+from kvoffload.store.config import MAX_DEFAULT_IO_STREAMS, default_io_streams
 from kvoffload.store.keys.keyring import Kek
 
 NS = bytes(range(32))
@@ -196,11 +196,11 @@ def test_a_small_unsynced_save_runs_inline_and_the_rest_on_the_streams(
     s = open_store(tmp_path / "s", kek_file, N)
     try:
         assert s.put_many("acme", NS, chunks[:4]) == [True] * 4
-        assert threads == {threading.current_thread().name} and s._pipe is None
+        assert threads == {threading.current_thread().name} and s._state.streams.pool is None
         outs = [memoryview(bytearray(sum(map(len, lay)))) for _, lay in chunks[:4]]
         got = s.get_many_into("acme", [k for k, _ in chunks[:4]], outs)
         assert got == [[len(x) for x in lay] for _, lay in chunks[:4]]
-        assert s._pipe is not None  # loads: on the streams
+        assert s._state.streams.pool is not None  # loads: on the streams
     finally:
         s.close()
     threads.clear()

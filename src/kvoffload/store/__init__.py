@@ -55,7 +55,8 @@ from .api import (
     Usage,
 )
 from .audit import AuditLog
-from .base import DEFAULT_MAX_SEGMENTS_PER_EPOCH, MAX_OBJECT_BYTES, Counters, StoreConfig
+from .config import DEFAULT_MAX_SEGMENTS_PER_EPOCH, MAX_OBJECT_BYTES, StoreConfig
+from .state import Counters
 from .store import Store, open_store
 
 __all__ = [

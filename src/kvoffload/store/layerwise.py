@@ -49,9 +49,9 @@ from typing import TYPE_CHECKING
 from ..layouts import CorruptObject, ObjectMismatch, UnknownKeyEpoch, v1
 from . import files as fileio
 from .api import ChunkRecord
-from .base import log
 from .pipeline import PARALLEL_MIN_BYTES
 from .ramtier import Image, RamTier
+from .state import log
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -125,7 +125,7 @@ def _open(store: Pipeline, tenant: str, rec: ChunkRecord, out: memoryview) -> _O
         aead: v1.Aead | None = None
         if h.sealed:
             tk = store.keyring.get(tenant)
-            aead = store._aead_for(tenant, tk)(h.key_epoch)
+            aead = store.keyring.aead_for(tenant, tk)(h.key_epoch)
             if aead is None:
                 raise UnknownKeyEpoch(f"no key for epoch {h.key_epoch} (purged, unknown or newer)")
         starts, at = [], 0
@@ -206,7 +206,7 @@ def get_layerwise_into(
     for key in keys:
         rec = store._record(tenant, key)
         if rec is None:
-            store.counters.misses += 1
+            store.counters.miss()
             break
         recs.append(rec)
     got = load_layerwise(store, tenant, recs, outs[: len(recs)], plan, report, cancelled)
@@ -237,7 +237,7 @@ def load_layerwise(
         live = len(opened)
         plan([tuple(le.length for le in o.header.layers) for o in opened])
         layers = max((len(o.header.layers) for o in opened), default=0)
-        pool = store._pipeline() if live > 1 else None
+        pool = store._state.streams.executor() if live > 1 else None
         # The report of the layer before, sent while this layer is verified on
         # the pool (sending waits for the client's socket): it names only
         # bytes already checked, and always goes out before any later report.
@@ -307,16 +307,16 @@ def _failed(store: Pipeline, tenant: str, o: _Opened | bytes, exc: BaseException
         # The RAM tier's failure, not the file's: the image goes, the file stays.
         log.warning("chunk %s of %s: its RAM image %s; a miss", o.key.hex()[:16], tenant, exc)
         o.ram.failed(o.image)
-        store.counters.misses += 1
+        store.counters.miss()
         return
     key = o.key if isinstance(o, _Opened) else o
     if isinstance(exc, ObjectMismatch) and "index record" in str(exc):
         # The object may be whole and the record stale: the record goes, the
         # file stays for fsck (or a re-save) to sort out. A miss either way.
-        store.counters.misses += 1
-        store._drop_quietly(tenant, key, "record-mismatch", remove_file=False)
+        store.counters.miss()
+        store._removal.drop_quietly(tenant, key, "record-mismatch", remove_file=False)
         return
-    store._read_failed(tenant, key, exc)
+    store._removal.read_failed(tenant, key, exc)
 
 
 __all__ = ["PlanFn", "ReportFn", "get_layerwise_into", "load_layerwise"]

@@ -16,9 +16,10 @@ from ..errors import LeaseInvalid
 from ..layouts import CorruptObject, LayoutError, v1
 from . import files as fileio
 from .api import ChunkRecord, ReadLease, StoreLease
-from .base import MAX_OBJECT_BYTES, boundary
+from .config import MAX_OBJECT_BYTES
 from .files import Durability, read_prefix
 from .pipeline import Pipeline
+from .state import boundary
 
 
 class Leases(Pipeline):
@@ -52,11 +53,11 @@ class Leases(Pipeline):
         if not v1.shape_ok(lengths, False):
             raise ValueError("padding would exceed the bound of layout-v1.md §3.2")
         have = self.index.get(tenant, chunk_key)
-        if have is not None and self._is_expired(have, time.time_ns()):
-            self._drop(tenant, chunk_key, reason="expired")  # a save writes it afresh
+        if have is not None and self._state.is_expired(have, time.time_ns()):
+            self._removal.drop(tenant, chunk_key, reason="expired")  # a save writes it afresh
             have = None
         if have is not None:
-            self.counters.put_exists += 1
+            self.counters.existed()
             return None
         size = v1.object_size(lengths, False)
         generation = self._load_gens.current(tenant)
@@ -113,7 +114,7 @@ class Leases(Pipeline):
                     raise CorruptObject("layer lengths differ from the lease")
             except (LayoutError, OSError) as exc:
                 os.close(fd)
-                self.counters.corrupt += 1
+                self.counters.corrupted()
                 raise LeaseInvalid(f"chunk {lease.chunk_key.hex()[:16]}: {exc}") from exc
             now = time.time_ns()
             expires = now + int(lease.ttl_s * 1e9) if lease.ttl_s else 0
@@ -136,20 +137,15 @@ class Leases(Pipeline):
                 last_access_ns=now,
                 expires_ns=expires,
             )
-            with self._mu:
-                inserted = self.index.put(rec)
-                if inserted:
-                    self._used += lease.size
-                    self._commit_locked(lease.reservation)
+            inserted = self._capacity.admit_one(rec, lease.reservation)
             if inserted:
-                self.counters.puts += 1
-                self.counters.bytes_in += rec.payload
+                self.counters.stored(rec.payload)
                 self._journal_stored(rec)
             else:
-                self.counters.put_exists += 1  # another writer indexed it meanwhile
+                self.counters.existed()  # another writer indexed it meanwhile
         finally:
             self.cancel_lease(lease)  # a no-op for the file once it has its name
-        self._after_write()
+        self._capacity.after_write()
         return True
 
     @boundary
@@ -163,7 +159,7 @@ class Leases(Pipeline):
         """
         rec = self._record(tenant, key)
         if rec is None:
-            self.counters.misses += 1
+            self.counters.miss()
             return None
         if rec.key_epoch:
             return None  # sealed: only the sidecar reads it
@@ -177,7 +173,7 @@ class Leases(Pipeline):
             if h.sealed or size != h.total_size:
                 raise CorruptObject(f"object is {size} bytes or sealed, header says otherwise")
         except Exception as exc:  # every failure of a damaged file is a miss
-            self._read_failed(tenant, key, exc)
+            self._removal.read_failed(tenant, key, exc)
             return None
         self._hit(tenant, key, h.payload_size)
         return ReadLease(path, size, h)
@@ -196,6 +192,6 @@ class Leases(Pipeline):
             buf = self.io.read_object(self._path(tenant, key), self._scratch.get, MAX_OBJECT_BYTES)
             v1.verify_plain(buf, tenant=tenant, namespace=rec.namespace, chunk_key=key)
         except Exception as exc:
-            self._read_failed(tenant, key, exc)
+            self._removal.read_failed(tenant, key, exc)
             return True
         return False

@@ -13,13 +13,14 @@ from pathlib import Path
 
 from ..layouts import CorruptObject, v1
 from .api import ChunkRecord, FsckReport
-from .base import MAX_OBJECT_BYTES, boundary, log
-from .capacity import Capacity
+from .base import StoreBase
+from .config import MAX_OBJECT_BYTES
 from .files import read_prefix
 from .retention import Retention
+from .state import boundary, log
 
 
-class Maintenance(Capacity):
+class Maintenance(StoreBase):
     def _walk_objects(self) -> Iterator[Path]:
         objects = self.root / "objects"
         if not objects.is_dir():
@@ -84,7 +85,7 @@ class Maintenance(Capacity):
                         tenant=h.tenant,
                         namespace=h.namespace,
                         chunk_key=h.chunk_key,
-                        aead_for_epoch=self._aead_for(h.tenant, tk),
+                        aead_for_epoch=self.keyring.aead_for(h.tenant, tk),
                     )
             except Exception as exc:  # whatever a damaged file raises: it is corrupt
                 rep.corrupt_files.append(f"{rel}: {exc}")
@@ -134,10 +135,7 @@ class Maintenance(Capacity):
                     merged.append(prev)
                 else:
                     merged.append(g)
-            with self._mu:
-                self.index.clear()
-                self.index.put_many(merged)
-                self._used = self.index.usage().bytes
+            self._capacity.rebuilt(merged)
             self.index.flush()
         return rep
 
@@ -190,10 +188,8 @@ class Maintenance(Capacity):
                 log.warning("compacting the retention journal of %s failed: %s", tenant, exc)
 
     def _index_adopted(self, recs: list[ChunkRecord]) -> None:
-        with self._mu:
-            for rec in recs:
-                if self.index.put(rec):
-                    self._used += rec.size
+        for rec in recs:
+            self._capacity.admit_one(rec)
 
     def _adopt(self, tenant: str, key: bytes, retention: Retention | None = None) -> bool:
         """Index an object another writer (node) put on disk, with its retention
@@ -215,9 +211,7 @@ class Maintenance(Capacity):
         rec = self._record_from_header(h, st.st_size, retention)
         if rec.expires_ns and rec.expires_ns <= time.time_ns():
             return False
-        with self._mu:
-            if self.index.put(rec):
-                self._used += rec.size
+        self._capacity.admit_one(rec)
         return True
 
     @staticmethod

@@ -23,7 +23,7 @@ import mmap
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,19 +34,12 @@ from ..errors import StoreError
 from ..layouts import ObjectMismatch, v1
 from . import files as fileio
 from .api import ChunkRecord, Reservation
-from .base import (
-    MAX_OBJECT_BYTES,
-    SEAL_COUNT_BLOCK,
-    SEAL_COUNTS_LOST,
-    boundary,
-    default_io_streams,
-    log,
-)
 from .cancel import LoadCancelled, PutCancelled, may_wait_between_layers
+from .config import MAX_OBJECT_BYTES
 from .files import Durability, ScratchBuffers
 from .maintenance import Maintenance
 from .ramtier import RamTier, Slot
-from .shared.root import SHARED_NONCE_SHARES
+from .state import boundary, log
 
 #: Each I/O thread's buffer for one layer slot of a streamed load
 #: (:func:`fileio.streamed_object`), apart from the object-sized scratch the
@@ -125,41 +118,6 @@ class _PutJob:
 
 
 class Pipeline(Maintenance):
-    def _nonce_budget(self, tenant: str, epoch: int, segments: int) -> int:
-        """Count sealed segments per (tenant, epoch); rotate the DEK before the bound.
-
-        The persisted count runs ahead of the real one by up to a block, so a
-        crash can only over-count, never under-count.
-        """
-        limit = self.config.max_segments_per_epoch
-        if self._shared is not None:
-            # Every node of a shared root seals under the same DEK epochs, and no
-            # node sees the others' counts: each gets a share of the bound
-            # (shared-root-v1.md §5).
-            limit //= SHARED_NONCE_SHARES
-        block = max(segments, min(SEAL_COUNT_BLOCK, limit // 4))
-        with self._mu:
-            while True:
-                left = self._seal_budget.get((tenant, epoch), 0)
-                if left >= segments:
-                    self._seal_budget[(tenant, epoch)] = left - segments
-                    return epoch
-                name = f"seal_count/{tenant}/{epoch}"
-                raw = self.index.get_meta(name)
-                if raw is None and self.index.get_meta(SEAL_COUNTS_LOST) is not None:
-                    # The index was rebuilt: this epoch's count is unknown. A fresh
-                    # epoch's is not (it starts at 0).
-                    epoch = self.keyring.rotate_dek(tenant)
-                    self.index.set_meta(f"seal_count/{tenant}/{epoch}", b"0")
-                    continue
-                done = int(raw.decode()) if raw else 0
-                if done + block > limit:
-                    epoch = self.keyring.rotate_dek(tenant)
-                    log.info("tenant %s: nonce budget spent, DEK epoch now %d", tenant, epoch)
-                    continue
-                self.index.set_meta(name, str(done + block).encode())
-                self._seal_budget[(tenant, epoch)] = left + block
-
     @boundary
     def put(
         self,
@@ -261,7 +219,7 @@ class Pipeline(Maintenance):
     ) -> None:
         """Seal and write up to :attr:`io_streams` chunks at once on the pool;
         ``done`` gets each chunk written, in chunk order."""
-        pool = self._pipeline()
+        pool = self._state.streams.executor()
         streams = self.io_streams
         # In order: (chunk index, job, its seal+write on the pool).
         window: deque[tuple[int, _PutJob, Future[bool]]] = deque()
@@ -316,24 +274,7 @@ class Pipeline(Maintenance):
     @property
     def io_streams(self) -> int:
         """Chunks of one batch sealed/read and written/verified at once."""
-        return self.config.io_streams or default_io_streams()
-
-    def _pipeline(self) -> ThreadPoolExecutor:
-        with self._mu:
-            if self._pipe is None:
-                self._pipe = ThreadPoolExecutor(
-                    max_workers=self.io_streams, thread_name_prefix="kvoffload-io"
-                )
-            return self._pipe
-
-    def _part_reader(self) -> fileio.PartReader | None:
-        """The store's :class:`fileio.PartReader`, io_streams threads; None with one stream."""
-        if self.io_streams < 2:
-            return None
-        with self._mu:
-            if self._parts is None:
-                self._parts = fileio.PartReader(self.io_streams)
-            return self._parts
+        return self._state.streams.streams
 
     def _seal_and_write(self, job: _PutJob) -> bool:
         """Seal into this thread's scratch buffer (a pool thread's, or the caller's
@@ -401,19 +342,19 @@ class Pipeline(Maintenance):
         lengths = [memoryview(x).nbytes for x in layers]
         generation = self._load_gens.current(tenant)
         have = self.index.get(tenant, chunk_key)
-        if have is not None and self._is_expired(have, time.time_ns()):
+        if have is not None and self._state.is_expired(have, time.time_ns()):
             # Past its retention: a miss on every read, so a save writes it afresh.
-            self._drop(tenant, chunk_key, reason="expired")
+            self._removal.drop(tenant, chunk_key, reason="expired")
             have = None
         if have is not None:
             if (have.num_layers, have.payload) == (len(lengths), sum(lengths)):
-                self.counters.put_exists += 1
+                self.counters.existed()
                 if reservation is not None:
                     reservation.release()
                 return None
             # Equal keys must mean equal content: a record of another shape is
             # wrong (or its object is), and this write replaces both (§4).
-            self._drop(tenant, chunk_key, reason="other-shape", remove_file=False)
+            self._removal.drop(tenant, chunk_key, reason="other-shape", remove_file=False)
         if not v1.shape_ok(lengths, encrypt):
             raise ValueError(
                 f"{len(lengths)} layers of {sum(lengths)} bytes: padding would exceed the "
@@ -430,7 +371,7 @@ class Pipeline(Maintenance):
             epoch = 0
             if encrypt:
                 tk = self.keyring.ensure_tenant(tenant)
-                epoch = self._nonce_budget(tenant, tk.current_epoch, len(layers))
+                epoch = self._budget.draw(tenant, tk.current_epoch, len(layers))
                 if epoch != tk.current_epoch:
                     tk = self.keyring.ensure_tenant(tenant)
                 aead = tk.aead(epoch)
@@ -469,7 +410,7 @@ class Pipeline(Maintenance):
             self._retain(job.tenant, job.chunk_key, job.now, expires)
         written = self.io.write_object(path, buf, self.config.durability)
         if not written and not self._existing_serves(job):
-            self._quarantine(job.tenant, job.chunk_key, "publish")
+            self._removal.quarantine(job.tenant, job.chunk_key, "publish")
             written = self.io.write_object(path, buf, self.config.durability)
         return written
 
@@ -496,7 +437,7 @@ class Pipeline(Maintenance):
                 if not written:
                     # Another writer (another node on a shared FS) got there first.
                     self._adopt(job.tenant, job.chunk_key)
-                    self.counters.put_exists += 1
+                    self.counters.existed()
                     continue
                 if self._load_gens.current(job.tenant) != job.generation:
                     # Purged or revoked while being written: the object is not published.
@@ -519,24 +460,20 @@ class Pipeline(Maintenance):
                 recs.append((n, job, rec))
             if not recs:
                 return self._cancelled_puts(cancelled, out)
-            with self._mu:
-                # Turn the reservations into usage in one step: used + reserved
-                # neither dips (letting another writer in) nor double counts.
-                inserted = self.index.put_each([rec for _n, _j, rec in recs])
-                for (n, job, _rec), new in zip(recs, inserted, strict=True):
-                    if new:
-                        self._used += job.size
-                        self._commit_locked(job.res)
-                        out[n] = True
+            # The reservations turn into usage as the records are indexed.
+            inserted = self._capacity.admit(
+                [rec for _n, _j, rec in recs], [job.res for _n, job, _r in recs]
+            )
+            for (n, _job, _rec), new in zip(recs, inserted, strict=True):
+                out[n] = new
             for (_n, _job, rec), new in zip(recs, inserted, strict=True):
-                self.counters.puts += 1
-                self.counters.bytes_in += rec.payload
+                self.counters.stored(rec.payload)
                 if new:
                     self._journal_stored(rec)
         finally:
             for _i, job, _w in done:
                 job.res.release()
-        self._after_write()
+        self._capacity.after_write()
         return self._cancelled_puts(cancelled, out)
 
     @staticmethod
@@ -555,25 +492,16 @@ class Pipeline(Maintenance):
         rec = self.index.get(tenant, key)
         if rec is None and self.config.probe_files_on_miss and self._adopt(tenant, key):
             rec = self.index.get(tenant, key)
-        if rec is not None and self._is_expired(rec, time.time_ns()):
-            self._drop_quietly(tenant, key, "expired")
+        if rec is not None and self._state.is_expired(rec, time.time_ns()):
+            self._removal.drop_quietly(tenant, key, "expired")
             return None
         return rec
-
-    def _drop_quietly(
-        self, tenant: str, key: bytes, reason: str, *, remove_file: bool = True
-    ) -> None:
-        """Bookkeeping on the read path (an expired entry): never fails the read."""
-        try:
-            self._drop(tenant, key, reason=reason, remove_file=remove_file)
-        except Exception as exc:
-            log.warning("chunk %s (%s): dropping it failed: %s", key.hex()[:16], reason, exc)
 
     @boundary
     def lookup(self, tenant: str, keys: Sequence[bytes]) -> int:
         """How many leading keys are present (per the index, plus files on a miss)."""
         now = time.time_ns()
-        created_after, accessed_after = self._cutoffs(tenant, now)
+        created_after, accessed_after = self._state.cutoffs(tenant, now)
         n = self.index.lookup(
             tenant, keys, now, created_after_ns=created_after, accessed_after_ns=accessed_after
         )
@@ -582,8 +510,8 @@ class Pipeline(Maintenance):
         while n < len(keys):
             rec = self.index.get(tenant, keys[n])
             if rec is not None:  # present but expired (or saved since the lookup began)
-                if self._is_expired(rec, now):
-                    self._drop_quietly(tenant, keys[n], "expired")
+                if self._state.is_expired(rec, now):
+                    self._removal.drop_quietly(tenant, keys[n], "expired")
                 return n
             if not (self.config.probe_files_on_miss and self._adopt(tenant, keys[n])):
                 return n
@@ -599,7 +527,7 @@ class Pipeline(Maintenance):
         """:meth:`lookup` from the index alone, or None where that needs the disk
         (a miss that may be another node's file, or an expired entry to drop)."""
         now = time.time_ns()
-        created_after, accessed_after = self._cutoffs(tenant, now)
+        created_after, accessed_after = self._state.cutoffs(tenant, now)
         n = self.index.lookup(
             tenant, keys, now, created_after_ns=created_after, accessed_after_ns=accessed_after
         )
@@ -628,7 +556,7 @@ class Pipeline(Maintenance):
         guard = self._load_gens.guard(tenant)
         rec = self._record(tenant, key)
         if rec is None:
-            self.counters.misses += 1
+            self.counters.miss()
             return None
         return self._load_one(tenant, rec, out, guard)
 
@@ -700,7 +628,7 @@ class Pipeline(Maintenance):
         rec = self.index.get(tenant, key)
         if rec is None:
             return (not self.config.probe_files_on_miss), None
-        if self._is_expired(rec, time.time_ns()):
+        if self._state.is_expired(rec, time.time_ns()):
             return False, None
         return True, rec
 
@@ -752,7 +680,7 @@ class Pipeline(Maintenance):
         started (readahead) when it joined the window, so that the reads of the
         window overlap on the device. A large object is read on the pool."""
         results: list[list[int] | None] = [None] * n
-        pool = self._pipeline()
+        pool = self._state.streams.executor()
         streams = self.io_streams
         inline = getattr(self.io, "map_reads", False)
         # In order: (chunk index, its read+verify on the pool or here). The index
@@ -774,7 +702,7 @@ class Pipeline(Maintenance):
                         log.warning("chunk %d: looking it up failed: %s", nxt, exc)
                         rec = None
                     if rec is None:
-                        self.counters.misses += 1
+                        self.counters.miss()
                         missed = stop_at_miss
                     else:
                         job: Future[list[int] | None] | _Done | _Deferred | None = None
@@ -812,8 +740,7 @@ class Pipeline(Maintenance):
                     continue
                 if lengths is not None and missed:
                     # Verified, but after the hole: not handed out, so not a hit.
-                    self.counters.hits -= 1
-                    self.counters.bytes_out -= sum(lengths)
+                    self.counters.unhit(sum(lengths))
                 results[i] = None
         return results
 
@@ -836,7 +763,7 @@ class Pipeline(Maintenance):
                 self._path_str(tenant, key), self._scratch.get, MAX_OBJECT_BYTES, prefetch=prefetch
             )
         except Exception as exc:  # every failure of a damaged file is a miss (§5)
-            self._read_failed(tenant, key, exc)
+            self._removal.read_failed(tenant, key, exc)
             buf = None
             got: list[int] | None = None
         else:
@@ -881,7 +808,7 @@ class Pipeline(Maintenance):
                         return self._open_into(tenant, key, rec, reader, out, guard)
             buf = self.io.read_object(path, self._scratch.get, MAX_OBJECT_BYTES)
         except Exception as exc:  # every failure of a damaged file is a miss (§5)
-            self._read_failed(tenant, key, exc)
+            self._removal.read_failed(tenant, key, exc)
             return None
         return self._open_into(tenant, key, rec, buf, out, guard)
 
@@ -938,7 +865,7 @@ class Pipeline(Maintenance):
 
         try:
             buf = fileio.read_uncached(
-                path, alloc, MAX_OBJECT_BYTES, direct_min, parts=self._part_reader()
+                path, alloc, MAX_OBJECT_BYTES, direct_min, parts=self._state.streams.part_reader()
             )
             if buf is not None:
                 got = self._open_into(tenant, key, rec, buf, out, guard)
@@ -994,7 +921,7 @@ class Pipeline(Maintenance):
                     tenant=tenant,
                     namespace=rec.namespace,
                     chunk_key=key,
-                    aead_for_epoch=self._aead_for(tenant, tk),
+                    aead_for_epoch=self.keyring.aead_for(tenant, tk),
                     before_layer=guard,
                 )
             else:
@@ -1004,7 +931,7 @@ class Pipeline(Maintenance):
                     tenant=tenant,
                     namespace=rec.namespace,
                     chunk_key=key,
-                    aead_for_epoch=self._aead_for(tenant, tk),
+                    aead_for_epoch=self.keyring.aead_for(tenant, tk),
                     before_layer=guard,
                 )
             if (h.total_size, len(h.layers), h.payload_size, h.key_epoch) != (
@@ -1013,7 +940,7 @@ class Pipeline(Maintenance):
                 raise _RecordMismatch("object differs from its index record (size or layers)")
         except LoadCancelled:
             # Purged or revoked while loading (cancel.py): a miss, the object untouched.
-            self.counters.misses += 1
+            self.counters.miss()
             return None
         except Exception as exc:
             if image:  # the RAM tier's failure, not the file's: the caller reads it
@@ -1023,12 +950,12 @@ class Pipeline(Maintenance):
                 # damaged or stale record): the record goes, the object stays
                 # and is indexed from its own header. This read is a miss.
                 log.warning("chunk %s of %s: %s; re-indexed", key.hex()[:16], tenant, exc)
-                self.counters.misses += 1
-                self._drop_quietly(tenant, key, "record-mismatch", remove_file=False)
+                self.counters.miss()
+                self._removal.drop_quietly(tenant, key, "record-mismatch", remove_file=False)
                 with contextlib.suppress(Exception):
                     self._adopt(tenant, key)
                 return None
-            self._read_failed(tenant, key, exc)
+            self._removal.read_failed(tenant, key, exc)
             return None
         self._hit(tenant, key, h.payload_size)
         return [le.length for le in h.layers]
@@ -1052,7 +979,7 @@ class Pipeline(Maintenance):
                 tenant=tenant,
                 namespace=h.namespace,  # a damaged record may be what is wrong
                 chunk_key=key,
-                aead_for_epoch=self._aead_for(tenant, tk),
+                aead_for_epoch=self.keyring.aead_for(tenant, tk),
             )
             return True
         except Exception:
@@ -1074,7 +1001,7 @@ class Pipeline(Maintenance):
                 tenant=job.tenant,
                 namespace=job.namespace,
                 chunk_key=job.chunk_key,
-                aead_for_epoch=self._aead_for(job.tenant, tk),
+                aead_for_epoch=self.keyring.aead_for(job.tenant, tk),
             )
             return [le.length for le in h.layers] == job.lengths
         except FileNotFoundError:
@@ -1091,7 +1018,7 @@ class Pipeline(Maintenance):
         """Convenience: the verified layers as bytes, or None."""
         rec = self._record(tenant, key)
         if rec is None:
-            self.counters.misses += 1
+            self.counters.miss()
             return None
         out = bytearray(rec.payload)
         lengths = self.get_into(tenant, key, memoryview(out))
@@ -1106,7 +1033,7 @@ class Pipeline(Maintenance):
     @boundary
     def touch(self, tenant: str, keys: Sequence[bytes]) -> None:
         for k in keys:
-            self._touch_later(tenant, k)  # the index ignores keys it does not hold
+            self._state.access.touch(tenant, k)  # the index ignores keys it does not hold
 
 
 class _ImageFailed(Exception):

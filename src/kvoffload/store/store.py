@@ -35,28 +35,23 @@ from ..layouts.store_root import ROOT_DIR_MODES
 from ..posix import atomic_create
 from .api import ChunkRecord, Usage
 from .audit import AuditLog
-from .base import (
-    SEAL_COUNTS_LOST,
-    Counters,
-    RetentionProvider,
-    StoreConfig,
-    boundary,
-    log,
-    mapped_errors,
-)
-from .cancel import LoadGenerations, TransferCancelled
-from .capacity import _Scope
+from .cancel import TransferCancelled
+from .capacity import Capacity
+from .config import StoreConfig
 from .contracts import ContractRegistry, check_selector, contract_fields, contract_matches
-from .files import Durability, ScratchBuffers, syncfs
+from .files import Durability, syncfs
 from .index import Index, IndexCorrupt, IndexFailure, probe_in_child
 from .iobackend import DIRECT_WRITE_MIN, IOPlan, select_backend
+from .keys.budget import SEAL_COUNTS_LOST, NonceBudget
 from .keys.keyring import Kek, Keyring
 from .layerwise import PlanFn, ReportFn, get_layerwise_into, load_layerwise
 from .leases import Leases
 from .ramtier import RamTier, auto_capacity
+from .removal import Removal
 from .retention import RetentionJournal
 from .shared.journal import JournalRecord, Op
 from .shared.root import POSITIONS_META, SharedRoot
+from .state import RetentionProvider, StoreState, boundary, log, mapped_errors
 
 
 class Store(Leases):
@@ -92,7 +87,6 @@ class Store(Leases):
         except BaseException:
             os.close(self._lock_fd)
             raise
-        self.counters = Counters()
         self._closed = threading.Event()
         self._bg: list[threading.Thread] = []
         self._flusher: threading.Thread | None = None
@@ -152,43 +146,57 @@ class Store(Leases):
                     f"index at {index_dir} belongs to store {store_id.decode()}, "
                     f"not {self.layout.store_id}: point index_dir elsewhere or run fsck --repair"
                 )
-            self._mu = threading.Lock()
-            self._used = self.index.usage().bytes
-            self._reserved = 0
-            self._tenant_reserved = {}
-            self._pins = {}
-            self._touch_pending = {}
-            self._touch_flushed = time.time_ns()
-            self._seal_budget = {}
-            self._key_rereads = {}
-            self._load_gens = LoadGenerations()
-            self._scratch = ScratchBuffers()
             node = self.index.get_meta("node_id")
             if node is None:
                 node = os.urandom(8).hex().encode()
                 self.index.set_meta("node_id", node)
-            self._retention = RetentionJournal(self.root, node.decode())
-            self._pipe = None
-            self._leaves_ready = set()
+            retention = RetentionJournal(self.root, node.decode())
             sel = select_backend(
                 config.io, self.root / "objects", direct_read_min=config.direct_read_min
             )
-            self._shared = None
+            shared = None
             if config.shared:
-                self._shared = SharedRoot(
+                shared = SharedRoot(
                     self.root,
                     index_dir,
                     durable=config.durability is not Durability.NONE,
                     lease_ttl_s=config.evictor_lease_s,
                     segment_bytes=config.journal_segment_bytes,
                 )
-                self._shared.restore_positions(self.index.get_meta(POSITIONS_META))
+                shared.restore_positions(self.index.get_meta(POSITIONS_META))
         except BaseException:
             self.index.close()
             raise
-        self.io = sel.backend
-        self.io_plan = sel.plan
-        self._ram = _ram_tier(config, sel.plan)
+        state = StoreState(
+            config=config,
+            root=self.root,
+            layout=self.layout,
+            index=self.index,
+            keyring=self.keyring,
+            io=sel.backend,
+            io_plan=sel.plan,
+            audit=self._audit,
+            contracts=self.contracts,
+            retention=retention,
+            shared=shared,
+            ram=_ram_tier(config, sel.plan),
+        )
+        self._state = state
+        self._capacity = Capacity(state)
+        self._removal = Removal(state, self._capacity)
+        self._capacity.evicts_with(self._removal.drop)
+        self._budget = NonceBudget(
+            self.index, self.keyring, config.max_segments_per_epoch, shared=config.shared
+        )
+        self.io = state.io
+        self.io_plan = state.io_plan
+        self.counters = state.counters
+        self._scratch = state.scratch
+        self._retention = retention
+        self._shared = shared
+        self._ram = state.ram
+        self._load_gens = state.load_gens
+        self._leaves_ready = set()
 
     def _open_index(self, index_dir: Path) -> Index:
         """Open the index; a corrupt one (garbage ``data.mdb``, undecodable records,
@@ -268,16 +276,13 @@ class Store(Leases):
         if self._journal_thread is not None:
             self._journal_thread.join()
         self.wait_background()
-        if self._pipe is not None:
-            self._pipe.shutdown(wait=True)
-        if self._parts is not None:
-            self._parts.close()
+        self._state.streams.close()
         self.io.close()
         if self._ram is not None:
             self._ram.close()
         with mapped_errors("close"):
             try:
-                self._flush_touches()
+                self._state.access.flush()
                 if self._flusher is not None:
                     self._flusher.join()
                 if self.config.durability is not Durability.NONE:
@@ -331,7 +336,7 @@ class Store(Leases):
         now = time.time_ns()
         for node, r in followed:
             if r.op is Op.STORE:
-                with self._mu:
+                with self._state.mu:
                     sh.saw_store_locked(node, r.grant_epoch, r.size)
                 if r.expires_ns and r.expires_ns <= now:
                     continue
@@ -347,27 +352,31 @@ class Store(Leases):
                     last_access_ns=r.time_ns,
                     expires_ns=r.expires_ns,
                 )
-                with self._mu:
-                    if self.index.put(rec):
-                        self._used += rec.size
-                        sh.stats.adopted += 1
+                if self._capacity.admit_one(rec):
+                    sh.stats.adopted += 1
             elif r.op is Op.TOUCH:
                 self.index.touch(r.tenant, [r.key], r.time_ns)
             elif r.op is Op.REMOVE:
-                sh.stats.dropped += self._drop(r.tenant, r.key, reason="journal", remove_file=False)
+                sh.stats.dropped += self._removal.drop(
+                    r.tenant, r.key, reason="journal", remove_file=False
+                )
             elif r.op is Op.PURGE_TENANT:
                 # Stop decrypting now, not at the key cache's bound, and stop
                 # this node's loads of the tenant in flight.
-                self._stop_tenant(r.tenant)
+                self._removal.stop_tenant(r.tenant)
                 self.keyring.forget(r.tenant)
                 self.contracts.drop_tenant(r.tenant)
                 sh.stats.tenant_purges += 1
                 for old in list(self.index.records(tenant=r.tenant)):
-                    self._drop(old.tenant, old.chunk_key, reason="journal", remove_file=False)
+                    self._removal.drop(
+                        old.tenant, old.chunk_key, reason="journal", remove_file=False
+                    )
             elif r.op is Op.PURGE_NAMESPACE:
                 self._load_gens.cancel(r.tenant)
                 for old in list(self.index.records(tenant=r.tenant, namespace=r.namespace)):
-                    self._drop(old.tenant, old.chunk_key, reason="journal", remove_file=False)
+                    self._removal.drop(
+                        old.tenant, old.chunk_key, reason="journal", remove_file=False
+                    )
         if followed:
             sh.stats.followed += len(followed)
             self.index.set_meta(POSITIONS_META, sh.positions_blob())
@@ -377,32 +386,7 @@ class Store(Leases):
     def evictor_tick(self) -> bool:
         """Renew or take the evictor lease; as holder, evict the root down to its
         low watermark. Whether this node holds the role."""
-        sh = self._shared
-        if sh is None:
-            return False
-        held = sh.lease.tick()
-        cap = self.config.capacity_bytes
-        to_free = 0
-        with self._mu:
-            before = dict(sh.lease.grants)
-            if held and cap is not None:
-                to_free = sh.issue_locked(
-                    self._used,
-                    cap,
-                    self.config.high_watermark,
-                    self.config.low_watermark,
-                    now=time.monotonic(),
-                )
-            else:
-                sh.refresh_view_locked()
-        if held and sh.lease.grants != before:
-            sh.lease.publish()  # the new grants, on file before they are used
-            held = sh.lease.held is not None
-            with self._mu:
-                sh.refresh_view_locked()
-        if to_free and cap is not None:
-            self._evict(_Scope(self, cap), to_free)  # each removal fenced
-        return held
+        return self._capacity.evictor_tick()
 
     @boundary
     def compact_journal(self, *, max_segments: int = 8) -> int | None:
@@ -478,7 +462,7 @@ class Store(Leases):
         """Stop every load of ``tenant`` in flight before its next layer is copied
         (a revocation; purges do this themselves). Those chunks are misses, and
         the tenant's images leave the RAM tier."""
-        self._stop_tenant(tenant)
+        self._removal.stop_tenant(tenant)
 
     @property
     def has_ram_tier(self) -> bool:
@@ -527,12 +511,12 @@ class Store(Leases):
 
     @boundary
     def delete(self, tenant: str, key: bytes) -> bool:
-        return self._drop(tenant, key, reason="delete")
+        return self._removal.drop(tenant, key, reason="delete")
 
     def set_retention(self, provider: RetentionProvider | None) -> None:
         """Enforce ``provider(tenant)``'s limits (ttl, max_age, idle_ttl: the
         sidecar's *current* policy) on every read and in :meth:`expire`."""
-        self.retention_policy = provider
+        self._state.retention_policy = provider
 
     @boundary
     def expire(self) -> int:
@@ -541,15 +525,15 @@ class Store(Leases):
         now = time.time_ns()
         n = 0
         for rec in self.index.expired(now):
-            n += self._drop(rec.tenant, rec.chunk_key, reason="expired")
+            n += self._removal.drop(rec.tenant, rec.chunk_key, reason="expired")
         if self.retention_policy is None:
             return n
         for tenant in list(self.index.tenants()):
-            if self._cutoffs(tenant, now) == (0, 0):
+            if self._state.cutoffs(tenant, now) == (0, 0):
                 continue
-            stale = [r for r in self.index.records(tenant=tenant) if self._is_expired(r, now)]
+            stale = [r for r in self.index.records(tenant=tenant) if self._state.is_expired(r, now)]
             for rec in stale:
-                n += self._drop(rec.tenant, rec.chunk_key, reason="expired")
+                n += self._removal.drop(rec.tenant, rec.chunk_key, reason="expired")
         return n
 
     @boundary
@@ -561,7 +545,7 @@ class Store(Leases):
         removed in the background (``wait=True`` waits). Returns the number of
         index records scheduled for removal.
         """
-        self._stop_tenant(tenant)  # loads in flight stop before their next layer
+        self._removal.stop_tenant(tenant)  # loads in flight stop before their next layer
         existed = self.keyring.destroy(tenant)
         if self._shared is not None:
             self._shared.journal([JournalRecord.purge_tenant(tenant)])
@@ -573,9 +557,9 @@ class Store(Leases):
             self._leaves_ready.discard(tenant)
             self._retention.drop_tenant(tenant)
             self.contracts.drop_tenant(tenant)
-            self._purge_quarantine(tenant)
+            self._removal.purge_quarantine(tenant)
             for rec in recs:
-                self._drop(rec.tenant, rec.chunk_key, reason="purge", remove_file=False)
+                self._removal.drop(rec.tenant, rec.chunk_key, reason="purge", remove_file=False)
 
         t = threading.Thread(target=work, name=f"purge-{tenant}", daemon=True)
         t.start()
@@ -594,7 +578,7 @@ class Store(Leases):
         if self._shared is not None:
             self._shared.journal([JournalRecord.purge_namespace(tenant, namespace)])
         for rec in recs:
-            self._drop(rec.tenant, rec.chunk_key, reason="purge-namespace")
+            self._removal.drop(rec.tenant, rec.chunk_key, reason="purge-namespace")
         self._audit(
             "purge_namespace", {"tenant": tenant, "namespace": namespace.hex(), "chunks": len(recs)}
         )
@@ -708,7 +692,7 @@ class Store(Leases):
         cutoff = time.time_ns() - int(age_s * 1e9)
         recs = [r for r in self.index.records(tenant=tenant) if r.created_ns < cutoff]
         for rec in recs:
-            self._drop(rec.tenant, rec.chunk_key, reason="purge-age")
+            self._removal.drop(rec.tenant, rec.chunk_key, reason="purge-age")
         return len(recs)
 
     @boundary
@@ -718,9 +702,9 @@ class Store(Leases):
         drops the old one once every file is: a rotation killed half-way is
         finished by running it again, with either KEK."""
         old = self.keyring.kek_id
-        self.layout = record_kek_id(self.root, new_kek.key_id, previous=old)
+        self.layout = self._state.layout = record_kek_id(self.root, new_kek.key_id, previous=old)
         n = self.keyring.rotate_kek(new_kek)  # the keyring writes the audit record
-        self.layout = record_kek_id(self.root, new_kek.key_id)
+        self.layout = self._state.layout = record_kek_id(self.root, new_kek.key_id)
         _keep_layout_copy(self.root, self.config.resolved_index_dir())
         return n
 
@@ -733,7 +717,7 @@ class Store(Leases):
     def maintain(self) -> dict[str, int]:
         """Periodic upkeep the server runs: TTL expiry, orphaned temp files and
         unindexed objects (:meth:`sweep`)."""
-        self._flush_touches()
+        self._state.access.flush()
         return {"expired": self.expire(), **self.sweep()}
 
     # ---------------------------------------------------------------- stats
@@ -745,8 +729,8 @@ class Store(Leases):
             "store_id": self.layout.store_id,
             "layout_version": self.layout.version,
             "capacity_bytes": self.config.capacity_bytes,
-            "used_bytes": self._used,
-            "reserved_bytes": self._reserved,
+            "used_bytes": self._capacity.used_bytes,
+            "reserved_bytes": self._capacity.reserved_bytes,
             "chunks": self.index.count(),
             "tenants": len(self.keyring.tenants()),
             "hits": c.hits,
