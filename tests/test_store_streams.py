@@ -18,7 +18,7 @@ import pytest
 from kvoffload.errors import StoreFull, StoreIOError
 from kvoffload.layouts import v1
 from kvoffload.sidecar.config import ConfigError, load_config
-from kvoffload.store import Store, StoreConfig, pipeline
+from kvoffload.store import Store, StoreConfig, writes
 from kvoffload.store import files as fileio
 from kvoffload.store.config import MAX_DEFAULT_IO_STREAMS, default_io_streams
 from kvoffload.store.keys.keyring import Kek
@@ -172,7 +172,7 @@ def test_io_streams_setting(tmp_path: Path) -> None:
 @pytest.fixture(autouse=True)
 def _parallel_at_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """These chunks are small: without this, their batches run inline."""
-    monkeypatch.setattr(pipeline, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(writes, "PARALLEL_MIN_BYTES", 0)
 
 
 def test_a_small_unsynced_save_runs_inline_and_the_rest_on_the_streams(
@@ -184,7 +184,7 @@ def test_a_small_unsynced_save_runs_inline_and_the_rest_on_the_streams(
     """Below PARALLEL_MIN_BYTES a save without fsync never touches the pool (no
     thread hops for Python-bound work); a fsync'd save and every load of more
     than one chunk (a cold read waits on the device) run on the streams."""
-    monkeypatch.setattr(pipeline, "PARALLEL_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(writes, "PARALLEL_MIN_BYTES", 1 << 20)
     threads: set[str] = set()
     real = fileio._write_all
 

@@ -14,6 +14,13 @@ MAX_OBJECT_BYTES = 4 << 30
 #: NIST SP 800-38D: at most 2**32 random 96-bit nonces per key. Layer segments
 #: count against it; we rotate the tenant's DEK well before.
 DEFAULT_MAX_SEGMENTS_PER_EPOCH = 2**31
+#: A batch of fewer bytes than this is worked through in the calling thread:
+#: a batch saved without fsync (writes.py; loads, which wait on the device, and
+#: fsync'd saves always use the streams), a layer of a layer-wise load
+#: (layerwise.py). Writing or verifying small objects costs mostly Python (which
+#: holds the GIL), and the hop to a pool thread and back costs more than the
+#: overlap gains.
+PARALLEL_MIN_BYTES = 1 << 20
 #: The most I/O streams the default picks (more rarely helps one NVMe device).
 MAX_DEFAULT_IO_STREAMS = 16
 

@@ -22,6 +22,7 @@ import time
 
 from ..errors import StoreKeyError
 from ..layouts import UnknownKeyEpoch, UnknownLayoutVersion, v1
+from .api import TIER_INDEX, TIER_OBJECTS, TIER_RAM, PurgeReport
 from .capacity import Capacity
 from .keys.keyring import KeyringError
 from .shared.journal import JournalRecord, Reason
@@ -50,19 +51,23 @@ class Removal:
         reason: str,
         remove_file: bool = True,
         lease_epoch: int = 0,
+        tally: PurgeReport | None = None,
     ) -> bool:
         """Remove a chunk: its file (unless ``remove_file`` is false), its index
         entry and its bytes from the accounting; journaled on a shared root.
         ``lease_epoch``: for an eviction, the evictor lease epoch its fence
         allowed it under (the record names it even if the lease lapsed since).
-        Whether the index held it."""
+        ``tally``: a purge's report, told of each tier this removal took
+        something from (RAM image, file, index entry). Whether the index held it."""
         st = self._state
         # The file goes first and the accounting after: the other order lets a
         # concurrent writer spend the freed bytes while the old file still
         # occupies them, so the disk would briefly hold more than the limit.
         # Its RAM image goes before either: no load is served it from here on.
         if st.ram is not None:
-            st.ram.discard(tenant, key)
+            imaged = st.ram.discard(tenant, key)
+            if tally is not None:
+                tally.reach(TIER_RAM, imaged)
         if remove_file:
             try:
                 st.path(tenant, key).unlink()
@@ -71,6 +76,9 @@ class Removal:
             except OSError as exc:
                 log.warning("removing %s (%s): %s", key.hex()[:16], reason, exc)
                 return False
+            else:
+                if tally is not None:
+                    tally.reach(TIER_OBJECTS, 1)
         hook = st.events_hook
         if hook is None:
             rec = st.index.remove(tenant, key)
@@ -84,6 +92,8 @@ class Removal:
                     hook.removed(tenant, blob, reason)
         if rec is None:
             return False
+        if tally is not None:
+            tally.reach(TIER_INDEX, 1)
         self._capacity.removed(rec.size)
         if remove_file and st.shared is not None:
             jr = REMOVE_REASONS.get(reason)
