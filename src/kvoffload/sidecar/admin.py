@@ -9,6 +9,7 @@ print the same rows and the same ``--json``.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,14 @@ def ls_rows(
     return rows, False
 
 
-__all__ = ["LS_PAGE", "inspect_report", "ls_rows"]
+__all__ = [
+    "DAEMON_TIERS",
+    "LS_PAGE",
+    "TIERS_OUTSIDE",
+    "inspect_report",
+    "ls_rows",
+    "purge_tiers",
+]
 
 
 #: Tiers a purge can never reach: the engines' own prefix caches (HBM and their
@@ -98,25 +106,26 @@ __all__ = ["LS_PAGE", "inspect_report", "ls_rows"]
 #: ``POST /reset_prefix_cache`` (for every tenant of that engine).
 TIERS_OUTSIDE: tuple[str, ...] = ("engine_gpu_prefix_cache", "engine_cpu_cache")
 
+#: What the daemon itself reaches in a purge, beyond the store: its loads in
+#: flight of the tenant (cancelled before their next layer), every
+#: connection's leased files and pending stores (``Service.purged``).
+DAEMON_TIERS: tuple[str, ...] = ("loads_in_flight", "direct_leases", "pending_stores")
 
-def purge_tiers(store: object, *, events: bool, whole: bool = True) -> dict[str, tuple[str, ...]]:
-    """The ``tiers`` of a purge's report (protocol-v1.md §5.11, revision 7).
 
-    ``reached``: this node's index and object files, the tenant's data keys
-    (a whole-tenant purge: crypto-erase), the loads in flight (cancelled),
-    the direct path's leased files, open connections' pending stores, the
-    KV-event feed (``BlockRemoved`` per published chunk) when it runs, and
-    the other nodes of a shared root (a journal record they apply).
+def purge_tiers(
+    store_tiers: Sequence[str], *, events: bool, daemon: bool = True
+) -> dict[str, tuple[str, ...]]:
+    """The ``tiers`` of a purge's report (protocol-v1.md §5.11).
+
+    ``reached``: the store's tiers as its :class:`~kvoffload.store.api.PurgeReport`
+    names them (those it removed something of the tenant from, in that order:
+    the code that removed says so), then, with ``daemon`` (a sidecar served the
+    purge), the daemon's own (:data:`DAEMON_TIERS`) and the KV-event feed
+    (``BlockRemoved`` per published chunk) when it runs.
     """
-    reached = ["index", "objects"]
-    if whole:
-        reached.append("keys")
-    reached += ["loads_in_flight", "direct_leases", "pending_stores"]
-    if getattr(store, "has_ram_tier", False):
-        reached.append("ram_tier")
-    if events:
-        reached.append("events")
-    info = getattr(store, "shared_info", None)
-    if callable(info) and info() is not None:
-        reached.append("shared_nodes")
+    reached = list(store_tiers)
+    if daemon:
+        reached += DAEMON_TIERS
+        if events:
+            reached.append("events")
     return {"reached": tuple(reached), "outside": TIERS_OUTSIDE}

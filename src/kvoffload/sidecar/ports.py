@@ -21,7 +21,7 @@ from ..store.api import RetentionSettings
 if TYPE_CHECKING:
     from ..layouts.store_root import LayoutInfo
     from ..store import FsckReport, ReadLease, Reservation, StoreConfig, StoreLease
-    from ..store.api import ChunkRecord, Usage
+    from ..store.api import ChunkRecord, PurgeReport, Usage
 
 
 class ReservationAPI(Protocol):
@@ -156,6 +156,8 @@ class StoreViewsAPI(Protocol):
     def shared_info(self) -> dict[str, Any] | None: ...
 
     def purge_tenant(self, tenant: str, *, wait: bool = ...) -> int: ...
+
+    def purge(self, tenant: str, namespace: bytes | None = ...) -> PurgeReport: ...
 
     def purge_older_than(self, age_s: float, tenant: str | None = ...) -> int: ...
 

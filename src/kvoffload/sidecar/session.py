@@ -520,17 +520,18 @@ class Session(Transfers):
         self._admin("purge")
         svc = self.service
         store = svc.store
-        if req.namespace is not None:
+        reached: tuple[str, ...] = ()  # a store without views does not say
+        if isinstance(store, StoreViewsAPI):
+            report = store.purge(req.tenant, req.namespace)
+            removed, reached = report.removed, report.tiers
+        elif req.namespace is not None:
             removed = store.purge_namespace(req.tenant, req.namespace)
-        elif isinstance(store, StoreViewsAPI):
-            removed = store.purge_tenant(req.tenant, wait=True)
         else:
             removed = store.purge_tenant(req.tenant)
         svc.purged(req.tenant, req.namespace)
         if not req.tiers:
             return PurgeReply(removed)
-        tiers = purge_tiers(store, events=svc.events is not None, whole=req.namespace is None)
-        return PurgeReply(removed, tiers)
+        return PurgeReply(removed, purge_tiers(reached, events=svc.events is not None))
 
     def fsck(self, req: Fsck) -> Reply:
         """§5.12 (admin)."""
