@@ -17,13 +17,8 @@ import lmdb
 import pytest
 
 from kvoffload.store.api import ChunkRecord, Usage
-from kvoffload.store.index import (
-    INDEX_SCHEMA,
-    Index,
-    IndexCorrupt,
-    IndexFailure,
-    IndexVersionError,
-)
+from kvoffload.store.index import Index, IndexCorrupt, IndexFailure, IndexVersionError
+from kvoffload.store.index_records import INDEX_SCHEMA
 
 NS_A = b"A" * 32
 NS_B = b"B" * 32

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from ..errors import LeaseInvalid
 from ..layouts import CorruptObject, LayoutError, v1
 from . import files as fileio
+from . import leasefiles
 from .api import ChunkRecord, ReadLease, StoreLease
 from .capacity import Capacity
 from .config import MAX_OBJECT_BYTES
@@ -77,7 +78,7 @@ class Leases:
         res = self._capacity.reserve(tenant, size, quota=quota)
         final = self._state.path(tenant, chunk_key)
         try:
-            tmp = fileio.create_lease_file(
+            tmp = leasefiles.create_lease_file(
                 final,
                 size,
                 durable_dirs=self._state.config.durability is Durability.OBJECT,
@@ -110,7 +111,7 @@ class Leases:
                     f"chunk {lease.chunk_key.hex()[:16]}: tenant purged or revoked while leased"
                 )
             try:
-                fd = fileio.open_lease_file(lease.tmp, lease.size)
+                fd = leasefiles.open_lease_file(lease.tmp, lease.size)
             except OSError as exc:
                 raise LeaseInvalid(f"leased file unusable: {exc}") from exc
             try:
@@ -136,7 +137,7 @@ class Leases:
                 except BaseException:
                     os.close(fd)
                     raise
-            fileio.publish_lease_file(lease.tmp, fd, lease.final, self._state.config.durability)
+            leasefiles.publish_lease_file(lease.tmp, fd, lease.final, self._state.config.durability)
             rec = ChunkRecord(
                 tenant=lease.tenant,
                 chunk_key=lease.chunk_key,

@@ -16,7 +16,7 @@ from typing import Any
 
 import lmdb
 
-from ..errors import StoreError, StoreLocked
+from ..errors import IndexCorrupt, IndexFailure, StoreError, StoreLocked
 from ..layouts import (
     LAYOUT_FILE,
     LayoutError,
@@ -32,7 +32,7 @@ from .audit import AuditLog
 from .config import StoreConfig
 from .contracts import ContractRegistry
 from .files import Durability
-from .index import Index, IndexCorrupt, IndexFailure, probe_in_child
+from .index import Index
 from .iobackend import DIRECT_WRITE_MIN, IOPlan, select_backend
 from .keys.keyring import Kek, Keyring
 from .ramtier import RamTier, auto_capacity
@@ -166,6 +166,48 @@ def open_index(index_dir: Path, *, rebuild_corrupt: bool) -> tuple[Index, str | 
             path, exc, aside.name,
         )  # fmt: skip
         return Index(path), f"the index was unusable ({exc})"
+
+
+_PROBE = """
+import sys, lmdb
+env = lmdb.open(sys.argv[1], subdir=True, readonly=True, lock=False, max_dbs=16)
+try:
+    with env.begin() as txn:
+        names = [k for k, _ in txn.cursor()]
+        for name in names:
+            db = env.open_db(name, txn=txn, create=False)
+            for _ in txn.cursor(db=db):
+                pass
+except lmdb.Error as exc:
+    print(exc)
+    sys.exit(3)
+"""
+
+
+def probe_in_child(path: Path, timeout_s: float = 120.0) -> str | None:
+    """Read every page of the index at ``path`` in a child process: why it is
+    unusable, or None. LMDB trusts its file: a truncated or damaged one can make
+    the reading process die of SIGBUS or SIGSEGV, which must not be the sidecar
+    (a start that crashes every time). A child that cannot run says nothing."""
+    import subprocess
+    import sys
+
+    if not (path / "data.mdb").exists():
+        return None
+    try:
+        p = subprocess.run(
+            [sys.executable, "-I", "-c", _PROBE, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if p.returncode < 0:
+        return f"reading it killed a process with signal {-p.returncode}"
+    if p.returncode == 3:
+        return p.stdout.strip() or "LMDB error"
+    return None
 
 
 def check_kek(root: Path, layout: LayoutInfo, keyring: Keyring, kek: Kek) -> LayoutInfo:
@@ -304,6 +346,7 @@ __all__ = [
     "lock_index_dir",
     "open_index",
     "open_state",
+    "probe_in_child",
     "ram_tier",
     "tighten_modes",
 ]
