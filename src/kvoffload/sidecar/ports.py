@@ -173,7 +173,7 @@ class StoreViewsAPI(Protocol):
 @runtime_checkable
 class PlannedLoadsAPI(Protocol):
     """Loads of chunks whose index records ``prepare_load`` just looked up, read
-    without a second lookup each (store/pipeline.py); the real store has
+    without a second lookup each (store/reads.py); the real store has
     them, a double may not (then ``get_many_into``/``get_layerwise_into``)."""
 
     def load_guard(self, tenant: str) -> Callable[[int], None]: ...
@@ -201,7 +201,7 @@ class PlannedLoadsAPI(Protocol):
 
 @runtime_checkable
 class CachedLoadsAPI(Protocol):
-    """Loads answered without a wait on the device (store/pipeline.py):
+    """Loads answered without a wait on the device (store/reads.py):
     a small batch wholly in the page cache is served on the event loop instead
     of a hop to a pool thread and back (sidecar/connection.py)."""
 

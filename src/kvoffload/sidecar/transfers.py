@@ -568,7 +568,7 @@ class Transfers:
                     if got[0] is None:
                         break  # a miss ends the prefix
             # Read: one batch, up to io_streams chunks at once, each straight into
-            # its region (store/pipeline.py).
+            # its region (store/reads.py).
             outs = [staging.view[off : off + n] for off, n in zip(h.offsets, payloads, strict=True)]
             served = len(recs)  # chunks the read below answers (a hit or a miss)
             frames = _ChunkFrames(h, chunkwise, len(recs)) if chunkwise is not None else None

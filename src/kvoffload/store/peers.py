@@ -1,6 +1,10 @@
 """The other nodes of a shared root (docs/spec/shared-root-v1.md): applying
 what they journaled (stores, touches, removals, purges) to this node's index,
 and the thread that follows their journals and keeps the evictor lease.
+
+Of the shared root's :class:`~.shared.root.SharedStats`, the follower's counts
+(``followed``, ``adopted``, ``dropped``, ``tenant_purges``) are written here
+only; the journal writer's (``journaled``, ``journal_errors``) in shared/root.py.
 """
 
 from __future__ import annotations
