@@ -5,6 +5,8 @@ The daemon (:mod:`kvoffload.sidecar`) may import this module and the package
 only, so importing it pulls in neither LMDB nor cryptography (nor xxhash: the
 layout module is imported where a lease's offsets are asked, not before).
 
+The Protocols the daemon's parts implement: a tenant's retention limits
+(:class:`RetentionSettings`) and the KV-event feed (:class:`EventsHook`).
 The values: an index record (:class:`ChunkRecord`) and a usage figure
 (:class:`Usage`); capacity held for a write (:class:`Reservation`); the direct
 path's leases (:class:`StoreLease`, :class:`ReadLease`); a load's plan
@@ -15,12 +17,23 @@ purge (:class:`PurgeReport`, with the names of the tiers it reached).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from ..layouts.v1 import ObjectHeader
+
+
+class EventsHook(Protocol):
+    """What the store tells the daemon's KV-event feed
+    (kvoffload.sidecar.events.SidecarEvents) of every chunk that leaves."""
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]: ...
+
+    def removed(self, tenant: str, blob: bytes, reason: str) -> None: ...
 
 
 @runtime_checkable
@@ -255,6 +268,7 @@ __all__ = [
     "TIER_RETENTION",
     "TIER_SHARED",
     "ChunkRecord",
+    "EventsHook",
     "FsckReport",
     "LoadPlan",
     "PurgeReport",

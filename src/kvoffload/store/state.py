@@ -25,16 +25,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ParamSpec, Protocol, TypeVar
+from typing import ParamSpec, TypeVar
 
 import lmdb
 
 from ..errors import IndexFailure, StoreIOError, StoreKeyError
 from ..layouts import LayoutInfo, v1
-from .api import ChunkRecord, RetentionSettings
+from .api import ChunkRecord, EventsHook, RetentionSettings
 from .audit import AuditLog
 from .cancel import LoadGenerations
 from .config import StoreConfig
@@ -79,15 +78,6 @@ def boundary(fn: Callable[_P, _R]) -> Callable[_P, _R]:
             raise StoreKeyError(f"{what}: {exc}") from exc
 
     return wrapper
-
-
-class EventsHook(Protocol):
-    """What the store tells the KV-event feed (kvoffload.sidecar.events.SidecarEvents)."""
-
-    @property
-    def lock(self) -> AbstractContextManager[Any]: ...
-
-    def removed(self, tenant: str, blob: bytes, reason: str) -> None: ...
 
 
 #: tenant -> its current retention limits (None: no limits beyond the stamped ttl).
@@ -291,7 +281,6 @@ class StoreState:
 __all__ = [
     "AccessTimes",
     "Counters",
-    "EventsHook",
     "IOStreams",
     "RetentionProvider",
     "StoreState",

@@ -20,6 +20,7 @@ from ..layouts import LayoutInfo, record_kek_id
 from . import opening
 from .api import (
     ChunkRecord,
+    EventsHook,
     FsckReport,
     LoadPlan,
     PurgeReport,
@@ -39,7 +40,7 @@ from .peers import Peers
 from .purge import Purges
 from .reads import Reads
 from .removal import Removal
-from .state import EventsHook, RetentionProvider, boundary, log, mapped_errors
+from .state import RetentionProvider, boundary, log, mapped_errors
 from .views import Views
 from .writes import Layers, Writes
 
