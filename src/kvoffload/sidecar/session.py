@@ -529,9 +529,8 @@ class Session(Transfers):
         else:
             removed = store.purge_tenant(req.tenant)
         svc.purged(req.tenant, req.namespace)
-        if not req.tiers:
-            return PurgeReply(removed)
-        return PurgeReply(removed, purge_tiers(reached, events=svc.events is not None))
+        tiers = purge_tiers(reached, events=svc.events is not None) if req.tiers else {}
+        return PurgeReply(removed, tiers)
 
     def fsck(self, req: Fsck) -> Reply:
         """§5.12 (admin)."""
