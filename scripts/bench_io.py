@@ -109,7 +109,7 @@ from benchlib.targets import TARGET_CEIL, TARGET_PEER, Target, verdict
 from kvoffload.client import direct as direct_io
 from kvoffload.layouts import v1
 from kvoffload.store import Store, StoreConfig, StoreLease
-from kvoffload.store.base import default_io_streams
+from kvoffload.store.config import default_io_streams
 from kvoffload.store.files import Durability
 from kvoffload.store.iobackend import IOMode, IOPlan, plan
 from kvoffload.store.keys.keyring import Kek

@@ -147,7 +147,7 @@ from kvoffload.protocol import (
     reply_message,
     request_message,
 )
-from kvoffload.store.base import default_io_streams
+from kvoffload.store.config import default_io_streams
 
 FORMATS = (*STORE_FORMATS, "direct")  # a direct object is a plaintext layout-v1 object
 LOOKUP_KEYS = 64

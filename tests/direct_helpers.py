@@ -15,7 +15,7 @@ import pytest
 from kvoffload.client import direct
 from kvoffload.client.direct import Extent, PosixDirectIO
 from kvoffload.layouts import v1
-from kvoffload.store import files as fileio
+from kvoffload.store import leasefiles
 
 REPO = Path(__file__).resolve().parent.parent
 NS = bytes(range(32))
@@ -93,7 +93,7 @@ def lease_file(directory: Path, layers: Sequence[Any], name: str = "obj") -> Pat
     """A temp file as the sidecar leases it: created, allocated, all zeros."""
     size = v1.object_size([direct.nbytes(x) for x in layers], False)
     final = directory / "objects" / f"{name}{v1.OBJECT_SUFFIX}"
-    tmp = fileio.create_lease_file(final, size, durable_dirs=False, gid=None)
+    tmp = leasefiles.create_lease_file(final, size, durable_dirs=False, gid=None)
     assert tmp.parent == final.parent and tmp.name.startswith(v1.TMP_PREFIX)
     assert tmp.stat().st_size == size and tmp.read_bytes() == bytes(size)
     return tmp

@@ -24,7 +24,7 @@ from kvoffload.client import SidecarClient
 from kvoffload.sidecar import reads
 from kvoffload.staging import StagingBuffer
 from kvoffload.store import Store
-from kvoffload.store.pipeline import Pipeline
+from kvoffload.store.reads import Reads
 from tests.test_server import Raw, ServerThread, sock_path, start
 from tests.test_server import sock_dir as sock_dir  # the fixture, shared
 
@@ -70,14 +70,14 @@ def test_a_chunk_is_handed_out_while_the_next_ones_are_still_read(
     """Chunk 2's read is held: chunks 0 and 1 reach ``into`` before it ends (in a
     whole-chunk load nothing would, until the reply)."""
     release = threading.Event()
-    real_load_one = Pipeline._load_one
+    real_load_one = Reads._load_one
 
-    def held_load_one(self: Pipeline, tenant: str, rec: Any, *a: Any, **kw: Any) -> Any:
+    def held_load_one(self: Reads, tenant: str, rec: Any, *a: Any, **kw: Any) -> Any:
         if rec.chunk_key == key(2):
             assert release.wait(30)
         return real_load_one(self, tenant, rec, *a, **kw)
 
-    monkeypatch.setattr(Pipeline, "_load_one", held_load_one)
+    monkeypatch.setattr(Reads, "_load_one", held_load_one)
     got: list[tuple[int, bytes]] = []
     two_in = threading.Event()
 
@@ -171,14 +171,14 @@ def test_a_read_that_fails_after_a_frame_keeps_the_chunks_it_reported(
 ) -> None:
     """An internal error while reading chunk 2 (after chunks 0 and 1 were reported)
     answers INTERNAL, and still loaded: the two reported chunks."""
-    real_load_one = Pipeline._load_one
+    real_load_one = Reads._load_one
 
-    def failing(self: Pipeline, tenant: str, rec: Any, *a: Any, **kw: Any) -> Any:
+    def failing(self: Reads, tenant: str, rec: Any, *a: Any, **kw: Any) -> Any:
         if rec.chunk_key == key(2):
             raise RuntimeError("an unexpected failure of the read")
         return real_load_one(self, tenant, rec, *a, **kw)
 
-    monkeypatch.setattr(Pipeline, "_load_one", failing)
+    monkeypatch.setattr(Reads, "_load_one", failing)
     monkeypatch.setattr(reads, "CHUNK_FRAME_MIN_BYTES", 1)
     with client_of(server) as c:
         res = c.load([key(i) for i in range(CHUNKS)])

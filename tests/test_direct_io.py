@@ -186,12 +186,13 @@ from pathlib import Path
 from kvoffload.client import direct
 from kvoffload.layouts import v1
 from kvoffload.store import files as fileio
+from kvoffload.store import leasefiles
 from kvoffload.store.iobackend import mount_of
 d = Path(sys.argv[1])
 lay = [os.urandom(5000), os.urandom(4096), os.urandom(3)]
 lengths = [len(x) for x in lay]
 size = v1.object_size(lengths, False)
-tmp = fileio.create_lease_file(d / "obj.kvo", size, durable_dirs=False, gid=None)
+tmp = leasefiles.create_lease_file(d / "obj.kvo", size, durable_dirs=False, gid=None)
 try:
     os.close(os.open(tmp, os.O_WRONLY | direct.O_DIRECT))
     refused = None

@@ -24,7 +24,7 @@ import pytest
 
 from kvoffload.client import direct
 from kvoffload.layouts import v1
-from kvoffload.store import files as fileio
+from kvoffload.store import leasefiles
 
 NS = bytes(range(32))
 KEY = bytes(range(32, 64))
@@ -93,7 +93,7 @@ def fake_kvikio(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
 def leased(tmp_path: Path, lengths: list[int]) -> tuple[Path, int, list[int]]:
     final = tmp_path / "objects" / "t" / "ab" / "cd" / "x.kvo"
     size = v1.object_size(lengths, False)
-    tmp = fileio.create_lease_file(final, size, durable_dirs=False, gid=None)
+    tmp = leasefiles.create_lease_file(final, size, durable_dirs=False, gid=None)
     return tmp, size, v1.plan_offsets(len(lengths), lengths, False)[1]
 
 

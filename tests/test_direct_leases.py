@@ -15,8 +15,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from kvoffload.client.direct import Extent, PosixDirectIO
 from kvoffload.errors import LeaseInvalid, StoreFull
 from kvoffload.layouts import v1
-from kvoffload.store import Store, StoreConfig, StoreLease
-from kvoffload.store import files as fileio
+from kvoffload.store import Store, StoreConfig, StoreLease, leasefiles
 from kvoffload.store.keys.keyring import Kek
 
 from .direct_helpers import NS, OTHER_NS, TENANT, key, rand_layers, sealed_plain, verify
@@ -87,13 +86,13 @@ def test_lease_write_publish_get(st: Store, o_direct: bool) -> None:
     assert lz.final == st.root / v1.object_relpath(TENANT, key(1))
     assert lz.offsets == v1.plan_offsets(3, LENGTHS, False)
     assert temp_files(st) == [lz.tmp]
-    assert stat.S_IMODE(lz.tmp.stat().st_mode) == fileio.LEASE_FILE_MODE
+    assert stat.S_IMODE(lz.tmp.stat().st_mode) == leasefiles.LEASE_FILE_MODE
     assert lz.tmp.read_bytes() == bytes(SIZE)
     assert st.reserved_bytes == SIZE and st.used_bytes == 0
     write_object(lz, LAYERS, o_direct=o_direct)
     assert st.publish_lease(lz) is True
     assert temp_files(st) == [] and objects(st) == [lz.final]
-    assert stat.S_IMODE(lz.final.stat().st_mode) == fileio.PUBLISHED_MODE == 0o440
+    assert stat.S_IMODE(lz.final.stat().st_mode) == leasefiles.PUBLISHED_MODE == 0o440
     assert st.reserved_bytes == 0 and st.used_bytes == SIZE
     assert st.get(TENANT, key(1)) == LAYERS
     rec = st.payload_info(TENANT, key(1))

@@ -11,7 +11,8 @@ import pytest
 from kvoffload.errors import ConfigError, PolicyError
 from kvoffload.sidecar.access.policy_file import load_policy
 from kvoffload.sidecar.config import load_config
-from kvoffload.store.index import ChunkRecord, Index
+from kvoffload.store.api import ChunkRecord
+from kvoffload.store.index import Index
 
 NS = b"\x07" * 32
 

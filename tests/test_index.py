@@ -16,15 +16,9 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from kvoffload.store.index import (
-    INDEX_SCHEMA,
-    ChunkRecord,
-    Index,
-    IndexCorrupt,
-    IndexFailure,
-    IndexVersionError,
-    Usage,
-)
+from kvoffload.store.api import ChunkRecord, Usage
+from kvoffload.store.index import Index, IndexCorrupt, IndexFailure, IndexVersionError
+from kvoffload.store.index_records import INDEX_SCHEMA
 
 NS_A = b"A" * 32
 NS_B = b"B" * 32

@@ -242,7 +242,7 @@ def test_a_large_object_not_in_the_page_cache_is_read_with_o_direct_a_cached_one
         assert (cached_pages(path) == 0) is on
         assert cached_pages(small_path)
         # With several I/O streams, that one read came in parts at once (PartReader).
-        assert (s._parts is not None) == (on and s.io_streams > 1)
+        assert (s._state.streams.parts is not None) == (on and s.io_streams > 1)
         # A cached large object is served from memory, the batch API alike.
         path.read_bytes()
         spy.count = 0

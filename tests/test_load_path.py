@@ -36,16 +36,16 @@ from kvoffload.client import SidecarClient
 from kvoffload.client.session import Session as ClientSession
 from kvoffload.layouts import v1
 from kvoffload.sidecar.connection import Connection
-from kvoffload.sidecar.reads import Reads
+from kvoffload.sidecar.reads import Reads as SidecarReads
 from kvoffload.sidecar.session import Session
 from kvoffload.store import Store, StoreConfig
 from kvoffload.store import files as fileio
 from kvoffload.store import layerwise as lw
+from kvoffload.store.api import ChunkRecord
 from kvoffload.store.files import Durability
-from kvoffload.store.index import ChunkRecord
 from kvoffload.store.iobackend import local_fs
 from kvoffload.store.keys.keyring import Kek
-from kvoffload.store.pipeline import Pipeline
+from kvoffload.store.reads import Reads
 from tests.test_server import ServerThread, start
 
 TENANT = "acme"
@@ -153,7 +153,7 @@ def flip(store: Store, i: int, layer: int) -> None:
 
 
 class Threads:
-    """Which threads ran ``Pipeline._load_one`` (the pool's per-chunk read). With
+    """Which threads ran ``Reads._load_one`` (the pool's per-chunk read). With
     ``overlap``, the first ``overlap`` reads each wait until all of them are
     running at once: a batch read one chunk after the other breaks the barrier."""
 
@@ -161,9 +161,9 @@ class Threads:
         self.names: list[str] = []
         self.overlapped = True
         barrier = threading.Barrier(overlap) if overlap > 1 else None
-        real = Pipeline._load_one
+        real = Reads._load_one
 
-        def spy(self_: Pipeline, *a: Any, **kw: Any) -> Any:
+        def spy(self_: Reads, *a: Any, **kw: Any) -> Any:
             self.names.append(threading.current_thread().name)
             if barrier is not None and len(self.names) <= overlap:
                 try:
@@ -172,7 +172,7 @@ class Threads:
                     self.overlapped = False
             return real(self_, *a, **kw)
 
-        monkeypatch.setattr(Pipeline, "_load_one", spy)
+        monkeypatch.setattr(Reads, "_load_one", spy)
 
 
 def resident_pages(path: Path) -> int:
@@ -294,20 +294,20 @@ def test_prepare_load_looks_each_chunk_up_once(
 ) -> None:
     save_all(store)
     asked: list[bytes] = []
-    real, real_cached = Pipeline._record, Pipeline.payload_info_cached
+    real, real_cached = Reads._record, Reads.payload_info_cached
 
-    def spy(self_: Pipeline, tenant: str, k: bytes) -> Any:
+    def spy(self_: Reads, tenant: str, k: bytes) -> Any:
         asked.append(k)
         return real(self_, tenant, k)
 
-    def spy_cached(self_: Pipeline, tenant: str, k: bytes) -> Any:
+    def spy_cached(self_: Reads, tenant: str, k: bytes) -> Any:
         asked.append(k)
         return real_cached(self_, tenant, k)
 
     # The pool's path (_record) and the loop's (payload_info_cached, for chunks
     # in the page cache) alike.
-    monkeypatch.setattr(Pipeline, "_record", spy)
-    monkeypatch.setattr(Pipeline, "payload_info_cached", spy_cached)
+    monkeypatch.setattr(Reads, "_record", spy)
+    monkeypatch.setattr(Reads, "payload_info_cached", spy_cached)
     got = client.load([key(i) for i in range(CHUNKS)])
     assert [r.ok for r in got] == [True] * CHUNKS
     assert [b"".join(r.layers or []) for r in got] == [b"".join(chunk(i)) for i in range(CHUNKS)]
@@ -334,23 +334,23 @@ def test_a_purge_after_the_lookup_still_stops_the_load(
     save_all(store)
     if not on_loop:
         monkeypatch.setattr(fileio, "MAP_MIN_BYTES", 1)  # every object is "large"
-    real, real_cached = Pipeline.payload_info, Pipeline.payload_info_cached
+    real, real_cached = Reads.payload_info, Reads.payload_info_cached
     last = key(0) if on_loop else key(CHUNKS - 1)
 
-    def info(self_: Pipeline, tenant: str, k: bytes) -> Any:
+    def info(self_: Reads, tenant: str, k: bytes) -> Any:
         rec = real(self_, tenant, k)
         if k == last:
             store.cancel_loads(tenant)  # after the lookup, before any read
         return rec
 
-    def info_cached(self_: Pipeline, tenant: str, k: bytes) -> Any:
+    def info_cached(self_: Reads, tenant: str, k: bytes) -> Any:
         got = real_cached(self_, tenant, k)
         if k == last:
             store.cancel_loads(tenant)
         return got
 
-    monkeypatch.setattr(Pipeline, "payload_info", info)
-    monkeypatch.setattr(Pipeline, "payload_info_cached", info_cached)
+    monkeypatch.setattr(Reads, "payload_info", info)
+    monkeypatch.setattr(Reads, "payload_info_cached", info_cached)
     handed: list[int] = []
     keys = [key(i) for i in range(CHUNKS)]
     if layerwise:
@@ -460,18 +460,18 @@ def test_a_batch_cached_only_in_part_is_answered_in_two_steps(
     paths = Paths(monkeypatch)
     asked: list[int] = []
     opened: list[bytes] = []
-    real, real_open = Reads.prepare_load, Pipeline._open_into
+    real, real_open = SidecarReads.prepare_load, Reads._open_into
 
-    def spy(self_: Reads, req: Any, emit: Any = None, **kw: Any) -> Any:
+    def spy(self_: SidecarReads, req: Any, emit: Any = None, **kw: Any) -> Any:
         asked.append(len(req.keys))
         return real(self_, req, emit, **kw)
 
-    def open_spy(self_: Pipeline, tenant: str, k: bytes, *a: Any, **kw: Any) -> Any:
+    def open_spy(self_: Reads, tenant: str, k: bytes, *a: Any, **kw: Any) -> Any:
         opened.append(k)
         return real_open(self_, tenant, k, *a, **kw)
 
-    monkeypatch.setattr(Reads, "prepare_load", spy)
-    monkeypatch.setattr(Pipeline, "_open_into", open_spy)
+    monkeypatch.setattr(SidecarReads, "prepare_load", spy)
+    monkeypatch.setattr(Reads, "_open_into", open_spy)
     assert loaded_bytes(client, CHUNKS) == [b"".join(chunk(i)) for i in range(CHUNKS)]
     assert paths.loop[0] == ("prepare_load", 5, "BUSY")
     assert asked[:2] == [CHUNKS, CHUNKS - 5]

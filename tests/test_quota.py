@@ -18,7 +18,7 @@ import pytest
 
 from kvoffload.errors import QuotaExceeded, StoreFull
 from kvoffload.layouts import v1
-from kvoffload.store.index import ChunkRecord
+from kvoffload.store.api import ChunkRecord
 
 from .test_store import NS, key, layers, open_store
 
@@ -148,7 +148,7 @@ def test_a_writer_that_freed_nothing_decides_full_on_one_view_of_the_room(
     try:
         assert put_with_quota(s, "acme", 1, quota)
         assert put_with_quota(s, "acme", 2, quota)
-        real_drop = s._drop
+        real_drop = s._removal.drop
         real_records = s.index.records
         state = {"dropped_by_other": False, "refilled": False}
 
@@ -162,14 +162,14 @@ def test_a_writer_that_freed_nothing_decides_full_on_one_view_of_the_room(
 
         def records(*args: Any, **kw: Any) -> Iterator[ChunkRecord]:
             out = list(real_records(*args, **kw))
-            if state["dropped_by_other"] and not state["refilled"] and not s._mu.locked():
+            if state["dropped_by_other"] and not state["refilled"] and not s._state.mu.locked():
                 state["refilled"] = True
                 # Two other writers commit into the room that eviction made.
                 assert put_with_quota(s, "acme", 3, quota)
                 assert put_with_quota(s, "acme", 4, quota)
             return iter(out)
 
-        s._drop = drop  # type: ignore[method-assign,assignment]
+        s._capacity.evicts_with(drop)
         s.index.records = records  # type: ignore[method-assign]
         res = s.reserve("acme", OBJ, quota=quota)
         assert state["dropped_by_other"]

@@ -20,7 +20,6 @@ import pytest
 from kvoffload.client import SidecarClient
 from kvoffload.layouts import v1
 from kvoffload.store import Store, StoreConfig
-from kvoffload.store import layerwise as lw
 from kvoffload.store.keys.keyring import Kek
 from kvoffload.store.ramtier import RamTier, Slot, _aligned
 
@@ -71,7 +70,7 @@ def store(direct_dir: Path, kek_file: Path) -> Iterator[Store]:
 
 
 def tier(s: Store) -> RamTier:
-    ram = s._ram
+    ram = s._state.ram
     assert ram is not None
     return ram
 
@@ -180,14 +179,14 @@ def test_a_damaged_image_is_dropped_and_the_file_read_its_object_untouched(
     assert s.get("acme", key(1)) == layers(1)  # the file, read into a buffer of the tier
     img = ram._images.get(("acme", key(1))) or pytest.fail("the cold read kept no image")
     out = memoryview(bytearray(2 * LAYER))
-    got = lw.get_layerwise_into(
-        s, "acme", [key(1)], [out], lambda _p: None, lambda _d, _v: None, lambda _i: False
+    got = s.get_layerwise_into(
+        "acme", [key(1)], [out], lambda _p: None, lambda _d, _v: None, lambda _i: False
     )
     assert got == [[LAYER, LAYER]] and bytes(out) == b"".join(layers(1))
     assert ram.stats()["hits"] == 1
     img.data[img.size - 100] ^= 1
-    got = lw.get_layerwise_into(
-        s, "acme", [key(1)], [out], lambda _p: None, lambda _d, _v: None, lambda _i: False
+    got = s.get_layerwise_into(
+        "acme", [key(1)], [out], lambda _p: None, lambda _d, _v: None, lambda _i: False
     )
     assert got == [None]  # a miss, never a bad byte handed out
     assert ram.stats()["failed"] == 2 and not ram.holds("acme", key(1))

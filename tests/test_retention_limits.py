@@ -89,7 +89,7 @@ def test_a_chunk_past_max_age_is_never_served_before_the_sweep(store: Store) -> 
     age(store, "acme", K[2], created_s=3601)
     # Touched just now: max_age counts from creation, regardless of touches.
     store.touch("acme", [K[2]])
-    store._flush_touches()
+    store._state.access.flush()
     assert store.index.get("acme", K[2]) is not None  # no sweep has run
     assert store.lookup_cached("acme", K) in (None, 2)
     assert store.lookup("acme", K) == 2
@@ -142,7 +142,7 @@ def test_idle_ttl_counts_from_the_last_access_and_lookups_do_not_count(store: St
     limits.by_tenant["acme"] = TenantPolicy()
     assert store.get("acme", K[0]) is not None
     assert store.lookup("acme", K) == 4
-    store._flush_touches()
+    store._state.access.flush()
     limits.by_tenant["acme"] = TenantPolicy(idle_ttl_s=600)
     assert store.lookup("acme", K[:1]) == 1
     assert store.lookup("acme", K) == 1

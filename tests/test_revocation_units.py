@@ -29,8 +29,8 @@ from kvoffload.sidecar.events import SidecarEvents
 from kvoffload.sidecar.metrics import Metrics
 from kvoffload.sidecar.server import Server
 from kvoffload.store import Store, StoreConfig, cancel
+from kvoffload.store.api import StoreLease
 from kvoffload.store.keys.keyring import Kek
-from kvoffload.store.leases import StoreLease
 
 from .test_events_store import NS as EV_NS
 from .test_events_store import _blocks as ev_blocks

@@ -100,9 +100,9 @@ def test_a_restarted_node_that_takes_the_lease_evicts_nothing_it_need_not(
     b.follow_journals()
     b.evictor_tick()
     a.follow_journals()
-    lease = a._shared.lease  # type: ignore[union-attr]
+    lease = a._state.shared.lease  # type: ignore[union-attr]
     cur = lease.current()
-    assert cur is not None and cur.holder == b._shared.node_id  # type: ignore[union-attr]
+    assert cur is not None and cur.holder == b._state.shared.node_id  # type: ignore[union-attr]
     assert sum(cur.grants.values()) > 2 * cap  # cumulative: far above the capacity
     a.close()
     a = nodes.node("a", capacity_bytes=cap, evictor_lease_s=3600.0)  # restarted
@@ -267,7 +267,7 @@ def test_a_root_that_other_nodes_journal_into_refuses_a_node_that_is_not_shared(
         durability="none",  # type: ignore[arg-type]
         capacity_bytes=SIZE,
     )
-    node_id = a._shared.node_id  # type: ignore[union-attr]
+    node_id = a._state.shared.node_id  # type: ignore[union-attr]
     with pytest.raises(
         StoreError, match=rf"is shared: 1 other node\(s\).*{node_id}.*shared = true"
     ):

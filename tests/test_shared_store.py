@@ -340,12 +340,12 @@ def test_after_a_takeover_the_old_epochs_grants_still_count_against_the_capacity
     assert b.evictor_tick() is True
     new = b.shared_info()
     assert new is not None and new["grant"]["epoch"] == 2
-    lease = b._shared.lease  # type: ignore[union-attr]
+    lease = b._state.shared.lease  # type: ignore[union-attr]
     assert lease.previous is not None and lease.previous.epoch == 1
     # Everything any node may still write, under either epoch, fits the capacity:
     # b's own grant of epoch 1 is not among it (b writes under the epoch it holds
     # now, and had no write in flight).
-    me = b._shared.node_id  # type: ignore[union-attr]
+    me = b._state.shared.node_id  # type: ignore[union-attr]
     old = sum(g for n, g in lease.previous.grants.items() if n != me)
     assert b.used_bytes + sum(lease.grants.values()) + old <= cap
 
@@ -360,10 +360,10 @@ def test_a_compacted_journal_restates_what_is_still_present(nodes: Nodes) -> Non
         a.delete("acme", key(i))
     a.put("beta", NS, key(50), layers(50))
     a.purge_tenant("beta", wait=True)
-    segs = a._shared.writer.segment_count()  # type: ignore[union-attr]
+    segs = a._state.shared.writer.segment_count()  # type: ignore[union-attr]
     assert segs > 3
     assert a.compact_journal(max_segments=2) == 8  # chunks 4..11 are still present
-    assert a._shared.writer.segment_count() < segs  # type: ignore[union-attr]
+    assert a._state.shared.writer.segment_count() < segs  # type: ignore[union-attr]
     # A node that starts now learns exactly what is present from the checkpoint.
     b = nodes.node("b")
     assert b.lookup("acme", [key(i) for i in range(4, 12)]) == 8
@@ -478,7 +478,7 @@ def test_an_eviction_is_journaled_under_the_epoch_its_fence_allowed(nodes: Nodes
     size = len(b"".join(layers(0)))
     cap = 12 * (size + 8192)
     a = nodes.node("a", capacity_bytes=cap, evictor_lease_s=3600.0)
-    lease = a._shared.lease  # type: ignore[union-attr]
+    lease = a._state.shared.lease  # type: ignore[union-attr]
     held = lease.held
     assert held is not None and held.epoch >= 1
     j = 0
@@ -512,7 +512,7 @@ def test_a_holder_writes_only_under_a_grant_already_on_its_lease_file(nodes: Nod
     size = len(b"".join(layers(0)))
     cap = 12 * (size + 8192)
     a = nodes.node("a", capacity_bytes=cap, evictor_lease_s=3600.0)
-    node_id = a._shared.node_id  # type: ignore[union-attr]
+    node_id = a._state.shared.node_id  # type: ignore[union-attr]
     observer = EvictorLease(nodes.tmp / "root", "0" * 32, "observer")
     refills = 0
     last_grant = 0
@@ -543,7 +543,7 @@ def test_a_node_resumed_from_a_pause_writes_nothing_until_it_reads_the_lease_aga
     b.evictor_tick()
     s = a if who == "holder" else b
     assert s.put("acme", NS, key(0), layers(0))
-    lease = s._shared.lease  # type: ignore[union-attr]
+    lease = s._state.shared.lease  # type: ignore[union-attr]
     real = lease._clock
     lease._clock = lambda: real() + 61.0  # the pause: the monotonic clock ran on
     with pytest.raises(StoreFull):

@@ -33,8 +33,9 @@ from kvoffload.sidecar.service import Service
 from kvoffload.sidecar.session import Session
 from kvoffload.sidecar.writes import Writes
 from kvoffload.staging import PAGE, StagingBuffer
+from kvoffload.store.api import ChunkRecord
 from kvoffload.store.files import Durability
-from kvoffload.store.index import ChunkRecord, Index
+from kvoffload.store.index import Index
 
 from .test_server import sock_path, start, wait_until
 

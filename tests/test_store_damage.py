@@ -138,7 +138,7 @@ def test_access_bookkeeping_failing_never_fails_a_read(store: Store) -> None:
         raise OSError(28, "No space left on device")
 
     store.index.touch = broken  # type: ignore[method-assign]
-    store._touch_flushed = 0  # the next hit flushes
+    store._state.access.flushed = 0  # the next hit flushes
     assert store.get("acme", key(1)) == layers(1)
     assert store.get("acme", key(1)) == layers(1)
 

@@ -18,9 +18,9 @@ import pytest
 from kvoffload.errors import StoreFull, StoreIOError
 from kvoffload.layouts import v1
 from kvoffload.sidecar.config import ConfigError, load_config
-from kvoffload.store import Store, StoreConfig, pipeline
+from kvoffload.store import Store, StoreConfig, writes
 from kvoffload.store import files as fileio
-from kvoffload.store.base import MAX_DEFAULT_IO_STREAMS, default_io_streams
+from kvoffload.store.config import MAX_DEFAULT_IO_STREAMS, default_io_streams
 from kvoffload.store.keys.keyring import Kek
 
 NS = bytes(range(32))
@@ -172,7 +172,7 @@ def test_io_streams_setting(tmp_path: Path) -> None:
 @pytest.fixture(autouse=True)
 def _parallel_at_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """These chunks are small: without this, their batches run inline."""
-    monkeypatch.setattr(pipeline, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(writes, "PARALLEL_MIN_BYTES", 0)
 
 
 def test_a_small_unsynced_save_runs_inline_and_the_rest_on_the_streams(
@@ -184,7 +184,7 @@ def test_a_small_unsynced_save_runs_inline_and_the_rest_on_the_streams(
     """Below PARALLEL_MIN_BYTES a save without fsync never touches the pool (no
     thread hops for Python-bound work); a fsync'd save and every load of more
     than one chunk (a cold read waits on the device) run on the streams."""
-    monkeypatch.setattr(pipeline, "PARALLEL_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(writes, "PARALLEL_MIN_BYTES", 1 << 20)
     threads: set[str] = set()
     real = fileio._write_all
 
@@ -196,11 +196,11 @@ def test_a_small_unsynced_save_runs_inline_and_the_rest_on_the_streams(
     s = open_store(tmp_path / "s", kek_file, N)
     try:
         assert s.put_many("acme", NS, chunks[:4]) == [True] * 4
-        assert threads == {threading.current_thread().name} and s._pipe is None
+        assert threads == {threading.current_thread().name} and s._state.streams.pool is None
         outs = [memoryview(bytearray(sum(map(len, lay)))) for _, lay in chunks[:4]]
         got = s.get_many_into("acme", [k for k, _ in chunks[:4]], outs)
         assert got == [[len(x) for x in lay] for _, lay in chunks[:4]]
-        assert s._pipe is not None  # loads: on the streams
+        assert s._state.streams.pool is not None  # loads: on the streams
     finally:
         s.close()
     threads.clear()

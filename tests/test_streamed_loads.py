@@ -228,7 +228,7 @@ class _ColdSmallSpy:
     def __init__(self, s: Store, monkeypatch: pytest.MonkeyPatch) -> None:
         self.reads: list[tuple[bytes, int]] = []  # (chunk key, thread id)
         self.will_need: list[int] = []  # file sizes
-        real_one, real_advise = s._load_one, os.posix_fadvise
+        real_one, real_advise = s._reads._load_one, os.posix_fadvise
 
         def load_one(tenant: str, rec: Any, *a: Any, **kw: Any) -> Any:
             self.reads.append((rec.chunk_key, threading.get_ident()))
@@ -239,7 +239,7 @@ class _ColdSmallSpy:
                 self.will_need.append(length)
             real_advise(fd, offset, length, advice)
 
-        monkeypatch.setattr(s, "_load_one", load_one)
+        monkeypatch.setattr(s._reads, "_load_one", load_one)
         monkeypatch.setattr(os, "posix_fadvise", advise)
 
 

@@ -23,7 +23,7 @@ from .exits import _SidecarUnreachable
 if TYPE_CHECKING:
     from ..protocol import Reply, Request
     from ..sidecar.config import Config
-    from ..store import Store
+    from ..store import PurgeReport, Store
 
 _T = TypeVar("_T")
 
@@ -139,20 +139,27 @@ class LocalTarget:
         )
 
     def purge_tenant(self, tenant: str) -> int:
-        n = self._audited(
-            "purge", lambda: self.store.purge_tenant(tenant, wait=True), tenant=tenant
-        )
-        self.tiers = _offline_tiers(self.store, whole=True)
-        return n
+        return self._purge(tenant, None)
 
     def purge_namespace(self, tenant: str, namespace: bytes) -> int:
+        return self._purge(tenant, namespace)
+
+    def _purge(self, tenant: str, namespace: bytes | None) -> int:
+        """A purge, with its report's tiers: the store's (no sidecar runs here, so
+        no load, lease or event feed of this node exists to reach)."""
+        from ..sidecar.admin import purge_tiers
+
+        reports: list[PurgeReport] = []
+
+        def run() -> int:
+            reports.append(self.store.purge(tenant, namespace))
+            return reports[0].removed
+
         n = self._audited(
-            "purge",
-            lambda: self.store.purge_namespace(tenant, namespace),
-            tenant=tenant,
-            namespace=namespace.hex(),
+            "purge", run, tenant=tenant, namespace=namespace.hex() if namespace else None
         )
-        self.tiers = _offline_tiers(self.store, whole=False)
+        tiers = purge_tiers(reports[0].tiers, events=False, daemon=False)
+        self.tiers = {k: list(v) for k, v in tiers.items()}
         return n
 
     def purge_older(self, age_s: float, tenant: str | None) -> int:
@@ -360,18 +367,6 @@ class SidecarTarget:
 
         req = Invalidate(**selector, tenant=tenant, dry_run=dry_run)
         return dict(expect(self.call(req, self.job_timeout_s), InvalidateReply).report)
-
-
-def _offline_tiers(store: Store, *, whole: bool) -> dict[str, list[str]]:
-    """An offline purge's tiers: no sidecar runs here, so no load, lease or
-    event feed of this node exists to reach; other nodes of a shared root
-    apply the journal record."""
-    from ..sidecar.admin import TIERS_OUTSIDE
-
-    reached = ["index", "objects"] + (["keys"] if whole else [])
-    if store.shared_info() is not None:
-        reached.append("shared_nodes")
-    return {"reached": reached, "outside": list(TIERS_OUTSIDE)}
 
 
 def sidecar_listening(path: Path) -> bool:

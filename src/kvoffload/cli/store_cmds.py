@@ -241,10 +241,12 @@ def purge(
     Through the running sidecar when one serves the socket, else offline. A
     tenant with neither keys nor data, or a namespace without chunks, is exit
     8 (a typo?), nothing asked.
-    The report lists the tiers the purge reached (index, objects, keys, loads
-    in flight, leased files, pending stores, KV events, other nodes of a
-    shared root) and those outside kvoffload (the engines' own GPU and CPU
-    prefix caches), which --engine URL resets. An engine not reset is one
+    The report lists the tiers the purge removed something of the tenant
+    from (RAM tier, keys, other nodes of a shared root, objects, retention
+    journal, contracts, quarantine, index; through a sidecar also loads in
+    flight, leased files, pending stores, KV events) and those outside
+    kvoffload (the engines' own GPU and CPU prefix caches), which --engine
+    URL resets. An engine not reset is one
     line each and exit 1; the store purge is done regardless.
     """
     if tenant is None and namespace is None and older_than is None:

@@ -10,7 +10,7 @@ the same ``--json``. Every admin verb needs the admin right (§6).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,26 +119,28 @@ def ls_rows(
 #: ``POST /reset_prefix_cache`` (for every tenant of that engine).
 TIERS_OUTSIDE: tuple[str, ...] = ("engine_gpu_prefix_cache", "engine_cpu_cache")
 
+#: What the daemon itself reaches in a purge, beyond the store: its loads in
+#: flight of the tenant (cancelled before their next layer), every
+#: connection's leased files and pending stores (``Service.purged``).
+DAEMON_TIERS: tuple[str, ...] = ("loads_in_flight", "direct_leases", "pending_stores")
 
-def purge_tiers(store: StoreAPI, *, events: bool, whole: bool = True) -> dict[str, tuple[str, ...]]:
-    """The ``tiers`` of a purge's report (protocol-v1.md §5.11, revision 7).
 
-    ``reached``: this node's index and object files, the tenant's data keys
-    (a whole-tenant purge: crypto-erase), the loads in flight (cancelled),
-    the direct path's leased files, open connections' pending stores, the
-    KV-event feed (``BlockRemoved`` per published chunk) when it runs, and
-    the other nodes of a shared root (a journal record they apply).
+def purge_tiers(
+    store_tiers: Sequence[str], *, events: bool, daemon: bool = True
+) -> dict[str, tuple[str, ...]]:
+    """The ``tiers`` of a purge's report (protocol-v1.md §5.11).
+
+    ``reached``: the store's tiers as its :class:`~kvoffload.store.api.PurgeReport`
+    names them (those it removed something of the tenant from, in that order:
+    the code that removed says so), then, with ``daemon`` (a sidecar served the
+    purge), the daemon's own (:data:`DAEMON_TIERS`) and the KV-event feed
+    (``BlockRemoved`` per published chunk) when it runs.
     """
-    reached = ["index", "objects"]
-    if whole:
-        reached.append("keys")
-    reached += ["loads_in_flight", "direct_leases", "pending_stores"]
-    if store.has_ram_tier:
-        reached.append("ram_tier")
-    if events:
-        reached.append("events")
-    if store.shared_info() is not None:
-        reached.append("shared_nodes")
+    reached = list(store_tiers)
+    if daemon:
+        reached += DAEMON_TIERS
+        if events:
+            reached.append("events")
     return {"reached": tuple(reached), "outside": TIERS_OUTSIDE}
 
 
@@ -172,15 +174,12 @@ class Admin:
         """
         store = self._admin("purge")
         svc = self.service
-        if req.namespace is not None:
-            removed = store.purge_namespace(req.tenant, req.namespace)
-        else:
-            removed = store.purge_tenant(req.tenant, wait=True)
+        report = store.purge(req.tenant, req.namespace)  # whole tenant: waited for
         svc.purged(req.tenant, req.namespace)
         if not req.tiers:
-            return PurgeReply(removed)
-        tiers = purge_tiers(store, events=svc.events is not None, whole=req.namespace is None)
-        return PurgeReply(removed, tiers)
+            return PurgeReply(report.removed)
+        tiers = purge_tiers(report.tiers, events=svc.events is not None)
+        return PurgeReply(report.removed, tiers)
 
     def fsck(self, req: Fsck) -> Reply:
         """§5.12."""
@@ -247,6 +246,7 @@ class Admin:
 
 
 __all__ = [
+    "DAEMON_TIERS",
     "LS_PAGE",
     "NAMESPACES_PAGE",
     "TIERS_OUTSIDE",

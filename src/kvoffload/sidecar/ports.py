@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from ..store import (
         ChunkRecord,
         FsckReport,
+        PurgeReport,
         ReadLease,
         Reservation,
         StoreConfig,
@@ -190,6 +191,8 @@ class StoreAPI(Protocol):
     def tenant_usage(self) -> dict[str, Usage]: ...
 
     def namespace_usage(self, tenant: str) -> dict[bytes, Usage]: ...
+
+    def purge(self, tenant: str, namespace: bytes | None = ...) -> PurgeReport: ...
 
     def purge_tenant(self, tenant: str, *, wait: bool = ...) -> int: ...
 

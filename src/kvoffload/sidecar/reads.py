@@ -202,7 +202,7 @@ class _StagedLoad:
 
     def _read(self) -> list[list[int] | None]:
         """One batch, up to io_streams chunks at once, each straight into its region,
-        with the records just looked up (no second index lookup; store/pipeline.py)."""
+        with the records just looked up (no second index lookup; store/reads.py)."""
         if self.inline:
             return self.read_inline
         h = self.h

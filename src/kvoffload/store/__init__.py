@@ -25,32 +25,42 @@ default, logged with its reason). ``put_many`` and ``get_many_into`` pipeline
 a batch on a small thread pool: chunk n+1 is sealed while chunk n is
 written, and read while chunk n is verified and decrypted.
 
-The package, one job a module, stacked (each layer uses those below it):
+The package: a :class:`Store` (store.py) that owns its parts, each in its
+own module and built on one :class:`~.state.StoreState` (state.py: who writes
+which field), and delegates to them:
 
-- ``base``: configuration, shared state, dropping a chunk, access times,
-  failed reads as misses, the error boundary
-- ``audit``: the append-only, fsync'd audit log
-- ``retention``: the retention journal a rebuilt index takes expiries from
-- ``capacity``: reservations, the byte limit and watermarks, quotas, pins,
-  the one eviction loop
-- ``fsck``: fsck, walking the object tree, adopting objects, garbage collection
-- ``pipeline``: put / put_many, sealing, writing, lookups, get / get_many_into
-- ``leases``: the direct path (write leases, publish, cancel, read leases,
-  reported corruption)
-- ``facade``: :class:`Store` itself (open/close, tenants, purges, stats, views)
+- ``capacity``: used/reserved/quota bytes, pins, watermarks, the one eviction
+  loop (the only writer of its counters)
+- ``removal``: the one way a chunk leaves (RAM image, file, index entry,
+  bytes, event, journal); failed reads as misses; the quarantine
+- ``writes``: put / put_many (reserve, seal, write, index)
+- ``reads``: lookups, load plans, get / get_many_into / load
+- ``leases``: the direct path; ``layerwise``: layer-wise loads
+- ``purge``: tenant, namespace and a peer's purge, with their PurgeReport
+- ``maintenance``: fsck, sweep, expiry, adoption, rebuild
+- ``views``: read-only reports; ``peers``: a shared root's other nodes
+- ``api``: the value types that cross into the daemon (stdlib only)
 """
 
 from __future__ import annotations
 
 from ..errors import LeaseInvalid, QuotaExceeded, StoreError, StoreFull, StoreIOError, StoreLocked
+from .api import (
+    ChunkRecord,
+    FsckReport,
+    LoadPlan,
+    PurgeReport,
+    ReadLease,
+    Reservation,
+    RetentionSettings,
+    StoreLease,
+    Usage,
+)
 from .audit import AuditLog
-from .base import DEFAULT_MAX_SEGMENTS_PER_EPOCH, MAX_OBJECT_BYTES, Counters, StoreConfig
-from .capacity import Reservation
+from .config import DEFAULT_MAX_SEGMENTS_PER_EPOCH, MAX_OBJECT_BYTES, StoreConfig
 from .files import Durability
-from .index import ChunkRecord, Usage
 from .iobackend import IOMode, parse_mode
-from .leases import ReadLease, StoreLease
-from .maintenance import FsckReport
+from .state import Counters
 from .store import Store, open_store
 
 __all__ = [
@@ -63,9 +73,12 @@ __all__ = [
     "FsckReport",
     "IOMode",
     "LeaseInvalid",
+    "LoadPlan",
+    "PurgeReport",
     "QuotaExceeded",
     "ReadLease",
     "Reservation",
+    "RetentionSettings",
     "Store",
     "StoreConfig",
     "StoreError",

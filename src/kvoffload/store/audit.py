@@ -546,17 +546,30 @@ def verify(directory: Path) -> AuditReport:
             rep.notes.append(
                 f"{path}:{len(lines) + 1}: a partial last line (a crash while writing it); ignored"
             )
+    _check_anchor(rep, directory, head, last, last_where)
+    return rep
+
+
+def _check_anchor(
+    rep: AuditReport,
+    directory: Path,
+    head: _Head,
+    last: dict[str, Any] | None,
+    last_where: AuditProblem,
+) -> None:
+    """Whether the log's last record (``last``, found at ``last_where``) is the
+    one its anchor names (audit-v1 §5): a problem in ``rep`` where it is not."""
     end_seq = last["seq"] if last is not None else 0
     end_hash = last["hash"] if last is not None else ZERO_HASH
     if last is None and head.seq == 0:
-        return rep
+        return
     if (end_seq, end_hash) == (head.seq, head.hash):
-        return rep
+        return
     if last is not None and end_seq == head.seq + 1 and last.get("prev") == head.hash:
         rep.notes.append(
             f"the anchor is one record behind (seq {head.seq}; a crash before its update)"
         )
-        return rep
+        return
     where = last_where.file if last is not None else str(directory / ACTIVE)
     line = last_where.line if last is not None else 0
     if end_seq < head.seq:
@@ -570,7 +583,6 @@ def verify(directory: Path) -> AuditReport:
             "the tail was replaced"
         )
     rep.problems.append(AuditProblem(where, line, reason))
-    return rep
 
 
 __all__ = [

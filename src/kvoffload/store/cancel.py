@@ -80,6 +80,15 @@ class LoadGenerations:
         with self._mu:
             self._gen[tenant] = self._gen.get(tenant, 0) + 1
 
+    def unchanged(self, tenant: str, generation: int) -> Callable[[], bool]:
+        """Whether no purge or revocation of ``tenant`` began since ``generation``
+        was read (asked later, e.g. under the RAM tier's lock)."""
+
+        def still() -> bool:
+            return self._gen.get(tenant, 0) == generation
+
+        return still
+
     def guard(self, tenant: str) -> Callable[[int], None]:
         """The ``before_layer`` check of one load of ``tenant`` starting now."""
         start = self.current(tenant)

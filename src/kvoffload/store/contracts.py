@@ -18,6 +18,7 @@ invalidation on the strength of unverified fields.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -204,12 +205,18 @@ class ContractRegistry:
                 if c is not None:
                     yield t, ns, c
 
-    def drop_tenant(self, tenant: str) -> None:
-        """A purged tenant's contracts go with it."""
+    def drop_tenant(self, tenant: str) -> int:
+        """A purged tenant's contracts go with it; the number of contract
+        records removed."""
+        removed = 0
         if TENANT_RE.fullmatch(tenant):
-            shutil.rmtree(self.dir / tenant, ignore_errors=True)
+            d = self.dir / tenant
+            with contextlib.suppress(OSError):
+                removed = sum(1 for p in d.iterdir() if p.name.endswith(_SUFFIX))
+            shutil.rmtree(d, ignore_errors=True)
         with self._mu:
             self._known = {k for k in self._known if k[0] != tenant}
+        return removed
 
 
 __all__ = [

@@ -26,11 +26,10 @@ eviction are about disk, not plaintext.
 
 from __future__ import annotations
 
-import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from itertools import repeat, takewhile
 from pathlib import Path
 from types import TracebackType
@@ -40,161 +39,38 @@ import lmdb
 
 from kvoffload.errors import IndexCorrupt, IndexFailure, IndexVersionError
 
-__all__ = [
-    "INDEX_SCHEMA",
-    "KEY_SIZE",
-    "ChunkRecord",
-    "Index",
-    "IndexCorrupt",
-    "IndexFailure",
-    "IndexVersionError",
-    "Usage",
-    "probe_in_child",
-]
+from .api import ChunkRecord, Usage
+from .index_records import (
+    INDEX_SCHEMA,
+    KEY_SIZE,
+    RECORD,
+    SCHEMA_META,
+    U64,
+    U64_MAX,
+    USAGE,
+    check_key,
+    decode_record,
+    decode_usage,
+    encode_record,
+    index_key,
+    lmdb_failure,
+    split_key,
+    tenant_bytes,
+)
 
-INDEX_SCHEMA: Final = 1
-"""Version of the record and table encodings below; stored in ``meta``."""
-
-KEY_SIZE: Final = 32
-SCHEMA_META: Final = "index_schema"
-"""``meta`` entry holding :data:`INDEX_SCHEMA` as ASCII decimal."""
-
-# Tenant names end up in LMDB keys, whose limit is 511 bytes by default; a
-# fixed cap leaves room for the 0x00 separator and the 32-byte suffixes.
-MAX_TENANT_BYTES: Final = 255
+__all__ = ["Index", "IndexCorrupt", "IndexFailure", "IndexVersionError"]
 
 # A store that needs more than this is misconfigured; keep doubling from
 # turning a runaway transaction into an address-space exhaustion.
 MAX_MAP_SIZE: Final = 1 << 40
 
-_U64_MAX: Final = (1 << 64) - 1
 _BATCH: Final = 1024
 _DB_NAMES: Final = ("chunks", "lru", "expiry", "tenants", "namespaces", "meta", "blocks", "events")
-
-# schema byte, namespace, key_epoch, size, payload, num_layers, created_ns,
-# last_access_ns, expires_ns. The leading byte lets a future schema be told
-# apart record by record during a migration.
-_RECORD: Final = struct.Struct(">B32sQQQQQQQ")
-_USAGE: Final = struct.Struct(">QQ")
-_U64: Final = struct.Struct(">Q")
 
 _T = TypeVar("_T")
 if TYPE_CHECKING:
     # lmdb's classes are generic in its stubs only, not at run time.
     _Txn: TypeAlias = lmdb.Transaction[bytes]
-
-
-@dataclass(frozen=True)
-class ChunkRecord:
-    """What the index knows about one stored chunk object."""
-
-    tenant: str
-    chunk_key: bytes  # 32
-    namespace: bytes  # 32
-    key_epoch: int  # 0 = plaintext
-    size: int  # bytes on disk (object file size)
-    payload: int  # plaintext bytes
-    num_layers: int
-    created_ns: int
-    last_access_ns: int
-    expires_ns: int  # 0 = never
-
-
-@dataclass(frozen=True)
-class Usage:
-    """Bytes on disk and number of chunks."""
-
-    bytes: int
-    count: int
-
-
-def _tenant_bytes(tenant: str) -> bytes:
-    if not isinstance(tenant, str):
-        raise TypeError(f"tenant must be str, not {type(tenant).__name__}")
-    try:
-        raw = tenant.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"tenant {tenant!r} is not valid unicode") from exc
-    # The separator must never occur inside a tenant, or tenant "a"'s prefix
-    # scan would also see tenant "a\x00...".
-    if b"\x00" in raw:
-        raise ValueError(f"tenant {tenant!r} contains NUL")
-    if len(raw) > MAX_TENANT_BYTES:
-        raise ValueError(f"tenant name longer than {MAX_TENANT_BYTES} bytes")
-    return raw
-
-
-def _check_key(name: str, value: bytes) -> None:
-    if not isinstance(value, bytes) or len(value) != KEY_SIZE:
-        raise ValueError(f"{name} must be {KEY_SIZE} bytes")
-
-
-def _index_key(tenant: str, chunk_key: bytes) -> bytes:
-    _check_key("chunk_key", chunk_key)
-    return _tenant_bytes(tenant) + b"\x00" + chunk_key
-
-
-def _split_key(key: bytes) -> tuple[str, bytes]:
-    if len(key) < KEY_SIZE + 1 or key[-KEY_SIZE - 1] != 0:
-        raise IndexCorrupt(f"malformed index key {key.hex()}")
-    try:
-        tenant = key[: -KEY_SIZE - 1].decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise IndexCorrupt(f"malformed tenant in index key {key.hex()}") from exc
-    return tenant, key[-KEY_SIZE:]
-
-
-def _encode(rec: ChunkRecord) -> bytes:
-    _check_key("namespace", rec.namespace)
-    ints = (
-        rec.key_epoch,
-        rec.size,
-        rec.payload,
-        rec.num_layers,
-        rec.created_ns,
-        rec.last_access_ns,
-        rec.expires_ns,
-    )
-    for value in ints:
-        if not isinstance(value, int) or not 0 <= value <= _U64_MAX:
-            raise ValueError(f"record field out of range: {rec!r}")
-    return _RECORD.pack(INDEX_SCHEMA, rec.namespace, *ints)
-
-
-def _decode(key: bytes, value: bytes) -> ChunkRecord:
-    tenant, chunk_key = _split_key(key)
-    if len(value) != _RECORD.size or value[0] != INDEX_SCHEMA:
-        raise IndexCorrupt(f"undecodable record for {tenant!r}/{chunk_key.hex()}")
-    (_, namespace, epoch, size, payload, layers, created, access, expires) = _RECORD.unpack(value)
-    return ChunkRecord(
-        tenant=tenant,
-        chunk_key=chunk_key,
-        namespace=namespace,
-        key_epoch=epoch,
-        size=size,
-        payload=payload,
-        num_layers=layers,
-        created_ns=created,
-        last_access_ns=access,
-        expires_ns=expires,
-    )
-
-
-def _decode_usage(value: bytes | None) -> Usage:
-    if value is None:
-        return Usage(0, 0)
-    if len(value) != _USAGE.size:
-        raise IndexCorrupt("undecodable usage entry")
-    nbytes, count = _USAGE.unpack(value)
-    return Usage(nbytes, count)
-
-
-def _wrap(exc: lmdb.Error) -> IndexFailure:
-    if isinstance(exc, lmdb.CorruptedError | lmdb.InvalidError | lmdb.PageNotFoundError):
-        return IndexCorrupt(f"LMDB index is corrupt: {exc}")
-    if isinstance(exc, lmdb.VersionMismatchError):
-        return IndexVersionError(f"LMDB format version mismatch: {exc}")
-    return IndexFailure(f"LMDB index error: {exc}")
 
 
 class _SharedHold:
@@ -265,48 +141,6 @@ class _SharedExclusiveLock:
                 self._cond.notify_all()
 
 
-_PROBE = """
-import sys, lmdb
-env = lmdb.open(sys.argv[1], subdir=True, readonly=True, lock=False, max_dbs=16)
-try:
-    with env.begin() as txn:
-        names = [k for k, _ in txn.cursor()]
-        for name in names:
-            db = env.open_db(name, txn=txn, create=False)
-            for _ in txn.cursor(db=db):
-                pass
-except lmdb.Error as exc:
-    print(exc)
-    sys.exit(3)
-"""
-
-
-def probe_in_child(path: Path, timeout_s: float = 120.0) -> str | None:
-    """Read every page of the index at ``path`` in a child process: why it is
-    unusable, or None. LMDB trusts its file: a truncated or damaged one can make
-    the reading process die of SIGBUS or SIGSEGV, which must not be the sidecar
-    (a start that crashes every time). A child that cannot run says nothing."""
-    import subprocess
-    import sys
-
-    if not (path / "data.mdb").exists():
-        return None
-    try:
-        p = subprocess.run(
-            [sys.executable, "-I", "-c", _PROBE, str(path)],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if p.returncode < 0:
-        return f"reading it killed a process with signal {-p.returncode}"
-    if p.returncode == 3:
-        return p.stdout.strip() or "LMDB error"
-    return None
-
-
 class Index:
     """LMDB index of the chunks in one store. Safe to share between threads.
 
@@ -341,7 +175,7 @@ class Index:
                 mode=0o600,
             )
         except lmdb.Error as exc:
-            raise _wrap(exc) from exc
+            raise lmdb_failure(exc) from exc
         try:
             self._write(self._open_tables)
         except BaseException:
@@ -390,7 +224,7 @@ class Index:
             with self._rw.shared(), self._require_env().begin() as txn:
                 return fn(txn)
         except lmdb.Error as exc:
-            raise _wrap(exc) from exc
+            raise lmdb_failure(exc) from exc
 
     def _write(self, fn: Callable[[_Txn], _T]) -> _T:
         """Run ``fn`` in a write transaction, growing the map until it fits.
@@ -406,7 +240,7 @@ class Index:
                 except lmdb.MapFullError:
                     self._grow()
                 except lmdb.Error as exc:
-                    raise _wrap(exc) from exc
+                    raise lmdb_failure(exc) from exc
 
     def _grow(self) -> None:
         with self._rw.exclusive():
@@ -417,7 +251,7 @@ class Index:
                     raise IndexFailure(f"index at {self.path} is full at {size} bytes")
                 env.set_mapsize(min(size * 2, MAX_MAP_SIZE))
             except lmdb.Error as exc:
-                raise _wrap(exc) from exc
+                raise lmdb_failure(exc) from exc
 
     def _scan(
         self,
@@ -467,7 +301,7 @@ class Index:
                 return
 
     def _add_usage(self, txn: _Txn, db: lmdb._Database, key: bytes, nbytes: int, n: int) -> None:
-        cur = _decode_usage(txn.get(key, db=db))
+        cur = decode_usage(txn.get(key, db=db))
         new_bytes, new_count = cur.bytes + nbytes, cur.count + n
         if new_bytes < 0 or new_count < 0:
             raise IndexCorrupt("usage accounting went negative; rebuild the index")
@@ -475,23 +309,23 @@ class Index:
             # Dropping empty rows keeps tenants()/namespaces() to live entries.
             txn.delete(key, db=db)
         else:
-            txn.put(key, _USAGE.pack(new_bytes, new_count), db=db)
+            txn.put(key, USAGE.pack(new_bytes, new_count), db=db)
 
     def _account(self, txn: _Txn, rec: ChunkRecord, sign: int) -> None:
-        tenant = _tenant_bytes(rec.tenant)
+        tenant = tenant_bytes(rec.tenant)
         self._add_usage(txn, self._tenants, tenant, sign * rec.size, sign)
         self._add_usage(
             txn, self._namespaces, tenant + b"\x00" + rec.namespace, sign * rec.size, sign
         )
 
     def _put_txn(self, txn: _Txn, rec: ChunkRecord) -> bool:
-        key = _index_key(rec.tenant, rec.chunk_key)
-        value = _encode(rec)
+        key = index_key(rec.tenant, rec.chunk_key)
+        value = encode_record(rec)
         if not txn.put(key, value, overwrite=False, db=self._chunks):
             return False
-        txn.put(_U64.pack(rec.last_access_ns) + key, b"", db=self._lru)
+        txn.put(U64.pack(rec.last_access_ns) + key, b"", db=self._lru)
         if rec.expires_ns:
-            txn.put(_U64.pack(rec.expires_ns) + key, b"", db=self._expiry)
+            txn.put(U64.pack(rec.expires_ns) + key, b"", db=self._expiry)
         self._account(txn, rec, +1)
         return True
 
@@ -499,11 +333,11 @@ class Index:
         value = txn.pop(key, db=self._chunks)
         if value is None:
             return None
-        rec = _decode(key, value)
+        rec = decode_record(key, value)
         txn.delete(key, db=self._blocks)
-        txn.delete(_U64.pack(rec.last_access_ns) + key, db=self._lru)
+        txn.delete(U64.pack(rec.last_access_ns) + key, db=self._lru)
         if rec.expires_ns:
-            txn.delete(_U64.pack(rec.expires_ns) + key, db=self._expiry)
+            txn.delete(U64.pack(rec.expires_ns) + key, db=self._expiry)
         self._account(txn, rec, -1)
         return rec
 
@@ -533,7 +367,7 @@ class Index:
             try:
                 self._require_env().sync(True)
             except lmdb.Error as exc:
-                raise _wrap(exc) from exc
+                raise lmdb_failure(exc) from exc
 
     # -- meta -------------------------------------------------------------
 
@@ -550,14 +384,14 @@ class Index:
 
     def put(self, rec: ChunkRecord) -> bool:
         """Insert ``rec``; False (and nothing changed) if the key is already present."""
-        _encode(rec)  # validate before taking the write lock
+        encode_record(rec)  # validate before taking the write lock
         return self._write(lambda txn: self._put_txn(txn, rec))
 
     def put_many(self, recs: Iterable[ChunkRecord]) -> int:
         """Insert records in one transaction (fsck rebuild); returns how many were new."""
         batch = list(recs)
         for rec in batch:
-            _encode(rec)
+            encode_record(rec)
         return self._write(lambda txn: sum(self._put_txn(txn, rec) for rec in batch))
 
     def put_each(self, recs: Sequence[ChunkRecord]) -> list[bool]:
@@ -568,17 +402,17 @@ class Index:
         batch's records are committed or none is.
         """
         for rec in recs:
-            _encode(rec)
+            encode_record(rec)
         if not recs:
             return []
         return self._write(lambda txn: [self._put_txn(txn, rec) for rec in recs])
 
     def get(self, tenant: str, chunk_key: bytes) -> ChunkRecord | None:
-        key = _index_key(tenant, chunk_key)
+        key = index_key(tenant, chunk_key)
 
         def read(txn: _Txn) -> ChunkRecord | None:
             value = txn.get(key, db=self._chunks)
-            return None if value is None else _decode(key, value)
+            return None if value is None else decode_record(key, value)
 
         return self._read(read)
 
@@ -606,7 +440,7 @@ class Index:
         """
         if not keys:
             return 0
-        prefix = _tenant_bytes(tenant) + b"\x00"
+        prefix = tenant_bytes(tenant) + b"\x00"
         # The checks of _check_key, over the whole batch in C (map, set, all):
         # a lookup is on the scheduler's path, and per-key Python adds up.
         if set(map(len, keys)) != {KEY_SIZE} or not all(map(isinstance, keys, repeat(bytes))):
@@ -616,7 +450,7 @@ class Index:
             with self._rw.shared(), self._require_env().begin(buffers=True) as txn:
                 cur = txn.cursor(db=self._chunks)
                 index_keys = map(prefix.__add__, keys)
-                unpack, at = _U64.unpack_from, _RECORD.size - _U64.size  # expires_ns, last
+                unpack, at = U64.unpack_from, RECORD.size - U64.size  # expires_ns, last
                 # The expiry table is ordered by time: its first key says whether
                 # any record of the index is due.
                 exp = txn.cursor(db=self._expiry)
@@ -642,7 +476,7 @@ class Index:
                     n += 1
                 return n
         except lmdb.Error as exc:
-            raise _wrap(exc) from exc
+            raise lmdb_failure(exc) from exc
 
     def touch(self, tenant: str, keys: Sequence[bytes], now_ns: int) -> None:
         """Mark ``keys`` as used at ``now_ns``; missing keys are ignored.
@@ -651,9 +485,9 @@ class Index:
         applied out of order, and an older timestamp would misplace the entry
         in the LRU.
         """
-        if not 0 <= now_ns <= _U64_MAX:
+        if not 0 <= now_ns <= U64_MAX:
             raise ValueError("now_ns out of range")
-        index_keys = [_index_key(tenant, k) for k in keys]
+        index_keys = [index_key(tenant, k) for k in keys]
         if not index_keys:
             return
 
@@ -662,23 +496,23 @@ class Index:
                 value = txn.get(key, db=self._chunks)
                 if value is None:
                     continue
-                rec = _decode(key, value)
+                rec = decode_record(key, value)
                 if now_ns <= rec.last_access_ns:
                     continue
-                txn.delete(_U64.pack(rec.last_access_ns) + key, db=self._lru)
-                txn.put(_U64.pack(now_ns) + key, b"", db=self._lru)
-                txn.put(key, _encode(replace(rec, last_access_ns=now_ns)), db=self._chunks)
+                txn.delete(U64.pack(rec.last_access_ns) + key, db=self._lru)
+                txn.put(U64.pack(now_ns) + key, b"", db=self._lru)
+                txn.put(key, encode_record(replace(rec, last_access_ns=now_ns)), db=self._chunks)
 
         self._write(write)
 
     def remove(self, tenant: str, chunk_key: bytes) -> ChunkRecord | None:
         """Drop one record; returns it, or None if it was not there."""
-        key = _index_key(tenant, chunk_key)
+        key = index_key(tenant, chunk_key)
         return self._write(lambda txn: self._remove_txn(txn, key))
 
     def remove_many(self, items: Iterable[tuple[str, bytes]]) -> list[ChunkRecord]:
         """Drop several records in one transaction; returns those that were there."""
-        keys = [_index_key(tenant, chunk_key) for tenant, chunk_key in items]
+        keys = [index_key(tenant, chunk_key) for tenant, chunk_key in items]
 
         def write(txn: _Txn) -> list[ChunkRecord]:
             out: list[ChunkRecord] = []
@@ -711,7 +545,7 @@ class Index:
     def set_blocks(self, tenant: str, chunk_key: bytes, blob: bytes) -> bool:
         """Keep the engine block hashes of a stored chunk; False if it is not
         stored or already has them (they are never replaced)."""
-        key = _index_key(tenant, chunk_key)
+        key = index_key(tenant, chunk_key)
 
         def write(txn: _Txn) -> bool:
             if txn.get(key, db=self._chunks) is None:
@@ -721,18 +555,18 @@ class Index:
         return self._write(write)
 
     def get_blocks(self, tenant: str, chunk_key: bytes) -> bytes | None:
-        key = _index_key(tenant, chunk_key)
+        key = index_key(tenant, chunk_key)
         return self._read(lambda txn: txn.get(key, db=self._blocks))
 
     def all_blocks(self) -> Iterator[tuple[str, bytes, bytes]]:
         """``(tenant, chunk_key, blob)`` of every chunk stored with block hashes."""
-        return self._scan(self._blocks, b"", lambda _t, k, v: (*_split_key(k), bytes(v)))
+        return self._scan(self._blocks, b"", lambda _t, k, v: (*split_key(k), bytes(v)))
 
     def append_event(self, seq: int, payload: bytes, keep: int) -> None:
         """Add a published batch to the replay buffer; keep the newest ``keep``."""
 
         def write(txn: _Txn) -> None:
-            txn.put(_U64.pack(seq), bytes(payload), db=self._events)
+            txn.put(U64.pack(seq), bytes(payload), db=self._events)
             extra = txn.stat(self._events)["entries"] - keep
             if extra > 0:
                 cur = txn.cursor(db=self._events)
@@ -744,20 +578,20 @@ class Index:
 
     def events_since(self, seq: int) -> list[tuple[int, bytes]]:
         """Buffered batches with a seq at or above ``seq``, in order."""
-        start = _U64.pack(seq)
+        start = U64.pack(seq)
 
         def read(txn: _Txn) -> list[tuple[int, bytes]]:
             cur = txn.cursor(db=self._events)
             if not cur.set_range(start):
                 return []
-            return [(_U64.unpack(k)[0], bytes(v)) for k, v in cur]
+            return [(U64.unpack(k)[0], bytes(v)) for k, v in cur]
 
         return self._read(read)
 
     def last_event_seq(self) -> int | None:
         def read(txn: _Txn) -> int | None:
             cur = txn.cursor(db=self._events)
-            return _U64.unpack(cur.key())[0] if cur.last() else None
+            return U64.unpack(cur.key())[0] if cur.last() else None
 
         return self._read(read)
 
@@ -765,7 +599,7 @@ class Index:
 
     def _record_at(self, txn: _Txn, key: bytes) -> ChunkRecord | None:
         value = txn.get(key, db=self._chunks)
-        return None if value is None else _decode(key, value)
+        return None if value is None else decode_record(key, value)
 
     def lru(self, limit: int | None = None) -> Iterator[ChunkRecord]:
         """Records by last access, oldest first (eviction order)."""
@@ -784,7 +618,7 @@ class Index:
                 self._expiry,
                 b"",
                 lambda txn, key, _v: self._record_at(txn, key[8:]),
-                stop=lambda key: _U64.unpack_from(key)[0] > now_ns,
+                stop=lambda key: U64.unpack_from(key)[0] > now_ns,
                 limit=limit,
             )
         )
@@ -793,12 +627,12 @@ class Index:
         self, tenant: str | None = None, namespace: bytes | None = None
     ) -> Iterator[ChunkRecord]:
         """All records, or those of one tenant and/or namespace, in key order."""
-        prefix = b"" if tenant is None else _tenant_bytes(tenant) + b"\x00"
+        prefix = b"" if tenant is None else tenant_bytes(tenant) + b"\x00"
         if namespace is not None:
-            _check_key("namespace", namespace)
+            check_key("namespace", namespace)
 
         def convert(_txn: _Txn, key: bytes, value: bytes) -> ChunkRecord | None:
-            rec = _decode(key, value)
+            rec = decode_record(key, value)
             return rec if namespace is None or rec.namespace == namespace else None
 
         return self._scan(self._chunks, prefix, convert)
@@ -806,8 +640,8 @@ class Index:
     def usage(self, tenant: str | None = None) -> Usage:
         """Usage of one tenant, or of the whole store."""
         if tenant is not None:
-            key = _tenant_bytes(tenant)
-            return self._read(lambda txn: _decode_usage(txn.get(key, db=self._tenants)))
+            key = tenant_bytes(tenant)
+            return self._read(lambda txn: decode_usage(txn.get(key, db=self._tenants)))
         total = self.tenants().values()
         return Usage(sum(u.bytes for u in total), sum(u.count for u in total))
 
@@ -818,7 +652,7 @@ class Index:
             out: dict[str, Usage] = {}
             for key, value in txn.cursor(db=self._tenants):
                 try:
-                    out[key.decode("utf-8")] = _decode_usage(value)
+                    out[key.decode("utf-8")] = decode_usage(value)
                 except UnicodeDecodeError as exc:
                     raise IndexCorrupt(f"malformed tenant {key!r} in usage table") from exc
             return out
@@ -827,7 +661,7 @@ class Index:
 
     def namespaces(self, tenant: str) -> dict[bytes, Usage]:
         """Usage per namespace of ``tenant`` that has at least one record."""
-        prefix = _tenant_bytes(tenant) + b"\x00"
+        prefix = tenant_bytes(tenant) + b"\x00"
 
         def read(txn: _Txn) -> dict[bytes, Usage]:
             out: dict[bytes, Usage] = {}
@@ -837,7 +671,7 @@ class Index:
             for key, value in cur:
                 if not key.startswith(prefix):
                     break
-                out[key[len(prefix) :]] = _decode_usage(value)
+                out[key[len(prefix) :]] = decode_usage(value)
             return out
 
         return self._read(read)

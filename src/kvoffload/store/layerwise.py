@@ -44,17 +44,16 @@ import mmap
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from ..errors import TransferCancelled
 from ..layouts import CorruptObject, ObjectMismatch, UnknownKeyEpoch, v1
 from . import files as fileio
-from .base import log
-from .index import ChunkRecord
-from .pipeline import PARALLEL_MIN_BYTES
+from .api import ChunkRecord
+from .config import PARALLEL_MIN_BYTES
 from .ramtier import Image, RamTier
-
-if TYPE_CHECKING:
-    from .pipeline import Pipeline
+from .reads import Reads
+from .removal import Removal
+from .state import StoreState, log
 
 #: ``report(layers_done, verified)``: layers [0, layers_done) of the first
 #: ``verified`` chunks are in their outputs, verified.
@@ -101,61 +100,6 @@ class _Opened:
             os.close(self.fd)
 
 
-def _open(store: Pipeline, tenant: str, rec: ChunkRecord, out: memoryview) -> _Opened:
-    """Open one object and make every check that comes before its layers."""
-    key = rec.chunk_key
-    fd = os.open(store._path(tenant, key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    try:
-        st = os.fstat(fd)
-        if st.st_size != rec.size:
-            raise CorruptObject(f"object is {st.st_size} bytes, its index record says {rec.size}")
-        hb = os.pread(fd, v1.header_length(rec.num_layers), 0)
-        h = v1.decode_header(hb)
-        if h.chunk_key != key or h.tenant != tenant or h.namespace != rec.namespace:
-            raise ObjectMismatch("object belongs to another chunk key, tenant or namespace")
-        if (h.total_size, len(h.layers), h.payload_size, h.key_epoch) != (
-            rec.size, rec.num_layers, rec.payload, rec.key_epoch,
-        ):  # fmt: skip
-            raise ObjectMismatch("object differs from its index record (size or layers)")
-        if h.payload_size > len(out):
-            raise ObjectMismatch(f"object holds {h.payload_size} bytes, {len(out)} expected")
-        pad = os.pread(fd, h.data_offset - len(hb), len(hb))
-        if pad.count(0) != len(pad):
-            raise CorruptObject("non-zero padding after header")
-        aead: v1.Aead | None = None
-        if h.sealed:
-            tk = store.keyring.get(tenant)
-            aead = store._aead_for(tenant, tk)(h.key_epoch)
-            if aead is None:
-                raise UnknownKeyEpoch(f"no key for epoch {h.key_epoch} (purged, unknown or newer)")
-        starts, at = [], 0
-        widest = 0
-        for i, le in enumerate(h.layers):
-            starts.append(at)
-            at += le.length
-            lo, hi = v1.layer_slot(h, i)
-            widest = max(widest, hi - lo)
-        o = _Opened(key, fd, h, aead, starts, widest)
-        ram = store._ram
-        if ram is not None and ram.admits(rec.size):
-            o.image = ram.pinned(tenant, key, st)  # the file just opened
-            if o.image is not None:
-                o.ram = ram
-                return o
-        if getattr(store.io, "map_reads", False):
-            # The size just checked is the size mapped; only a file no other
-            # descriptor can shrink is mapped at all (fileio.map_opened).
-            o.mapped = fileio.map_opened(fd, st)
-        if o.mapped is not None:
-            o.view = memoryview(o.mapped)
-        with contextlib.suppress(OSError):  # a hint: the layers come next
-            os.posix_fadvise(fd, h.data_offset, 0, os.POSIX_FADV_WILLNEED)
-        return o
-    except BaseException:
-        os.close(fd)
-        raise
-
-
 def _layer(o: _Opened, i: int, out: memoryview) -> None:
     """Verify and decrypt layer ``i`` of an opened object into its place in ``out``:
     from the mapping (one pass), or read into the scratch buffer first."""
@@ -184,86 +128,144 @@ def _layer(o: _Opened, i: int, out: memoryview) -> None:
     v1.open_layer(h, i, slot, dst, o.aead)
 
 
-def get_layerwise_into(
-    store: Pipeline,
-    tenant: str,
-    keys: Sequence[bytes],
-    outs: Sequence[memoryview],
-    plan: PlanFn,
-    report: ReportFn,
-    cancelled: Callable[[int], bool],
-) -> list[list[int] | None]:
-    """Load ``keys`` layer-major into ``outs``; per chunk its layer lengths, or None.
-
-    The non-None results form a prefix. Layers are reported through ``report``
-    as they complete (see the module's notes); the final ``report`` has
-    ``layers_done`` equal to the most layers of any chunk, unless the load
-    stopped (cancelled, or no chunk left), after which nothing more is reported.
-    """
-    if len(outs) != len(keys):
-        raise ValueError("one output buffer per key")
-    recs: list[ChunkRecord] = []
-    for key in keys:
-        rec = store._record(tenant, key)
-        if rec is None:
-            store.counters.misses += 1
-            break
-        recs.append(rec)
-    got = load_layerwise(store, tenant, recs, outs[: len(recs)], plan, report, cancelled)
-    return got + [None] * (len(keys) - len(got))
+def _layer_bytes(opened: Sequence[_Opened], i: int, live: int) -> int:
+    """The bytes of layer ``i`` of the first ``live`` opened chunks."""
+    return sum(o.header.layers[i].length for o in opened[:live] if i < len(o.header.layers))
 
 
-def load_layerwise(
-    store: Pipeline,
-    tenant: str,
-    recs: Sequence[ChunkRecord],
-    outs: Sequence[memoryview],
-    plan: PlanFn,
-    report: ReportFn,
-    cancelled: Callable[[int], bool],
-) -> list[list[int] | None]:
-    """:func:`get_layerwise_into` of chunks whose index records the caller looked
-    up (in order, up to the first miss); one result per record."""
-    if len(outs) != len(recs):
-        raise ValueError("one output buffer per record")
-    opened: list[_Opened] = []
-    try:
-        for rec, out in zip(recs, outs, strict=True):
-            try:
-                opened.append(_open(store, tenant, rec, out))
-            except Exception as exc:
-                _failed(store, tenant, rec.chunk_key, exc)
+class _Reports:
+    """The reports of one load: the one of the layer before is sent while this
+    layer is verified on the pool (sending waits for the client's socket); it
+    names only bytes already checked, and always goes out before any later one."""
+
+    __slots__ = ("pending", "report")
+
+    def __init__(self, report: ReportFn) -> None:
+        self.report = report
+        self.pending: tuple[int, int] | None = None
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self.report(*pending)
+
+
+class Layerwise:
+    """Layer-wise loads of one store (see the module docstring)."""
+
+    def __init__(self, state: StoreState, reads: Reads, removal: Removal) -> None:
+        self._state = state
+        self._reads = reads
+        self._removal = removal
+
+    def get_into(
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        outs: Sequence[memoryview],
+        plan: PlanFn,
+        report: ReportFn,
+        cancelled: Callable[[int], bool],
+    ) -> list[list[int] | None]:
+        """Load ``keys`` layer-major into ``outs``; per chunk its layer lengths, or None.
+
+        The non-None results form a prefix. Layers are reported through ``report``
+        as they complete (see the module's notes); the final ``report`` has
+        ``layers_done`` equal to the most layers of any chunk, unless the load
+        stopped (cancelled, or no chunk left), after which nothing more is reported.
+        ``cancelled(layer)`` is asked before each layer; a purge or revocation
+        of ``tenant`` from the start of this call on stops the load there too
+        (the same load generation as a whole-chunk load's, cancel.py).
+        """
+        if len(outs) != len(keys):
+            raise ValueError("one output buffer per key")
+        stop = stop_check(cancelled, self._state.load_gens.guard(tenant))
+        recs: list[ChunkRecord] = []
+        for key in keys:
+            rec = self._reads.record(tenant, key)
+            if rec is None:
+                self._state.counters.miss()
                 break
+            recs.append(rec)
+        got = self._load(tenant, recs, outs[: len(recs)], plan, report, stop)
+        return got + [None] * (len(keys) - len(got))
+
+    def load_planned(
+        self,
+        tenant: str,
+        recs: Sequence[ChunkRecord],
+        outs: Sequence[memoryview],
+        plan: PlanFn,
+        report: ReportFn,
+        cancelled: Callable[[int], bool],
+        guard: Callable[[int], None],
+    ) -> list[list[int] | None]:
+        """:meth:`get_into` of chunks whose index records the caller looked up
+        (in order, up to the first miss) after taking ``guard`` (reads.py
+        ``load_guard``): no second lookup per chunk; one result per record."""
+        return self._load(tenant, recs, outs, plan, report, stop_check(cancelled, guard))
+
+    def _load(
+        self,
+        tenant: str,
+        recs: Sequence[ChunkRecord],
+        outs: Sequence[memoryview],
+        plan: PlanFn,
+        report: ReportFn,
+        cancelled: Callable[[int], bool],
+    ) -> list[list[int] | None]:
+        """The layer-wise load of ``recs``; ``cancelled(layer)``: whether to stop
+        before that layer."""
+        if len(outs) != len(recs):
+            raise ValueError("one output buffer per record")
+        opened: list[_Opened] = []
+        try:
+            for rec, out in zip(recs, outs, strict=True):
+                try:
+                    opened.append(self._open(tenant, rec, out))
+                except Exception as exc:
+                    self._failed(tenant, rec.chunk_key, exc)
+                    break
+            plan([tuple(le.length for le in o.header.layers) for o in opened])
+            live = self._layers(tenant, opened, outs, report, cancelled)
+            results: list[list[int] | None] = [None] * len(recs)
+            for c in range(live):
+                h = opened[c].header
+                self._reads.hit(tenant, opened[c].key, h.payload_size)
+                results[c] = [le.length for le in h.layers]
+            return results
+        finally:
+            for o in opened:
+                o.close()
+
+    def _layers(
+        self,
+        tenant: str,
+        opened: list[_Opened],
+        outs: Sequence[memoryview],
+        report: ReportFn,
+        cancelled: Callable[[int], bool],
+    ) -> int:
+        """Verify the opened chunks layer by layer, reporting each layer; the
+        number of leading chunks verified in full (0: cancelled)."""
         live = len(opened)
-        plan([tuple(le.length for le in o.header.layers) for o in opened])
         layers = max((len(o.header.layers) for o in opened), default=0)
-        pool = store._pipeline() if live > 1 else None
-        # The report of the layer before, sent while this layer is verified on
-        # the pool (sending waits for the client's socket): it names only
-        # bytes already checked, and always goes out before any later report.
-        pending: tuple[int, int] | None = None
-
-        def flush() -> None:
-            nonlocal pending
-            if pending is not None:
-                report(*pending)
-                pending = None
-
+        pool = self._state.streams.executor() if live > 1 else None
+        reports = _Reports(report)
         for i in range(layers):
             if live == 0:
                 break
             # The cancel point: nothing of layer i has been copied yet.
             if cancelled(i):
                 log.info("layer-wise load of %s stopped before layer %d", tenant, i)
-                flush()
-                live = 0
+                reports.flush()
                 report(i, 0)
-                break
+                return 0
             # A layer of a few small slots is verified here: the hop to a pool
             # thread and back costs more than the work (their reads were asked
             # for at open, POSIX_FADV_WILLNEED, so they come in together).
             if pool is None or _layer_bytes(opened, i, live) < PARALLEL_MIN_BYTES:
-                flush()
+                reports.flush()
                 errors: list[BaseException | None] = []
                 for c in range(live):
                     try:
@@ -275,48 +277,121 @@ def load_layerwise(
             else:
                 futs = [pool.submit(_layer, opened[c], i, outs[c]) for c in range(live)]
                 try:
-                    flush()
+                    reports.flush()
                 finally:  # never close an object a pool thread still reads
                     errors = [f.exception() for f in futs]
             for c, err in enumerate(errors):
                 if err is not None:
-                    _failed(store, tenant, opened[c], err)
+                    self._failed(tenant, opened[c], err)
                     live = c
                     break
-            pending = (i + 1, live)
-        flush()
-        results: list[list[int] | None] = [None] * len(recs)
-        for c in range(live):
-            h = opened[c].header
-            store._hit(tenant, opened[c].key, h.payload_size)
-            results[c] = [le.length for le in h.layers]
-        return results
-    finally:
-        for o in opened:
-            o.close()
+            reports.pending = (i + 1, live)
+        reports.flush()
+        return live
+
+    def _open(self, tenant: str, rec: ChunkRecord, out: memoryview) -> _Opened:
+        """Open one object and make every check that comes before its layers."""
+        st = self._state
+        key = rec.chunk_key
+        fd = os.open(st.path(tenant, key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            fst = os.fstat(fd)
+            if fst.st_size != rec.size:
+                raise CorruptObject(
+                    f"object is {fst.st_size} bytes, its index record says {rec.size}"
+                )
+            hb = os.pread(fd, v1.header_length(rec.num_layers), 0)
+            h = v1.decode_header(hb)
+            if h.chunk_key != key or h.tenant != tenant or h.namespace != rec.namespace:
+                raise ObjectMismatch("object belongs to another chunk key, tenant or namespace")
+            if (h.total_size, len(h.layers), h.payload_size, h.key_epoch) != (
+                rec.size, rec.num_layers, rec.payload, rec.key_epoch,
+            ):  # fmt: skip
+                raise ObjectMismatch("object differs from its index record (size or layers)")
+            if h.payload_size > len(out):
+                raise ObjectMismatch(f"object holds {h.payload_size} bytes, {len(out)} expected")
+            pad = os.pread(fd, h.data_offset - len(hb), len(hb))
+            if pad.count(0) != len(pad):
+                raise CorruptObject("non-zero padding after header")
+            aead: v1.Aead | None = None
+            if h.sealed:
+                tk = st.keyring.get(tenant)
+                aead = st.keyring.aead_for(tenant, tk)(h.key_epoch)
+                if aead is None:
+                    raise UnknownKeyEpoch(
+                        f"no key for epoch {h.key_epoch} (purged, unknown or newer)"
+                    )
+            return self._source(_opened(key, fd, h, aead), tenant, rec, fst)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _source(self, o: _Opened, tenant: str, rec: ChunkRecord, fst: os.stat_result) -> _Opened:
+        """Where an opened object's layers come from: its RAM image, taken from
+        the very file just opened; else the file mapped (one pass); else read."""
+        st = self._state
+        ram = st.ram
+        if ram is not None and ram.admits(rec.size):
+            o.image = ram.pinned(tenant, o.key, fst)  # the file just opened
+            if o.image is not None:
+                o.ram = ram
+                return o
+        if getattr(st.io, "map_reads", False):
+            # The size just checked is the size mapped; only a file no other
+            # descriptor can shrink is mapped at all (fileio.map_opened).
+            o.mapped = fileio.map_opened(o.fd, fst)
+        if o.mapped is not None:
+            o.view = memoryview(o.mapped)
+        with contextlib.suppress(OSError):  # a hint: the layers come next
+            os.posix_fadvise(o.fd, o.header.data_offset, 0, os.POSIX_FADV_WILLNEED)
+        return o
+
+    def _failed(self, tenant: str, o: _Opened | bytes, exc: BaseException) -> None:
+        """A chunk that failed (``o``: opened, or the key of one that failed to open)."""
+        if isinstance(o, _Opened) and o.image is not None and o.ram is not None:
+            # The RAM tier's failure, not the file's: the image goes, the file stays.
+            log.warning("chunk %s of %s: its RAM image %s; a miss", o.key.hex()[:16], tenant, exc)
+            o.ram.failed(o.image)
+            self._state.counters.miss()
+            return
+        key = o.key if isinstance(o, _Opened) else o
+        if isinstance(exc, ObjectMismatch) and "index record" in str(exc):
+            # The object may be whole and the record stale: the record goes, the
+            # file stays for fsck (or a re-save) to sort out. A miss either way.
+            self._state.counters.miss()
+            self._removal.drop_quietly(tenant, key, "record-mismatch", remove_file=False)
+            return
+        self._removal.read_failed(tenant, key, exc)
 
 
-def _layer_bytes(opened: Sequence[_Opened], i: int, live: int) -> int:
-    """The bytes of layer ``i`` of the first ``live`` opened chunks."""
-    return sum(o.header.layers[i].length for o in opened[:live] if i < len(o.header.layers))
+def stop_check(
+    cancelled: Callable[[int], bool], guard: Callable[[int], None]
+) -> Callable[[int], bool]:
+    """A layer-wise load's check before each layer: the caller's, then the load
+    generation of its tenant (a purge or revocation since ``guard`` was taken)."""
+
+    def stop(layer: int) -> bool:
+        if cancelled(layer):
+            return True
+        try:
+            guard(layer)
+        except TransferCancelled:
+            return True
+        return False
+
+    return stop
 
 
-def _failed(store: Pipeline, tenant: str, o: _Opened | bytes, exc: BaseException) -> None:
-    """A chunk that failed (``o``: opened, or the key of one that failed to open)."""
-    if isinstance(o, _Opened) and o.image is not None and o.ram is not None:
-        # The RAM tier's failure, not the file's: the image goes, the file stays.
-        log.warning("chunk %s of %s: its RAM image %s; a miss", o.key.hex()[:16], tenant, exc)
-        o.ram.failed(o.image)
-        store.counters.misses += 1
-        return
-    key = o.key if isinstance(o, _Opened) else o
-    if isinstance(exc, ObjectMismatch) and "index record" in str(exc):
-        # The object may be whole and the record stale: the record goes, the
-        # file stays for fsck (or a re-save) to sort out. A miss either way.
-        store.counters.misses += 1
-        store._drop_quietly(tenant, key, "record-mismatch", remove_file=False)
-        return
-    store._read_failed(tenant, key, exc)
+def _opened(key: bytes, fd: int, h: v1.ObjectHeader, aead: v1.Aead | None) -> _Opened:
+    """An object opened and checked, with where each layer's plaintext starts."""
+    starts, at = [], 0
+    widest = 0
+    for i, le in enumerate(h.layers):
+        starts.append(at)
+        at += le.length
+        lo, hi = v1.layer_slot(h, i)
+        widest = max(widest, hi - lo)
+    return _Opened(key, fd, h, aead, starts, widest)
 
 
-__all__ = ["PlanFn", "ReportFn", "get_layerwise_into", "load_layerwise"]
+__all__ = ["Layerwise", "PlanFn", "ReportFn"]

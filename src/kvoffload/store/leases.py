@@ -1,8 +1,8 @@
 """The direct path (docs/spec/layout-v1.md §4.1): a worker writes or reads a
 plaintext object itself. The store leases the temp file and its reservation,
-checks and publishes what the worker wrote, and hands out header-checked
-read leases; a reader's checksum complaint is verified here before anything
-is dropped.
+checks and publishes what the worker wrote (indexed as any save is,
+writes.py), and hands out header-checked read leases; a reader's checksum
+complaint is verified here before anything is dropped.
 """
 
 from __future__ import annotations
@@ -11,59 +11,38 @@ import contextlib
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
 from ..errors import LeaseInvalid
 from ..layouts import CorruptObject, LayoutError, v1
 from . import files as fileio
-from .base import MAX_OBJECT_BYTES, boundary
-from .capacity import Reservation
+from . import leasefiles
+from .api import ChunkRecord, ReadLease, StoreLease
+from .capacity import Capacity
+from .config import MAX_OBJECT_BYTES
 from .files import Durability, read_prefix
-from .index import ChunkRecord
-from .pipeline import Pipeline
+from .reads import Reads
+from .removal import Removal
+from .state import StoreState
+from .writes import Writes
 
 
-@dataclass
-class StoreLease:
-    """A direct-path write in progress (docs/spec/layout-v1.md §4.1): the leased temp
-    file, its reservation, and what the finished object must be."""
+class Leases:
+    """The direct path's leases of one store (see the module docstring)."""
 
-    tenant: str
-    namespace: bytes
-    chunk_key: bytes
-    lengths: tuple[int, ...]
-    size: int
-    tmp: Path
-    final: Path
-    reservation: Reservation
-    ttl_s: float | None
-    #: The tenant's load generation (cancel.py) at lease time: a purge or
-    #: revocation since then refuses the lease at publication.
-    generation: int = 0
+    def __init__(
+        self,
+        state: StoreState,
+        capacity: Capacity,
+        removal: Removal,
+        reads: Reads,
+        writes: Writes,
+    ) -> None:
+        self._state = state
+        self._capacity = capacity
+        self._removal = removal
+        self._reads = reads
+        self._writes = writes
 
-    @property
-    def offsets(self) -> tuple[int, list[int]]:
-        """(data_offset, layer offsets) of the object the worker must write."""
-        return v1.plan_offsets(len(self.lengths), self.lengths, False)
-
-
-@dataclass(frozen=True)
-class ReadLease:
-    """What a worker needs to read one verified-at-rest direct-path object itself."""
-
-    path: Path
-    size: int
-    header: v1.ObjectHeader
-
-
-class Leases(Pipeline):
-    @property
-    def durability(self) -> str:
-        """The fsync setting, as the lease tells a direct-path writer (a write hint)."""
-        return str(self.config.durability)
-
-    @boundary
     def lease_store(
         self,
         tenant: str,
@@ -87,25 +66,25 @@ class Leases(Pipeline):
             raise ValueError(f"1..{v1.MAX_LAYERS} layers of at least one byte expected")
         if not v1.shape_ok(lengths, False):
             raise ValueError("padding would exceed the bound of layout-v1.md §3.2")
-        have = self.index.get(tenant, chunk_key)
-        if have is not None and self._is_expired(have, time.time_ns()):
-            self._drop(tenant, chunk_key, reason="expired")  # a save writes it afresh
+        have = self._state.index.get(tenant, chunk_key)
+        if have is not None and self._state.is_expired(have, time.time_ns()):
+            self._removal.drop(tenant, chunk_key, reason="expired")  # a save writes it afresh
             have = None
         if have is not None:
-            self.counters.put_exists += 1
+            self._state.counters.existed()
             return None
         size = v1.object_size(lengths, False)
-        generation = self._load_gens.current(tenant)
-        res = self.reserve(tenant, size, quota=quota)
-        final = self._path(tenant, chunk_key)
+        generation = self._state.load_gens.current(tenant)
+        res = self._capacity.reserve(tenant, size, quota=quota)
+        final = self._state.path(tenant, chunk_key)
         try:
             res.intend(chunk_key)  # a shared root's restart finds it if we crash
-            tmp = fileio.create_lease_file(
+            tmp = leasefiles.create_lease_file(
                 final,
                 size,
-                durable_dirs=self.config.durability is Durability.OBJECT,
+                durable_dirs=self._state.config.durability is Durability.OBJECT,
                 gid=gid,
-                share_top=self.root / "objects" / tenant if gid is not None else None,
+                share_top=self._state.root / "objects" / tenant if gid is not None else None,
             )
         except BaseException:
             res.release()
@@ -119,9 +98,8 @@ class Leases(Pipeline):
         with contextlib.suppress(FileNotFoundError):
             lease.tmp.unlink()
         lease.reservation.release()
-        self._persist_shared()
+        self._capacity.persist_shared()
 
-    @boundary
     def publish_lease(self, lease: StoreLease) -> bool:
         """Check the worker's object and give it its name; True once stored.
 
@@ -129,17 +107,17 @@ class Leases(Pipeline):
         deleted, nothing is indexed) or StoreIOError. Always ends the lease.
         """
         try:
-            if self._load_gens.current(lease.tenant) != lease.generation:
+            if self._state.load_gens.current(lease.tenant) != lease.generation:
                 # Purged or revoked since the lease: the worker's file is not published.
                 raise LeaseInvalid(
                     f"chunk {lease.chunk_key.hex()[:16]}: tenant purged or revoked while leased"
                 )
             try:
-                fd = fileio.open_lease_file(lease.tmp, lease.size)
+                fd = leasefiles.open_lease_file(lease.tmp, lease.size)
             except OSError as exc:
                 raise LeaseInvalid(f"leased file unusable: {exc}") from exc
             try:
-                buf = self._scratch.get(lease.size)
+                buf = self._state.scratch.get(lease.size)
                 n = fileio.read_fd(fd, buf, lease.size)
                 h = v1.verify_plain(
                     buf[:n],
@@ -151,17 +129,17 @@ class Leases(Pipeline):
                     raise CorruptObject("layer lengths differ from the lease")
             except (LayoutError, OSError) as exc:
                 os.close(fd)
-                self.counters.corrupt += 1
+                self._state.counters.corrupted()
                 raise LeaseInvalid(f"chunk {lease.chunk_key.hex()[:16]}: {exc}") from exc
             now = time.time_ns()
             expires = now + int(lease.ttl_s * 1e9) if lease.ttl_s else 0
             if expires:
                 try:
-                    self._retain(lease.tenant, lease.chunk_key, h.created_ns, expires)
+                    self._writes.retain(lease.tenant, lease.chunk_key, h.created_ns, expires)
                 except BaseException:
                     os.close(fd)
                     raise
-            fileio.publish_lease_file(lease.tmp, fd, lease.final, self.config.durability)
+            leasefiles.publish_lease_file(lease.tmp, fd, lease.final, self._state.config.durability)
             rec = ChunkRecord(
                 tenant=lease.tenant,
                 chunk_key=lease.chunk_key,
@@ -174,25 +152,12 @@ class Leases(Pipeline):
                 last_access_ns=now,
                 expires_ns=expires,
             )
-            with self._mu:
-                inserted = self.index.put(rec)
-                if inserted:
-                    self._used += lease.size
-                    lease.reservation._commit_locked()
-                    if self._shared is not None:
-                        self._shared.persist_locked()  # counted with its record
-            if inserted:
-                self.counters.puts += 1
-                self.counters.bytes_in += rec.payload
-                self._journal_stored(rec)
-            else:
-                self.counters.put_exists += 1  # another writer indexed it meanwhile
+            self._writes.index_published(rec, lease.reservation)  # False: another writer's
         finally:
             self.cancel_lease(lease)  # a no-op for the file once it has its name
-        self._after_write()
+        self._capacity.after_write()
         return True
 
-    @boundary
     def lease_load(self, tenant: str, key: bytes) -> ReadLease | None:
         """Header-checked facts of a stored plaintext chunk for a worker to read itself.
 
@@ -201,13 +166,13 @@ class Leases(Pipeline):
         are the reader's to verify against the header's checksums. The caller
         pins the key first.
         """
-        rec = self._record(tenant, key)
+        rec = self._reads.record(tenant, key)
         if rec is None:
-            self.counters.misses += 1
+            self._state.counters.miss()
             return None
         if rec.key_epoch:
             return None  # sealed: only the sidecar reads it
-        path = self._path(tenant, key)
+        path = self._state.path(tenant, key)
         try:
             size = os.stat(path).st_size
             head = read_prefix(path, v1.header_length(rec.num_layers))
@@ -217,25 +182,26 @@ class Leases(Pipeline):
             if h.sealed or size != h.total_size:
                 raise CorruptObject(f"object is {size} bytes or sealed, header says otherwise")
         except Exception as exc:  # every failure of a damaged file is a miss
-            self._read_failed(tenant, key, exc)
+            self._removal.read_failed(tenant, key, exc)
             return None
-        self._hit(tenant, key, h.payload_size)
+        self._reads.hit(tenant, key, h.payload_size)
         return ReadLease(path, size, h)
 
-    @boundary
     def check_reported(self, tenant: str, key: bytes) -> bool:
         """A reader says the chunk failed its checksums: verify it fully here.
 
         True (and the chunk dropped) if it is corrupt; False if it verifies,
         so a confused or hostile reader cannot make the store delete good data.
         """
-        rec = self._record(tenant, key)
+        rec = self._reads.record(tenant, key)
         if rec is None or rec.key_epoch:
             return False  # sealed chunks are read by the sidecar only: nothing to re-check
         try:
-            buf = self.io.read_object(self._path(tenant, key), self._scratch.get, MAX_OBJECT_BYTES)
+            buf = self._state.io.read_object(
+                self._state.path(tenant, key), self._state.scratch.get, MAX_OBJECT_BYTES
+            )
             v1.verify_plain(buf, tenant=tenant, namespace=rec.namespace, chunk_key=key)
         except Exception as exc:
-            self._read_failed(tenant, key, exc)
+            self._removal.read_failed(tenant, key, exc)
             return True
         return False

@@ -1,6 +1,7 @@
 """Maintenance: fsck (the files against the index, and the index rebuilt from
-the files), walking the object tree, adopting another writer's object, and
-collecting orphaned temp files.
+the files), the periodic sweep (orphaned temp files, unindexed objects, the
+retention journal's compaction), expiry, and adopting an object another
+writer put on disk.
 """
 
 from __future__ import annotations
@@ -11,62 +12,57 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ..layouts import CorruptObject, v1
-from .base import MAX_OBJECT_BYTES, boundary, log
+from .api import ChunkRecord, FsckReport
 from .capacity import Capacity
+from .config import MAX_OBJECT_BYTES
 from .files import read_prefix
-from .index import ChunkRecord
+from .keys.budget import SEAL_COUNTS_LOST
+from .removal import Removal
 from .retention import Retention
+from .state import StoreState, log
+
+#: (tenant, chunk key) of an object.
+_Ident = tuple[str, bytes]
 
 
 @dataclass
-class FsckReport:
-    objects_on_disk: int = 0
-    index_records: int = 0
-    ok: int = 0
-    missing_files: list[str] = field(default_factory=list)  # index says present, no file
-    unindexed_files: list[str] = field(default_factory=list)  # file, no index record
-    corrupt_files: list[str] = field(default_factory=list)
-    orphan_tmp_files: list[str] = field(default_factory=list)
-    purged_tenant_files: list[str] = field(default_factory=list)
-    mismatched_records: list[str] = field(default_factory=list)
-    #: "tenant: why" for key files that cannot be read: those tenants' chunks
-    #: miss, their objects are kept (the key file may be restored), others serve.
-    unreadable_key_files: list[str] = field(default_factory=list)
-    repaired: bool = False
+class _Scan:
+    """What fsck's walk of the object tree found."""
 
-    @property
-    def clean(self) -> bool:
-        # Unindexed objects are not a problem: a crash between an object's
-        # rename and its index insert leaves one (layout-v1.md §4); fsck
-        # indexes those that verify.
-        return not (
-            self.missing_files
-            or self.corrupt_files
-            or self.orphan_tmp_files
-            or self.purged_tenant_files
-            or self.mismatched_records
-            or self.unreadable_key_files
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items()}
-        d["clean"] = self.clean
-        return d
+    #: Objects that verify, with the records their headers give.
+    good: dict[_Ident, ChunkRecord] = field(default_factory=dict)
+    #: Files a repair removes (old temp files, corrupt, purged or expired objects).
+    to_remove: list[Path] = field(default_factory=list)
+    #: Chunks whose object is there but bad or expired: not "missing".
+    bad: set[_Ident | None] = field(default_factory=set)
 
 
-class Maintenance(Capacity):
-    def _walk_objects(self) -> Iterator[Path]:
-        objects = self.root / "objects"
+def _shape(rec: ChunkRecord) -> tuple[int, bytes, int]:
+    """What an index record and the object's header must agree on."""
+    return rec.size, rec.namespace, rec.key_epoch
+
+
+class Maintenance:
+    """fsck, sweep, expiry and adoption of one store (see the module docstring)."""
+
+    def __init__(self, state: StoreState, capacity: Capacity, removal: Removal) -> None:
+        self._state = state
+        self._capacity = capacity
+        self._removal = removal
+
+    def walk_objects(self) -> Iterator[Path]:
+        """Every file under ``objects/`` (temp files included)."""
+        objects = self._state.root / "objects"
         if not objects.is_dir():
             return
         for dirpath, _dirs, files in os.walk(objects):
             for name in files:
                 yield Path(dirpath) / name
 
-    @boundary
+    # -------------------------------------------------------------------- fsck
+
     def fsck(
         self,
         repair: bool = False,
@@ -79,140 +75,169 @@ class Maintenance(Capacity):
         ``verify_data`` also decrypts/checksums every layer (slower). Objects
         of tenants without keys (purged) and old temp files are removed on repair.
         """
+        st = self._state
         rep = FsckReport(repaired=repair)
+        scan = self._scan(rep, verify_data, progress)
+        indexed = {(r.tenant, r.chunk_key): r for r in st.index.records()}
+        rep.index_records = len(indexed)
+        fanout = st.layout.fanout
+        for k, r in indexed.items():
+            g = scan.good.get(k)
+            if g is None:
+                if k not in scan.bad:
+                    rep.missing_files.append(v1.object_relpath(*k, fanout))
+            elif _shape(g) != _shape(r):
+                rep.mismatched_records.append(v1.object_relpath(*k, fanout))
+            else:
+                rep.ok += 1
+        unindexed = [g for k, g in scan.good.items() if k not in indexed]
+        rep.unindexed_files = [v1.object_relpath(g.tenant, g.chunk_key, fanout) for g in unindexed]
+        if repair:
+            self._repair(scan, indexed)
+        elif unindexed:
+            try:
+                for rec in unindexed:
+                    self._capacity.admit_one(rec)
+            except Exception as exc:  # a full or failing index: fsck still reports
+                log.warning("fsck: indexing %d unindexed objects failed: %s", len(unindexed), exc)
+        return rep
+
+    def _scan(
+        self, rep: FsckReport, verify_data: bool, progress: Callable[[int], None] | None
+    ) -> _Scan:
+        """Walk the object tree, checking each object's header (and, with
+        ``verify_data``, every layer), into ``rep`` and the returned scan."""
+        st = self._state
         now = time.time()
-        retention = self._retention.load()
-        good: dict[tuple[str, bytes], ChunkRecord] = {}
-        to_remove: list[Path] = []
-        tenants_with_keys = set(self.keyring.tenants())
-        key_problems = self.keyring.problems()
+        retention = st.retention.load()
+        with_keys = set(st.keyring.tenants())
+        key_problems = st.keyring.problems()
         rep.unreadable_key_files = [f"{t}: {why}" for t, why in sorted(key_problems.items())]
-        corrupt_ids: set[tuple[str, bytes] | None] = set()
-        for i, path in enumerate(self._walk_objects()):
+        scan = _Scan()
+        for i, path in enumerate(self.walk_objects()):
             if progress is not None and i % 256 == 0:
                 progress(i)
-            rel = str(path.relative_to(self.root))
+            rel = str(path.relative_to(st.root))
             if path.name.startswith(v1.TMP_PREFIX):
-                try:
-                    old = now - path.stat().st_mtime > self.config.tmp_max_age_s
-                except FileNotFoundError:
-                    continue
-                if old:
+                if self._old_tmp(path, now):
                     rep.orphan_tmp_files.append(rel)
-                    to_remove.append(path)
+                    scan.to_remove.append(path)
                 continue
             rep.objects_on_disk += 1
             try:
-                st = path.stat()
-                h = v1.decode_header(read_prefix(path, v1.ALIGN * 64))
-                if rel != v1.object_relpath(h.tenant, h.chunk_key, self.layout.fanout):
-                    raise CorruptObject("object is not at its own path")
-                if st.st_size != h.total_size:
-                    raise CorruptObject("size differs from header")
-                if h.tenant not in tenants_with_keys and h.sealed:
-                    rep.purged_tenant_files.append(rel)
-                    to_remove.append(path)
-                    continue
-                if verify_data and not (h.sealed and h.tenant in key_problems):
-                    tk = self.keyring.get(h.tenant) if h.sealed else None
-                    scratch = bytearray(h.payload_size)
-                    v1.open_into(
-                        self.io.read_object(path, self._scratch.get, MAX_OBJECT_BYTES),
-                        memoryview(scratch),
-                        tenant=h.tenant,
-                        namespace=h.namespace,
-                        chunk_key=h.chunk_key,
-                        aead_for_epoch=self._aead_for(h.tenant, tk),
-                    )
+                found = self._check(path, rel, with_keys, key_problems, verify_data, retention)
             except Exception as exc:  # whatever a damaged file raises: it is corrupt
                 rep.corrupt_files.append(f"{rel}: {exc}")
-                to_remove.append(path)
-                corrupt_ids.add(_identity_from_path(rel, self.layout.fanout))
+                scan.to_remove.append(path)
+                scan.bad.add(_identity_from_path(rel, st.layout.fanout))
                 continue
-            found = self._record_from_header(h, st.st_size, retention)
-            if found.expires_ns and found.expires_ns <= time.time_ns():
-                to_remove.append(path)  # past its TTL (§4.2): never revived
-                corrupt_ids.add((h.tenant, h.chunk_key))  # not "missing" either
-                continue
-            good[(h.tenant, h.chunk_key)] = found
-        indexed = {(r.tenant, r.chunk_key): r for r in self.index.records()}
-        rep.index_records = len(indexed)
-        for k, r in indexed.items():
-            g = good.get(k)
-            if g is None:
-                if k not in corrupt_ids:
-                    rep.missing_files.append(v1.object_relpath(*k, self.layout.fanout))
-            elif (g.size, g.namespace, g.key_epoch) != (r.size, r.namespace, r.key_epoch):
-                rep.mismatched_records.append(v1.object_relpath(*k, self.layout.fanout))
+            if found is None:
+                rep.purged_tenant_files.append(rel)
+                scan.to_remove.append(path)
+            elif found.expires_ns and found.expires_ns <= time.time_ns():
+                scan.to_remove.append(path)  # past its TTL (§4.2): never revived
+                scan.bad.add((found.tenant, found.chunk_key))  # not "missing" either
             else:
-                rep.ok += 1
-        unindexed = [g for k, g in good.items() if k not in indexed]
-        rep.unindexed_files = [
-            v1.object_relpath(g.tenant, g.chunk_key, self.layout.fanout) for g in unindexed
-        ]
-        if unindexed and not repair:
-            try:
-                self._index_adopted(unindexed)
-            except Exception as exc:  # a full or failing index: fsck still reports
-                log.warning("fsck: indexing %d unindexed objects failed: %s", len(unindexed), exc)
-        if repair:
-            for p in to_remove:
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
-            # Rebuild from the files alone, keeping access times the index still knows.
-            merged: list[ChunkRecord] = []
-            for k, g in good.items():
-                prev = indexed.get(k)
-                same = prev is not None and (prev.size, prev.namespace, prev.key_epoch) == (
-                    g.size,
-                    g.namespace,
-                    g.key_epoch,
-                )
-                if prev is not None and same:
-                    merged.append(prev)
-                else:
-                    merged.append(g)
-            with self._mu:
-                self.index.clear()
-                self.index.put_many(merged)
-                self._used = self.index.usage().bytes
-            self.index.flush()
-        return rep
+                scan.good[(found.tenant, found.chunk_key)] = found
+        return scan
 
-    @boundary
+    def _old_tmp(self, path: Path, now: float) -> bool:
+        """A temp file older than ``tmp_max_age_s`` (a cancelled or crashed writer's)."""
+        try:
+            return now - path.stat().st_mtime > self._state.config.tmp_max_age_s
+        except FileNotFoundError:
+            return False
+
+    def _check(
+        self,
+        path: Path,
+        rel: str,
+        with_keys: set[str],
+        key_problems: dict[str, str],
+        verify_data: bool,
+        retention: Retention,
+    ) -> ChunkRecord | None:
+        """The record of one object by its header; None if it is a purged
+        tenant's (sealed, no keys). Raises whatever a damaged object raises."""
+        st = self._state
+        size = path.stat().st_size
+        h = v1.decode_header(read_prefix(path, v1.ALIGN * 64))
+        if rel != v1.object_relpath(h.tenant, h.chunk_key, st.layout.fanout):
+            raise CorruptObject("object is not at its own path")
+        if size != h.total_size:
+            raise CorruptObject("size differs from header")
+        if h.tenant not in with_keys and h.sealed:
+            return None
+        if verify_data and not (h.sealed and h.tenant in key_problems):
+            tk = st.keyring.get(h.tenant) if h.sealed else None
+            v1.open_into(
+                st.io.read_object(path, st.scratch.get, MAX_OBJECT_BYTES),
+                memoryview(bytearray(h.payload_size)),
+                tenant=h.tenant,
+                namespace=h.namespace,
+                chunk_key=h.chunk_key,
+                aead_for_epoch=st.keyring.aead_for(h.tenant, tk),
+            )
+        return record_from_header(h, size, retention)
+
+    def _repair(self, scan: _Scan, indexed: dict[_Ident, ChunkRecord]) -> None:
+        """Remove what the scan found bad and rebuild the index from the files
+        alone, keeping the access times the index still knows."""
+        for p in scan.to_remove:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+        merged: list[ChunkRecord] = []
+        for k, g in scan.good.items():
+            prev = indexed.get(k)
+            merged.append(prev if prev is not None and _shape(prev) == _shape(g) else g)
+        self._capacity.rebuilt(merged)
+        self._state.index.flush()
+
+    def rebuild(self, reason: str) -> None:
+        """Rebuild the index from the files (a lost or unusable index, at open)."""
+        log.warning("rebuilding the index from the files: %s", reason)
+        # What only the index knew is gone: the count of nonces drawn per DEK epoch
+        # (a fresh epoch per tenant bounds it again, keys/budget.py).
+        self._state.index.set_meta(SEAL_COUNTS_LOST, b"1")
+        rep = self.fsck(repair=True)
+        indexed = len(rep.unindexed_files) + rep.ok
+        log.warning("index rebuilt: %d objects, %d corrupt", indexed, len(rep.corrupt_files))
+
+    # ------------------------------------------------------------- the sweep
+
     def collect_garbage(self) -> int:
         """Remove temp files older than ``tmp_max_age_s`` (cancelled or crashed writers)."""
         return self.sweep()["tmp_removed"]
 
-    @boundary
     def sweep(self) -> dict[str, int]:
         """One walk of the object tree: remove temp files older than ``tmp_max_age_s``
         (cancelled or crashed writers) and index objects the index lacks (a crash
         between an object's rename and its index insert, another node's write),
         header-checked as on a miss. On a shared root, no walk: :meth:`_sweep_shared`."""
-        if self._shared is not None:
+        st = self._state
+        if st.shared is not None:
             return self._sweep_shared()
         removed = adopted = 0
         now = time.time()
         retention: Retention | None = None
-        for path in self._walk_objects():
+        for path in self.walk_objects():
             if path.name.startswith(v1.TMP_PREFIX):
                 removed += self._remove_if_old(path, now)
                 continue
-            ident = _identity_from_path(str(path.relative_to(self.root)), self.layout.fanout)
-            if ident is None or self.index.get(*ident) is not None:
+            ident = _identity_from_path(str(path.relative_to(st.root)), st.layout.fanout)
+            if ident is None or st.index.get(*ident) is not None:
                 continue
             if retention is None:
-                retention = self._retention.load()
+                retention = st.retention.load()
             with contextlib.suppress(ValueError):  # a name no tenant or key can have
-                adopted += self._adopt(*ident, retention)
+                adopted += self.adopt(*ident, retention)
         self._compact_retention()
         return {"tmp_removed": removed, "adopted": adopted}
 
     def _remove_if_old(self, tmp: Path, now: float) -> bool:
         """Remove a temp file older than ``tmp_max_age_s``; whether it was removed."""
         try:
-            if now - tmp.stat().st_mtime > self.config.tmp_max_age_s:
+            if self._old_tmp(tmp, now):
                 tmp.unlink()
                 return True
         except FileNotFoundError:
@@ -224,15 +249,16 @@ class Maintenance(Capacity):
         walk of millions of objects, every 30 s, on every node). What the walk
         finds elsewhere comes by name here: other nodes' objects through their
         journals and existence checks, this node's crashed writes from the
-        intents it kept (:meth:`_settle_crashed_writes`). Only those writes'
+        intents it kept (peers.py ``settle_crashed_writes``). Only those writes'
         directories are listed, once a temp file they left is old enough."""
-        sh = self._shared
+        st = self._state
+        sh = st.shared
         assert sh is not None
         now = time.time()
         removed = 0
         done: list[tuple[str, bytes]] = []
         for tenant, key in sh.due_sweeps(now):
-            directory = self._path(tenant, key).parent
+            directory = st.path(tenant, key).parent
             try:
                 names = os.listdir(directory)
             except FileNotFoundError:
@@ -242,114 +268,99 @@ class Maintenance(Capacity):
                     removed += self._remove_if_old(directory / name, now)
             done.append((tenant, key))
         if done:
-            with self._mu:
+            with st.mu:
                 sh.swept_locked(done)
                 sh.persist_locked()
         self._compact_retention()
         return {"tmp_removed": removed, "adopted": 0}
 
-    def _settle_crashed_writes(self) -> None:
-        """At the open of a shared root: settle the writes this node's previous run
-        left in flight (:attr:`SharedRoot.crashed`). Each is counted against the
-        grant it was written under (else its bytes would be granted again while
-        its object, or the temp file it left, still holds them); one whose object
-        took its name is indexed and journaled, so the other nodes and the
-        evictor learn of it; the directory of each is cleared of the temp file it
-        may have left, once that file is old enough (:meth:`_sweep_shared`)."""
-        sh = self._shared
-        if sh is None or not sh.crashed:
-            return
-        due = time.time() + self.config.tmp_max_age_s
-        published: list[tuple[ChunkRecord, int]] = []
-        for c in sh.crashed:
-            rec = self.index.get(c.tenant, c.key)
-            if rec is None and self._adopt(c.tenant, c.key):
-                rec = self.index.get(c.tenant, c.key)
-            with self._mu:
-                sh.count_written_locked(c.epoch, c.nbytes)
-                sh.sweep_later(c.tenant, c.key, due)
-            if rec is not None:
-                published.append((rec, c.epoch))
-        n, sh.crashed = len(sh.crashed), []
-        sh.stats.crashed_writes = n
-        # Counted before journaled: a crash in between leaves a record missing
-        # from the journal (the holder counts it as grant not yet used), never a
-        # write counted twice.
-        self._persist_shared()
-        for rec, epoch in published:
-            self._journal_stored(rec, grant_epoch=epoch)
-        log.info(
-            "shared root: %d write(s) in flight when this node last stopped; %d had "
-            "taken their name (indexed and journaled); all counted against the grant",
-            n, len(published),
-        )  # fmt: skip
-
     def _compact_retention(self) -> None:
         """Rewrite this node's retention files that have grown, keeping the
         records of chunks the index holds and whose TTL has not passed."""
+        st = self._state
         now = time.time_ns()
-        for tenant in self._retention.big_files():
+        for tenant in st.retention.big_files():
 
             def keep(key: bytes, created: int, expires: int, tenant: str = tenant) -> bool:
-                rec = self.index.get(tenant, key)
+                rec = st.index.get(tenant, key)
                 return rec is not None and rec.created_ns == created and expires > now
 
             try:
-                self._retention.compact(tenant, keep)
+                st.retention.compact(tenant, keep)
             except OSError as exc:
                 log.warning("compacting the retention journal of %s failed: %s", tenant, exc)
 
-    def _index_adopted(self, recs: list[ChunkRecord]) -> None:
-        with self._mu:
-            for rec in recs:
-                if self.index.put(rec):
-                    self._used += rec.size
+    def expire(self) -> int:
+        """Drop every chunk past its stamped expiry, or past its tenant's current
+        ttl, max_age or idle_ttl (those scan the tenants that have one)."""
+        st = self._state
+        drop = self._removal.drop
+        now = time.time_ns()
+        n = 0
+        for rec in st.index.expired(now):
+            n += drop(rec.tenant, rec.chunk_key, reason="expired")
+        if st.retention_policy is None:
+            return n
+        for tenant in list(st.index.tenants()):
+            if st.cutoffs(tenant, now) == (0, 0):
+                continue
+            stale = [r for r in st.index.records(tenant=tenant) if st.is_expired(r, now)]
+            for rec in stale:
+                n += drop(rec.tenant, rec.chunk_key, reason="expired")
+        return n
 
-    def _adopt(self, tenant: str, key: bytes, retention: Retention | None = None) -> bool:
+    def maintain(self) -> dict[str, int]:
+        """Periodic upkeep the server runs: TTL expiry, orphaned temp files and
+        unindexed objects (:meth:`sweep`)."""
+        self._state.access.flush()
+        return {"expired": self.expire(), **self.sweep()}
+
+    # -------------------------------------------------------------- adoption
+
+    def adopt(self, tenant: str, key: bytes, retention: Retention | None = None) -> bool:
         """Index an object another writer (node) put on disk, with its retention
         (§4.2). False if absent/invalid, or past its TTL."""
-        path = self._path(tenant, key)
+        st = self._state
+        path = st.path(tenant, key)
         try:
-            st = path.stat()
-            head = read_prefix(path, v1.ALIGN)
-            h = v1.decode_header(head)
+            size = path.stat().st_size
+            h = v1.decode_header(read_prefix(path, v1.ALIGN))
         except Exception:  # absent, unreadable or damaged: not adopted, a miss
             return False
-        if h.chunk_key != key or h.tenant != tenant or st.st_size != h.total_size:
+        if h.chunk_key != key or h.tenant != tenant or size != h.total_size:
             return False
         if retention is None:
             try:
-                retention = self._retention.load([tenant])
+                retention = st.retention.load([tenant])
             except Exception:
                 retention = {}
-        rec = self._record_from_header(h, st.st_size, retention)
+        rec = record_from_header(h, size, retention)
         if rec.expires_ns and rec.expires_ns <= time.time_ns():
             return False
-        with self._mu:
-            if self.index.put(rec):
-                self._used += rec.size
+        self._capacity.admit_one(rec)
         return True
 
-    @staticmethod
-    def _record_from_header(
-        h: v1.ObjectHeader, size: int, retention: Retention | None = None
-    ) -> ChunkRecord:
-        now = time.time_ns()
-        return ChunkRecord(
-            tenant=h.tenant,
-            chunk_key=h.chunk_key,
-            namespace=h.namespace,
-            key_epoch=h.key_epoch,
-            size=size,
-            payload=h.payload_size,
-            num_layers=len(h.layers),
-            created_ns=h.created_ns,
-            last_access_ns=now,
-            expires_ns=(retention or {}).get((h.tenant, h.chunk_key, h.created_ns), 0),
-        )
+
+def record_from_header(
+    h: v1.ObjectHeader, size: int, retention: Retention | None = None
+) -> ChunkRecord:
+    """The index record of an object, from its header (and the retention journal)."""
+    now = time.time_ns()
+    return ChunkRecord(
+        tenant=h.tenant,
+        chunk_key=h.chunk_key,
+        namespace=h.namespace,
+        key_epoch=h.key_epoch,
+        size=size,
+        payload=h.payload_size,
+        num_layers=len(h.layers),
+        created_ns=h.created_ns,
+        last_access_ns=now,
+        expires_ns=(retention or {}).get((h.tenant, h.chunk_key, h.created_ns), 0),
+    )
 
 
-def _identity_from_path(rel: str, fanout: tuple[int, ...]) -> tuple[str, bytes] | None:
+def _identity_from_path(rel: str, fanout: tuple[int, ...]) -> _Ident | None:
     """(tenant, chunk key) that a path under objects/ names, if it names one."""
     parts = rel.split("/")
     name = parts[-1]
@@ -361,3 +372,6 @@ def _identity_from_path(rel: str, fanout: tuple[int, ...]) -> tuple[str, bytes] 
         return parts[1], bytes.fromhex(name[: -len(v1.OBJECT_SUFFIX)])
     except ValueError:
         return None
+
+
+__all__ = ["Maintenance", "record_from_header"]

@@ -185,6 +185,18 @@ class RamTier:
         with self._mu:
             self._spare_locked(slot)
 
+    def settle(
+        self, slot: Slot, tenant: str, key: bytes, size: int, path: str, verified: bool,
+        still: Callable[[], bool],
+    ) -> None:  # fmt: skip
+        """A lent buffer after its read or save: kept as the chunk's image if the
+        object in it was written or verified (``verified``) and ``still()`` holds
+        (:meth:`keep`); else given back."""
+        if not verified:
+            self.give_back(slot)
+            return
+        self.keep(tenant, key, slot, size, path, still)
+
     def keep(
         self, tenant: str, key: bytes, slot: Slot, size: int, path: str, still: Callable[[], bool]
     ) -> bool:
@@ -255,13 +267,15 @@ class RamTier:
 
     # ---------------------------------------------------------- dropping
 
-    def discard(self, tenant: str, key: bytes) -> None:
-        """The chunk left the store: its image goes."""
+    def discard(self, tenant: str, key: bytes) -> bool:
+        """The chunk left the store: its image goes. Whether it had one."""
         with self._mu:
             img = self._images.get((tenant, key))
-            if img is not None:
-                self.counters.dropped += 1
-                self._remove_locked(img)
+            if img is None:
+                return False
+            self.counters.dropped += 1
+            self._remove_locked(img)
+            return True
 
     def drop_tenant(self, tenant: str) -> int:
         """A purge or revocation: every image of ``tenant`` goes, and its memory

@@ -149,14 +149,18 @@ class RetentionJournal:
                         out.append(tenant)
         return out
 
-    def drop_tenant(self, tenant: str) -> None:
-        """A purged tenant's records go with its objects."""
+    def drop_tenant(self, tenant: str) -> int:
+        """A purged tenant's records go with its objects; the number of this
+        node's retention files removed."""
         d = self.dir / tenant
+        removed = 0
         with contextlib.suppress(FileNotFoundError):
             for f in d.iterdir():
                 with contextlib.suppress(FileNotFoundError):
                     f.unlink()
+                    removed += 1
             d.rmdir()
+        return removed
 
 
 __all__ = ["RECORD_SIZE", "Retention", "RetentionJournal"]

@@ -31,7 +31,7 @@ from kvoffload.errors import StoreFull, StoreIOError
 from ..layouts import v1
 from ..sidecar.ports import StoreAPI
 from ..store import ChunkRecord, FsckReport, ReadLease, StoreConfig, StoreLease, Usage
-from ..store.api import RetentionSettings
+from ..store.api import TIER_INDEX, TIER_KEYS, TIER_OBJECTS, PurgeReport, RetentionSettings
 
 ALIGN = 4096
 
@@ -363,6 +363,19 @@ class FakeStore:
             del self.data[k]
             self.meta.pop(k, None)
         return len(gone)
+
+    def purge(self, tenant: str, namespace: bytes | None = None) -> PurgeReport:
+        """What the real store's purge reports, of what this double holds: the key
+        (a whole-tenant purge, if it had one), then the chunks' objects and records."""
+        report = PurgeReport(tenant, namespace)
+        if namespace is None:
+            report.reach(TIER_KEYS, int(tenant in self.salts))
+            report.removed = self.purge_tenant(tenant, wait=True)
+        else:
+            report.removed = self.purge_namespace(tenant, namespace)
+        report.reach(TIER_OBJECTS, report.removed)
+        report.reach(TIER_INDEX, report.removed)
+        return report
 
     def purge_tenant(self, tenant: str, *, wait: bool = False) -> int:
         self.salts.pop(tenant, None)

@@ -126,14 +126,8 @@ class _UnknownKek(KeyringError):
     """A key file wrapped by a KEK this keyring does not hold (rotated elsewhere)."""
 
 
-def decode_record(
-    tenant: str, path: Path, data: bytes, keks: Mapping[str, Kek], current_kek_id: str
-) -> _Record:
-    """Decode ``tenant``'s key file ``data``, read from ``path``, unwrapping with ``keks`` by id."""
-
-    def bad(why: str) -> KeyringError:
-        return KeyringError(f"key file {path}: {why}")
-
+def _document(tenant: str, data: bytes, bad: Callable[[str], KeyringError]) -> dict[str, Any]:
+    """The key file's JSON object, of this format, with its fields, for ``tenant``."""
     try:
         doc = json.loads(data, object_pairs_hook=_no_duplicate_keys)
     except (ValueError, RecursionError) as exc:
@@ -150,6 +144,46 @@ def decode_record(
         raise bad(f"fields {sorted(doc.keys() ^ _TOP_FIELDS)} are missing or unknown in format 1")
     if doc["tenant"] != tenant:
         raise bad(f"names tenant {doc['tenant']!r}, expected {tenant!r}")
+    return doc
+
+
+def _epochs(
+    tenant: str, epochs_doc: dict[str, Any], kek: Kek, bad: Callable[[str], KeyringError]
+) -> tuple[dict[int, bytes], dict[int, str]]:
+    """The data keys of every epoch, unwrapped and authenticated, and when each was made."""
+    deks: dict[int, bytes] = {}
+    epoch_created: dict[int, str] = {}
+    for name, entry_doc in epochs_doc.items():
+        if not (name.isascii() and name.isdigit() and str(int(name)) == name):
+            raise bad(f"epoch name {name!r} is not a canonical decimal integer")
+        epoch = int(name)
+        if not 1 <= epoch <= MAX_EPOCH:
+            raise bad(f"epoch {epoch} is outside 1..{MAX_EPOCH}")
+        entry = _fields(entry_doc, _EPOCH_FIELDS, bad, f"epoch {epoch}")
+        epoch_created[epoch] = _timestamp(entry["created"], bad, f"epoch {epoch} created")
+        try:
+            deks[epoch] = kek._unwrap(
+                _b64(entry["nonce"], NONCE_SIZE, bad, f"epoch {epoch} nonce"),
+                _b64(entry["ct"], DEK_SIZE + TAG_SIZE, bad, f"epoch {epoch} ct"),
+                _dek_aad(tenant, epoch),
+            )
+        except InvalidTag as exc:
+            raise bad(
+                f"data key of epoch {epoch} fails authentication (corrupt, tampered, "
+                "or moved from another tenant or epoch)"
+            ) from exc
+    return deks, epoch_created
+
+
+def decode_record(
+    tenant: str, path: Path, data: bytes, keks: Mapping[str, Kek], current_kek_id: str
+) -> _Record:
+    """Decode ``tenant``'s key file ``data``, read from ``path``, unwrapping with ``keks`` by id."""
+
+    def bad(why: str) -> KeyringError:
+        return KeyringError(f"key file {path}: {why}")
+
+    doc = _document(tenant, data, bad)
     kek_id = doc["kek_id"]
     if not isinstance(kek_id, str):
         raise bad("kek_id is not a string")
@@ -178,27 +212,7 @@ def decode_record(
         raise bad(
             "salt fails authentication (corrupt, tampered, or from another tenant's file)"
         ) from exc
-    deks: dict[int, bytes] = {}
-    epoch_created: dict[int, str] = {}
-    for name, entry_doc in epochs_doc.items():
-        if not (name.isascii() and name.isdigit() and str(int(name)) == name):
-            raise bad(f"epoch name {name!r} is not a canonical decimal integer")
-        epoch = int(name)
-        if not 1 <= epoch <= MAX_EPOCH:
-            raise bad(f"epoch {epoch} is outside 1..{MAX_EPOCH}")
-        entry = _fields(entry_doc, _EPOCH_FIELDS, bad, f"epoch {epoch}")
-        epoch_created[epoch] = _timestamp(entry["created"], bad, f"epoch {epoch} created")
-        try:
-            deks[epoch] = kek._unwrap(
-                _b64(entry["nonce"], NONCE_SIZE, bad, f"epoch {epoch} nonce"),
-                _b64(entry["ct"], DEK_SIZE + TAG_SIZE, bad, f"epoch {epoch} ct"),
-                _dek_aad(tenant, epoch),
-            )
-        except InvalidTag as exc:
-            raise bad(
-                f"data key of epoch {epoch} fails authentication (corrupt, tampered, "
-                "or moved from another tenant or epoch)"
-            ) from exc
+    deks, epoch_created = _epochs(tenant, epochs_doc, kek, bad)
     if current != max(deks):
         raise bad(f"current_epoch {current} is not the newest epoch {max(deks)}")
     return _Record(

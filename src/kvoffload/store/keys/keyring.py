@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
 from kvoffload.contract import TENANT_RE
 from kvoffload.errors import KeyringError
 
@@ -76,6 +78,9 @@ log = logging.getLogger(__name__)
 #: At most one re-read of the KEK file per this many seconds (key files wrapped by
 #: a KEK this keyring does not hold: a rotation on another node).
 KEK_REREAD_INTERVAL_S = 5.0
+#: At most one re-read of a tenant's key file per this many seconds, for objects
+#: sealed under an epoch newer than the cached keys know (:meth:`Keyring.aead_for`).
+KEY_REREAD_INTERVAL_S = 1.0
 
 KEY_SUFFIX = ".key"
 LOCK_NAME = ".lock"
@@ -146,6 +151,8 @@ class Keyring:
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[float, TenantKeys]] = {}
         self._kek_checked = float("-inf")
+        #: tenant -> when :meth:`aead_for` last re-read its key file.
+        self._rereads: dict[str, float] = {}
         self._kek_lock = threading.Lock()
         self._warned_no_flock = False
         for k in self._keks.values():
@@ -221,6 +228,31 @@ class Keyring:
         if created:
             self._emit("create_tenant", {"tenant": tenant, "epoch": 1, "kek_id": self.kek_id})
         return rec.keys
+
+    def aead_for(self, tenant: str, tk: TenantKeys | None) -> Callable[[int], AESGCM | None]:
+        """The tenant's data key per epoch, from ``tk`` (the cached keys); an epoch
+        newer than those (another process or node rotated the DEK since they were
+        read) re-reads the key file, at most once per :data:`KEY_REREAD_INTERVAL_S`
+        per tenant, rather than make a valid object look corrupt."""
+
+        def lookup(epoch: int) -> AESGCM | None:
+            if tk is None:
+                return None
+            aead = tk.aead(epoch)
+            if aead is not None or epoch <= tk.current_epoch:
+                return aead
+            now = self._clock()
+            with self._lock:
+                last = self._rereads.get(tenant, float("-inf"))
+                reread = now - last >= KEY_REREAD_INTERVAL_S
+                if reread:
+                    self._rereads[tenant] = now
+            if reread:
+                self.forget(tenant)
+            fresh = self.get(tenant)  # re-read, or what another thread just read
+            return fresh.aead(epoch) if fresh is not None else None
+
+        return lookup
 
     def forget(self, tenant: str) -> None:
         """Drop the tenant's cached keys: the next use reads its key file again
