@@ -303,13 +303,17 @@ class Transfers:
             req, StoreSlot, self.may_use, "write tenant", self._claim_for_store
         )
         stored = [sl.status is StoreStatus.EXISTS for sl in slots]
+        cancelled = False
         try:
             if h.staged:
-                self._write_staged(h, stored)
+                cancelled = self._write_staged(h, stored)
         finally:
             self._release(h)
+        if cancelled:  # purged meanwhile: none of it stands; a retry after it lands
+            stored = [False] * len(stored)
+        unstored = ErrorCode.BUSY if cancelled else ErrorCode.INTERNAL
         codes = [
-            0 if ok else int(sl.code if sl.status is StoreStatus.REJECTED else ErrorCode.INTERNAL)
+            0 if ok else int(sl.code if sl.status is StoreStatus.REJECTED else unstored)
             for ok, sl in zip(stored, slots, strict=True)
         ]
         keys = {sw.index: sw.key for sw in h.staged}
@@ -370,8 +374,8 @@ class Transfers:
         try:
             if h.leased:
                 self._publish_leases(h, stored)
-            else:
-                self._write_staged(h, stored)
+            elif self._write_staged(h, stored):
+                stored = [False] * len(stored)  # purged meanwhile: none of it stands
         finally:
             self._release(h)
         keys = {sw.index: sw.key for sw in h.staged} | {
@@ -404,7 +408,9 @@ class Transfers:
             except Exception:  # the feed must never fail a save
                 log.exception("%r: publishing a KV event failed", self)
 
-    def _write_staged(self, h: WriteHandle, stored: list[bool]) -> None:
+    def _write_staged(self, h: WriteHandle, stored: list[bool]) -> bool:
+        """Write the staged chunks (``stored[i]`` True for each stored); True if a
+        purge or revocation cancelled the batch: then none of the request stands."""
         staging, _ = self._registered()
         store = self.service.store
         views: list[list[memoryview]] = []
@@ -429,8 +435,11 @@ class Transfers:
                 )
             for sw in h.staged:
                 stored[sw.index] = True  # False from put means "already present": success
+        except PutCancelled as exc:
+            log.info("%r: chunks not stored: %s", self, exc)
+            return True
         except Exception as exc:
-            if isinstance(exc, StoreFull | PutCancelled):
+            if isinstance(exc, StoreFull):
                 log.info("%r: chunks not stored: %s", self, exc)
             else:
                 log.exception("%r: storing chunks failed", self)
@@ -441,6 +450,7 @@ class Transfers:
             for v in views:
                 for m in v:
                     m.release()
+        return False
 
     def _publish_leases(self, h: WriteHandle, stored: list[bool]) -> None:
         store = self.service.store

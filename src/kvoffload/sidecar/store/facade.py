@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -32,7 +31,7 @@ from ...layouts import (
 )
 from ...layouts.store_root import ROOT_DIR_MODES
 from ...posix import atomic_create
-from ..cancel import LoadGenerations, TransferCancelled
+from ..cancel import LoadGenerations, TenantWrites, TransferCancelled
 from ..errors import StoreError, StoreIOError, StoreLocked
 from ..fileio import Durability, ScratchBuffers, syncfs
 from ..index import ChunkRecord, Index, IndexCorrupt, IndexFailure, Usage, probe_in_child
@@ -52,13 +51,13 @@ from .base import (
 from .capacity import _Scope
 from .contracts import ContractRegistry, check_selector, contract_fields, contract_matches
 from .layerwise import PlanFn, ReportFn, get_layerwise_into, load_layerwise
-from .leases import Leases
+from .purges import Purges
 from .ramtier import RamTier, auto_capacity
 from .retention import RetentionJournal
 from .shared import POSITIONS_META, SharedRoot
 
 
-class Store(Leases):
+class Store(Purges):
     """See the package docstring. Open with :meth:`open`; close with :meth:`close`."""
 
     def __init__(
@@ -95,6 +94,7 @@ class Store(Leases):
         self._closed = threading.Event()
         self._bg: list[threading.Thread] = []
         self._flusher: threading.Thread | None = None
+        self._finish_interrupted_purges()
         if self._rebuild_reason is not None:
             try:
                 self._rebuild(self._rebuild_reason)
@@ -161,6 +161,7 @@ class Store(Leases):
             self._seal_budget = {}
             self._key_rereads = {}
             self._load_gens = LoadGenerations()
+            self._writes = TenantWrites(self._load_gens)
             self._scratch = ScratchBuffers()
             node = self.index.get_meta("node_id")
             if node is None:
@@ -355,14 +356,8 @@ class Store(Leases):
             elif r.op is Op.REMOVE:
                 sh.stats.dropped += self._drop(r.tenant, r.key, reason="journal", remove_file=False)
             elif r.op is Op.PURGE_TENANT:
-                # Stop decrypting now, not at the key cache's bound, and stop
-                # this node's loads of the tenant in flight.
-                self._stop_tenant(r.tenant)
-                self.keyring.forget(r.tenant)
-                self.contracts.drop_tenant(r.tenant)
+                self._follow_purge(r.tenant)
                 sh.stats.tenant_purges += 1
-                for old in list(self.index.records(tenant=r.tenant)):
-                    self._drop(old.tenant, old.chunk_key, reason="journal", remove_file=False)
             elif r.op is Op.PURGE_NAMESPACE:
                 self._load_gens.cancel(r.tenant)
                 for old in list(self.index.records(tenant=r.tenant, namespace=r.namespace)):
@@ -550,38 +545,6 @@ class Store(Leases):
             for rec in stale:
                 n += self._drop(rec.tenant, rec.chunk_key, reason="expired")
         return n
-
-    @boundary
-    def purge_tenant(self, tenant: str, *, wait: bool = False) -> int:
-        """Crypto-erase a tenant: destroy its wrapped keys first, then remove its data.
-
-        After the key file is destroyed (overwritten, fsync'd, unlinked) no
-        object of the tenant decrypts anywhere; files and index entries are
-        removed in the background (``wait=True`` waits). Returns the number of
-        index records scheduled for removal.
-        """
-        self._stop_tenant(tenant)  # loads in flight stop before their next layer
-        existed = self.keyring.destroy(tenant)
-        if self._shared is not None:
-            self._shared.journal([JournalRecord.purge_tenant(tenant)])
-        recs = list(self.index.records(tenant=tenant))
-        self._audit("purge_tenant", {"tenant": tenant, "had_keys": existed, "chunks": len(recs)})
-
-        def work() -> None:
-            shutil.rmtree(self.root / "objects" / tenant, ignore_errors=True)
-            self._leaves_ready.discard(tenant)
-            self._retention.drop_tenant(tenant)
-            self.contracts.drop_tenant(tenant)
-            self._purge_quarantine(tenant)
-            for rec in recs:
-                self._drop(rec.tenant, rec.chunk_key, reason="purge", remove_file=False)
-
-        t = threading.Thread(target=work, name=f"purge-{tenant}", daemon=True)
-        t.start()
-        self._bg.append(t)
-        if wait:
-            t.join()
-        return len(recs)
 
     @boundary
     def purge_namespace(self, tenant: str, namespace: bytes) -> int:
