@@ -14,7 +14,7 @@ Exit codes:
   6  aborted at a confirmation prompt
   7  the sidecar is not reachable (stats, demo)
   8  nothing to do: purge of a tenant with no keys or data (a typo?)
-  9  audit --verify: the audit log's hash chain is broken
+  9  audit --verify: the audit log's hash chain is broken, or there is no log
 
 One module per command group: :mod:`.app` (the typer app, global options,
 config and store helpers), :mod:`.store_cmds` (init, inspect, ls, purge, fsck,

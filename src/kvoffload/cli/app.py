@@ -32,7 +32,7 @@ EPILOG = """Exit codes:
   6  aborted at a confirmation prompt
   7  the sidecar is not reachable (stats, demo)
   8  nothing to do: purge of a tenant with no keys or data (a typo?)
-  9  audit --verify: the audit log's hash chain is broken
+  9  audit --verify: the audit log's hash chain is broken, or there is no log
 """
 
 HELP = """KV-cache offload sidecar and its store.

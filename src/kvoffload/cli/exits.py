@@ -55,7 +55,7 @@ class ExitCode(IntEnum):
     ABORTED = 6  # aborted at a confirmation prompt
     UNREACHABLE = 7  # the sidecar is not reachable (stats, demo)
     NOTHING = 8  # nothing to do: purge of a tenant with no keys or data (a typo?)
-    AUDIT_BROKEN = 9  # the audit log's hash chain is broken (audit --verify)
+    AUDIT_BROKEN = 9  # the audit log's hash chain is broken, or absent (audit --verify)
 
 
 EXIT_OK = ExitCode.OK
