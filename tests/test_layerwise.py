@@ -307,3 +307,30 @@ def test_a_batch_of_mixed_layer_counts_hands_out_every_layer(counts: tuple[int, 
             assert got == data[chunk_i][layer], (chunk_i, layer)
         # Layer-major still: no layer l+1 before every chunk's layer l.
         assert [lay for lay, _, _ in rec.calls] == sorted(lay for lay, _, _ in rec.calls)
+
+
+def test_a_plan_of_no_chunks_carries_its_chunks_key(server: ServerThread) -> None:
+    """§5.26: the plan frame has ``chunks`` (n may be 0) even when no chunk is
+    planned; the progress frames after it have none (issue 28 item 10)."""
+    from kvoffload.staging import StagingBuffer
+
+    raw = Raw(server)
+    staging = StagingBuffer(1 << 20)
+    try:
+        assert isinstance(raw.call(p.Hello(1, 1, "raw", (TENANT,))), p.HelloReply)
+        assert isinstance(raw.call(p.RegisterStaging(staging.size), [staging.fd]), p.Ack)
+        raw.t.send(p.request_message(9, p.PrepareLoad(TENANT, (b"\x7e" * 32,), layerwise=True)))
+        msgs = []
+        while True:
+            msg = raw.t.recv().msg
+            msgs.append(msg)
+            if msg["op"] != "load_progress":
+                break
+        plan, *rest = msgs
+        assert plan["layers_done"] == 0 and plan["verified"] == 0
+        assert plan["chunks"] == []
+        assert all("chunks" not in m for m in rest if m["op"] == "load_progress")
+        assert rest[-1]["op"] == "prepare_load" and rest[-1]["code"] == 0
+    finally:
+        raw.t.close()
+        staging.close()

@@ -478,6 +478,17 @@ class LoadProgress(ReplyMessage, frozen=True):
         return d
 
 
+class LoadPlan(LoadProgress, frozen=True):
+    """The plan of a layer-wise load (§5.26: its first frame, exactly once): a
+    :class:`LoadProgress` whose ``chunks`` key is on the wire even when no chunk
+    is planned (n may be 0). Received, it decodes as a LoadProgress."""
+
+    def to_wire(self) -> dict[str, Any]:
+        d = super().to_wire()
+        d.setdefault("chunks", [])
+        return d
+
+
 class LeaseLoadReply(ReplyMessage, frozen=True):
     OP: ClassVar[Op] = Op.LEASE_LOAD
     handle: int
@@ -558,6 +569,7 @@ __all__ = [
     "LeaseLoadReply",
     "LeaseSlot",
     "LeaseStoreReply",
+    "LoadPlan",
     "LoadProgress",
     "LoadSlot",
     "LookupReply",

@@ -46,6 +46,15 @@ def inspect_report(store: StoreViewsAPI, store_root: Path | str) -> dict[str, An
     }
 
 
+def age_cutoff_ns(now_ns: int, age_s: float) -> int:
+    """``now_ns`` less ``age_s`` seconds: chunks created before it are older than
+    ``age_s``. An age reaching back past the Unix epoch (1e300 s, say: any
+    finite number is a valid age, protocol-v1.md §5.17) is clamped there, so
+    that nothing is older and everything is newer."""
+    back = age_s * 1e9
+    return now_ns - int(back) if back < now_ns else 0
+
+
 def ls_rows(
     store: StoreViewsAPI,
     *,
@@ -62,8 +71,8 @@ def ls_rows(
     Returns the rows and whether more matches follow.
     """
     now = time.time_ns() if now_ns is None else now_ns
-    old_cut = now - int(older_than_s * 1e9) if older_than_s is not None else None
-    new_cut = now - int(newer_than_s * 1e9) if newer_than_s is not None else None
+    old_cut = age_cutoff_ns(now, older_than_s) if older_than_s is not None else None
+    new_cut = age_cutoff_ns(now, newer_than_s) if newer_than_s is not None else None
     rows: list[dict[str, Any]] = []
     seen = 0
     for rec in store.chunks(tenant=tenant, namespace=namespace):
@@ -90,7 +99,7 @@ def ls_rows(
     return rows, False
 
 
-__all__ = ["LS_PAGE", "inspect_report", "ls_rows"]
+__all__ = ["LS_PAGE", "age_cutoff_ns", "inspect_report", "ls_rows"]
 
 
 #: Tiers a purge can never reach: the engines' own prefix caches (HBM and their

@@ -34,6 +34,7 @@ from kvoffload.protocol import (
     LeaseSlot,
     LeaseStore,
     LeaseStoreReply,
+    LoadPlan,
     LoadProgress,
     LoadSlot,
     Op,
@@ -651,7 +652,7 @@ class Transfers:
             slots = tuple(
                 LoadSlot(True, off, ls) for off, ls in zip(h.offsets, layers, strict=False)
             )
-            send(LoadProgress(0, len(slots), slots))
+            send(LoadPlan(0, len(slots), slots))
 
         def report(done: int, verified: int) -> None:
             send(LoadProgress(done, verified))

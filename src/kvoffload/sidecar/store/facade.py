@@ -31,6 +31,7 @@ from ...layouts import (
 )
 from ...layouts.store_root import ROOT_DIR_MODES
 from ...posix import atomic_create
+from ..admin import age_cutoff_ns
 from ..cancel import LoadGenerations, TenantWrites, TransferCancelled
 from ..errors import StoreError, StoreIOError, StoreLocked
 from ..fileio import Durability, ScratchBuffers, syncfs
@@ -667,7 +668,7 @@ class Store(Purges):
 
     @boundary
     def purge_older_than(self, age_s: float, tenant: str | None = None) -> int:
-        cutoff = time.time_ns() - int(age_s * 1e9)
+        cutoff = age_cutoff_ns(time.time_ns(), age_s)  # 1e300 s: nothing is older
         recs = [r for r in self.index.records(tenant=tenant) if r.created_ns < cutoff]
         for rec in recs:
             self._drop(rec.tenant, rec.chunk_key, reason="purge-age")
