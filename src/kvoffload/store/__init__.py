@@ -37,6 +37,7 @@ The package, one job a module, stacked (each layer uses those below it):
 - ``pipeline``: put / put_many, sealing, writing, lookups, get / get_many_into
 - ``leases``: the direct path (write leases, publish, cancel, read leases,
   reported corruption)
+- ``purges``: whole-tenant purges, with the tenant's writes closed meanwhile
 - ``facade``: :class:`Store` itself (open/close, tenants, purges, stats, views)
 """
 

@@ -4,7 +4,7 @@ miss) and the boundary that maps lower-layer errors to :class:`StoreError`.
 
 The store is built as a stack, each layer using only those below it::
 
-    StoreBase (here) → Capacity → Maintenance (fsck) → Pipeline → Leases → Store
+    StoreBase (here) → Capacity → Maintenance (fsck) → Pipeline → Leases → Purges → Store
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ..errors import StoreIOError
 from ..layouts import LayoutInfo, UnknownKeyEpoch, UnknownLayoutVersion, v1
 from .api import RetentionSettings
 from .audit import AuditLog
-from .cancel import LoadGenerations
+from .cancel import LoadGenerations, TenantWrites
 from .files import Durability, PartReader, ScratchBuffers
 from .index import ChunkRecord, Index
 from .iobackend import IOBackend, IOMode, IOPlan
@@ -217,6 +217,8 @@ class StoreBase:
     _key_rereads: dict[str, float]
     #: Per-tenant load generations: a purge or revocation cancels loads in flight.
     _load_gens: LoadGenerations
+    #: Writes in flight per tenant, closed while a whole-tenant purge runs (purges.py).
+    _writes: TenantWrites
     #: The KV-event feed (kvoffload.sidecar.events), told of every chunk that leaves.
     events_hook: EventsHook | None = None
     #: The tenants' current retention limits (the sidecar's policy), enforced on
@@ -263,8 +265,10 @@ class StoreBase:
     def _stop_tenant(self, tenant: str) -> None:
         """A purge or revocation of ``tenant``: its loads in flight stop before
         their next layer (cancel.py), then its RAM images go; in that order, no
-        load of it keeps an image again (ramtier.py, ``still``)."""
-        self._load_gens.cancel(tenant)
+        load of it keeps an image again (ramtier.py, ``still``). The bump is
+        under the store's lock, where a write's index insert compares it."""
+        with self._mu:
+            self._load_gens.cancel(tenant)
         if self._ram is not None:
             self._ram.drop_tenant(tenant)
 

@@ -18,6 +18,7 @@ from ..errors import LeaseInvalid
 from ..layouts import CorruptObject, LayoutError, v1
 from . import files as fileio
 from .base import MAX_OBJECT_BYTES, boundary
+from .cancel import PutCancelled
 from .capacity import Reservation
 from .files import Durability, read_prefix
 from .index import ChunkRecord
@@ -129,68 +130,83 @@ class Leases(Pipeline):
         deleted, nothing is indexed) or StoreIOError. Always ends the lease.
         """
         try:
-            if self._load_gens.current(lease.tenant) != lease.generation:
-                # Purged or revoked since the lease: the worker's file is not published.
-                raise LeaseInvalid(
-                    f"chunk {lease.chunk_key.hex()[:16]}: tenant purged or revoked while leased"
-                )
-            try:
-                fd = fileio.open_lease_file(lease.tmp, lease.size)
-            except OSError as exc:
-                raise LeaseInvalid(f"leased file unusable: {exc}") from exc
-            try:
-                buf = self._scratch.get(lease.size)
-                n = fileio.read_fd(fd, buf, lease.size)
-                h = v1.verify_plain(
-                    buf[:n],
-                    tenant=lease.tenant,
-                    namespace=lease.namespace,
-                    chunk_key=lease.chunk_key,
-                )
-                if tuple(le.length for le in h.layers) != lease.lengths:
-                    raise CorruptObject("layer lengths differ from the lease")
-            except (LayoutError, OSError) as exc:
-                os.close(fd)
-                self.counters.corrupt += 1
-                raise LeaseInvalid(f"chunk {lease.chunk_key.hex()[:16]}: {exc}") from exc
-            now = time.time_ns()
-            expires = now + int(lease.ttl_s * 1e9) if lease.ttl_s else 0
-            if expires:
-                try:
-                    self._retain(lease.tenant, lease.chunk_key, h.created_ns, expires)
-                except BaseException:
-                    os.close(fd)
-                    raise
-            fileio.publish_lease_file(lease.tmp, fd, lease.final, self.config.durability)
-            rec = ChunkRecord(
-                tenant=lease.tenant,
-                chunk_key=lease.chunk_key,
-                namespace=lease.namespace,
-                key_epoch=0,
-                size=lease.size,
-                payload=h.payload_size,
-                num_layers=len(h.layers),
-                created_ns=h.created_ns,
-                last_access_ns=now,
-                expires_ns=expires,
-            )
-            with self._mu:
-                inserted = self.index.put(rec)
-                if inserted:
-                    self._used += lease.size
-                    lease.reservation._commit_locked()
-                    if self._shared is not None:
-                        self._shared.persist_locked()  # counted with its record
-            if inserted:
-                self.counters.puts += 1
-                self.counters.bytes_in += rec.payload
-                self._journal_stored(rec)
-            else:
-                self.counters.put_exists += 1  # another writer indexed it meanwhile
+            with self._writes.writing(lease.tenant):
+                self._publish(lease)
+        except PutCancelled as exc:  # a purge of the tenant is running
+            raise LeaseInvalid(f"chunk {lease.chunk_key.hex()[:16]}: {exc}") from None
         finally:
             self.cancel_lease(lease)  # a no-op for the file once it has its name
         self._after_write()
         return True
+
+    def _publish(self, lease: StoreLease) -> None:
+        """:meth:`publish_lease` with the tenant's writes open."""
+        if self._load_gens.current(lease.tenant) != lease.generation:
+            # Purged or revoked since the lease: the worker's file is not published.
+            raise LeaseInvalid(
+                f"chunk {lease.chunk_key.hex()[:16]}: tenant purged or revoked while leased"
+            )
+        try:
+            fd = fileio.open_lease_file(lease.tmp, lease.size)
+        except OSError as exc:
+            raise LeaseInvalid(f"leased file unusable: {exc}") from exc
+        try:
+            buf = self._scratch.get(lease.size)
+            n = fileio.read_fd(fd, buf, lease.size)
+            h = v1.verify_plain(
+                buf[:n],
+                tenant=lease.tenant,
+                namespace=lease.namespace,
+                chunk_key=lease.chunk_key,
+            )
+            if tuple(le.length for le in h.layers) != lease.lengths:
+                raise CorruptObject("layer lengths differ from the lease")
+        except (LayoutError, OSError) as exc:
+            os.close(fd)
+            self.counters.corrupt += 1
+            raise LeaseInvalid(f"chunk {lease.chunk_key.hex()[:16]}: {exc}") from exc
+        now = time.time_ns()
+        expires = now + int(lease.ttl_s * 1e9) if lease.ttl_s else 0
+        if expires:
+            try:
+                self._retain(lease.tenant, lease.chunk_key, h.created_ns, expires)
+            except BaseException:
+                os.close(fd)
+                raise
+        fileio.publish_lease_file(lease.tmp, fd, lease.final, self.config.durability)
+        rec = ChunkRecord(
+            tenant=lease.tenant,
+            chunk_key=lease.chunk_key,
+            namespace=lease.namespace,
+            key_epoch=0,
+            size=lease.size,
+            payload=h.payload_size,
+            num_layers=len(h.layers),
+            created_ns=h.created_ns,
+            last_access_ns=now,
+            expires_ns=expires,
+        )
+        with self._mu:
+            # Compared where a purge bumps it: in before the purge looks, or never.
+            late = self._load_gens.current(lease.tenant) != lease.generation
+            inserted = not late and self.index.put(rec)
+            if inserted:
+                self._used += lease.size
+                lease.reservation._commit_locked()
+                if self._shared is not None:
+                    self._shared.persist_locked()  # counted with its record
+        if late:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lease.final)
+            raise LeaseInvalid(
+                f"chunk {lease.chunk_key.hex()[:16]}: tenant purged or revoked while published"
+            )
+        if inserted:
+            self.counters.puts += 1
+            self.counters.bytes_in += rec.payload
+            self._journal_stored(rec)
+        else:
+            self.counters.put_exists += 1  # another writer indexed it meanwhile
 
     @boundary
     def lease_load(self, tenant: str, key: bytes) -> ReadLease | None:

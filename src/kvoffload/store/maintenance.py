@@ -62,7 +62,11 @@ class Maintenance(Capacity):
         objects = self.root / "objects"
         if not objects.is_dir():
             return
-        for dirpath, _dirs, files in os.walk(objects):
+        for dirpath, dirs, files in os.walk(objects):
+            if dirpath == str(objects):
+                # A purged tenant's tree being removed (store/purges.py) holds
+                # no object of this store any more.
+                dirs[:] = [d for d in dirs if not d.startswith(v1.PURGED_PREFIX)]
             for name in files:
                 yield Path(dirpath) / name
 
@@ -305,9 +309,22 @@ class Maintenance(Capacity):
                 if self.index.put(rec):
                     self._used += rec.size
 
-    def _adopt(self, tenant: str, key: bytes, retention: Retention | None = None) -> bool:
+    def _adopt(
+        self,
+        tenant: str,
+        key: bytes,
+        retention: Retention | None = None,
+        *,
+        generation: int | None = None,
+    ) -> bool:
         """Index an object another writer (node) put on disk, with its retention
-        (§4.2). False if absent/invalid, or past its TTL."""
+        (§4.2). False if absent/invalid, or past its TTL, or if the tenant is
+        purged (or revoked) since ``generation`` (default: this call's start):
+        the object may be one the destroyed key sealed."""
+        if generation is None:
+            generation = self._load_gens.current(tenant)
+        if self._writes.purging(tenant):
+            return False
         path = self._path(tenant, key)
         try:
             st = path.stat()
@@ -326,6 +343,9 @@ class Maintenance(Capacity):
         if rec.expires_ns and rec.expires_ns <= time.time_ns():
             return False
         with self._mu:
+            # Compared where a purge bumps it: in before the purge looks, or never.
+            if self._load_gens.current(tenant) != generation:
+                return False
             if self.index.put(rec):
                 self._used += rec.size
         return True

@@ -22,7 +22,7 @@ import contextlib
 import mmap
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +125,22 @@ class _PutJob:
     generation: int = 0
 
 
+def _record_of(job: _PutJob) -> ChunkRecord:
+    """The index record of a chunk the job wrote."""
+    return ChunkRecord(
+        tenant=job.tenant,
+        chunk_key=job.chunk_key,
+        namespace=job.namespace,
+        key_epoch=job.epoch,
+        size=job.size,
+        payload=sum(job.lengths),
+        num_layers=len(job.lengths),
+        created_ns=job.now,
+        last_access_ns=job.now,
+        expires_ns=job.now + int(job.ttl_s * 1e9) if job.ttl_s else 0,
+    )
+
+
 class Pipeline(Maintenance):
     def _nonce_budget(self, tenant: str, epoch: int, segments: int) -> int:
         """Count sealed segments per (tenant, epoch); rotate the DEK before the bound.
@@ -173,12 +189,33 @@ class Pipeline(Maintenance):
         ttl_s: float | None = None,
         reservation: Reservation | None = None,
     ) -> bool:
-        """Store one chunk. True if written, False if it was already present."""
-        self._ensure_leaves(tenant)
-        job = self._begin_put(tenant, namespace, chunk_key, layers, encrypt, ttl_s, reservation)
-        if job is None:
-            return False
-        return self._finish_put(job, self._seal_and_write(job))
+        """Store one chunk. True if written, False if it was already present.
+        :class:`PutCancelled` if its tenant is purged (or revoked) meanwhile."""
+        with self._open_writes(tenant, [reservation]) as generation:
+            self._ensure_leaves(tenant)
+            job = self._begin_put(
+                tenant, namespace, chunk_key, layers, encrypt, ttl_s, reservation, generation
+            )
+            if job is None:
+                return False
+            return self._finish_put(job, self._seal_and_write(job))
+
+    @contextlib.contextmanager
+    def _open_writes(self, tenant: str, held: Sequence[Reservation | None]) -> Iterator[int]:
+        """One put or batch of ``tenant`` (cancel.TenantWrites): its load
+        generation, or :class:`PutCancelled` while a purge of the tenant runs,
+        and at its end if one began meanwhile (even a chunk found already there
+        is then being purged); cancelled, the reservations ``held`` are released."""
+        try:
+            with self._writes.writing(tenant) as generation:
+                yield generation
+                if self._load_gens.current(tenant) != generation:
+                    raise PutCancelled(f"tenant {tenant!r} purged or revoked while saved")
+        except PutCancelled:
+            for r in held:
+                if r is not None:
+                    r.release()
+            raise
 
     @boundary
     def put_many(
@@ -204,6 +241,20 @@ class Pipeline(Maintenance):
         held = list(reservations) if reservations is not None else [None] * len(chunks)
         if len(held) != len(chunks):
             raise ValueError("one reservation (or None) per chunk")
+        with self._open_writes(tenant, held) as generation:
+            return self._put_batch(tenant, namespace, chunks, encrypt, ttl_s, held, generation)
+
+    def _put_batch(
+        self,
+        tenant: str,
+        namespace: bytes,
+        chunks: Sequence[tuple[bytes, Sequence[memoryview | bytes | bytearray]]],
+        encrypt: bool,
+        ttl_s: float | None,
+        held: Sequence[Reservation | None],
+        generation: int,
+    ) -> list[bool]:
+        """:meth:`put_many` once the tenant's writes are open (``generation``)."""
         self._ensure_leaves(tenant)
         # Chunks written (or found on disk), in chunk order, waiting for their
         # index records: the whole batch commits in one index transaction, after
@@ -214,9 +265,13 @@ class Pipeline(Maintenance):
                 self.config.durability is not Durability.OBJECT
                 and _small(sum(memoryview(x).nbytes for _k, ls in chunks for x in ls))
             ):
-                self._write_in_turn(tenant, namespace, chunks, encrypt, ttl_s, held, done)
+                self._write_in_turn(
+                    tenant, namespace, chunks, encrypt, ttl_s, held, generation, done
+                )
             else:
-                self._write_on_streams(tenant, namespace, chunks, encrypt, ttl_s, held, done)
+                self._write_on_streams(
+                    tenant, namespace, chunks, encrypt, ttl_s, held, generation, done
+                )
         except BaseException:
             # The chunks before the failing one are written: index them, then raise.
             try:
@@ -237,6 +292,7 @@ class Pipeline(Maintenance):
         encrypt: bool,
         ttl_s: float | None,
         held: Sequence[Reservation | None],
+        generation: int,
         done: list[tuple[int, _PutJob, bool]],
     ) -> None:
         """Seal and write the chunks one after the other in this thread; ``done``
@@ -245,7 +301,9 @@ class Pipeline(Maintenance):
         for i, (key, layers) in enumerate(chunks):
             if _repeated(key, seen, held[i]):
                 continue
-            job = self._begin_put(tenant, namespace, key, layers, encrypt, ttl_s, held[i])
+            job = self._begin_put(
+                tenant, namespace, key, layers, encrypt, ttl_s, held[i], generation
+            )
             if job is None:
                 continue
             done.append((i, job, self._seal_and_write(job)))
@@ -258,6 +316,7 @@ class Pipeline(Maintenance):
         encrypt: bool,
         ttl_s: float | None,
         held: Sequence[Reservation | None],
+        generation: int,
         done: list[tuple[int, _PutJob, bool]],
     ) -> None:
         """Seal and write up to :attr:`io_streams` chunks at once on the pool;
@@ -272,7 +331,9 @@ class Pipeline(Maintenance):
                 if _repeated(key, seen, held[i]):
                     continue
                 try:
-                    job = self._begin_put(tenant, namespace, key, layers, encrypt, ttl_s, held[i])
+                    job = self._begin_put(
+                        tenant, namespace, key, layers, encrypt, ttl_s, held[i], generation
+                    )
                 except BaseException:
                     while window:  # the chunks before this one are written
                         j, later, fut = window.popleft()
@@ -395,12 +456,13 @@ class Pipeline(Maintenance):
         encrypt: bool,
         ttl_s: float | None,
         reservation: Reservation | None,
+        generation: int,
     ) -> _PutJob | None:
-        """Checks, capacity reservation and key for one chunk; None if already present."""
+        """Checks, capacity reservation and key for one chunk; None if already
+        present. ``generation``: the tenant's when its put or batch began."""
         if len(chunk_key) != v1.KEY_SIZE or len(namespace) != v1.KEY_SIZE:
             raise ValueError("chunk key and namespace must be 32 bytes")
         lengths = [memoryview(x).nbytes for x in layers]
-        generation = self._load_gens.current(tenant)
         have = self.index.get(tenant, chunk_key)
         if have is not None and self._is_expired(have, time.time_ns()):
             # Past its retention: a miss on every read, so a save writes it afresh.
@@ -492,57 +554,71 @@ class Pipeline(Maintenance):
         """
         out = [False] * len(done)
         cancelled: list[bytes] = []
+        recs: list[tuple[int, _PutJob, ChunkRecord]] = []
         try:
-            recs: list[tuple[int, _PutJob, ChunkRecord]] = []
             for n, (_i, job, written) in enumerate(done):
                 if not written:
                     # Another writer (another node on a shared FS) got there first.
-                    self._adopt(job.tenant, job.chunk_key)
-                    self.counters.put_exists += 1
-                    continue
-                if self._load_gens.current(job.tenant) != job.generation:
+                    if not self._adopt_existing(job):
+                        cancelled.append(job.chunk_key)
+                elif self._load_gens.current(job.tenant) != job.generation:
                     # Purged or revoked while being written: the object is not published.
                     self._unpublish(job)
                     cancelled.append(job.chunk_key)
-                    continue
-                expires = job.now + int(job.ttl_s * 1e9) if job.ttl_s else 0
-                rec = ChunkRecord(
-                    tenant=job.tenant,
-                    chunk_key=job.chunk_key,
-                    namespace=job.namespace,
-                    key_epoch=job.epoch,
-                    size=job.size,
-                    payload=sum(job.lengths),
-                    num_layers=len(job.lengths),
-                    created_ns=job.now,
-                    last_access_ns=job.now,
-                    expires_ns=expires,
-                )
-                recs.append((n, job, rec))
-            if not recs:
-                return self._cancelled_puts(cancelled, out)
-            with self._mu:
-                # Turn the reservations into usage in one step: used + reserved
-                # neither dips (letting another writer in) nor double counts.
-                inserted = self.index.put_each([rec for _n, _j, rec in recs])
-                for (n, job, _rec), new in zip(recs, inserted, strict=True):
-                    if new:
-                        self._used += job.size
-                        job.res._commit_locked()
-                        out[n] = True
-                if self._shared is not None:
-                    self._shared.persist_locked()  # counted with their records
-            for (_n, _job, rec), new in zip(recs, inserted, strict=True):
-                self.counters.puts += 1
-                self.counters.bytes_in += rec.payload
-                if new:
-                    self._journal_stored(rec)
+                else:
+                    recs.append((n, job, _record_of(job)))
+            for job in self._insert_batch(recs, out) if recs else ():
+                self._unpublish(job)
+                cancelled.append(job.chunk_key)
         finally:
             for _i, job, _w in done:
                 job.res.release()
             self._persist_shared()
-        self._after_write()
+        if recs:
+            self._after_write()
         return self._cancelled_puts(cancelled, out)
+
+    def _adopt_existing(self, job: _PutJob) -> bool:
+        """Index the object another writer put at the job's name; False if the
+        tenant was purged or revoked since the job began (nothing indexed by it)."""
+        if self._load_gens.current(job.tenant) != job.generation:
+            return False
+        self._adopt(job.tenant, job.chunk_key, generation=job.generation)
+        self.counters.put_exists += 1
+        return self._load_gens.current(job.tenant) == job.generation
+
+    def _insert_batch(
+        self, recs: Sequence[tuple[int, _PutJob, ChunkRecord]], out: list[bool]
+    ) -> list[_PutJob]:
+        """Insert the records in one transaction, ``out[n]`` True for each new one;
+        the jobs whose tenant was purged or revoked since they began are left out
+        and returned. The generation is compared under the store's lock, where a
+        purge bumps it (base._stop_tenant): a record is in before a purge looks
+        at the tenant's records, or never."""
+        with self._mu:
+            live: list[tuple[int, _PutJob, ChunkRecord]] = []
+            late: list[_PutJob] = []
+            for n, job, rec in recs:
+                if self._load_gens.current(job.tenant) == job.generation:
+                    live.append((n, job, rec))
+                else:
+                    late.append(job)
+            # Turn the reservations into usage in one step: used + reserved
+            # neither dips (letting another writer in) nor double counts.
+            inserted = self.index.put_each([rec for _n, _j, rec in live]) if live else []
+            for (n, job, _rec), new in zip(live, inserted, strict=True):
+                if new:
+                    self._used += job.size
+                    job.res._commit_locked()
+                    out[n] = True
+            if self._shared is not None:
+                self._shared.persist_locked()  # counted with their records
+        for (_n, _job, rec), new in zip(live, inserted, strict=True):
+            self.counters.puts += 1
+            self.counters.bytes_in += rec.payload
+            if new:
+                self._journal_stored(rec)
+        return late
 
     @staticmethod
     def _cancelled_puts(cancelled: Sequence[bytes], out: list[bool]) -> list[bool]:
@@ -557,6 +633,8 @@ class Pipeline(Maintenance):
         return out
 
     def _record(self, tenant: str, key: bytes) -> ChunkRecord | None:
+        if self._writes.purging(tenant):
+            return None  # its key is gone and its records are going (purges.py)
         rec = self.index.get(tenant, key)
         if rec is None and self.config.probe_files_on_miss and self._adopt(tenant, key):
             rec = self.index.get(tenant, key)
@@ -576,7 +654,10 @@ class Pipeline(Maintenance):
 
     @boundary
     def lookup(self, tenant: str, keys: Sequence[bytes]) -> int:
-        """How many leading keys are present (per the index, plus files on a miss)."""
+        """How many leading keys are present (per the index, plus files on a miss).
+        None of a tenant being purged: its key is gone and its records are going."""
+        if self._writes.purging(tenant):
+            return 0
         now = time.time_ns()
         created_after, accessed_after = self._cutoffs(tenant, now)
         n = self.index.lookup(
@@ -603,6 +684,8 @@ class Pipeline(Maintenance):
     def lookup_cached(self, tenant: str, keys: Sequence[bytes]) -> int | None:
         """:meth:`lookup` from the index alone, or None where that needs the disk
         (a miss that may be another node's file, or an expired entry to drop)."""
+        if self._writes.purging(tenant):
+            return 0
         now = time.time_ns()
         created_after, accessed_after = self._cutoffs(tenant, now)
         n = self.index.lookup(
@@ -702,6 +785,8 @@ class Pipeline(Maintenance):
         or (False, None) where the answer needs the disk (a miss that may be
         another node's file, or an expired entry to drop), which the caller then
         asks on a thread that may wait."""
+        if self._writes.purging(tenant):
+            return True, None
         rec = self.index.get(tenant, key)
         if rec is None:
             return (not self.config.probe_files_on_miss), None

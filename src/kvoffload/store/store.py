@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,6 +33,7 @@ from ..layouts import (
 )
 from ..layouts.store_root import ROOT_DIR_MODES
 from ..posix import atomic_create
+from ..units import age_cutoff_ns
 from .audit import AuditLog
 from .base import (
     SEAL_COUNTS_LOST,
@@ -44,7 +44,7 @@ from .base import (
     log,
     mapped_errors,
 )
-from .cancel import LoadGenerations, TransferCancelled
+from .cancel import LoadGenerations, TenantWrites, TransferCancelled
 from .capacity import Reservation, _Scope
 from .contracts import ContractRegistry, check_selector, contract_fields, contract_matches
 from .files import Durability, ScratchBuffers, syncfs
@@ -52,14 +52,14 @@ from .index import ChunkRecord, Index, IndexCorrupt, IndexFailure, Usage, probe_
 from .iobackend import DIRECT_WRITE_MIN, IOPlan, select_backend
 from .keys.keyring import Kek, Keyring
 from .layerwise import PlanFn, ReportFn, get_layerwise_into, load_layerwise
-from .leases import Leases
+from .purges import Purges
 from .ramtier import RamTier, auto_capacity
 from .retention import RetentionJournal
 from .shared.journal import JournalRecord, Op
 from .shared.root import POSITIONS_META, SharedRoot, check_unshared_open
 
 
-class Store(Leases):
+class Store(Purges):
     """See the package docstring. Open with :meth:`open`; close with :meth:`close`."""
 
     def __init__(
@@ -98,6 +98,7 @@ class Store(Leases):
         self._closed = threading.Event()
         self._bg: list[threading.Thread] = []
         self._flusher: threading.Thread | None = None
+        self._finish_interrupted_purges()
         if self._rebuild_reason is not None:
             try:
                 self._rebuild(self._rebuild_reason)
@@ -165,6 +166,7 @@ class Store(Leases):
             self._seal_budget = {}
             self._key_rereads = {}
             self._load_gens = LoadGenerations()
+            self._writes = TenantWrites(self._load_gens)
             self._scratch = ScratchBuffers()
             node = self.index.get_meta("node_id")
             if node is None:
@@ -350,14 +352,8 @@ class Store(Leases):
             elif r.op is Op.REMOVE:
                 sh.stats.dropped += self._drop(r.tenant, r.key, reason="journal", remove_file=False)
             elif r.op is Op.PURGE_TENANT:
-                # Stop decrypting now, not at the key cache's bound, and stop
-                # this node's loads of the tenant in flight.
-                self._stop_tenant(r.tenant)
-                self.keyring.forget(r.tenant)
-                self.contracts.drop_tenant(r.tenant)
+                self._follow_purge(r.tenant)
                 sh.stats.tenant_purges += 1
-                for old in list(self.index.records(tenant=r.tenant)):
-                    self._drop(old.tenant, old.chunk_key, reason="journal", remove_file=False)
             elif r.op is Op.PURGE_NAMESPACE:
                 self._load_gens.cancel(r.tenant)
                 for old in list(self.index.records(tenant=r.tenant, namespace=r.namespace)):
@@ -569,38 +565,6 @@ class Store(Leases):
         return n
 
     @boundary
-    def purge_tenant(self, tenant: str, *, wait: bool = False) -> int:
-        """Crypto-erase a tenant: destroy its wrapped keys first, then remove its data.
-
-        After the key file is destroyed (overwritten, fsync'd, unlinked) no
-        object of the tenant decrypts anywhere; files and index entries are
-        removed in the background (``wait=True`` waits). Returns the number of
-        index records scheduled for removal.
-        """
-        self._stop_tenant(tenant)  # loads in flight stop before their next layer
-        existed = self.keyring.destroy(tenant)
-        if self._shared is not None:
-            self._shared.journal([JournalRecord.purge_tenant(tenant)])
-        recs = list(self.index.records(tenant=tenant))
-        self._audit("purge_tenant", {"tenant": tenant, "had_keys": existed, "chunks": len(recs)})
-
-        def work() -> None:
-            shutil.rmtree(self.root / "objects" / tenant, ignore_errors=True)
-            self._leaves_ready.discard(tenant)
-            self._retention.drop_tenant(tenant)
-            self.contracts.drop_tenant(tenant)
-            self._purge_quarantine(tenant)
-            for rec in recs:
-                self._drop(rec.tenant, rec.chunk_key, reason="purge", remove_file=False)
-
-        t = threading.Thread(target=work, name=f"purge-{tenant}", daemon=True)
-        t.start()
-        self._bg.append(t)
-        if wait:
-            t.join()
-        return len(recs)
-
-    @boundary
     def purge_namespace(self, tenant: str, namespace: bytes) -> int:
         """Remove a namespace's chunks (file removal, not a crypto erase: keys are per tenant)."""
         # Loads in flight of the tenant stop before their next layer (those of
@@ -721,7 +685,7 @@ class Store(Leases):
 
     @boundary
     def purge_older_than(self, age_s: float, tenant: str | None = None) -> int:
-        cutoff = time.time_ns() - int(age_s * 1e9)
+        cutoff = age_cutoff_ns(time.time_ns(), age_s)  # 1e300 s: nothing is older
         recs = [r for r in self.index.records(tenant=tenant) if r.created_ns < cutoff]
         for rec in recs:
             self._drop(rec.tenant, rec.chunk_key, reason="purge-age")
