@@ -8,6 +8,7 @@ for ``kvoffload audit``.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -294,8 +295,60 @@ def test_audit_command_verifies_and_names_the_broken_line(tmp_path: Path) -> Non
 
 
 def test_audit_command_on_a_directory_without_a_log(tmp_path: Path) -> None:
-    r = cli(tmp_path, "--verify")
+    # Reading an empty place is fine; verifying it is not: nothing shows the
+    # chain intact (a removed log, or the wrong --index-dir). One line, exit 9.
+    r = cli(tmp_path)
     assert r.returncode == 0 and "no audit log" in r.stdout
+    r = cli(tmp_path, "--verify")
+    assert r.returncode == ExitCode.AUDIT_BROKEN, (r.stdout, r.stderr)
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("audit: no audit log in ") and str(tmp_path) in line, line
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    r = cli(tmp_path, "--verify", "--json")
+    assert r.returncode == ExitCode.AUDIT_BROKEN
+    data = json.loads(r.stdout)
+    assert data["present"] is False and data["intact"] is False
+    # The whole log removed, anchor and all, after it held records: the same.
+    write_log(tmp_path, 30)
+    assert cli(tmp_path, "--verify").returncode == 0
+    for p in [*log_files(tmp_path), tmp_path / HEAD]:
+        p.unlink()
+    assert cli(tmp_path, "--verify").returncode == ExitCode.AUDIT_BROKEN
+
+
+def test_a_deleted_oldest_file_stays_reported_after_later_rotations(tmp_path: Path) -> None:
+    """The anchor's oldest seq advances only past files the writer pruned itself:
+    deleting the oldest rotated file is not hidden by the next rotations, with
+    or without pruning (issue 28 item 8)."""
+    log = write_log(tmp_path, 60, keep=3)
+    assert verify(tmp_path).intact
+    oldest = rotated_files(tmp_path)[0]
+    oldest[1].unlink()
+    assert not verify(tmp_path).intact
+    seen = {s for s, _p in rotated_files(tmp_path)}
+    # Rotate several more times: first with no pruning due (one file is
+    # missing), then pruning the files after the gap.
+    for i in range(400):
+        log("purge_tenant", {"tenant": "t0", "chunks": i, "note": "y" * 40})
+        seen |= {s for s, _p in rotated_files(tmp_path)}
+        rep = verify(tmp_path)
+        assert not rep.intact, f"the deletion was hidden after {i + 1} more records"
+        assert "missing records" in rep.problems[0].reason, rep.problems[0]
+    assert len(seen) >= 8, "the test needs rotations that prune"
+    r = cli(tmp_path, "--verify")
+    assert r.returncode == ExitCode.AUDIT_BROKEN, (r.stdout, r.stderr)
+
+
+def test_pruning_by_the_writer_advances_the_anchor_exactly(tmp_path: Path) -> None:
+    """keep=2 over many rotations: the chain verifies after every record, its
+    first record is the anchor's oldest, and the note says what was pruned."""
+    log = write_log(tmp_path, 5, keep=2)
+    for i in range(200):
+        log("admin", {"verb": "ls", "n": i})
+        rep = verify(tmp_path)
+        assert rep.intact, (i, rep.problems)
+    assert rep.records[0]["seq"] > 1
+    assert any(f"before seq {rep.records[0]['seq']} were rotated away" in n for n in rep.notes)
 
 
 def test_an_older_unchained_log_is_moved_aside_and_a_chain_starts(tmp_path: Path) -> None:
@@ -323,3 +376,55 @@ def test_a_peer_probing_many_tenants_is_coalesced_too(tmp_path: Path) -> None:
     assert recs[-1]["tenant"] == "guess-5000"
     other = {**peer, "uid": 78}
     assert log.record("refused_access", {**other, "tenant": "guess-1"})  # its own budget
+
+
+def test_a_sidecar_rotating_after_the_oldest_file_was_deleted_keeps_it_reported() -> None:
+    """Issue 28 item 8 through a real sidecar: rotated files deleted by hand stay
+    a break (exit 9) after the sidecar itself rotates, and prunes, further."""
+    from kvoffload import protocol as p
+    from kvoffload.transport import UnixTransport
+    from tests.sidecar_proc import dev_sidecar
+
+    env = {"KVOFFLOAD_AUDIT_MAX_BYTES": "4KiB", "KVOFFLOAD_AUDIT_KEEP": "3"}
+    with (
+        dev_sidecar(env) as sc,
+        contextlib.closing(UnixTransport.connect(sc.socket_path, timeout_s=30)) as t,
+    ):
+        index = sc.workdir / ".kvoffload" / "index"
+        ids = itertools.count(1)
+
+        def call(req: p.Request) -> p.Reply:
+            rid = next(ids)
+            t.send(p.request_message(rid, req))
+            got, reply = p.parse_reply(t.recv().msg)
+            assert got == rid
+            return reply
+
+        assert isinstance(call(p.Hello(1, 1, "audit-test", ())), p.HelloReply)
+
+        def admin_records(n: int) -> None:
+            for _ in range(n):  # each an "admin" audit record (audit-v1 §3)
+                assert isinstance(call(p.DropCache()), p.DropCacheReply)
+
+        def verify_exit() -> int:
+            r = subprocess.run(
+                cli_argv("--dev", "audit", "--verify"),
+                cwd=sc.workdir,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env={k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")},
+            )
+            assert "Traceback" not in r.stderr
+            return r.returncode
+
+        while len(rotated_files(index)) < 3:
+            admin_records(10)
+        assert verify_exit() == 0
+        rotated_files(index)[0][1].unlink()
+        assert verify_exit() == ExitCode.AUDIT_BROKEN
+        names = {s for s, _p in rotated_files(index)}
+        while len(names) < 8:  # the sidecar rotates (and prunes) several times more
+            admin_records(10)
+            names |= {s for s, _p in rotated_files(index)}
+            assert verify_exit() == ExitCode.AUDIT_BROKEN

@@ -281,3 +281,56 @@ def test_older_server_gets_whole_chunk_loads(
     ]
     for layer, ch, data in rec.calls:
         assert data == chunk(ch)[layer]
+
+
+@pytest.mark.parametrize("counts", [(1, 2), (2, 1), (1, 2, 3, 1, 2)])
+def test_a_batch_of_mixed_layer_counts_hands_out_every_layer(counts: tuple[int, ...]) -> None:
+    """Issue 28 item 9, through a real sidecar process: chunks of 1 and 2 (and
+    3) layers in one layer-wise load. Every layer of every chunk is handed out
+    exactly once, with its own bytes, and only then is the chunk ``ok``; a
+    chunk with fewer layers never stops the layers of the chunks after it."""
+    from tests.sidecar_proc import dev_sidecar
+
+    rng = random.Random(str(counts))
+    data = [[rng.randbytes(2000 + 700 * j + i) for j in range(n)] for i, n in enumerate(counts)]
+    keys = [bytes([0x40 + i]) * 32 for i in range(len(counts))]
+    with dev_sidecar() as sc, SidecarClient(sc.socket_path, TENANT, staging_bytes=1 << 20) as c:
+        assert c.save(NS, list(zip(keys, data, strict=True))) == [True] * len(counts)
+        info = c.server_info
+        assert info is not None and info.layerwise
+        rec = Recorder()
+        results = c.load_layerwise(keys, rec)
+        assert [r.ok for r in results] == [True] * len(counts)
+        handed = sorted((chunk_i, layer) for layer, chunk_i, _ in rec.calls)
+        assert handed == sorted((i, j) for i, n in enumerate(counts) for j in range(n))
+        for layer, chunk_i, got in rec.calls:
+            assert got == data[chunk_i][layer], (chunk_i, layer)
+        # Layer-major still: no layer l+1 before every chunk's layer l.
+        assert [lay for lay, _, _ in rec.calls] == sorted(lay for lay, _, _ in rec.calls)
+
+
+def test_a_plan_of_no_chunks_carries_its_chunks_key(server: ServerThread) -> None:
+    """§5.26: the plan frame has ``chunks`` (n may be 0) even when no chunk is
+    planned; the progress frames after it have none (issue 28 item 10)."""
+    from kvoffload.staging import StagingBuffer
+
+    raw = Raw(server)
+    staging = StagingBuffer(1 << 20)
+    try:
+        assert isinstance(raw.call(p.Hello(1, 1, "raw", (TENANT,))), p.HelloReply)
+        assert isinstance(raw.call(p.RegisterStaging(staging.size), [staging.fd]), p.Ack)
+        raw.t.send(p.request_message(9, p.PrepareLoad(TENANT, (b"\x7e" * 32,), layerwise=True)))
+        msgs = []
+        while True:
+            msg = raw.t.recv().msg
+            msgs.append(msg)
+            if msg["op"] != "load_progress":
+                break
+        plan, *rest = msgs
+        assert plan["layers_done"] == 0 and plan["verified"] == 0
+        assert plan["chunks"] == []
+        assert all("chunks" not in m for m in rest if m["op"] == "load_progress")
+        assert rest[-1]["op"] == "prepare_load" and rest[-1]["code"] == 0
+    finally:
+        raw.t.close()
+        staging.close()

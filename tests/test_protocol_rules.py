@@ -63,6 +63,64 @@ def test_a_malformed_non_hello_first_request_is_answered_then_closed(
     assert closed  # §3.3 rule 1
 
 
+@pytest.mark.parametrize("op", ["frobnicate", "Lookup", "load_progress", ""])
+def test_an_unknown_op_first_is_bad_request_then_closed(server: ServerThread, op: str) -> None:
+    """§3.3 rule 1: any request but hello first, an op this server does not
+    implement too, is BAD_REQUEST and closes (issue 28 item 10), not UNSUPPORTED."""
+    replies, closed = exchange(server, {"op": op, "id": 1})
+    assert len(replies) == 1 and isinstance(replies[0], p.ErrorReply)
+    assert replies[0].code is ErrorCode.BAD_REQUEST, replies[0]
+    assert closed
+
+
+def test_an_unknown_op_after_hello_is_unsupported_and_the_connection_stays(
+    server: ServerThread,
+) -> None:
+    hello = p.request_message(1, p.Hello(1, 1, "rules", ("acme",)))
+    replies, closed = exchange(server, hello, {"op": "frobnicate", "id": 2})
+    assert isinstance(replies[0], p.HelloReply)
+    assert isinstance(replies[1], p.ErrorReply) and replies[1].code is ErrorCode.UNSUPPORTED
+    assert not closed
+
+
+@pytest.mark.parametrize("age", [1e300, 1.7e308, 2e10])
+def test_ages_beyond_the_epoch_are_clamped_not_internal(age: float, store: Any) -> None:
+    """§5.17/§5.18: a finite age beyond the Unix epoch (1e300 s) reaches before
+    every chunk: ``ls`` older than it lists nothing, newer than it everything,
+    and ``purge_older`` removes nothing; never INTERNAL (issue 28 item 10)."""
+    from .test_server import Raw, grants
+
+    for i in range(3):
+        store.put("acme", bytes(32), bytes([i + 1]) * 32, [b"x" * 100])
+    d = Path(tempfile.mkdtemp(prefix="kvo-", dir="/tmp"))
+    st = start(d, store, grants("acme", admin=True))
+    raw = Raw(st)
+    try:
+        assert isinstance(raw.call(p.Hello(1, 1, "rules", ())), p.HelloReply)
+        replies = [
+            raw.call(req)
+            for req in (
+                p.Ls(older_than_s=age),
+                p.Ls(newer_than_s=age),
+                p.Ls(older_than_s=age, newer_than_s=age),
+                p.PurgeOlder(age),
+                p.PurgeOlder(age, "acme"),
+            )
+        ]
+    finally:
+        raw.close()
+        st.stop()
+        shutil.rmtree(d, ignore_errors=True)
+    assert not any(isinstance(r, p.ErrorReply) for r in replies), replies
+    older, newer, both, purged_all, purged_acme = replies
+    assert isinstance(older, p.LsReply) and older.report["chunks"] == []
+    assert isinstance(newer, p.LsReply) and len(newer.report["chunks"]) == 3
+    assert isinstance(both, p.LsReply) and both.report["chunks"] == []
+    assert isinstance(purged_all, p.PurgeOlderReply) and purged_all.removed == 0
+    assert isinstance(purged_acme, p.PurgeOlderReply) and purged_acme.removed == 0
+    assert store.chunk_count() == 3
+
+
 def test_a_malformed_hello_leaves_the_connection_open_for_a_good_one(
     server: ServerThread,
 ) -> None:

@@ -27,6 +27,8 @@ def _classes(base: type, module_prefix: str) -> list[type]:
     while todo:
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
+        if getattr(cls, "DECODES_AS_BASE", False):
+            continue  # an encoding of its base (LoadPlan): the table gives the base
         if cls.__module__.startswith(module_prefix) and getattr(cls, "OP", None) is not None:
             out.append(cls)
     return out

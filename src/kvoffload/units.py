@@ -20,9 +20,20 @@ from typing import Final
 
 from .errors import ConfigError
 
+
+def age_cutoff_ns(now_ns: int, age_s: float) -> int:
+    """``now_ns`` less ``age_s`` seconds: chunks created before it are older than
+    ``age_s``. An age reaching back past the Unix epoch (1e300 s, say: any
+    finite number is a valid age, protocol-v1.md §5.17) is clamped there, so
+    that nothing is older and everything is newer."""
+    back = age_s * 1e9
+    return now_ns - int(back) if back < now_ns else 0
+
+
 __all__ = [
     "DURATION_UNITS",
     "SIZE_UNITS",
+    "age_cutoff_ns",
     "duration_setting",
     "format_duration",
     "format_size",

@@ -85,8 +85,10 @@ def audit(
     refused access) and check its hash chain.
 
     With --verify a broken chain (a removed, edited or reordered line, a cut
-    tail, a missing anchor) is one line naming the file and line, exit 9.
+    tail, a missing anchor) is one line naming the file and line, exit 9; so
+    is a directory with no log at all (nothing to show intact).
     """
+    from ..store.audit import ACTIVE, HEAD
     from ..store.audit import verify as verify_log
 
     check_tenant(tenant)
@@ -94,6 +96,7 @@ def audit(
     cfg = config()
     directory = cfg.resolved_index_dir
     rep = verify_log(directory)  # AuditFormatError: "store: …", exit 1
+    absent = not rep.files and not (directory / HEAD).exists()
     records = [r for r in rep.records if _matches(r, cutoff, tenant)]
     if as_json:
         emit(
@@ -101,7 +104,8 @@ def audit(
             {
                 "directory": str(directory),
                 "files": rep.files,
-                "intact": rep.intact,
+                "present": not absent,
+                "intact": rep.intact and not absent,
                 "problems": [str(p) for p in rep.problems],
                 "notes": rep.notes,
                 "records": records,
@@ -120,7 +124,9 @@ def audit(
                 _cell(r.get("tenant") or ", ".join(map(str, r.get("tenants") or []))),
                 *(_cell(r.get(k)) for k in ("verb", "result", "uid", "pid")),
             )
-        if not rep.files:
+        if absent and verify:
+            pass  # the one error line below says it
+        elif not rep.files:
             out.print(f"no audit log in {directory}")
         else:
             out.print(table)
@@ -128,6 +134,11 @@ def audit(
             err.print(f"note: {note}")
         if rep.intact and rep.files:
             out.print(f"chain intact: {len(rep.records)} records in {len(rep.files)} file(s)")
+    if absent and verify:
+        raise _AuditBroken(
+            f"no audit log in {directory} (no {ACTIVE}, no rotated file, no {HEAD}): "
+            "nothing to verify; it was removed, or --index-dir/--config names another index"
+        )
     if not rep.intact:
         if verify:
             raise _AuditBroken(f"the hash chain is broken at {rep.problems[0]}")

@@ -62,7 +62,7 @@ class ExitCode(IntEnum):
     ABORTED = 6  # aborted at a confirmation prompt
     UNREACHABLE = 7  # the sidecar is not reachable (stats, demo)
     NOTHING = 8  # nothing to do: a purge or invalidate that matches nothing (a typo?)
-    AUDIT_BROKEN = 9  # the audit log's hash chain is broken (audit --verify)
+    AUDIT_BROKEN = 9  # the audit log's hash chain is broken, or absent (audit --verify)
     INTERRUPTED = 130  # stopped by Ctrl-C (SIGINT), as shells report it (128 + 2)
 
 
@@ -81,7 +81,8 @@ EXIT_MEANINGS: Final[Mapping[ExitCode, str]] = MappingProxyType(
         ExitCode.ABORTED: "aborted at a confirmation prompt",
         ExitCode.UNREACHABLE: "the sidecar is not reachable (stats, demo)",
         ExitCode.NOTHING: "nothing to do: a purge or invalidate that matches nothing (a typo?)",
-        ExitCode.AUDIT_BROKEN: "audit --verify: the audit log's hash chain is broken",
+        ExitCode.AUDIT_BROKEN: "audit --verify: the audit log's hash chain is broken, "
+        "or there is no log",
         ExitCode.INTERRUPTED: "stopped by Ctrl-C (one line says what stopped)",
     }
 )

@@ -70,12 +70,7 @@ def serve(
     """
     from ..errors import ListenError
     from ..sidecar import notify
-    from ..sidecar.access.revocation import revoked_path
-    from ..sidecar.config import ServerConfig
-    from ..sidecar.daemon import run
-    from ..sidecar.metrics import Metrics
-    from ..sidecar.secret import load_or_create_secret
-    from ..sidecar.server import Server
+    from ..sidecar.app import build
     from . import preflight
 
     if log_format not in ("plain", "json"):
@@ -110,62 +105,8 @@ def serve(
             level=logging.WARNING,
         )
     with open_store(cfg, create=True, banner=True) as store:
-        index_dir = cfg.resolved_index_dir
-
-        def tenant_usage() -> dict[str, tuple[int, int, int | None]]:
-            current = server.policy  # the reloaded one after a SIGHUP
-            return {
-                t: (u.count, u.bytes, current.tenant(t).quota_bytes)
-                for t, u in store.tenant_usage().items()
-            }
-
-        metrics = Metrics(store.stats, tenant_usage)
-        metrics.key_cache_ttl.set(cfg.key_cache_ttl_s)
-        metrics.high_watermark.set(cfg.high_watermark)
-        port = cfg.metrics_port if metrics_port is None else metrics_port
-        if port:
-            try:
-                bound = metrics.start_http(cfg.metrics_host, port)
-            except OSError as exc:
-                raise ListenError(
-                    f"metrics: cannot listen on {cfg.metrics_host}:{port}: {exc.strerror or exc}"
-                ) from exc
-            say(f"metrics on http://{cfg.metrics_host}:{bound}/metrics")
-        server = Server(
-            store,
-            policy,
-            ServerConfig(
-                socket_path=None if fd is not None else cfg.socket_path,
-                socket_fd=fd,
-                socket_group=cfg.socket_group,
-                secret=load_or_create_secret(index_dir / "server-secret"),
-                store_id=store.layout.store_id,
-                workers=cfg.workers,
-                handle_ttl_s=cfg.idle_reservation_timeout_s,
-                max_inflight_bytes=cfg.max_inflight_bytes,
-                revoked_file=revoked_path(index_dir),
-            ),
-            metrics=metrics,
-        )
-        events = _start_events(cfg, store, server) if cfg.events_enabled else None
-        where = f"fd {fd}" if fd is not None else str(cfg.socket_path)
-
-        def listening() -> None:
-            metrics.ready = True
-            say(f"kvoffload sidecar serving store {store.layout.store_id} on {where}")
-
-        try:
-            run(
-                server,
-                on_listening=listening,
-                load_policy=reloader,
-                policy_path=cfg.policy_file if reloader is not None else None,
-            )
-        finally:
-            metrics.stop_http()
-            if events is not None:
-                store.events_hook = None
-                events.close()
+        daemon = build(cfg, store, policy, fd=fd, metrics_port=metrics_port, say=say)
+        daemon.run(say, reloader, cfg.policy_file if reloader is not None else None)
 
 
 def say(text: str | Text, level: int = logging.INFO) -> None:
@@ -201,21 +142,6 @@ def _check_index_dir(cfg: Any) -> None:
             "set [store] index_dir to node-local disk",
             logging.WARNING,
         )
-
-
-def _start_events(cfg: Any, store: Any, server: Any) -> Any:
-    """The KV-event feed (docs/spec/events-v1.md), wired to the store and the verbs."""
-    from ..sidecar.events import start_events
-    from ..sidecar.server import socket_gid
-
-    gid = socket_gid(cfg.socket_group)
-    events = start_events(
-        cfg.events, store.index, lambda: server.service.policy, cfg.socket_path, gid
-    )
-    store.events_hook = events
-    server.service.events = events
-    say(f"KV events on {events.publisher.endpoint} (replay {events.publisher.replay_endpoint})")
-    return events
 
 
 @app.command()

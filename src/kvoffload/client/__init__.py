@@ -346,9 +346,12 @@ class SidecarClient:
         ``on_layer(layer, first, views)`` is called as layers are verified:
         ``views[j]`` is layer ``layer`` of chunk ``first + j``, a read-only view
         of staging valid only during the call. Within one batch of chunks the
-        layers come in order, every byte checked before its call; a chunk
-        whose later layer fails is not ``ok`` even though its earlier layers
-        were handed out (the caller must not use them as a loaded chunk). A
+        layers come in order, every byte checked before its call; where the
+        chunks have different layer counts, layer ``layer`` comes in one call
+        per run of consecutive chunks that have it. A chunk is ``ok`` only once
+        every one of its layers was handed out; a chunk whose later layer
+        fails is not ``ok`` even though its earlier layers were handed out
+        (the caller must not use them as a loaded chunk). A
         sidecar without layer-wise loads (revision 9), or the direct path,
         hands out each chunk's layers after the whole chunk verified.
         """

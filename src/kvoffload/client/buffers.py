@@ -21,7 +21,8 @@ LoadCallback = Callable[[int, bytes, Sequence[memoryview]], None]
 DestCallback = Callable[[int, bytes, Sequence[int]], Sequence[Any]]
 #: ``on_layer(layer, first, views)`` of a layer-wise load: ``views[j]`` is layer
 #: ``layer`` of chunk ``first + j``, verified, a read-only view of staging valid
-#: only during the call.
+#: only during the call (chunks of one batch with fewer layers split a layer's
+#: chunks into several calls, one per run of consecutive chunks that have it).
 LayerCallback = Callable[[int, int, Sequence[memoryview]], None]
 #: ``copy_in(staging, offset, layers)``: packs a chunk's layers into staging.
 CopyInFn = Callable[[StagingBuffer, int, list[memoryview]], None]

@@ -446,7 +446,12 @@ class _Handout:
 
 
 class _Layerwise:
-    """One layer-wise ``prepare_load`` batch (§5.26) as its frames arrive."""
+    """One layer-wise ``prepare_load`` batch (§5.26) as its frames arrive.
+
+    Chunks of one batch may have different layer counts: layer l is handed
+    out for every reported chunk that has one, in runs of consecutive chunks
+    (``on_layer(l, first, views)``: ``views[j]`` is chunk ``first + j``), and
+    a chunk is complete only once each of its layers was handed out."""
 
     def __init__(self, staging: StagingBuffer, first: int, on_layer: LayerCallback) -> None:
         self.staging = staging
@@ -454,6 +459,7 @@ class _Layerwise:
         self.on_layer = on_layer
         self.planned: list[tuple[int, tuple[int, ...]]] | None = None
         self.starts: list[list[int]] = []
+        self.handed: list[int] = []  # per planned chunk: its layers handed out
         self.done = 0  # layers reported so far
         self.live = 0  # leading planned chunks still verified
 
@@ -464,6 +470,7 @@ class _Layerwise:
             check_regions([(c.offset, sum(c.layers)) for c in p.chunks], self.staging.size)
             self.planned = [(c.offset, c.layers) for c in p.chunks]
             self.starts = [packed_layout(c.layers)[0] for c in p.chunks]
+            self.handed = [0] * len(self.planned)
             self.live = len(self.planned)
             return
         if p.layers_done < self.done or p.verified > self.live or p.chunks:
@@ -474,17 +481,30 @@ class _Layerwise:
         self.done = p.layers_done
 
     def _deliver(self, layer: int) -> None:
+        """Hand out ``layer`` of every live chunk that has it, one call per run."""
+        assert self.planned is not None
+        run: list[int] = []
+        for c in range(self.live):
+            if layer < len(self.planned[c][1]):
+                run.append(c)
+                continue
+            self._hand_out(layer, run)  # a chunk without this layer ends a run
+            run = []
+        self._hand_out(layer, run)
+
+    def _hand_out(self, layer: int, run: list[int]) -> None:
+        if not run:
+            return
         assert self.planned is not None
         views: list[memoryview] = []
-        for c in range(self.live):
-            off, sizes = self.planned[c]
-            if layer >= len(sizes):
-                break  # a chunk with fewer layers ends what can be handed out
-            lo = off + self.starts[c][layer]
-            views.append(self.staging.view[lo : lo + sizes[layer]].toreadonly())
         try:
-            if views:
-                self.on_layer(layer, self.first, views)
+            for c in run:
+                off, sizes = self.planned[c]
+                lo = off + self.starts[c][layer]
+                views.append(self.staging.view[lo : lo + sizes[layer]].toreadonly())
+            self.on_layer(layer, self.first + run[0], views)
+            for c in run:
+                self.handed[c] = layer + 1
         finally:
             for v in views:
                 with contextlib.suppress(BufferError):
@@ -492,7 +512,9 @@ class _Layerwise:
 
     def complete(self, c: int) -> bool:
         """Whether planned chunk ``c`` was handed out with every one of its layers."""
-        return self.planned is not None and c < self.live and self.done >= len(self.planned[c][1])
+        return (
+            self.planned is not None and c < self.live and self.handed[c] == len(self.planned[c][1])
+        )
 
 
 def blocks_wire_bytes(b: EngineBlocks) -> int:

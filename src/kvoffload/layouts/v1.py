@@ -53,6 +53,9 @@ MAX_LAYERS = 0xFFFF
 MAX_TENANT = 64
 OBJECT_SUFFIX = ".kvo"
 TMP_PREFIX = ".tmp-"
+#: ``objects/.purged-<tenant>-<16 hex>``: a purged tenant's tree, moved aside in
+#: one rename and being removed (layout-v1.md §2); never read as objects.
+PURGED_PREFIX = ".purged-"
 
 _FIXED = struct.Struct("<8sHHIIIIHHQ32s32s64s8x")
 _LAYER = struct.Struct("<QQ12s16s4x")

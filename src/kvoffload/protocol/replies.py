@@ -479,6 +479,21 @@ class LoadProgress(ReplyMessage, frozen=True):
         return d
 
 
+class LoadPlan(LoadProgress, frozen=True):
+    """The plan of a layer-wise load (§5.26: its first frame, exactly once): a
+    :class:`LoadProgress` whose ``chunks`` key is on the wire even when no chunk
+    is planned (n may be 0). Received, it decodes as a LoadProgress."""
+
+    #: An encoding of its base class, not a message of its own: the reply
+    #: table gives the base for its op (tests/test_protocol_tables.py).
+    DECODES_AS_BASE: ClassVar[bool] = True
+
+    def to_wire(self) -> dict[str, Any]:
+        d = super().to_wire()
+        d.setdefault("chunks", [])
+        return d
+
+
 class LeaseLoadReply(ReplyMessage, frozen=True):
     OP: ClassVar[Op] = Op.LEASE_LOAD
     handle: int
@@ -565,6 +580,7 @@ __all__ = [
     "LeaseLoadReply",
     "LeaseSlot",
     "LeaseStoreReply",
+    "LoadPlan",
     "LoadProgress",
     "LoadSlot",
     "LookupReply",

@@ -35,6 +35,7 @@ from kvoffload.protocol import (
     Reply,
 )
 
+from ..units import age_cutoff_ns
 from .ports import StoreAPI
 from .service import Service, plainify
 
@@ -86,8 +87,8 @@ def ls_rows(
     Returns the rows and whether more matches follow.
     """
     now = time.time_ns() if now_ns is None else now_ns
-    old_cut = now - int(older_than_s * 1e9) if older_than_s is not None else None
-    new_cut = now - int(newer_than_s * 1e9) if newer_than_s is not None else None
+    old_cut = age_cutoff_ns(now, older_than_s) if older_than_s is not None else None
+    new_cut = age_cutoff_ns(now, newer_than_s) if newer_than_s is not None else None
     rows: list[dict[str, Any]] = []
     seen = 0
     for rec in store.chunks(tenant=tenant, namespace=namespace):

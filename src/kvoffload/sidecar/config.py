@@ -86,7 +86,8 @@ from kvoffload.errors import ConfigError
 from kvoffload.protocol import ALIGNMENT, MAX_BATCH
 from kvoffload.units import parse_duration, parse_size
 
-from ..store import Durability, IOMode, parse_mode
+from ..store import Durability, IOMode, StoreConfig, parse_mode
+from .access.revocation import revoked_path
 from .secret import SECRET_SIZE
 
 DEV_DIR_NAME = ".kvoffload"
@@ -337,9 +338,8 @@ class Config:
     def worker_threads(self) -> int:
         return self.workers or max(2, os.cpu_count() or 2)
 
-    def store_config(self) -> Any:
-        from ..store import StoreConfig
-
+    def store_config(self) -> StoreConfig:
+        """The engine's settings from this tree (the store's sections)."""
         return StoreConfig(
             root=self.store_root,
             index_dir=self.resolved_index_dir,
@@ -357,6 +357,21 @@ class Config:
             ram_cache=self.ram_cache,
             audit_max_bytes=self.audit_max_bytes,
             audit_keep=self.audit_keep,
+        )
+
+    def server_config(self, *, fd: int | None, secret: bytes, store_id: str) -> ServerConfig:
+        """The server's settings from this tree: the socket (or the inherited
+        ``fd``), its group, the pool and the limits, and where revocations are kept."""
+        return ServerConfig(
+            socket_path=None if fd is not None else self.socket_path,
+            socket_fd=fd,
+            socket_group=self.socket_group,
+            secret=secret,
+            store_id=store_id,
+            workers=self.workers,
+            handle_ttl_s=self.idle_reservation_timeout_s,
+            max_inflight_bytes=self.max_inflight_bytes,
+            revoked_file=revoked_path(self.resolved_index_dir),
         )
 
 

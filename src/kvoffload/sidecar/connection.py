@@ -416,9 +416,13 @@ class Connection:
             close_fds(frame.fds)
             if exc.fatal or exc.request_id is None:
                 raise
-            self._reply(exc.request_id, ErrorReply(exc.op or "error", exc.code, exc.message))
+            code, why = exc.code, exc.message
             if self.session.version is None and exc.op != Op.HELLO.value:
-                self.closing = True  # §3.3 rule 1: anything but hello first closes
+                # §3.3 rule 1: anything but hello first — an op this server does
+                # not know too — is BAD_REQUEST, and closes the connection.
+                code, why = ErrorCode.BAD_REQUEST, f"hello first ({exc.message})"
+                self.closing = True
+            self._reply(exc.request_id, ErrorReply(exc.op or "error", code, why))
             return None
         op = req.OP.value
         session = self.session

@@ -24,6 +24,7 @@ from kvoffload.protocol import (
     LayerExtent,
     LeaseLoad,
     LeaseLoadReply,
+    LoadPlan,
     LoadProgress,
     LoadSlot,
     Op,
@@ -323,7 +324,7 @@ class Reads:
             slots = tuple(
                 LoadSlot(True, off, ls) for off, ls in zip(h.offsets, layers, strict=False)
             )
-            send(LoadProgress(0, len(slots), slots))
+            send(LoadPlan(0, len(slots), slots))
 
         def report(done: int, verified: int) -> None:
             send(LoadProgress(done, verified))

@@ -34,7 +34,7 @@ from .connection import Connection
 from .metrics import Metrics
 from .peer import peer_credentials
 from .ports import PolicyAPI, StoreAPI
-from .service import ByteBudget, Service
+from .service import ByteBudget, EventsAPI, Service
 
 log = logging.getLogger("kvoffload.server")
 
@@ -96,9 +96,10 @@ class Server:
         policy: PolicyAPI,
         config: ServerConfig | None = None,
         metrics: Metrics | None = None,
+        events: EventsAPI | None = None,
     ) -> None:
         self.config = config or ServerConfig()
-        self.service = Service(store, policy, self.config, metrics)
+        self.service = Service(store, policy, self.config, metrics, events)
         self.pool = ThreadPoolExecutor(self.config.worker_threads, "kvoffload-io")
         self.connections: set[Connection] = set()
         self._listener: socket.socket | None = None

@@ -119,6 +119,7 @@ class Service:
         policy: PolicyAPI,
         config: ServerConfig,
         metrics: Metrics | None = None,
+        events: EventsAPI | None = None,
     ) -> None:
         self.store = store
         self.config = config
@@ -139,7 +140,7 @@ class Service:
         self.budget = ByteBudget(config.max_inflight_bytes)
         self.draining = False
         #: The KV-event feed (kvoffload.sidecar.events), when ``[events]`` enables it.
-        self.events: EventsAPI | None = None
+        self.events = events
         #: Padded lookups (a tenant's lookup_floor): delays drawn, overruns counted.
         self.padding = LookupPadding(metrics)
         self._mu = threading.Lock()
@@ -251,6 +252,7 @@ def plainify(value: Any, depth: int = 0) -> Any:
 __all__ = [
     "DECOY_TENANT",
     "ByteBudget",
+    "EventsAPI",
     "LiveSession",
     "Reject",
     "Service",

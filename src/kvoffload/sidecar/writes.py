@@ -223,13 +223,17 @@ class Writes:
             req, StoreSlot, self.access.may_use, "write tenant", self._claim_for_store
         )
         stored = [sl.status is StoreStatus.EXISTS for sl in slots]
+        cancelled = False
         try:
             if h.staged:
-                self._write_staged(h, stored)
+                cancelled = self._write_staged(h, stored)
         finally:
             self.handles.release(h)
+        if cancelled:  # purged meanwhile: none of it stands; a retry after it lands
+            stored = [False] * len(stored)
+        unstored = ErrorCode.BUSY if cancelled else ErrorCode.INTERNAL
         codes = [
-            0 if ok else int(sl.code if sl.status is StoreStatus.REJECTED else ErrorCode.INTERNAL)
+            0 if ok else int(sl.code if sl.status is StoreStatus.REJECTED else unstored)
             for ok, sl in zip(stored, slots, strict=True)
         ]
         keys = {sw.index: sw.key for sw in h.staged}
@@ -282,8 +286,8 @@ class Writes:
         try:
             if h.leased:
                 self._publish_leases(h, stored)
-            else:
-                self._write_staged(h, stored)
+            elif self._write_staged(h, stored):
+                stored = [False] * len(stored)  # purged meanwhile: none of it stands
         finally:
             self.handles.release(h)
         keys = {sw.index: sw.key for sw in h.staged} | {
@@ -320,7 +324,9 @@ class Writes:
             except Exception:  # the feed must never fail a save
                 log.exception("%r: publishing a KV event failed", self)
 
-    def _write_staged(self, h: WriteHandle, stored: list[bool]) -> None:
+    def _write_staged(self, h: WriteHandle, stored: list[bool]) -> bool:
+        """Write the staged chunks (``stored[i]`` True for each stored); True if a
+        purge or revocation cancelled the batch: then none of the request stands."""
         staging, _ = self.handles.registered()
         store = self.service.store
         views: list[list[memoryview]] = []
@@ -345,8 +351,11 @@ class Writes:
                 )
             for sw in h.staged:
                 stored[sw.index] = True  # False from put means "already present": success
+        except TransferCancelled as exc:
+            log.info("%r: chunks not stored: %s", self, exc)
+            return True
         except Exception as exc:
-            if isinstance(exc, StoreFull | TransferCancelled):
+            if isinstance(exc, StoreFull):
                 log.info("%r: chunks not stored: %s", self, exc)
             else:
                 log.exception("%r: storing chunks failed", self)
@@ -357,6 +366,7 @@ class Writes:
             for v in views:
                 for m in v:
                     m.release()
+        return False
 
     def _publish_leases(self, h: WriteHandle, stored: list[bool]) -> None:
         store = self.service.store

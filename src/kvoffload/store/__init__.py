@@ -36,7 +36,8 @@ which field), and delegates to them:
 - ``writes``: put / put_many (reserve, seal, write, index)
 - ``reads``: lookups, load plans, get / get_many_into / load
 - ``leases``: the direct path; ``layerwise``: layer-wise loads
-- ``purge``: tenant, namespace and a peer's purge, with their PurgeReport
+- ``purge``: tenant, namespace and a peer's purge, with their PurgeReport (a
+  tenant's with its writes closed meanwhile: cancel.TenantWrites)
 - ``maintenance``: fsck, sweep, expiry, adoption, rebuild
 - ``views``: read-only reports; ``peers``: a shared root's other nodes
 - ``api``: the value types that cross into the daemon (stdlib only)

@@ -293,8 +293,8 @@ class PurgeReport:
     namespace: bytes | None = None
     #: Index records removed on this node (what ``purge_tenant`` returns).
     removed: int = 0
-    #: tier → how many things of the tenant the purge removed there, in the
-    #: order the tiers were reached; only tiers with a count above 0.
+    #: tier → how many things of the tenant the purge removed there; only
+    #: tiers with a count above 0.
     reached: dict[str, int] = field(default_factory=dict)
 
     def reach(self, tier: str, count: int) -> None:
@@ -306,8 +306,10 @@ class PurgeReport:
 
     @property
     def tiers(self) -> tuple[str, ...]:
-        """The tiers reached, in the order they were."""
-        return tuple(self.reached)
+        """The tiers reached, in :data:`STORE_TIERS` order (protocol-v1.md 5.11):
+        a whole-tenant purge removes its index records before the files of its
+        tree moved aside, yet names them in the documented order."""
+        return tuple(t for t in STORE_TIERS if t in self.reached)
 
 
 __all__ = [

@@ -393,15 +393,21 @@ class AuditLog:
         return head
 
     def _rotate(self, head: _Head) -> int:
-        """Rename the active file after its first seq, prune past ``keep``; the new oldest seq."""
+        """Rename the active file after its first seq, prune past ``keep``; the new
+        oldest seq. It advances only past the files this writer prunes, each the
+        one that starts at the oldest seq: a file removed by anyone else stays a
+        gap that ``verify`` reports, whatever is rotated or pruned after it."""
         first = _first_seq(self.path) or head.seq
         os.rename(self.path, self.directory / f"audit-{first:016d}.jsonl")
         rot = rotated_files(self.directory)
-        for _seq, p in rot[: max(0, len(rot) - self.keep)]:
+        oldest = head.oldest
+        excess = max(0, len(rot) - self.keep)
+        for i, (seq, p) in enumerate(rot[:excess]):
+            if seq == oldest:  # the oldest file of the chain: pruned, the next one is
+                oldest = rot[i + 1][0]
             p.unlink()
         _fsync_dir(self.directory)
-        rot = rotated_files(self.directory)
-        return rot[0][0] if rot else head.seq + 1
+        return oldest
 
     def _write_head(self, head: _Head) -> None:
         path = self.directory / HEAD

@@ -9,6 +9,13 @@ every load of that tenant then stops before its next byte reaches a staging
 buffer. A cancelled chunk is a miss, never a damaged object: nothing is
 dropped or quarantined because of it.
 
+Writes use the same generation: a put (or batch) notes it when it starts and
+its index insert compares it under the store's lock, where a purge bumps it;
+a purge or revocation in between discards the write. A whole-tenant purge
+also closes the tenant's writes (:class:`TenantWrites`) for its length and
+waits for the ones in flight, so that none of them lands among what it
+removes (store/purge.py).
+
 **Test hook** (never set in production): with ``KVO_TEST_HOOK_LOAD_GATE``
 naming a directory, a load about to copy a layer while ``<dir>/hold`` exists
 creates ``<dir>/waiting`` and waits (polling, at most 60 s) until ``hold`` is
@@ -22,14 +29,18 @@ documented for operators.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final
 
 from kvoffload.errors import TransferCancelled
+
+log = logging.getLogger("kvoffload.store")
 
 #: The test hook's variable (see the module docstring); unset in production.
 TEST_LOAD_GATE_ENV: Final = "KVO_TEST_HOOK_LOAD_GATE"
@@ -101,10 +112,82 @@ class LoadGenerations:
         return before_layer
 
 
+#: How long a purge waits for the tenant's writes in flight to end before it
+#: goes on anyway (they are cancelled either way; this bounds a stuck disk).
+DRAIN_S: Final = 30.0
+
+
+class TenantWrites:
+    """Which tenants' writes are open, and the writes of each in flight; thread-safe.
+
+    ``writing(tenant)`` brackets one put (or batch): refused while a purge of
+    the tenant runs, else it yields the tenant's load generation, which the
+    put's commit compares. ``purge(tenant, cancel)`` closes the tenant's
+    writes, runs ``cancel`` (the generation bump) under the same lock, so a
+    put is either refused or holds the old generation, and waits for the
+    puts in flight to end."""
+
+    def __init__(self, gens: LoadGenerations) -> None:
+        self._gens = gens
+        self._cv = threading.Condition(threading.Lock())
+        self._closed: dict[str, int] = {}
+        self._writers: dict[str, int] = {}
+
+    def purging(self, tenant: str) -> bool:
+        """Whether a purge of ``tenant`` is running (one dict read: the read path asks)."""
+        return tenant in self._closed
+
+    @contextlib.contextmanager
+    def writing(self, tenant: str) -> Iterator[int]:
+        with self._cv:
+            if tenant in self._closed:
+                raise PutCancelled(f"tenant {tenant!r} is being purged: not stored")
+            self._writers[tenant] = self._writers.get(tenant, 0) + 1
+            generation = self._gens.current(tenant)
+        try:
+            yield generation
+        finally:
+            with self._cv:
+                left = self._writers[tenant] - 1
+                if left:
+                    self._writers[tenant] = left
+                else:
+                    del self._writers[tenant]
+                    self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def purge(
+        self, tenant: str, cancel: Callable[[], None], drain_s: float = DRAIN_S
+    ) -> Iterator[None]:
+        with self._cv:
+            self._closed[tenant] = self._closed.get(tenant, 0) + 1
+        try:
+            with self._cv:
+                cancel()
+                if not self._cv.wait_for(lambda: tenant not in self._writers, drain_s):
+                    log.warning(
+                        "purge of %s: %d write(s) still in flight after %.0f s; going on "
+                        "(they are cancelled and will not be indexed)",
+                        tenant,
+                        self._writers.get(tenant, 0),
+                        drain_s,
+                    )
+            yield
+        finally:
+            with self._cv:
+                left = self._closed[tenant] - 1
+                if left:
+                    self._closed[tenant] = left
+                else:
+                    del self._closed[tenant]
+
+
 __all__ = [
+    "DRAIN_S",
     "TEST_LOAD_GATE_ENV",
     "LoadCancelled",
     "LoadGenerations",
     "PutCancelled",
+    "TenantWrites",
     "TransferCancelled",
 ]

@@ -120,29 +120,50 @@ class Capacity:
             return self.index.usage(tenant).bytes + self._tenant_reserved.get(tenant, 0)
 
     def admit(
-        self, recs: Sequence[ChunkRecord], reservations: Sequence[Reservation | None] = ()
-    ) -> list[bool]:
+        self,
+        recs: Sequence[ChunkRecord],
+        reservations: Sequence[Reservation | None] = (),
+        generations: Sequence[int] = (),
+    ) -> list[bool | None]:
         """Index ``recs`` (those not yet indexed) and count their bytes as used,
         in one step under the lock: a reservation given for a record
         (``reservations[i]``) turns into usage at once, so that used + reserved
         neither dips (letting another writer in) nor counts twice. Per record,
-        whether it was new."""
+        whether it was new; None where ``generations[i]`` is given and its
+        tenant was purged or revoked since (not indexed). The generation is
+        compared under the lock, where a purge bumps it (removal.py
+        ``stop_tenant``): a record is in before a purge looks, or never."""
         held = list(reservations) or [None] * len(recs)
+        gens: list[int | None] = list(generations) or [None] * len(recs)
         with self._mu:
-            inserted = self.index.put_each(recs)
-            for rec, res, new in zip(recs, held, inserted, strict=True):
+            current = self._state.load_gens.current
+            late = [
+                g is not None and current(r.tenant) != g for r, g in zip(recs, gens, strict=True)
+            ]
+            live = [r for r, lt in zip(recs, late, strict=True) if not lt]
+            new_live = iter(self.index.put_each(live) if live else [])
+            out: list[bool | None] = [None if lt else next(new_live) for lt in late]
+            for rec, res, new in zip(recs, held, out, strict=True):
                 if new:
                     self._used += rec.size
                     if res is not None:
                         self._commit_locked(res)
             if self.shared is not None:
                 self.shared.persist_locked()  # counted with their records
-        return inserted
+        return out
 
-    def admit_one(self, rec: ChunkRecord, reservation: Reservation | None = None) -> bool:
+    def admit_one(
+        self,
+        rec: ChunkRecord,
+        reservation: Reservation | None = None,
+        generation: int | None = None,
+    ) -> bool | None:
         """:meth:`admit` of one record (another writer's object, a journaled
-        store, a published lease): whether it was new."""
+        store, a published lease): whether it was new; None if its tenant was
+        purged or revoked since ``generation`` (not indexed)."""
         with self._mu:
+            if generation is not None and self._state.load_gens.current(rec.tenant) != generation:
+                return None
             new = self.index.put(rec)
             if new:
                 self._used += rec.size

@@ -17,6 +17,7 @@ from ..layouts import CorruptObject, LayoutError, v1
 from . import files as fileio
 from . import leasefiles
 from .api import ChunkRecord, ReadLease, StoreLease
+from .cancel import PutCancelled
 from .capacity import Capacity
 from .config import MAX_OBJECT_BYTES
 from .files import Durability, read_prefix
@@ -107,56 +108,69 @@ class Leases:
         deleted, nothing is indexed) or StoreIOError. Always ends the lease.
         """
         try:
-            if self._state.load_gens.current(lease.tenant) != lease.generation:
-                # Purged or revoked since the lease: the worker's file is not published.
-                raise LeaseInvalid(
-                    f"chunk {lease.chunk_key.hex()[:16]}: tenant purged or revoked while leased"
-                )
-            try:
-                fd = leasefiles.open_lease_file(lease.tmp, lease.size)
-            except OSError as exc:
-                raise LeaseInvalid(f"leased file unusable: {exc}") from exc
-            try:
-                buf = self._state.scratch.get(lease.size)
-                n = fileio.read_fd(fd, buf, lease.size)
-                h = v1.verify_plain(
-                    buf[:n],
-                    tenant=lease.tenant,
-                    namespace=lease.namespace,
-                    chunk_key=lease.chunk_key,
-                )
-                if tuple(le.length for le in h.layers) != lease.lengths:
-                    raise CorruptObject("layer lengths differ from the lease")
-            except (LayoutError, OSError) as exc:
-                os.close(fd)
-                self._state.counters.corrupted()
-                raise LeaseInvalid(f"chunk {lease.chunk_key.hex()[:16]}: {exc}") from exc
-            now = time.time_ns()
-            expires = now + int(lease.ttl_s * 1e9) if lease.ttl_s else 0
-            if expires:
-                try:
-                    self._writes.retain(lease.tenant, lease.chunk_key, h.created_ns, expires)
-                except BaseException:
-                    os.close(fd)
-                    raise
-            leasefiles.publish_lease_file(lease.tmp, fd, lease.final, self._state.config.durability)
-            rec = ChunkRecord(
-                tenant=lease.tenant,
-                chunk_key=lease.chunk_key,
-                namespace=lease.namespace,
-                key_epoch=0,
-                size=lease.size,
-                payload=h.payload_size,
-                num_layers=len(h.layers),
-                created_ns=h.created_ns,
-                last_access_ns=now,
-                expires_ns=expires,
-            )
-            self._writes.index_published(rec, lease.reservation)  # False: another writer's
+            with self._state.tenant_writes.writing(lease.tenant):
+                self._publish(lease)
+        except PutCancelled as exc:  # a purge of the tenant is running
+            raise LeaseInvalid(f"chunk {lease.chunk_key.hex()[:16]}: {exc}") from None
         finally:
             self.cancel_lease(lease)  # a no-op for the file once it has its name
         self._capacity.after_write()
         return True
+
+    def _publish(self, lease: StoreLease) -> None:
+        """:meth:`publish_lease` with the tenant's writes open."""
+        if self._state.load_gens.current(lease.tenant) != lease.generation:
+            # Purged or revoked since the lease: the worker's file is not published.
+            raise LeaseInvalid(
+                f"chunk {lease.chunk_key.hex()[:16]}: tenant purged or revoked while leased"
+            )
+        try:
+            fd = leasefiles.open_lease_file(lease.tmp, lease.size)
+        except OSError as exc:
+            raise LeaseInvalid(f"leased file unusable: {exc}") from exc
+        try:
+            buf = self._state.scratch.get(lease.size)
+            n = fileio.read_fd(fd, buf, lease.size)
+            h = v1.verify_plain(
+                buf[:n],
+                tenant=lease.tenant,
+                namespace=lease.namespace,
+                chunk_key=lease.chunk_key,
+            )
+            if tuple(le.length for le in h.layers) != lease.lengths:
+                raise CorruptObject("layer lengths differ from the lease")
+        except (LayoutError, OSError) as exc:
+            os.close(fd)
+            self._state.counters.corrupted()
+            raise LeaseInvalid(f"chunk {lease.chunk_key.hex()[:16]}: {exc}") from exc
+        now = time.time_ns()
+        expires = now + int(lease.ttl_s * 1e9) if lease.ttl_s else 0
+        if expires:
+            try:
+                self._writes.retain(lease.tenant, lease.chunk_key, h.created_ns, expires)
+            except BaseException:
+                os.close(fd)
+                raise
+        leasefiles.publish_lease_file(lease.tmp, fd, lease.final, self._state.config.durability)
+        rec = ChunkRecord(
+            tenant=lease.tenant,
+            chunk_key=lease.chunk_key,
+            namespace=lease.namespace,
+            key_epoch=0,
+            size=lease.size,
+            payload=h.payload_size,
+            num_layers=len(h.layers),
+            created_ns=h.created_ns,
+            last_access_ns=now,
+            expires_ns=expires,
+        )
+        # Compared where a purge bumps it: in before the purge looks, or never.
+        if self._writes.index_published(rec, lease.reservation, lease.generation) is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lease.final)
+            raise LeaseInvalid(
+                f"chunk {lease.chunk_key.hex()[:16]}: tenant purged or revoked while published"
+            )
 
     def lease_load(self, tenant: str, key: bytes) -> ReadLease | None:
         """Header-checked facts of a stored plaintext chunk for a worker to read itself.

@@ -57,7 +57,11 @@ class Maintenance:
         objects = self._state.root / "objects"
         if not objects.is_dir():
             return
-        for dirpath, _dirs, files in os.walk(objects):
+        for dirpath, dirs, files in os.walk(objects):
+            if dirpath == str(objects):
+                # A purged tenant's tree being removed (purge.py) holds no
+                # object of this store any more.
+                dirs[:] = [d for d in dirs if not d.startswith(v1.PURGED_PREFIX)]
             for name in files:
                 yield Path(dirpath) / name
 
@@ -317,10 +321,23 @@ class Maintenance:
 
     # -------------------------------------------------------------- adoption
 
-    def adopt(self, tenant: str, key: bytes, retention: Retention | None = None) -> bool:
+    def adopt(
+        self,
+        tenant: str,
+        key: bytes,
+        retention: Retention | None = None,
+        *,
+        generation: int | None = None,
+    ) -> bool:
         """Index an object another writer (node) put on disk, with its retention
-        (§4.2). False if absent/invalid, or past its TTL."""
+        (§4.2). False if absent/invalid, or past its TTL, or if the tenant is
+        purged (or revoked) since ``generation`` (default: this call's start):
+        the object may be one the destroyed key sealed."""
         st = self._state
+        if generation is None:
+            generation = st.load_gens.current(tenant)
+        if st.tenant_writes.purging(tenant):
+            return False
         path = st.path(tenant, key)
         try:
             size = path.stat().st_size
@@ -337,8 +354,8 @@ class Maintenance:
         rec = record_from_header(h, size, retention)
         if rec.expires_ns and rec.expires_ns <= time.time_ns():
             return False
-        self._capacity.admit_one(rec)
-        return True
+        # Compared where a purge bumps it: in before the purge looks, or never.
+        return self._capacity.admit_one(rec, generation=generation) is not None
 
 
 def record_from_header(

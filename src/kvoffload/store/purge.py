@@ -10,6 +10,31 @@ records, the quarantined objects, the index entries; removal.py's ``drop``
 reports its own three), so the report cannot name a tier the purge did not
 reach, nor leave out one it did. The daemon adds the tiers it reaches itself
 (loads in flight, leases, pending stores, the event feed: sidecar/admin.py).
+
+A purge of a tenant must leave no index record without its file, and no
+record of an object the destroyed key sealed. A save racing it either lands
+wholly after it (a new key, its file, its record: readable) or is not
+stored. So, for the length of the purge:
+
+* the tenant's writes are **closed** (:class:`~.cancel.TenantWrites`): a put
+  that starts is refused (:class:`~.cancel.PutCancelled`, "not stored"); the
+  puts already in flight were started under the old load generation, which
+  the purge bumps under the store's lock where their index insert compares
+  it, so none of them is indexed (each removes its own file), and the purge
+  waits for them to end before it goes on;
+* the tenant counts as empty to every read (``lookup`` 0, every chunk a
+  miss): its key is destroyed, nothing of it can be served, and a save finds
+  no "already there" in a record about to go;
+* the purge destroys the key file, moves ``objects/<tenant>/`` aside in one
+  rename (to ``objects/.purged-<tenant>-<16 hex>``, which no reader, walk or
+  sweep looks into), journals the purge on a shared root, removes the
+  tenant's index records, retention records and contracts, and only then
+  opens the writes again. The directory moved aside is removed after (in the
+  background unless ``wait``); a purge interrupted by a crash leaves it, and
+  the next open removes it (:meth:`Purges.finish_interrupted`).
+
+A shared-root follower applies a peer's purge record the same way, its
+writes of the tenant closed meanwhile (:meth:`Purges.peer_tenant`).
 """
 
 from __future__ import annotations
@@ -18,10 +43,12 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..layouts import v1
+from ..units import age_cutoff_ns
 from .api import (
     TIER_CONTRACTS,
     TIER_KEYS,
@@ -35,9 +62,18 @@ from .api import (
 from .contracts import check_selector, contract_matches
 from .removal import Removal
 from .shared.journal import JournalRecord
-from .state import StoreState
+from .state import StoreState, log
 from .views import Views
 from .writes import Writes
+
+
+def purged_trees(objects: Path) -> list[Path]:
+    """The purged tenants' trees left under ``objects/`` (being removed, or left by a crash)."""
+    try:
+        names = os.listdir(objects)
+    except FileNotFoundError:
+        return []
+    return [objects / n for n in names if n.startswith(v1.PURGED_PREFIX)]
 
 
 def remove_tree(top: Path) -> int:
@@ -79,40 +115,89 @@ class Purges:
         """Crypto-erase a tenant: destroy its wrapped keys first, then remove its data.
 
         After the key file is destroyed (overwritten, fsync'd, unlinked) no
-        object of the tenant decrypts anywhere; files and index entries are
-        removed in the background (``wait=True`` waits: only then is the
-        report complete). ``removed``: the index records scheduled for removal.
+        object of the tenant decrypts anywhere. The index records, retention
+        records and contracts are gone when this returns, and the objects are
+        out of ``objects/<tenant>/``; the moved tree is removed in the
+        background (``wait=True`` waits: only then is the report complete).
+        Saves of the tenant meanwhile are refused or land wholly after (the
+        module docstring). ``removed``: the index records removed.
         """
         st = self._state
         report = PurgeReport(tenant)
-        # Loads in flight stop before their next layer, then the RAM images go.
-        report.reach(TIER_RAM, self._removal.stop_tenant(tenant))
-        existed = st.keyring.destroy(tenant)
-        report.reach(TIER_KEYS, int(existed))
-        if st.shared is not None:
-            st.shared.journal([JournalRecord.purge_tenant(tenant)])
-            report.reach(TIER_SHARED, 1)
-        recs = list(st.index.records(tenant=tenant))
-        report.removed = len(recs)
-        st.audit("purge_tenant", {"tenant": tenant, "had_keys": existed, "chunks": len(recs)})
+        images: list[int] = []
 
-        def work() -> None:
-            report.reach(TIER_OBJECTS, remove_tree(st.root / "objects" / tenant))
-            self._writes.forget_leaves(tenant)
+        def stop() -> None:
+            # Loads in flight stop before their next layer, then the RAM images
+            # go; the generation bump is what the tenant's writes in flight compare.
+            images.append(self._removal.stop_tenant(tenant))
+
+        with st.tenant_writes.purge(tenant, stop):
+            report.reach(TIER_RAM, sum(images))
+            existed = st.keyring.destroy(tenant)
+            report.reach(TIER_KEYS, int(existed))
+            aside = self._move_tree_aside(tenant)
+            if st.shared is not None:
+                # After the move: a node that follows the record at once and
+                # saves under the new key writes into the fresh directory.
+                st.shared.journal([JournalRecord.purge_tenant(tenant)])
+                report.reach(TIER_SHARED, 1)
             report.reach(TIER_RETENTION, st.retention.drop_tenant(tenant))
             report.reach(TIER_CONTRACTS, st.contracts.drop_tenant(tenant))
-            report.reach(TIER_QUARANTINE, self._removal.purge_quarantine(tenant))
+            recs = list(st.index.records(tenant=tenant))
+            report.removed = len(recs)
             drop = self._removal.drop
             for rec in recs:
                 drop(rec.tenant, rec.chunk_key, reason="purge", remove_file=False, tally=report)
+        st.audit("purge_tenant", {"tenant": tenant, "had_keys": existed, "chunks": len(recs)})
 
-        t = threading.Thread(target=work, name=f"purge-{tenant}", daemon=True)
+        def work() -> None:
+            if aside is not None:
+                report.reach(TIER_OBJECTS, remove_tree(aside))
+            report.reach(TIER_QUARANTINE, self._removal.purge_quarantine(tenant))
+
+        self._in_background(work, f"purge-{tenant}", wait)
+        return report
+
+    def _move_tree_aside(self, tenant: str) -> Path | None:
+        """Rename ``objects/<tenant>`` to a ``.purged-`` name in one step (never
+        walked or read as objects: layout-v1.md §2.2); None if it had none."""
+        objects = self._state.root / "objects"
+        aside = objects / f"{v1.PURGED_PREFIX}{tenant}-{os.urandom(8).hex()}"
+        self._writes.forget_leaves(tenant)
+        try:
+            os.rename(objects / tenant, aside)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            # Not moved: remove the files in place (the writes are closed, so
+            # nothing new lands there until this purge is over).
+            log.warning(
+                "purge of %s: moving its objects aside failed (%s); removing them", tenant, exc
+            )
+            remove_tree(objects / tenant)
+            return None
+        return aside
+
+    def finish_interrupted(self) -> None:
+        """Remove the trees purges left moved aside (a crash before their removal),
+        in the background: at open."""
+        left = purged_trees(self._state.root / "objects")
+        if left:
+            log.info("removing %d purged tenant tree(s) left by an interrupted purge", len(left))
+
+            def work() -> None:
+                for p in left:
+                    remove_tree(p)
+
+            self._in_background(work, "purge-leftovers", False)
+
+    def _in_background(self, work: Callable[[], None], name: str, wait: bool) -> None:
+        t = threading.Thread(target=work, name=name, daemon=True)
         t.start()
         with self._mu:
             self._bg.append(t)
         if wait:
             t.join()
-        return report
 
     def namespace(self, tenant: str, namespace: bytes) -> PurgeReport:
         """Remove a namespace's chunks (file removal, not a crypto erase: keys are
@@ -139,16 +224,22 @@ class Purges:
         """Another node of the shared root purged ``tenant`` (its journal's
         record): stop decrypting now, not at the key cache's bound, stop this
         node's loads of the tenant in flight, and drop its chunks from this
-        node's index (the files are the purging node's to remove)."""
+        node's index (the files are the purging node's to remove), with this
+        node's writes of the tenant closed meanwhile."""
         st = self._state
         report = PurgeReport(tenant)
-        report.reach(TIER_RAM, self._removal.stop_tenant(tenant))
-        st.keyring.forget(tenant)
-        report.reach(TIER_CONTRACTS, st.contracts.drop_tenant(tenant))
-        drop = self._removal.drop
-        for old in list(st.index.records(tenant=tenant)):
-            report.removed += 1
-            drop(old.tenant, old.chunk_key, reason="journal", remove_file=False, tally=report)
+        images: list[int] = []
+        # With this node's writes of the tenant closed meanwhile, as for a purge here.
+        with st.tenant_writes.purge(
+            tenant, lambda: images.append(self._removal.stop_tenant(tenant))
+        ):
+            report.reach(TIER_RAM, sum(images))
+            st.keyring.forget(tenant)
+            report.reach(TIER_CONTRACTS, st.contracts.drop_tenant(tenant))
+            drop = self._removal.drop
+            for old in list(st.index.records(tenant=tenant)):
+                report.removed += 1
+                drop(old.tenant, old.chunk_key, reason="journal", remove_file=False, tally=report)
         return report
 
     def peer_namespace(self, tenant: str, namespace: bytes) -> PurgeReport:
@@ -165,7 +256,7 @@ class Purges:
 
     def older_than(self, age_s: float, tenant: str | None = None) -> int:
         """Remove the chunks (of one tenant or all) created more than ``age_s`` ago."""
-        cutoff = time.time_ns() - int(age_s * 1e9)
+        cutoff = age_cutoff_ns(time.time_ns(), age_s)  # 1e300 s: nothing is older
         recs = [r for r in self._state.index.records(tenant=tenant) if r.created_ns < cutoff]
         drop = self._removal.drop
         for rec in recs:
@@ -239,4 +330,4 @@ class Purges:
             self._bg = [t for t in self._bg if t.is_alive()]
 
 
-__all__ = ["Purges", "remove_tree"]
+__all__ = ["Purges", "purged_trees", "remove_tree"]

@@ -95,6 +95,8 @@ class Reads:
 
     def _record(self, tenant: str, key: bytes) -> ChunkRecord | None:
         st = self._state
+        if st.tenant_writes.purging(tenant):
+            return None  # its key is gone and its records are going (purge.py)
         rec = st.index.get(tenant, key)
         if rec is None and st.config.probe_files_on_miss and self._maintenance.adopt(tenant, key):
             rec = st.index.get(tenant, key)
@@ -104,8 +106,11 @@ class Reads:
         return rec
 
     def lookup(self, tenant: str, keys: Sequence[bytes]) -> int:
-        """How many leading keys are present (per the index, plus files on a miss)."""
+        """How many leading keys are present (per the index, plus files on a miss).
+        None of a tenant being purged: its key is gone and its records are going."""
         st = self._state
+        if st.tenant_writes.purging(tenant):
+            return 0
         index = st.index
         now = time.time_ns()
         created_after, accessed_after = st.cutoffs(tenant, now)
@@ -133,6 +138,8 @@ class Reads:
         """:meth:`lookup` from the index alone, or None where that needs the disk
         (a miss that may be another node's file, or an expired entry to drop)."""
         st = self._state
+        if st.tenant_writes.purging(tenant):
+            return 0
         now = time.time_ns()
         created_after, accessed_after = st.cutoffs(tenant, now)
         n = st.index.lookup(
@@ -157,6 +164,8 @@ class Reads:
         another node's file, or an expired entry to drop), which the caller then
         asks on a thread that may wait."""
         st = self._state
+        if st.tenant_writes.purging(tenant):
+            return True, None
         rec = st.index.get(tenant, key)
         if rec is None:
             return (not st.config.probe_files_on_miss), None

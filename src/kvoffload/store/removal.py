@@ -126,10 +126,12 @@ class Removal:
     def stop_tenant(self, tenant: str) -> int:
         """A purge or revocation of ``tenant``: its loads in flight stop before
         their next layer (cancel.py), then its RAM images go; in that order, no
-        load of it keeps an image again (ramtier.py, ``still``). The number of
-        images dropped."""
+        load of it keeps an image again (ramtier.py, ``still``). The bump is
+        under the store's lock, where a write's index insert compares it
+        (capacity.py ``admit``). The number of images dropped."""
         st = self._state
-        st.load_gens.cancel(tenant)
+        with st.mu:
+            st.load_gens.cancel(tenant)
         return st.ram.drop_tenant(tenant) if st.ram is not None else 0
 
     # ------------------------------------------------------------ failed reads

@@ -35,7 +35,7 @@ from ..errors import IndexFailure, StoreIOError, StoreKeyError
 from ..layouts import LayoutInfo, v1
 from .api import ChunkRecord, EventsHook, RetentionSettings
 from .audit import AuditLog
-from .cancel import LoadGenerations
+from .cancel import LoadGenerations, TenantWrites
 from .config import StoreConfig
 from .contracts import ContractRegistry
 from .files import PartReader, ScratchBuffers
@@ -236,9 +236,12 @@ class StoreState:
     retention_policy: RetentionProvider | None = None
     access: AccessTimes = field(init=False)
     streams: IOStreams = field(init=False)
+    #: Writes in flight per tenant, closed while a whole-tenant purge runs (purge.py).
+    tenant_writes: TenantWrites = field(init=False)
 
     def __post_init__(self) -> None:
         self.access = AccessTimes(self.index)
+        self.tenant_writes = TenantWrites(self.load_gens)
         self.streams = IOStreams(self.config.resolved_io_streams())
 
     def path(self, tenant: str, key: bytes) -> Path:

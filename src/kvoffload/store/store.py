@@ -96,6 +96,7 @@ class Store:
         )
         self._closed = threading.Event()
         self._flusher: threading.Thread | None = None
+        self._purges.finish_interrupted()  # the trees a crash left moved aside
         if rebuild is not None:
             try:
                 self._maintenance.rebuild(rebuild)

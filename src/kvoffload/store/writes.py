@@ -18,10 +18,11 @@ nonce counts of each DEK epoch.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -87,6 +88,8 @@ class _Batch(NamedTuple):
     namespace: bytes
     encrypt: bool
     ttl_s: float | None
+    #: The tenant's load generation when the put or batch began (cancel.py).
+    generation: int
 
 
 class Writes:
@@ -123,13 +126,33 @@ class Writes:
         ttl_s: float | None = None,
         reservation: Reservation | None = None,
     ) -> bool:
-        """Store one chunk. True if written, False if it was already present."""
-        self.ensure_leaves(tenant)
-        batch = _Batch(tenant, namespace, encrypt, ttl_s)
-        job = self._begin_put(batch, chunk_key, layers, reservation)
-        if job is None:
-            return False
-        return self._finish_puts([(0, job, self._seal_and_write(job))])[0]
+        """Store one chunk. True if written, False if it was already present.
+        :class:`PutCancelled` if its tenant is purged (or revoked) meanwhile."""
+        with self._open_writes(tenant, [reservation]) as generation:
+            self.ensure_leaves(tenant)
+            batch = _Batch(tenant, namespace, encrypt, ttl_s, generation)
+            job = self._begin_put(batch, chunk_key, layers, reservation)
+            if job is None:
+                return False
+            return self._finish_puts([(0, job, self._seal_and_write(job))])[0]
+
+    @contextlib.contextmanager
+    def _open_writes(self, tenant: str, held: Sequence[Reservation | None]) -> Iterator[int]:
+        """One put or batch of ``tenant`` (cancel.TenantWrites): its load
+        generation, or :class:`PutCancelled` while a purge of the tenant runs,
+        and at its end if one began meanwhile (even a chunk found already there
+        is then being purged); cancelled, the reservations ``held`` are released."""
+        st = self._state
+        try:
+            with st.tenant_writes.writing(tenant) as generation:
+                yield generation
+                if st.load_gens.current(tenant) != generation:
+                    raise PutCancelled(f"tenant {tenant!r} purged or revoked while saved")
+        except PutCancelled:
+            for r in held:
+                if r is not None:
+                    r.release()
+            raise
 
     def put_many(
         self,
@@ -154,8 +177,18 @@ class Writes:
         held = list(reservations) if reservations is not None else [None] * len(chunks)
         if len(held) != len(chunks):
             raise ValueError("one reservation (or None) per chunk")
-        self.ensure_leaves(tenant)
-        batch = _Batch(tenant, namespace, encrypt, ttl_s)
+        with self._open_writes(tenant, held) as generation:
+            batch = _Batch(tenant, namespace, encrypt, ttl_s, generation)
+            return self._put_batch(batch, chunks, held)
+
+    def _put_batch(
+        self,
+        batch: _Batch,
+        chunks: Sequence[tuple[bytes, Layers]],
+        held: Sequence[Reservation | None],
+    ) -> list[bool]:
+        """:meth:`put_many` once the tenant's writes are open."""
+        self.ensure_leaves(batch.tenant)
         # Chunks written (or found on disk), in chunk order, waiting for their
         # index records: the whole batch commits in one index transaction, after
         # every object of it is written (and fsync'd, at durability object).
@@ -312,13 +345,13 @@ class Writes:
     def _begin_put(
         self, batch: _Batch, chunk_key: bytes, layers: Layers, reservation: Reservation | None
     ) -> _PutJob | None:
-        """Checks, capacity reservation and key for one chunk; None if already present."""
+        """Checks, capacity reservation and key for one chunk; None if already
+        present. Its generation: the tenant's when its put or batch began."""
         st = self._state
         tenant, namespace, encrypt = batch.tenant, batch.namespace, batch.encrypt
         if len(chunk_key) != v1.KEY_SIZE or len(namespace) != v1.KEY_SIZE:
             raise ValueError("chunk key and namespace must be 32 bytes")
         lengths = [memoryview(x).nbytes for x in layers]
-        generation = st.load_gens.current(tenant)
         have = st.index.get(tenant, chunk_key)
         if have is not None and st.is_expired(have, time.time_ns()):
             # Past its retention: a miss on every read, so a save writes it afresh.
@@ -352,7 +385,7 @@ class Writes:
             raise
         return _PutJob(
             tenant, namespace, chunk_key, layers, lengths, size, res, aead, epoch, batch.ttl_s,
-            time.time_ns(), generation,
+            time.time_ns(), batch.generation,
         )  # fmt: skip
 
     def _data_key(self, tenant: str, segments: int) -> tuple[AESGCM, int]:
@@ -441,37 +474,64 @@ class Writes:
         st = self._state
         out = [False] * len(done)
         cancelled: list[bytes] = []
+        recs: list[tuple[int, _PutJob, ChunkRecord]] = []
         try:
-            recs: list[tuple[int, _PutJob, ChunkRecord]] = []
             for n, (_i, job, written) in enumerate(done):
                 if not written:
                     # Another writer (another node on a shared FS) got there first.
-                    self._maintenance.adopt(job.tenant, job.chunk_key)
-                    st.counters.existed()
-                    continue
-                if st.load_gens.current(job.tenant) != job.generation:
+                    if not self._adopt_existing(job):
+                        cancelled.append(job.chunk_key)
+                elif st.load_gens.current(job.tenant) != job.generation:
                     # Purged or revoked while being written: the object is not published.
                     self._removal.unpublish(job.tenant, job.chunk_key)
                     cancelled.append(job.chunk_key)
-                    continue
-                recs.append((n, job, _record_of(job)))
-            if not recs:
-                return self._cancelled_puts(cancelled, out)
-            # The reservations turn into usage as the records are indexed.
-            inserted = self._capacity.admit(
-                [rec for _n, _j, rec in recs], [job.res for _n, job, _r in recs]
-            )
-            for (n, _job, rec), new in zip(recs, inserted, strict=True):
-                out[n] = new
-                st.counters.stored(rec.payload)
-                if new:
-                    self.journal_stored(rec)
+                else:
+                    recs.append((n, job, _record_of(job)))
+            if recs:
+                cancelled += self._insert_batch(recs, out)
         finally:
             for _i, job, _w in done:
                 job.res.release()
             self._capacity.persist_shared()
-        self._capacity.after_write()
+        if recs:
+            self._capacity.after_write()
         return self._cancelled_puts(cancelled, out)
+
+    def _adopt_existing(self, job: _PutJob) -> bool:
+        """Index the object another writer put at the job's name; False if the
+        tenant was purged or revoked since the job began (nothing indexed by it)."""
+        gens = self._state.load_gens
+        if gens.current(job.tenant) != job.generation:
+            return False
+        self._maintenance.adopt(job.tenant, job.chunk_key, generation=job.generation)
+        self._state.counters.existed()
+        return gens.current(job.tenant) == job.generation
+
+    def _insert_batch(
+        self, recs: Sequence[tuple[int, _PutJob, ChunkRecord]], out: list[bool]
+    ) -> list[bytes]:
+        """Insert the records in one transaction, ``out[n]`` True for each new one
+        (the reservations turn into usage as they are indexed); the chunks whose
+        tenant was purged or revoked since they began are left out, their files
+        removed, and their keys returned. The generation is compared under the
+        store's lock, where a purge bumps it (capacity.py ``admit``)."""
+        st = self._state
+        inserted = self._capacity.admit(
+            [rec for _n, _j, rec in recs],
+            [job.res for _n, job, _r in recs],
+            [job.generation for _n, job, _r in recs],
+        )
+        late: list[bytes] = []
+        for (n, job, rec), new in zip(recs, inserted, strict=True):
+            if new is None:
+                self._removal.unpublish(job.tenant, job.chunk_key)
+                late.append(job.chunk_key)
+                continue
+            out[n] = new
+            st.counters.stored(rec.payload)
+            if new:
+                self.journal_stored(rec)
+        return late
 
     @staticmethod
     def _cancelled_puts(cancelled: Sequence[bytes], out: list[bool]) -> list[bool]:
@@ -485,12 +545,17 @@ class Writes:
             )
         return out
 
-    def index_published(self, rec: ChunkRecord, reservation: Reservation) -> bool:
+    def index_published(
+        self, rec: ChunkRecord, reservation: Reservation, generation: int | None = None
+    ) -> bool | None:
         """Index an object published under its name by another path (a direct-path
         lease), its reservation turning into usage; whether its record is new
-        (False: another writer indexed it meanwhile)."""
+        (False: another writer indexed it meanwhile; None: its tenant was purged
+        or revoked since ``generation``, nothing indexed)."""
         st = self._state
-        inserted = self._capacity.admit_one(rec, reservation)
+        inserted = self._capacity.admit_one(rec, reservation, generation)
+        if inserted is None:
+            return None
         if inserted:
             st.counters.stored(rec.payload)
             self.journal_stored(rec)
