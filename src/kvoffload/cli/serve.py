@@ -170,11 +170,15 @@ def _start_events(cfg: Any, store: Any, server: Any) -> Any:
             gid = grp.getgrnam(cfg.socket_group).gr_gid
         except KeyError as exc:
             raise ConfigError(f"[server] socket_group: unknown group {cfg.socket_group!r}") from exc
+    svc = server.service
+    settings = cfg.events
     events = start_events(
-        cfg.events, store.index, lambda: server.service.policy, cfg.socket_path, gid
+        settings, store.index, lambda: svc.policy, cfg.socket_path, gid, svc.revoked
     )
     store.events_hook = events
-    server.service.events = events
+    svc.events = events
+    # An expired chunk nobody reads leaves the feed within this, not at the sweep.
+    events.watch_expiry(store.expire_due, settings.expiry_interval_s)
     err.print(
         f"KV events on {events.publisher.endpoint} (replay {events.publisher.replay_endpoint})"
     )

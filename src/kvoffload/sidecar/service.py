@@ -118,6 +118,8 @@ class EventsAPI(Protocol):
 
     def record(self, tenant: str, chunk_key: bytes, blocks: EngineBlocks) -> bool: ...
 
+    def policy_changed(self) -> None: ...
+
 
 @dataclass
 class WriteHandle:
@@ -279,6 +281,10 @@ class Service:
         if cancel is not None:
             for t in sorted(lost_tenants):
                 cancel(t)
+        if self.events is not None:
+            # What the policy no longer publishes is withdrawn from the feed, and
+            # every subscriber is checked again (events-v1 §7, §7.1).
+            self.events.policy_changed()
         return {
             "generation": self.generation,
             "revoked": revoked,
