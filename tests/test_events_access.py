@@ -86,12 +86,12 @@ def _endpoints(sc: DevSidecar) -> tuple[str, str]:
     return f"ipc://{base / 'kvevents.pub'}", f"ipc://{base / 'kvevents.replay'}"
 
 
-def _policy(path: Path, *, acme_events: bool = True) -> None:
+def _policy(path: Path, *, acme_events: bool = True, granted: bool = True) -> None:
     path.write_text(
         "version = 1\n"
         f"[tenants.acme]\nevents = {'true' if acme_events else 'false'}\n"
         f'[[grants]]\nuid = {os.getuid()}\ntenants = ["*"]\nadmin = true\n'
-        f'[[grants]]\nuid = {GRANTED}\ntenants = ["acme"]\n'
+        + (f'[[grants]]\nuid = {GRANTED}\ntenants = ["acme"]\n' if granted else "")
     )
     path.chmod(0o600)
 
@@ -370,6 +370,25 @@ def test_a_start_withdraws_a_change_made_while_down_and_announces_itself(
         st = consumer.status("node")
         assert st.incarnation is not None and st.incarnation > before
         assert st.last_seq is not None and split_seq(st.last_seq)[1] >= 1
+
+
+def test_a_reload_that_takes_a_grant_away_ends_that_peers_channel(
+    sidecar: DevSidecar, policy: Path
+) -> None:
+    eps = _endpoints(sidecar)
+    _save(sidecar, "acme", 1)
+    child = Child(GRANTED, eps, ["acme"])
+    child.ready()
+    _policy(policy, granted=False)
+    _reload(sidecar)
+    _save(sidecar, "acme", 2)
+    # The reader's view of the channel has chunk 2: it was published.
+    chan = SourceSpec("acme", *eps, topic=tenant_topic("acme").decode(), snapshots=True)
+    with EventConsumer([chan], request_timeout_s=5, idle_check_s=0) as own:
+        _follow(own, "acme", lambda held: held == _all("acme", range(1, 3)))
+    got = child.result()
+    assert _hashes(got["snapshot:acme"]) == _all("acme", [1])  # granted then
+    assert not _hashes(got["live"]["tenants"]) & _all("acme", [2])  # not any more
 
 
 def _tail_as(sc: DevSidecar, uid: int, *args: str) -> tuple[int, str, str]:

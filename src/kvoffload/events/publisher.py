@@ -77,6 +77,9 @@ log = logging.getLogger("kvoffload.events")
 
 #: Events per message of a snapshot (a snapshot of a million chunks is ~4000 messages).
 SNAPSHOT_EVENTS_PER_MESSAGE = 256
+#: Tenant channels a request may make (publishing makes them regardless): a
+#: peer granted every tenant naming ever new ones must not grow memory.
+MAX_CHANNELS = 10_000
 
 SnapshotSource = Callable[[], Iterable[Event]]
 TenantSnapshotSource = Callable[[str], Iterable[Event]]
@@ -85,6 +88,7 @@ _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _ZAP_IPC = b"kvoffload-ipc"
 _ZAP_OTHER = b"kvoffload-net"
 _REBIND = b"rebind"
+_FLUSH = b"flush"
 _pipe_ids = itertools.count()
 
 
@@ -200,6 +204,8 @@ class KVEventPublisher:
         self._closed = threading.Event()
         self._ipc_files: list[Path] = []
         self._thread: threading.Thread | None = None
+        self._poller = zmq.Poller()
+        self._flushes: dict[bytes, threading.Event] = {}
         #: When a refusal was last logged, per uid.
         self._refused: dict[int | None, float] = {}
         try:
@@ -333,9 +339,25 @@ class KVEventPublisher:
             if not self._closed.is_set():
                 self._pipe_out.send_multipart([_REBIND])
 
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every batch published so far has been sent (False: not within
+        ``timeout_s``, or the socket thread is not running)."""
+        if self._thread is None or self._closed.is_set():
+            return False
+        done = threading.Event()
+        key = str(id(done)).encode()
+        self._flushes[key] = done
+        try:
+            with self._send_lock:
+                self._pipe_out.send_multipart([_FLUSH, key])
+            return done.wait(timeout_s)
+        finally:
+            self._flushes.pop(key, None)
+
     def close(self) -> None:
         if self._closed.is_set():
             return
+        self.flush(timeout_s=1.0)  # what was published before close goes out
         with self._send_lock:
             self._closed.set()
         if self._thread is not None:
@@ -386,7 +408,7 @@ class KVEventPublisher:
         return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
     def _serve(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(self._pipe_in, zmq.POLLIN)
         poller.register(self._xpub, zmq.POLLIN)
         for r in self._routers:
@@ -398,10 +420,8 @@ class KVEventPublisher:
                 ready = dict(poller.poll(100))
                 if self._zap is not None and self._zap in ready:
                     self._answer_zap(self._zap)
-                if self._pipe_in in ready and self._forward():
-                    poller.unregister(self._xpub)
-                    self._rebind()
-                    poller.register(self._xpub, zmq.POLLIN)
+                if self._pipe_in in ready:
+                    self._forward()
                 if self._xpub in ready:
                     self._on_subscriptions()
                 for r in self._routers:
@@ -412,25 +432,31 @@ class KVEventPublisher:
                     return
                 log.warning("events: %s", exc)
 
-    def _forward(self) -> bool:
-        """Send what publish() handed over; True if a rebind was asked for."""
-        rebind = False
+    def _forward(self) -> None:
+        """Send what publish() handed over, in order; a rebind where it was asked."""
         for _ in range(10_000):  # then let requests in
             try:
                 frames = self._pipe_in.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                break
+                return
             if len(frames) == 1:
-                rebind = rebind or frames[0] == _REBIND
+                if frames[0] == _REBIND:
+                    self._rebind()
+                continue
+            if len(frames) == 2:  # a flush marker: everything before it is sent
+                done = self._flushes.get(frames[1])
+                if done is not None:
+                    done.set()
                 continue
             self._xpub.send_multipart(frames)
-        return rebind
 
     def _rebind(self) -> None:
         """A new XPUB on the same endpoint: every subscriber reconnects and is checked."""
+        self._poller.unregister(self._xpub)
         self._xpub.close(linger=0)
         self._xpub = self._new_xpub()
         self._bind(self._xpub, self.endpoint)
+        self._poller.register(self._xpub, zmq.POLLIN)
         log.info("events: the access changed; subscribers of %s reconnect", self.endpoint)
 
     # -- access (events-v1 §7.1) --------------------------------------------------------
@@ -526,6 +552,8 @@ class KVEventPublisher:
         if tenant is None or self._tenant_snapshot is None or not vis.sees(tenant):
             return None
         with self.lock:
+            if tenant not in self._channels and len(self._channels) >= MAX_CHANNELS:
+                return None  # requests naming ever new tenants make no more
             return self._channel(tenant)
 
     # -- replay and snapshots -----------------------------------------------------------

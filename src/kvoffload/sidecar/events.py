@@ -266,9 +266,9 @@ class SidecarEvents:
         return self._events_of(tenant)
 
     def retract(self) -> int:
-        """Withdraw what the feed announced of tenants whose ``events`` is now off
-        (or who left the policy): ``BlockRemoved`` for each such chunk, and its
-        hashes forgotten. Returns the chunks withdrawn."""
+        """Withdraw what the feed announced of tenants whose ``events`` is now off:
+        ``BlockRemoved`` for each such chunk, and its hashes forgotten. Returns
+        the chunks withdrawn."""
         n = 0
         for tenant in sorted(self._index.tenants()):
             if not self.enabled_for(tenant):
