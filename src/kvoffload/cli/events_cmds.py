@@ -189,14 +189,14 @@ def _replay(
     import zmq
 
     from ..errors import EventDecodeError
+    from ..events.access import request_frames
     from ..events.wire import encode_replay_request, is_end_marker, unpack_frames
 
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.setsockopt(zmq.RCVTIMEO, 5000)
     dealer.connect(replay)
-    request = [b"", encode_replay_request(from_seq)]
-    dealer.send_multipart([*request, topic] if topic else request)
+    dealer.send_multipart(request_frames(encode_replay_request(from_seq), topic))
     last_seq: int | None = None
     try:
         while True:

@@ -36,6 +36,7 @@ __all__ = [
     "Visibility",
     "check_feed_topic",
     "peer_from_ipc_address",
+    "request_frames",
     "tenant_of_topic",
     "tenant_topic",
 ]
@@ -143,6 +144,13 @@ def tenant_of_topic(topic: bytes) -> str | None:
         return None
     tenant = name.decode("ascii", "replace")
     return tenant if TENANT_RE.fullmatch(tenant) else None
+
+
+def request_frames(body: bytes, topic: str | bytes) -> list[bytes]:
+    """A replay or snapshot request: ``["", body]``, and the topic when it names a
+    tenant's channel (a vLLM engine's ROUTER takes exactly two frames)."""
+    t = topic.encode() if isinstance(topic, str) else topic
+    return [b"", body, t] if t.startswith(TENANT_TOPIC_PREFIX) else [b"", body]
 
 
 def check_feed_topic(topic: bytes) -> None:

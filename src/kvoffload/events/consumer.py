@@ -47,7 +47,7 @@ from prometheus_client.registry import Collector
 
 from kvoffload.errors import EventDecodeError
 
-from .access import TENANT_TOPIC_PREFIX
+from .access import request_frames
 from .view import BlockView
 from .wire import (
     END_SEQ_BYTES,
@@ -104,10 +104,7 @@ class SourceSpec:
     """One publisher: its PUB endpoint, replay ROUTER and topic prefix.
 
     ``snapshots``: the source answers ``snapshot/1`` on its replay socket (a
-    kvoffload sidecar; a vLLM engine does not). A ``topic`` that starts with
-    ``kvoffload-tenant/`` follows one tenant's channel of a sidecar
-    (events-v1 §7.1; :func:`kvoffload.events.access.tenant_topic`): its replay
-    and snapshot requests name it.
+    kvoffload sidecar; a vLLM engine does not). ``topic``: a tenant's channel too (§7.1).
     """
 
     name: str
@@ -550,12 +547,8 @@ class EventConsumer:
             sock.setsockopt(zmq.SNDTIMEO, self._request_timeout_ms)
             _apply_curve(sock, src.spec.curve)
             sock.connect(src.spec.replay_endpoint)
-            request = [b"", frame]
-            topic = src.spec.topic.encode()
-            if topic.startswith(TENANT_TOPIC_PREFIX):
-                request.append(topic)  # a tenant channel: the request names it (§7.1)
             try:
-                sock.send_multipart(request)
+                sock.send_multipart(request_frames(frame, src.spec.topic))
             except zmq.Again as exc:
                 raise _RequestFailed("the replay socket does not accept requests") from exc
             while True:
