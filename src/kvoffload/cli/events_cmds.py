@@ -2,7 +2,9 @@
 
 It reads the same sockets a router does (docs/spec/events-v1.md), so it needs
 the same rights: the ipc:// socket files are mode 0660, group ``[server]
-socket_group``.
+socket_group``, and then the sidecar checks the user (§7.1): the full feed for
+a reader (root, the sidecar's uid, ``[events] readers``), ``--tenant T`` for a
+user the policy grants T.
 """
 
 from __future__ import annotations
@@ -156,6 +158,14 @@ def tail(
             "--timeout", metavar="SECONDS", help="Stop after this many seconds without an event."
         ),
     ] = None,
+    tenant: Annotated[
+        str | None,
+        typer.Option(
+            "--tenant",
+            metavar="TENANT",
+            help="Follow this tenant's channel instead of the full feed.",
+        ),
+    ] = None,
 ) -> None:
     """Print the sidecar's KV events as they are published (one line each).
 
@@ -167,9 +177,15 @@ def tail(
     """
     import zmq
 
+    from ..contract import TENANT_RE
     from ..errors import EventDecodeError
-    from ..events.wire import decode_batch, encode_replay_request, is_end_marker, unpack_frames
+    from ..events.access import tenant_topic
+    from ..events.wire import decode_batch, unpack_frames
     from ..sidecar.events import default_endpoints
+
+    if tenant is not None and not TENANT_RE.fullmatch(tenant):
+        raise _CliUsageError(f"--tenant: {tenant!r} is not a tenant id")
+    topic = tenant_topic(tenant) if tenant is not None else b""
 
     if from_seq is not None and from_seq < 0:
         raise _CliUsageError("--from takes a seq ≥ 0")
@@ -181,7 +197,6 @@ def tail(
     replay = cfg.events_replay_endpoint or replay_default
     _check_endpoint(endpoint, cfg.socket_path, cfg.dev)
     hints = _SilenceHints(cfg.socket_path)
-    print(f"following the KV events on {endpoint} (Ctrl-C stops)", file=sys.stderr)
     shown = 0
     last_event = time.monotonic()
 
@@ -193,19 +208,7 @@ def tail(
             print(f"seq {seq}: malformed batch: {exc}", file=sys.stderr)
             return False
         for ev in batch.events:
-            rec = event_record(seq, batch.ts, ev)
-            if as_json:
-                sys.stdout.write(json.dumps(rec, sort_keys=True) + "\n")
-            else:
-                hashes = rec.get("block_hashes", [])
-                short = ",".join(str(h)[:12] for h in hashes[:4])
-                more = f"+{len(hashes) - 4}" if len(hashes) > 4 else ""
-                out.print(
-                    f"{seq} inc {rec['incarnation']} {rec['type']} "
-                    f"{rec.get('medium', '')} {rec.get('locality', '')} "
-                    f"[{len(hashes)}] {short}{more}",
-                    highlight=False,
-                )
+            _print_record(event_record(seq, batch.ts, ev), as_json)
             shown += 1
             last_event = time.monotonic()
             if count is not None and shown >= count:
@@ -216,34 +219,21 @@ def tail(
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    monitor = sub.get_monitor_socket(
+        zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    )
     sub.connect(endpoint)
     last_seq: int | None = None
     try:
+        _check_admitted(monitor)
+        # Said once the feed admitted us: a refused user gets its one line only.
+        print(f"following the KV events on {endpoint} (Ctrl-C stops)", file=sys.stderr)
         if from_seq is not None:
             _check_endpoint(replay, cfg.socket_path, cfg.dev)
-            dealer = ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.RCVTIMEO, 5000)
-            dealer.connect(replay)
-            dealer.send_multipart([b"", encode_replay_request(from_seq)])
-            try:
-                while True:
-                    parts = dealer.recv_multipart()
-                    frame = unpack_frames(parts[1:] if parts and parts[0] == b"" else parts)
-                    if is_end_marker(frame):
-                        break
-                    last_seq = frame.seq
-                    if show(frame.seq, frame.payload):
-                        return
-            except zmq.Again as exc:
-                raise _SidecarUnreachable(f"the replay socket {replay} did not answer") from exc
-            except EventDecodeError as exc:
-                raise _SidecarUnreachable(
-                    f"the replay socket sent a malformed message: {exc}"
-                ) from exc
-            finally:
-                dealer.close(linger=0)
+            last_seq, done = _replay(ctx, replay, from_seq, topic, show)
+            if done:
+                return
         while True:
             if timeout is not None and time.monotonic() - last_event > timeout:
                 hints.check(now=True)
@@ -261,5 +251,73 @@ def tail(
             if show(frame.seq, frame.payload):
                 return
     finally:
+        sub.disable_monitor()
+        monitor.close(linger=0)
         sub.close(linger=0)
         ctx.term()
+
+
+def _print_record(rec: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(rec, sort_keys=True) + "\n")
+        return
+    hashes = rec.get("block_hashes", [])
+    short = ",".join(str(h)[:12] for h in hashes[:4])
+    more = f"+{len(hashes) - 4}" if len(hashes) > 4 else ""
+    out.print(
+        f"{rec['seq']} inc {rec['incarnation']} {rec['type']} "
+        f"{rec.get('medium', '')} {rec.get('locality', '')} "
+        f"[{len(hashes)}] {short}{more}",
+        highlight=False,
+    )
+
+
+def _replay(
+    ctx: Any, replay: str, from_seq: int, topic: bytes, show: Any
+) -> tuple[int | None, bool]:
+    """Show the buffered batches from ``from_seq``: (the last seq shown, whether
+    ``show`` had enough)."""
+    import zmq
+
+    from ..errors import EventDecodeError
+    from ..events.access import request_frames
+    from ..events.wire import encode_replay_request, is_end_marker, unpack_frames
+
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVTIMEO, 5000)
+    dealer.connect(replay)
+    dealer.send_multipart(request_frames(encode_replay_request(from_seq), topic))
+    last_seq: int | None = None
+    try:
+        while True:
+            parts = dealer.recv_multipart()
+            frame = unpack_frames(parts[1:] if parts and parts[0] == b"" else parts)
+            if is_end_marker(frame):
+                return last_seq, False
+            last_seq = frame.seq
+            if show(frame.seq, frame.payload):
+                return last_seq, True
+    except zmq.Again as exc:
+        raise _SidecarUnreachable(f"the replay socket {replay} did not answer") from exc
+    except EventDecodeError as exc:
+        raise _SidecarUnreachable(f"the replay socket sent a malformed message: {exc}") from exc
+    finally:
+        dealer.close(linger=0)
+
+
+def _check_admitted(monitor: Any, wait_s: float = 5.0) -> None:
+    """The sidecar refuses, at the handshake, a user who may read nothing (§7.1):
+    say so in one line instead of waiting for events that never come."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    if not monitor.poll(int(wait_s * 1000)):
+        return  # no answer yet (an old sidecar, a slow one): follow anyway
+    event = recv_monitor_message(monitor)
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        raise _SidecarUnreachable(
+            "the sidecar refused this user: it may read no KV-event feed (events-v1 §7.1: "
+            "the full feed is for [events] readers, a tenant's channel for users its "
+            "policy grants that tenant; --tenant T)"
+        )

@@ -10,7 +10,8 @@
        │  inline; every other request goes to the thread pool, and its
        │  completion comes back through the connection's completion queue,
        │  so replies may leave in any order (§3.3); a lookup of a tenant with
-       │  a lookup_floor is held on a loop timer until its deadline (§5.28)
+       │  a lookup_floor is held until its deadline on a timerfd the loop
+       │  watches (releasetimer.py: exact, whatever the lookup cost; §5.28)
        ├─ replies are written straight to the socket when nothing waits
        │  before them, else queued in order behind what does (§3.3, §5.26)
        └─ on close: wait for its requests (pool threads may still touch the
@@ -70,6 +71,7 @@ from kvoffload.protocol import (
 
 from .access.padding import Pad
 from .peer import Peer
+from .releasetimer import Cancellable, ReleaseTimer
 from .service import Service
 from .session import Session
 
@@ -114,7 +116,7 @@ class _InFlight:
         self.arrived = arrived
         self.started = time.perf_counter()
         self.done = done
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: Cancellable | None = None
 
 
 class Connection:
@@ -139,6 +141,8 @@ class Connection:
         self.tasks: dict[int, asyncio.Future[None]] = {}
         #: Padded replies waiting for their deadline (§5.28), by request id.
         self.held: dict[int, tuple[_InFlight, Reply]] = {}
+        #: Releases held replies at their exact deadline; made at the first one.
+        self._timer: ReleaseTimer | None = None
         self.closing = False
         self._on_close = on_close
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -573,7 +577,9 @@ class Connection:
             self._answer(work, None if self.closing else reply)
             return
         self.held[work.rid] = (work, reply)
-        work.timer = self._loop.call_at(deadline, self._release, work.rid)
+        if self._timer is None:
+            self._timer = ReleaseTimer(self._loop)
+        work.timer = self._timer.call_at(deadline, self._release, work.rid)
 
     def _release(self, rid: int) -> None:
         work, reply = self.held.pop(rid)
@@ -617,6 +623,8 @@ class Connection:
             if work.timer is not None:
                 work.timer.cancel()
             self._release(work.rid)
+        if self._timer is not None:
+            self._timer.close()
         # Pool threads cannot be cancelled and may be writing into the
         # staging mapping: it must outlive them.
         await self._drain_tasks()

@@ -7,8 +7,8 @@ only, so importing it pulls in neither LMDB nor cryptography.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Protocol, runtime_checkable
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -45,7 +45,13 @@ class EventLog(Protocol):
 
     def set_blocks(self, tenant: str, chunk_key: bytes, blob: bytes) -> bool: ...
 
-    def all_blocks(self) -> Iterator[tuple[str, bytes, bytes]]: ...
+    def all_blocks(self, tenant: str | None = None) -> Iterator[tuple[str, bytes, bytes]]: ...
+
+    def drop_blocks(self, tenant: str, chunk_keys: Iterable[bytes]) -> None: ...
+
+    def tenants(self) -> Mapping[str, Any]:
+        """The tenants with at least one chunk (their usage)."""
+        ...
 
     def get_meta(self, name: str) -> bytes | None: ...
 
