@@ -12,12 +12,15 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from .app import JsonOpt, app, config, out, socket_group_hint
 from .exits import _CliUsageError, _SidecarUnreachable
+
+if TYPE_CHECKING:
+    import zmq
 
 #: How long a ``stats`` call for the hints may take.
 STATS_TIMEOUT_S = 2.0
@@ -136,6 +139,119 @@ class _SilenceHints:
                 print(f"note: {n} chunk(s) stored since this tail started {why}", file=sys.stderr)
 
 
+class _Printer:
+    """Prints decoded batches, one line (or one JSON object) per event, and counts them
+    towards ``--count``; ``last_event`` is when the last one showed (for ``--timeout``)."""
+
+    def __init__(self, *, as_json: bool, count: int | None) -> None:
+        self.as_json = as_json
+        self.count = count
+        self.shown = 0
+        self.last_event = time.monotonic()
+
+    @property
+    def done(self) -> bool:
+        """True once ``--count`` events are shown."""
+        return self.count is not None and self.shown >= self.count
+
+    def _print(self, seq: int, rec: dict[str, Any]) -> None:
+        if self.as_json:
+            sys.stdout.write(json.dumps(rec, sort_keys=True) + "\n")
+            return
+        hashes = rec.get("block_hashes", [])
+        short = ",".join(str(h)[:12] for h in hashes[:4])
+        more = f"+{len(hashes) - 4}" if len(hashes) > 4 else ""
+        out.print(
+            f"{seq} inc {rec['incarnation']} {rec['type']} "
+            f"{rec.get('medium', '')} {rec.get('locality', '')} "
+            f"[{len(hashes)}] {short}{more}",
+            highlight=False,
+        )
+
+    def show(self, seq: int, payload: bytes) -> bool:
+        """Print the batch ``payload`` published as ``seq``; True once ``--count`` is reached."""
+        from ..errors import EventDecodeError
+        from ..events.wire import decode_batch
+
+        try:
+            batch = decode_batch(payload)
+        except EventDecodeError as exc:
+            print(f"seq {seq}: malformed batch: {exc}", file=sys.stderr)
+            return False
+        for ev in batch.events:
+            self._print(seq, event_record(seq, batch.ts, ev))
+            self.shown += 1
+            self.last_event = time.monotonic()
+            if self.done:
+                return True
+        sys.stdout.flush()
+        return False
+
+
+def _replay(
+    ctx: zmq.Context[zmq.Socket[bytes]], replay: str, from_seq: int, printer: _Printer
+) -> int | None:
+    """Show the durable buffer from ``from_seq`` on, asked of the replay socket ``replay``
+    (stops early once ``printer.done``). Returns the last seq it received, or None."""
+    import zmq
+
+    from ..errors import EventDecodeError
+    from ..events.wire import encode_replay_request, is_end_marker, unpack_frames
+
+    last_seq: int | None = None
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVTIMEO, 5000)
+    dealer.connect(replay)
+    dealer.send_multipart([b"", encode_replay_request(from_seq)])
+    try:
+        while True:
+            parts = dealer.recv_multipart()
+            frame = unpack_frames(parts[1:] if parts and parts[0] == b"" else parts)
+            if is_end_marker(frame):
+                return last_seq
+            last_seq = frame.seq
+            if printer.show(frame.seq, frame.payload):
+                return last_seq
+    except zmq.Again as exc:
+        raise _SidecarUnreachable(f"the replay socket {replay} did not answer") from exc
+    except EventDecodeError as exc:
+        raise _SidecarUnreachable(f"the replay socket sent a malformed message: {exc}") from exc
+    finally:
+        dealer.close(linger=0)
+
+
+def _follow(
+    sub: zmq.Socket[bytes],
+    printer: _Printer,
+    hints: _SilenceHints,
+    *,
+    timeout: float | None,
+    after: int | None,
+) -> None:
+    """Show live events from ``sub`` until ``--count`` or ``--timeout`` ends the tail;
+    seqs up to ``after`` were already shown by the replay."""
+    from ..errors import EventDecodeError
+    from ..events.wire import unpack_frames
+
+    while True:
+        if timeout is not None and time.monotonic() - printer.last_event > timeout:
+            hints.check(now=True)
+            return
+        if not sub.poll(200):
+            hints.check()
+            continue
+        try:
+            frame = unpack_frames(sub.recv_multipart())
+        except EventDecodeError as exc:
+            print(f"malformed message: {exc}", file=sys.stderr)
+            continue
+        if after is not None and frame.seq <= after:
+            continue  # already shown by the replay
+        if printer.show(frame.seq, frame.payload):
+            return
+
+
 @events_app.command("tail")
 def tail(
     as_json: JsonOpt = False,
@@ -167,8 +283,6 @@ def tail(
     """
     import zmq
 
-    from ..errors import EventDecodeError
-    from ..events.wire import decode_batch, encode_replay_request, is_end_marker, unpack_frames
     from ..sidecar.events import default_endpoints
 
     if from_seq is not None and from_seq < 0:
@@ -182,36 +296,7 @@ def tail(
     _check_endpoint(endpoint, cfg.socket_path, cfg.dev)
     hints = _SilenceHints(cfg.socket_path)
     print(f"following the KV events on {endpoint} (Ctrl-C stops)", file=sys.stderr)
-    shown = 0
-    last_event = time.monotonic()
-
-    def show(seq: int, payload: bytes) -> bool:
-        nonlocal shown, last_event
-        try:
-            batch = decode_batch(payload)
-        except EventDecodeError as exc:
-            print(f"seq {seq}: malformed batch: {exc}", file=sys.stderr)
-            return False
-        for ev in batch.events:
-            rec = event_record(seq, batch.ts, ev)
-            if as_json:
-                sys.stdout.write(json.dumps(rec, sort_keys=True) + "\n")
-            else:
-                hashes = rec.get("block_hashes", [])
-                short = ",".join(str(h)[:12] for h in hashes[:4])
-                more = f"+{len(hashes) - 4}" if len(hashes) > 4 else ""
-                out.print(
-                    f"{seq} inc {rec['incarnation']} {rec['type']} "
-                    f"{rec.get('medium', '')} {rec.get('locality', '')} "
-                    f"[{len(hashes)}] {short}{more}",
-                    highlight=False,
-                )
-            shown += 1
-            last_event = time.monotonic()
-            if count is not None and shown >= count:
-                return True
-        sys.stdout.flush()
-        return False
+    printer = _Printer(as_json=as_json, count=count)
 
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -222,44 +307,10 @@ def tail(
     try:
         if from_seq is not None:
             _check_endpoint(replay, cfg.socket_path, cfg.dev)
-            dealer = ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.RCVTIMEO, 5000)
-            dealer.connect(replay)
-            dealer.send_multipart([b"", encode_replay_request(from_seq)])
-            try:
-                while True:
-                    parts = dealer.recv_multipart()
-                    frame = unpack_frames(parts[1:] if parts and parts[0] == b"" else parts)
-                    if is_end_marker(frame):
-                        break
-                    last_seq = frame.seq
-                    if show(frame.seq, frame.payload):
-                        return
-            except zmq.Again as exc:
-                raise _SidecarUnreachable(f"the replay socket {replay} did not answer") from exc
-            except EventDecodeError as exc:
-                raise _SidecarUnreachable(
-                    f"the replay socket sent a malformed message: {exc}"
-                ) from exc
-            finally:
-                dealer.close(linger=0)
-        while True:
-            if timeout is not None and time.monotonic() - last_event > timeout:
-                hints.check(now=True)
+            last_seq = _replay(ctx, replay, from_seq, printer)
+            if printer.done:
                 return
-            if not sub.poll(200):
-                hints.check()
-                continue
-            try:
-                frame = unpack_frames(sub.recv_multipart())
-            except EventDecodeError as exc:
-                print(f"malformed message: {exc}", file=sys.stderr)
-                continue
-            if last_seq is not None and frame.seq <= last_seq:
-                continue  # already shown by the replay
-            if show(frame.seq, frame.payload):
-                return
+        _follow(sub, printer, hints, timeout=timeout, after=last_seq)
     finally:
         sub.close(linger=0)
         ctx.term()
