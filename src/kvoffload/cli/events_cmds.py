@@ -178,9 +178,7 @@ def tail(
     import zmq
 
     from ..contract import TENANT_RE
-    from ..errors import EventDecodeError
     from ..events.access import tenant_topic
-    from ..events.wire import decode_batch, unpack_frames
     from ..sidecar.events import default_endpoints
 
     if tenant is not None and not TENANT_RE.fullmatch(tenant):
@@ -197,24 +195,7 @@ def tail(
     replay = cfg.events_replay_endpoint or replay_default
     _check_endpoint(endpoint, cfg.socket_path, cfg.dev)
     hints = _SilenceHints(cfg.socket_path)
-    shown = 0
-    last_event = time.monotonic()
-
-    def show(seq: int, payload: bytes) -> bool:
-        nonlocal shown, last_event
-        try:
-            batch = decode_batch(payload)
-        except EventDecodeError as exc:
-            print(f"seq {seq}: malformed batch: {exc}", file=sys.stderr)
-            return False
-        for ev in batch.events:
-            _print_record(event_record(seq, batch.ts, ev), as_json)
-            shown += 1
-            last_event = time.monotonic()
-            if count is not None and shown >= count:
-                return True
-        sys.stdout.flush()
-        return False
+    show = _Shower(as_json, count)
 
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -234,27 +215,65 @@ def tail(
             last_seq, done = _replay(ctx, replay, from_seq, topic, show)
             if done:
                 return
-        while True:
-            if timeout is not None and time.monotonic() - last_event > timeout:
-                hints.check(now=True)
-                return
-            if not sub.poll(200):
-                hints.check()
-                continue
-            try:
-                frame = unpack_frames(sub.recv_multipart())
-            except EventDecodeError as exc:
-                print(f"malformed message: {exc}", file=sys.stderr)
-                continue
-            if last_seq is not None and frame.seq <= last_seq:
-                continue  # already shown by the replay
-            if show(frame.seq, frame.payload):
-                return
+        _follow(sub, show, hints, timeout, last_seq)
     finally:
         sub.disable_monitor()
         monitor.close(linger=0)
         sub.close(linger=0)
         ctx.term()
+
+
+class _Shower:
+    """Prints each event of a batch; True once ``count`` events were shown."""
+
+    def __init__(self, as_json: bool, count: int | None) -> None:
+        self.as_json = as_json
+        self.count = count
+        self.shown = 0
+        self.last_event = time.monotonic()
+
+    def __call__(self, seq: int, payload: bytes) -> bool:
+        from ..errors import EventDecodeError
+        from ..events.wire import decode_batch
+
+        try:
+            batch = decode_batch(payload)
+        except EventDecodeError as exc:
+            print(f"seq {seq}: malformed batch: {exc}", file=sys.stderr)
+            return False
+        for ev in batch.events:
+            _print_record(event_record(seq, batch.ts, ev), self.as_json)
+            self.shown += 1
+            self.last_event = time.monotonic()
+            if self.count is not None and self.shown >= self.count:
+                return True
+        sys.stdout.flush()
+        return False
+
+
+def _follow(
+    sub: Any, show: _Shower, hints: _SilenceHints, timeout: float | None, last_seq: int | None
+) -> None:
+    """The live feed, after any replay, until ``show`` has enough or ``timeout``."""
+    from ..errors import EventDecodeError
+    from ..events.wire import unpack_frames
+
+    while True:
+        if timeout is not None and time.monotonic() - show.last_event > timeout:
+            hints.check(now=True)
+            return
+        if not sub.poll(200):
+            hints.check()
+            continue
+        try:
+            frame = unpack_frames(sub.recv_multipart())
+        except EventDecodeError as exc:
+            print(f"malformed message: {exc}", file=sys.stderr)
+            continue
+        if last_seq is not None and frame.seq <= last_seq:
+            continue  # already shown by the replay
+        if show(frame.seq, frame.payload):
+            return
 
 
 def _print_record(rec: dict[str, Any], as_json: bool) -> None:

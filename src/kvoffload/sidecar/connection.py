@@ -417,16 +417,7 @@ class Connection:
         try:
             rid, req = parse_request(frame.msg)
         except ProtocolError as exc:
-            close_fds(frame.fds)
-            if exc.fatal or exc.request_id is None:
-                raise
-            code, why = exc.code, exc.message
-            if self.session.version is None and exc.op != Op.HELLO.value:
-                # §3.3 rule 1: anything but hello first — an op this server does
-                # not know too — is BAD_REQUEST, and closes the connection.
-                code, why = ErrorCode.BAD_REQUEST, f"hello first ({exc.message})"
-                self.closing = True
-            self._reply(exc.request_id, ErrorReply(exc.op or "error", code, why))
+            self._refuse_unparsed(frame, exc)
             return None
         op = req.OP.value
         session = self.session
@@ -447,15 +438,7 @@ class Connection:
                 return None
             return self._hello(rid, req)
         if isinstance(req, Lookup) and len(self.tasks) < self.service.config.max_inflight:
-            started = time.perf_counter()
-            pad = session.lookup_pad(req.tenant)
-            # A padded lookup always takes the pool's path, hit or miss (§5.28).
-            reply = session.lookup_inline(req) if pad is None else None
-            if reply is None:
-                self._spawn(rid, req, pad, arrived)
-            else:
-                self._reply(rid, reply)
-                self._observe(op, started)
+            self._lookup(rid, req, arrived)
         elif isinstance(req, Hello):
             self._reply(rid, ErrorReply(op, ErrorCode.BAD_REQUEST, "second hello"))
         elif isinstance(req, RegisterStaging):
@@ -467,6 +450,31 @@ class Connection:
         elif not self._inline(rid, req):
             self._spawn(rid, req, None, arrived)
         return None
+
+    def _refuse_unparsed(self, frame: Frame, exc: ProtocolError) -> None:
+        """A frame that does not parse: its error reply, or (fatal, no id) re-raised."""
+        close_fds(frame.fds)
+        if exc.fatal or exc.request_id is None:
+            raise exc
+        code, why = exc.code, exc.message
+        if self.session.version is None and exc.op != Op.HELLO.value:
+            # §3.3 rule 1: anything but hello first — an op this server does
+            # not know too — is BAD_REQUEST, and closes the connection.
+            code, why = ErrorCode.BAD_REQUEST, f"hello first ({exc.message})"
+            self.closing = True
+        self._reply(exc.request_id, ErrorReply(exc.op or "error", code, why))
+
+    def _lookup(self, rid: int, req: Lookup, arrived: float) -> None:
+        """§5.3: from the index on the loop where it can; a padded lookup always
+        takes the pool's path, hit or miss (§5.28)."""
+        started = time.perf_counter()
+        pad = self.session.lookup_pad(req.tenant)
+        reply = self.session.lookup_inline(req) if pad is None else None
+        if reply is None:
+            self._spawn(rid, req, pad, arrived)
+        else:
+            self._reply(rid, reply)
+            self._observe(req.OP.value, started)
 
     def _inline(self, rid: int, req: Request) -> bool:
         """Answer ``req`` here on the loop if it needs no wait (Session.execute_inline):
