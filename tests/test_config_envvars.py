@@ -145,3 +145,27 @@ def test_ram_cache_reaches_the_store_config_and_refuses_nonsense(tmp_path: Path)
     for bad in ("lots", "-1", "1.5B", "none"):
         with pytest.raises(ConfigError, match=r"\[store\] ram_cache: (bad )?size"):
             load_config(env={"KVOFFLOAD_STORE_RAM_CACHE": bad})
+
+
+def test_event_feed_readers_and_expiry_interval_are_read_and_checked() -> None:
+    cfg = load_config(
+        env={
+            "KVOFFLOAD_DEV": "1",
+            "KVOFFLOAD_EVENTS_READERS": "user:root, gid:4242,uid:7",
+            "KVOFFLOAD_EVENTS_EXPIRY_INTERVAL": "250ms",
+            "KVOFFLOAD_EVENTS_TENANT_BUFFER": "64",
+        }
+    )
+    assert cfg.events.readers == ("uid:0", "gid:4242", "uid:7")
+    assert cfg.events.expiry_interval_s == pytest.approx(0.25)
+    assert cfg.events.tenant_buffer == 64
+    for bad, words in (
+        ("user:no-such-user-here", "no such user"),
+        ("someone", "expected user:NAME"),
+        ("uid:-1", "expected user:NAME"),
+    ):
+        with pytest.raises(ConfigError, match=words) as exc:
+            load_config(env={"KVOFFLOAD_DEV": "1", "KVOFFLOAD_EVENTS_READERS": bad})
+        assert "[events] readers" in str(exc.value) and "\n" not in str(exc.value)
+    with pytest.raises(ConfigError, match="expiry_interval"):
+        load_config(env={"KVOFFLOAD_DEV": "1", "KVOFFLOAD_EVENTS_EXPIRY_INTERVAL": "-1s"})

@@ -26,6 +26,8 @@ from kvoffload.sidecar.events import SidecarEvents, start_events  # noqa: E402
 from kvoffload.store import Store, StoreConfig  # noqa: E402
 from kvoffload.store.keys.keyring import Kek  # noqa: E402
 
+from .sidecar_proc import wait_until  # noqa: E402
+
 NS = b"\x01" * 32
 
 
@@ -131,3 +133,75 @@ def test_a_tenant_with_events_off_is_not_kept_or_published(
     assert not events.record("quiet", _key(1), _blocks(1))
     assert store.index.get_blocks("quiet", _key(1)) is None
     assert _held(consumer) == set()
+
+
+def test_a_removal_is_published_whatever_the_tenant_setting_is_now(
+    wired: tuple[Store, SidecarEvents, EventConsumer],
+) -> None:
+    store, events, consumer = wired
+    _put(store, events, 1)
+    _put(store, events, 2)
+    assert _held(consumer) == set(_blocks(1).hashes) | set(_blocks(2).hashes)
+    # The policy turned acme's events off, and its chunks leave before the
+    # reload's retraction ran: they were announced, so their removal is too.
+    events._policy = lambda: _Policy({"acme"})  # type: ignore[assignment,return-value]
+    assert store.delete("acme", _key(1))
+    assert _held(consumer) == set(_blocks(2).hashes)
+    store.purge_tenant("acme", wait=True)
+    assert _held(consumer) == set()
+
+
+def test_turning_events_off_retracts_and_forgets_what_was_announced(
+    wired: tuple[Store, SidecarEvents, EventConsumer],
+) -> None:
+    store, events, consumer = wired
+    for i in range(3):
+        _put(store, events, i)
+    assert store.put("beta", NS, _key(9), [b"b" * 1000])
+    assert events.record("beta", _key(9), _blocks(9))
+    assert _held(consumer) == {h for i in (0, 1, 2, 9) for h in _blocks(i).hashes}
+    events._policy = lambda: _Policy({"acme"})  # type: ignore[assignment,return-value]
+    events.policy_changed()
+    assert _held(consumer) == set(_blocks(9).hashes)
+    assert list(store.index.all_blocks("acme")) == []  # nothing left to announce or remove
+    assert not events.record("acme", _key(5), _blocks(5))
+    with events.lock:
+        assert {h for e in events.snapshot() for h in e.block_hashes} == set(_blocks(9).hashes)  # type: ignore[union-attr]
+    # Removing a retracted chunk publishes nothing more (the view stays right).
+    store.purge_tenant("acme", wait=True)
+    assert _held(consumer) == set(_blocks(9).hashes)
+    assert consumer.view("s").unmatched_removals == 0
+
+
+def test_an_expired_chunk_leaves_the_feed_without_a_read_or_a_sweep(
+    wired: tuple[Store, SidecarEvents, EventConsumer],
+) -> None:
+    store, events, consumer = wired
+    _put(store, events, 1, ttl_s=0.2)
+    _put(store, events, 2)
+    assert _held(consumer) == set(_blocks(1).hashes) | set(_blocks(2).hashes)
+    events.watch_expiry(store.expire_due, 0.05)
+
+    def gone() -> bool:
+        return _held(consumer) == set(_blocks(2).hashes)
+
+    wait_until(gone, "the expired chunk's BlockRemoved")
+    assert store.index.get("acme", _key(1)) is None
+
+
+def test_two_tenants_chunks_with_one_hash_are_counted_not_set(
+    wired: tuple[Store, SidecarEvents, EventConsumer],
+) -> None:
+    # events-v1 §8: a consumer counts each hash; purging one tenant's chunk
+    # leaves the other's, with the same engine hash, announced.
+    store, events, consumer = wired
+    _put(store, events, 1)
+    assert store.put("beta", NS, _key(1), [b"b" * 1000])
+    assert events.record("beta", _key(1), _blocks(1))
+    _held(consumer)
+    with consumer.lock:
+        assert set(consumer.view("s").snapshot()[("STORAGE", "LOCAL")].values()) == {2}
+    store.purge_tenant("beta", wait=True)
+    assert _held(consumer) == set(_blocks(1).hashes)
+    with consumer.lock:
+        assert set(consumer.view("s").snapshot()[("STORAGE", "LOCAL")].values()) == {1}

@@ -164,6 +164,7 @@ def test_a_gap_is_replayed_from_the_buffer(endpoints: tuple[str, str], ctx: zmq.
         consumer.pause("node")
         missed = [store.save() for _ in range(10)]
         store.evict(missed[3])
+        assert pub.flush()  # sent while the consumer is away
         consumer.resume("node")
         _wait_subscribed(consumer, store, pub)  # the first live batch shows the gap
         _settle(consumer, pub)
@@ -189,6 +190,7 @@ def test_a_gap_older_than_the_buffer_loads_a_snapshot(
         ids = [store.save() for _ in range(30)]
         for cid in ids[::3]:
             store.evict(cid)
+        assert pub.flush()
         consumer.resume("node")
         _wait_subscribed(consumer, store, pub)
         _settle(consumer, pub)
@@ -211,6 +213,7 @@ def test_a_lost_last_batch_is_found_by_the_idle_check(
         _wait_subscribed(consumer, store, pub)
         consumer.pause("node")
         store.evict(store.save())  # nothing after it will show a gap
+        assert pub.flush()  # sent while the consumer is away
         consumer.resume("node")
         for _ in range(200):
             consumer.poll(0.02)
@@ -339,6 +342,7 @@ def test_an_engine_that_restarted_unseen_is_cleared_even_when_its_seq_looks_next
         while pub.last_seq() < last:
             store.save()
         assert pub.last_seq() == last
+        assert pub.flush()
         consumer.resume("node")
         time.sleep(0.5)  # let the SUB socket join, so that seq last + 1 is the first it gets
         for _ in range(200):

@@ -220,6 +220,21 @@ REGISTRY: tuple[EnvVar, ...] = (
         "[events] locality of the store; REMOTE when [store] shared, else LOCAL.",
     ),
     _cfg("events", "curve_key_file", "path", "(none)", "[events] curve_key_file (TCP)."),
+    _cfg(
+        "events",
+        "readers",
+        "list",
+        "(none)",
+        "[events] readers of the full feed: user:NAME, group:NAME, uid:N, gid:N (comma-separated).",
+    ),
+    _cfg("events", "tenant_buffer", "int", "1000", "[events] tenant_buffer: per tenant channel."),
+    _cfg(
+        "events",
+        "expiry_interval",
+        "duration",
+        "1s",
+        "[events] expiry_interval: expired chunks are dropped (and unannounced) this often.",
+    ),
     _cfg("audit", "max_bytes", "size", "16MiB", "[audit] max_bytes: rotate the audit log past it."),
     _cfg("audit", "keep", "int", "8", "[audit] keep: rotated audit files kept."),
     # `kvoffload router` (kvoffload.router.config): its own file, its own [router] keys.

@@ -2,7 +2,9 @@
 
 It reads the same sockets a router does (docs/spec/events-v1.md), so it needs
 the same rights: the ipc:// socket files are mode 0660, group ``[server]
-socket_group``.
+socket_group``, and then the sidecar checks the user (§7.1): the full feed for
+a reader (root, the sidecar's uid, ``[events] readers``), ``--tenant T`` for a
+user the policy grants T.
 """
 
 from __future__ import annotations
@@ -156,6 +158,14 @@ def tail(
             "--timeout", metavar="SECONDS", help="Stop after this many seconds without an event."
         ),
     ] = None,
+    tenant: Annotated[
+        str | None,
+        typer.Option(
+            "--tenant",
+            metavar="TENANT",
+            help="Follow this tenant's channel instead of the full feed.",
+        ),
+    ] = None,
 ) -> None:
     """Print the sidecar's KV events as they are published (one line each).
 
@@ -167,9 +177,13 @@ def tail(
     """
     import zmq
 
-    from ..errors import EventDecodeError
-    from ..events.wire import decode_batch, encode_replay_request, is_end_marker, unpack_frames
+    from ..contract import TENANT_RE
+    from ..events.access import tenant_topic
     from ..sidecar.events import default_endpoints
+
+    if tenant is not None and not TENANT_RE.fullmatch(tenant):
+        raise _CliUsageError(f"--tenant: {tenant!r} is not a tenant id")
+    topic = tenant_topic(tenant) if tenant is not None else b""
 
     if from_seq is not None and from_seq < 0:
         raise _CliUsageError("--from takes a seq ≥ 0")
@@ -181,85 +195,148 @@ def tail(
     replay = cfg.events_replay_endpoint or replay_default
     _check_endpoint(endpoint, cfg.socket_path, cfg.dev)
     hints = _SilenceHints(cfg.socket_path)
-    print(f"following the KV events on {endpoint} (Ctrl-C stops)", file=sys.stderr)
-    shown = 0
-    last_event = time.monotonic()
+    show = _Shower(as_json, count)
 
-    def show(seq: int, payload: bytes) -> bool:
-        nonlocal shown, last_event
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    monitor = sub.get_monitor_socket(
+        zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    )
+    sub.connect(endpoint)
+    last_seq: int | None = None
+    try:
+        _check_admitted(monitor)
+        # Said once the feed admitted us: a refused user gets its one line only.
+        print(f"following the KV events on {endpoint} (Ctrl-C stops)", file=sys.stderr)
+        if from_seq is not None:
+            _check_endpoint(replay, cfg.socket_path, cfg.dev)
+            last_seq, done = _replay(ctx, replay, from_seq, topic, show)
+            if done:
+                return
+        _follow(sub, show, hints, timeout, last_seq)
+    finally:
+        sub.disable_monitor()
+        monitor.close(linger=0)
+        sub.close(linger=0)
+        ctx.term()
+
+
+class _Shower:
+    """Prints each event of a batch; True once ``count`` events were shown."""
+
+    def __init__(self, as_json: bool, count: int | None) -> None:
+        self.as_json = as_json
+        self.count = count
+        self.shown = 0
+        self.last_event = time.monotonic()
+
+    def __call__(self, seq: int, payload: bytes) -> bool:
+        from ..errors import EventDecodeError
+        from ..events.wire import decode_batch
+
         try:
             batch = decode_batch(payload)
         except EventDecodeError as exc:
             print(f"seq {seq}: malformed batch: {exc}", file=sys.stderr)
             return False
         for ev in batch.events:
-            rec = event_record(seq, batch.ts, ev)
-            if as_json:
-                sys.stdout.write(json.dumps(rec, sort_keys=True) + "\n")
-            else:
-                hashes = rec.get("block_hashes", [])
-                short = ",".join(str(h)[:12] for h in hashes[:4])
-                more = f"+{len(hashes) - 4}" if len(hashes) > 4 else ""
-                out.print(
-                    f"{seq} inc {rec['incarnation']} {rec['type']} "
-                    f"{rec.get('medium', '')} {rec.get('locality', '')} "
-                    f"[{len(hashes)}] {short}{more}",
-                    highlight=False,
-                )
-            shown += 1
-            last_event = time.monotonic()
-            if count is not None and shown >= count:
+            _print_record(event_record(seq, batch.ts, ev), self.as_json)
+            self.shown += 1
+            self.last_event = time.monotonic()
+            if self.count is not None and self.shown >= self.count:
                 return True
         sys.stdout.flush()
         return False
 
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint)
+
+def _follow(
+    sub: Any, show: _Shower, hints: _SilenceHints, timeout: float | None, last_seq: int | None
+) -> None:
+    """The live feed, after any replay, until ``show`` has enough or ``timeout``."""
+    from ..errors import EventDecodeError
+    from ..events.wire import unpack_frames
+
+    while True:
+        if timeout is not None and time.monotonic() - show.last_event > timeout:
+            hints.check(now=True)
+            return
+        if not sub.poll(200):
+            hints.check()
+            continue
+        try:
+            frame = unpack_frames(sub.recv_multipart())
+        except EventDecodeError as exc:
+            print(f"malformed message: {exc}", file=sys.stderr)
+            continue
+        if last_seq is not None and frame.seq <= last_seq:
+            continue  # already shown by the replay
+        if show(frame.seq, frame.payload):
+            return
+
+
+def _print_record(rec: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(rec, sort_keys=True) + "\n")
+        return
+    hashes = rec.get("block_hashes", [])
+    short = ",".join(str(h)[:12] for h in hashes[:4])
+    more = f"+{len(hashes) - 4}" if len(hashes) > 4 else ""
+    out.print(
+        f"{rec['seq']} inc {rec['incarnation']} {rec['type']} "
+        f"{rec.get('medium', '')} {rec.get('locality', '')} "
+        f"[{len(hashes)}] {short}{more}",
+        highlight=False,
+    )
+
+
+def _replay(
+    ctx: Any, replay: str, from_seq: int, topic: bytes, show: Any
+) -> tuple[int | None, bool]:
+    """Show the buffered batches from ``from_seq``: (the last seq shown, whether
+    ``show`` had enough)."""
+    import zmq
+
+    from ..errors import EventDecodeError
+    from ..events.access import request_frames
+    from ..events.wire import encode_replay_request, is_end_marker, unpack_frames
+
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVTIMEO, 5000)
+    dealer.connect(replay)
+    dealer.send_multipart(request_frames(encode_replay_request(from_seq), topic))
     last_seq: int | None = None
     try:
-        if from_seq is not None:
-            _check_endpoint(replay, cfg.socket_path, cfg.dev)
-            dealer = ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.RCVTIMEO, 5000)
-            dealer.connect(replay)
-            dealer.send_multipart([b"", encode_replay_request(from_seq)])
-            try:
-                while True:
-                    parts = dealer.recv_multipart()
-                    frame = unpack_frames(parts[1:] if parts and parts[0] == b"" else parts)
-                    if is_end_marker(frame):
-                        break
-                    last_seq = frame.seq
-                    if show(frame.seq, frame.payload):
-                        return
-            except zmq.Again as exc:
-                raise _SidecarUnreachable(f"the replay socket {replay} did not answer") from exc
-            except EventDecodeError as exc:
-                raise _SidecarUnreachable(
-                    f"the replay socket sent a malformed message: {exc}"
-                ) from exc
-            finally:
-                dealer.close(linger=0)
         while True:
-            if timeout is not None and time.monotonic() - last_event > timeout:
-                hints.check(now=True)
-                return
-            if not sub.poll(200):
-                hints.check()
-                continue
-            try:
-                frame = unpack_frames(sub.recv_multipart())
-            except EventDecodeError as exc:
-                print(f"malformed message: {exc}", file=sys.stderr)
-                continue
-            if last_seq is not None and frame.seq <= last_seq:
-                continue  # already shown by the replay
+            parts = dealer.recv_multipart()
+            frame = unpack_frames(parts[1:] if parts and parts[0] == b"" else parts)
+            if is_end_marker(frame):
+                return last_seq, False
+            last_seq = frame.seq
             if show(frame.seq, frame.payload):
-                return
+                return last_seq, True
+    except zmq.Again as exc:
+        raise _SidecarUnreachable(f"the replay socket {replay} did not answer") from exc
+    except EventDecodeError as exc:
+        raise _SidecarUnreachable(f"the replay socket sent a malformed message: {exc}") from exc
     finally:
-        sub.close(linger=0)
-        ctx.term()
+        dealer.close(linger=0)
+
+
+def _check_admitted(monitor: Any, wait_s: float = 5.0) -> None:
+    """The sidecar refuses, at the handshake, a user who may read nothing (§7.1):
+    say so in one line instead of waiting for events that never come."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    if not monitor.poll(int(wait_s * 1000)):
+        return  # no answer yet (an old sidecar, a slow one): follow anyway
+    event = recv_monitor_message(monitor)
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        raise _SidecarUnreachable(
+            "the sidecar refused this user: it may read no KV-event feed (events-v1 §7.1: "
+            "the full feed is for [events] readers, a tenant's channel for users its "
+            "policy grants that tenant; --tenant T)"
+        )

@@ -14,6 +14,7 @@ from .admin import (
     ADMIN_TIMEOUT_S,
     HELLO_TIMEOUT_S,
     SidecarTarget,
+    Target,
     admin_target,
     offline_audit,
     sidecar_listening,
@@ -249,14 +250,7 @@ def purge(
     URL resets. An engine not reset is one
     line each and exit 1; the store purge is done regardless.
     """
-    if tenant is None and namespace is None and older_than is None:
-        raise _CliUsageError(
-            "say what to purge: --tenant, --namespace (with --tenant) or --older-than"
-        )
-    if namespace is not None and tenant is None:
-        raise _CliUsageError("--namespace needs --tenant")
-    if namespace is not None and older_than is not None:
-        raise _CliUsageError("--namespace and --older-than do not combine")
+    _check_purge_options(tenant, namespace, older_than)
     check_tenant(tenant)
     given = parse_ns(namespace)
     age = _duration(older_than, "--older-than")
@@ -282,28 +276,8 @@ def purge(
             else f"chunks older than {older_than}" + (f" of tenant {tenant}" if tenant else "")
         )
         if not yes:
-            try:
-                ok = typer.confirm(f"Purge {what}?", default=False, err=True)
-            except typer.Abort:
-                err.print()  # end the prompt's line: the reason gets its own
-                raise _Aborted(
-                    f"nothing purged ({what}): no answer at the prompt; pass --yes "
-                    "to purge without one"
-                ) from None
-            if not ok:
-                raise _Aborted(f"nothing purged ({what})")
-        if age is not None:
-            n = target.purge_older(age, tenant)
-            kind = "age"
-        elif ns is not None:
-            assert tenant is not None
-            n = target.purge_namespace(tenant, ns)
-            kind = "namespace"
-        else:
-            assert tenant is not None
-            with err.status(f"erasing tenant {tenant}…"):
-                n = target.purge_tenant(tenant)
-            kind = "tenant"
+            _confirm_purge(what)
+        kind, n = _run_purge(target, tenant, ns, age)
         tiers = getattr(target, "tiers", None) if kind != "age" else None
     results = [reset_engine(u) for u in engines]
     namespace = ns.hex() if ns is not None else None
@@ -315,27 +289,72 @@ def purge(
     if as_json:
         emit(True, report)
     else:
-        for label, value in (
-            ("purged", kind),
-            ("tenant", tenant),
-            ("namespace", namespace),
-            ("older than", older_than),
-            ("chunks", n),
-        ):
-            if value is not None:  # only what this purge was about
-                out.print(f"{label}: {value}")
-        if tiers is not None:
-            out.print(f"tiers reached: {', '.join(tiers.get('reached', []))}")
-            out.print(f"tiers outside kvoffload: {', '.join(tiers.get('outside', []))}"
-                      + ("" if engines else " (reset them with --engine URL)"))  # fmt: skip
-        for r in results:
-            out.print(f"engine {r['engine']}: {'reset' if r['ok'] else 'NOT reset'}: {r['detail']}")
+        _print_purge(report, older_than)
     failed = [r for r in results if not r["ok"]]
     if failed:
         raise _EngineResetFailed(
             "; ".join(f"{r['engine']}: {r['detail']}" for r in failed)
             + " (the store purge itself was done)"
         )
+
+
+def _check_purge_options(tenant: str | None, namespace: str | None, older_than: str | None) -> None:
+    """Exit 2 unless the options name one thing to purge."""
+    if tenant is None and namespace is None and older_than is None:
+        raise _CliUsageError(
+            "say what to purge: --tenant, --namespace (with --tenant) or --older-than"
+        )
+    if namespace is not None and tenant is None:
+        raise _CliUsageError("--namespace needs --tenant")
+    if namespace is not None and older_than is not None:
+        raise _CliUsageError("--namespace and --older-than do not combine")
+
+
+def _confirm_purge(what: str) -> None:
+    """Ask before purging ``what``; exit 1 (nothing purged) on no, or on no answer."""
+    try:
+        ok = typer.confirm(f"Purge {what}?", default=False, err=True)
+    except typer.Abort:
+        err.print()  # end the prompt's line: the reason gets its own
+        raise _Aborted(
+            f"nothing purged ({what}): no answer at the prompt; pass --yes to purge without one"
+        ) from None
+    if not ok:
+        raise _Aborted(f"nothing purged ({what})")
+
+
+def _run_purge(
+    target: Target, tenant: str | None, ns: bytes | None, age: float | None
+) -> tuple[str, int]:
+    """Purge by age, by namespace or the whole tenant; returns (kind, chunks purged)."""
+    if age is not None:
+        return "age", target.purge_older(age, tenant)
+    assert tenant is not None
+    if ns is not None:
+        return "namespace", target.purge_namespace(tenant, ns)
+    with err.status(f"erasing tenant {tenant}…"):
+        return "tenant", target.purge_tenant(tenant)
+
+
+def _print_purge(report: dict[str, Any], older_than: str | None) -> None:
+    """The purge report for people: what was purged, the tiers, each engine reset."""
+    for label, value in (
+        ("purged", report["purged"]),
+        ("tenant", report["tenant"]),
+        ("namespace", report["namespace"]),
+        ("older than", older_than),
+        ("chunks", report["chunks"]),
+    ):
+        if value is not None:  # only what this purge was about
+            out.print(f"{label}: {value}")
+    engines = report.get("engines", [])
+    tiers = report.get("tiers")
+    if tiers is not None:
+        out.print(f"tiers reached: {', '.join(tiers.get('reached', []))}")
+        out.print(f"tiers outside kvoffload: {', '.join(tiers.get('outside', []))}"
+                  + ("" if engines else " (reset them with --engine URL)"))  # fmt: skip
+    for r in engines:
+        out.print(f"engine {r['engine']}: {'reset' if r['ok'] else 'NOT reset'}: {r['detail']}")
 
 
 def _purged_namespace(given: str, info: dict[str, Any], tenant: str, where: str) -> bytes:

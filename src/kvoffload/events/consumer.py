@@ -45,6 +45,7 @@ from prometheus_client.registry import Collector
 
 from kvoffload.errors import EventDecodeError
 
+from .access import request_frames
 from .sources import CurveClient, Health, Recovery, SourceSpec, SourceStatus, copy_status
 from .view import BlockView
 from .wire import (
@@ -464,7 +465,7 @@ class EventConsumer:
             _apply_curve(sock, src.spec.curve)
             sock.connect(src.spec.replay_endpoint)
             try:
-                sock.send_multipart([b"", frame])
+                sock.send_multipart(request_frames(frame, src.spec.topic))
             except zmq.Again as exc:
                 raise _RequestFailed("the replay socket does not accept requests") from exc
             while True:

@@ -41,7 +41,7 @@ class SourceSpec:
     """One publisher: its PUB endpoint, replay ROUTER and topic prefix.
 
     ``snapshots``: the source answers ``snapshot/1`` on its replay socket (a
-    kvoffload sidecar; a vLLM engine does not).
+    kvoffload sidecar; a vLLM engine does not). ``topic``: a tenant's channel too (§7.1).
     """
 
     name: str

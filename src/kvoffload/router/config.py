@@ -79,7 +79,7 @@ import hashlib
 import hmac
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -454,6 +454,81 @@ def _check(cfg: RouterConfig, source: str) -> RouterConfig:
     return cfg
 
 
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+
+
+def _array(source: str, section: str, raw: object) -> list[Any]:
+    if not isinstance(raw, list):
+        raise ConfigError(f"{source}: {section} must be an array of tables ([[{section}]])")
+    return raw
+
+
+def _router_section(cfg: RouterConfig, source: str, raw: object) -> RouterConfig:
+    for key, value in _table(source, "[router]", raw).items():
+        cfg = _apply(cfg, _ROUTER_KEYS, "router", key, value, source)
+    return cfg
+
+
+def _model_section(cfg: RouterConfig, source: str, raw: object) -> RouterConfig:
+    for key, value in _table(source, "[model]", raw).items():
+        cfg = _apply(cfg, _MODEL_KEYS, "model", key, value, source)
+    return cfg
+
+
+def _priors_section(cfg: RouterConfig, source: str, raw: object) -> RouterConfig:
+    pri = cfg.priors
+    for key, value in _table(source, "[priors]", raw).items():
+        spec = _PRIOR_KEYS.get(key)
+        if spec is None:
+            raise ConfigError(f"{source}: unknown setting [priors] {key}")
+        try:
+            pri = replace(pri, **{spec[0]: spec[1](value)})
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{source}: [priors] {key}: {exc}") from exc
+    return replace(cfg, priors=pri)
+
+
+def _workers_section(cfg: RouterConfig, source: str, raw: object) -> RouterConfig:
+    raw = _array(source, "workers", raw)
+    return replace(cfg, workers=tuple(_worker(source, i, t) for i, t in enumerate(raw)))
+
+
+def _stores_section(cfg: RouterConfig, source: str, raw: object) -> RouterConfig:
+    raw = _array(source, "stores", raw)
+    return replace(cfg, stores=tuple(_store(source, i, t) for i, t in enumerate(raw)))
+
+
+def _lora_section(cfg: RouterConfig, source: str, raw: object) -> RouterConfig:
+    loras = []
+    for i, t in enumerate(_array(source, "lora", raw)):
+        f = _fields(source, f"[[lora]] #{i + 1}", t, ("name", "path"), ())
+        loras.append(LoraSpec(str(f["name"]), str(f["path"])))
+    return replace(cfg, loras=tuple(loras))
+
+
+def _tenants_section(cfg: RouterConfig, source: str, raw: object) -> RouterConfig:
+    table = _table(source, "[tenants]", raw)
+    return replace(cfg, tenants=tuple(_tenant(source, n, t) for n, t in table.items()))
+
+
+#: What each section of the file sets, in the config read so far.
+_SECTIONS: dict[str, Callable[[RouterConfig, str, object], RouterConfig]] = {
+    "router": _router_section,
+    "model": _model_section,
+    "priors": _priors_section,
+    "workers": _workers_section,
+    "stores": _stores_section,
+    "lora": _lora_section,
+    "tenants": _tenants_section,
+}
+
+
 def load_router_config(
     path: Path | None = None, *, env: Mapping[str, str] | None = None
 ) -> RouterConfig:
@@ -464,54 +539,11 @@ def load_router_config(
     path = path or (Path(env[CONFIG_VAR]) if env.get(CONFIG_VAR) else None)
     source = str(path) if path else "(no config file)"
     if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise ConfigError(f"cannot read config {path}: {exc}") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: {exc}") from exc
-        for section, raw in data.items():
-            if section in ("router", "model", "priors"):
-                table = _table(source, f"[{section}]", raw)
-                if section == "priors":
-                    pri = cfg.priors
-                    for key, value in table.items():
-                        spec = _PRIOR_KEYS.get(key)
-                        if spec is None:
-                            raise ConfigError(f"{source}: unknown setting [priors] {key}")
-                        try:
-                            pri = replace(pri, **{spec[0]: spec[1](value)})
-                        except (ValueError, TypeError) as exc:
-                            raise ConfigError(f"{source}: [priors] {key}: {exc}") from exc
-                    cfg = replace(cfg, priors=pri)
-                    continue
-                keys = _ROUTER_KEYS if section == "router" else _MODEL_KEYS
-                for key, value in table.items():
-                    cfg = _apply(cfg, keys, section, key, value, source)
-            elif section in ("workers", "stores", "lora"):
-                if not isinstance(raw, list):
-                    raise ConfigError(
-                        f"{source}: {section} must be an array of tables ([[{section}]])"
-                    )
-                if section == "workers":
-                    cfg = replace(
-                        cfg, workers=tuple(_worker(source, i, t) for i, t in enumerate(raw))
-                    )
-                elif section == "stores":
-                    cfg = replace(
-                        cfg, stores=tuple(_store(source, i, t) for i, t in enumerate(raw))
-                    )
-                else:
-                    loras = []
-                    for i, t in enumerate(raw):
-                        f = _fields(source, f"[[lora]] #{i + 1}", t, ("name", "path"), ())
-                        loras.append(LoraSpec(str(f["name"]), str(f["path"])))
-                    cfg = replace(cfg, loras=tuple(loras))
-            elif section == "tenants":
-                table = _table(source, "[tenants]", raw)
-                cfg = replace(cfg, tenants=tuple(_tenant(source, n, t) for n, t in table.items()))
-            else:
+        for section, raw in _read_toml(path).items():
+            apply = _SECTIONS.get(section)
+            if apply is None:
                 raise ConfigError(f"{source}: unknown section [{section}]")
+            cfg = apply(cfg, source, raw)
     for var, key in ENV_KEYS.items():
         if var in env:
             cfg = _apply(cfg, _ROUTER_KEYS, "router", key, env[var], f"${var}")

@@ -27,6 +27,7 @@ from kvoffload.errors import ListenError
 
 from ..store import Store
 from .access.policy import Policy
+from .access.revocation import RevokedSet
 from .config import Config
 from .daemon import run
 from .events import SidecarEvents, start_events
@@ -87,11 +88,13 @@ def build(
         # The reloaded one after a SIGHUP: the service holds the policy in force.
         return policy if server is None else server.service.policy
 
-    metrics = _metrics(cfg, store, current_policy, metrics_port, say)
-    events = _events(cfg, store, current_policy, say) if cfg.events_enabled else None
     secret = load_or_create_secret(cfg.resolved_index_dir / "server-secret")
     server_cfg = cfg.server_config(fd=fd, secret=secret, store_id=store.layout.store_id)
-    server = Server(store, policy, server_cfg, metrics=metrics, events=events)
+    # The tenants a reload revoked: the service applies them, the feed hides them.
+    revoked = RevokedSet(server_cfg.revoked_file)
+    metrics = _metrics(cfg, store, current_policy, metrics_port, say)
+    events = _events(cfg, store, current_policy, revoked, say) if cfg.events_enabled else None
+    server = Server(store, policy, server_cfg, metrics=metrics, events=events, revoked=revoked)
     where = f"fd {fd}" if fd is not None else str(cfg.socket_path)
     return Daemon(store, metrics, events, server, where)
 
@@ -126,12 +129,19 @@ def _metrics(
 
 
 def _events(
-    cfg: Config, store: Store, policy: Callable[[], PolicyAPI], say: SayFn
+    cfg: Config,
+    store: Store,
+    policy: Callable[[], PolicyAPI],
+    revoked: RevokedSet,
+    say: SayFn,
 ) -> SidecarEvents:
     """The KV-event feed (docs/spec/events-v1.md), told of every chunk that leaves the store."""
     gid = socket_gid(cfg.socket_group)
-    events = start_events(cfg.events, store.index, policy, cfg.socket_path, gid)
+    settings = cfg.events
+    events = start_events(settings, store.index, policy, cfg.socket_path, gid, revoked)
     store.events_hook = events
+    # An expired chunk nobody reads leaves the feed within this, not at the sweep.
+    events.watch_expiry(store.expire_due, settings.expiry_interval_s)
     pub = events.publisher
     say(f"KV events on {pub.endpoint} (replay {pub.replay_endpoint})", logging.INFO)
     return events

@@ -51,6 +51,11 @@ File format (every key optional; unknown keys are errors)::
     buffer = 100000                        # batches kept for replay (in the index)
     locality = "LOCAL"                     # default: REMOTE when [store] shared, else LOCAL
     curve_key_file = ""                    # TCP only: Z85 public + secret key, one a line
+    readers = []                           # who reads the full feed besides root and the
+                                           # sidecar's uid: "user:router", "group:kv", "uid:N"
+    tenant_buffer = 1000                   # batches kept per tenant channel (in memory)
+    expiry_interval = "1s"                 # expired chunks leave the store (and the feed)
+                                           # within it; "0s": the maintenance sweep only
 
     [audit]                                # the audit log beside the index, audit-v1.md
     max_bytes = "16MiB"                    # rotate the active file past this size
@@ -139,6 +144,8 @@ class SecuritySection:
 
 
 DEFAULT_EVENTS_BUFFER = 100_000
+DEFAULT_TENANT_BUFFER = 1000
+DEFAULT_EXPIRY_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -153,6 +160,14 @@ class EventsSettings:
     buffer: int = DEFAULT_EVENTS_BUFFER
     locality: str = "LOCAL"
     curve_secret_key_file: Path | None = None
+    #: Who reads the full feed besides root and the sidecar's uid (§7.1):
+    #: ``"uid:N"`` / ``"gid:N"``, names resolved when the config is read.
+    readers: tuple[str, ...] = ()
+    #: Batches each tenant channel keeps for replay (in memory).
+    tenant_buffer: int = DEFAULT_TENANT_BUFFER
+    #: How often chunks past their stamped expiry are dropped (0: only by the
+    #: maintenance sweep), so that they leave the feed within it.
+    expiry_interval_s: float = DEFAULT_EXPIRY_INTERVAL_S
 
 
 def _bool(raw: object) -> bool:
@@ -262,6 +277,9 @@ class Config:
     events_buffer: int = DEFAULT_EVENTS_BUFFER
     events_locality: str = ""  # "": REMOTE when [store] shared, else LOCAL
     events_curve_key_file: Path | None = None
+    events_readers: tuple[str, ...] = ()
+    events_tenant_buffer: int = DEFAULT_TENANT_BUFFER
+    events_expiry_interval_s: float = DEFAULT_EXPIRY_INTERVAL_S
     # [audit]
     audit_max_bytes: int = 16 << 20
     audit_keep: int = 8
@@ -332,6 +350,9 @@ class Config:
             self.events_buffer,
             self.events_locality or ("REMOTE" if self.shared else "LOCAL"),
             self.events_curve_key_file,
+            self.events_readers,
+            self.events_tenant_buffer,
+            self.events_expiry_interval_s,
         )
 
     @property
@@ -426,6 +447,41 @@ def _audit_keep(raw: object) -> int:
     return n
 
 
+def _readers(raw: object) -> tuple[str, ...]:
+    """``[events] readers``: a list (or a comma-separated string) of ``user:NAME``,
+    ``group:NAME``, ``uid:N``, ``gid:N``; names are resolved now."""
+    import grp
+    import pwd
+
+    items = raw.split(",") if isinstance(raw, str) else raw
+    if not isinstance(items, list | tuple):
+        raise ValueError(f"a list of user:, group:, uid:, gid: entries, not {raw!r}")
+    out: list[str] = []
+    for item in items:
+        kind, sep, name = str(item).strip().partition(":")
+        if not str(item).strip():
+            continue
+        try:
+            if kind in ("uid", "gid") and sep and name.isdigit():
+                out.append(f"{kind}:{int(name)}")
+            elif kind == "user" and name:
+                out.append(f"uid:{pwd.getpwnam(name).pw_uid}")
+            elif kind == "group" and name:
+                out.append(f"gid:{grp.getgrnam(name).gr_gid}")
+            else:
+                raise ValueError(f"{item!r}: expected user:NAME, group:NAME, uid:N or gid:N")
+        except KeyError as exc:
+            raise ValueError(f"{item!r}: no such {kind}") from exc
+    return tuple(dict.fromkeys(out))
+
+
+def _expiry_interval(raw: object) -> float:
+    s = parse_duration(raw, allow_none=False)
+    if s is None or s < 0:
+        raise ValueError("a duration >= 0 (0: expiry by the maintenance sweep only)")
+    return s
+
+
 def parse_port(raw: object) -> int:
     """A TCP port: 1-65535, or 0 for off."""
     if isinstance(raw, bool):
@@ -469,6 +525,9 @@ _KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("events", "buffer"): ("events_buffer", _buffer),
     ("events", "locality"): ("events_locality", _locality),
     ("events", "curve_key_file"): ("events_curve_key_file", lambda raw: Path(raw) if raw else None),
+    ("events", "readers"): ("events_readers", _readers),
+    ("events", "tenant_buffer"): ("events_tenant_buffer", _buffer),
+    ("events", "expiry_interval"): ("events_expiry_interval_s", _expiry_interval),
     ("audit", "max_bytes"): ("audit_max_bytes", _audit_max_bytes),
     ("audit", "keep"): ("audit_keep", _audit_keep),
 }

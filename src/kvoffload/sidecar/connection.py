@@ -10,7 +10,8 @@
        │  inline; every other request goes to the thread pool, and its
        │  completion comes back through the connection's completion queue,
        │  so replies may leave in any order (§3.3); a lookup of a tenant with
-       │  a lookup_floor is held on a loop timer until its deadline (§5.28)
+       │  a lookup_floor is held until its deadline on a timerfd the loop
+       │  watches (releasetimer.py: exact, whatever the lookup cost; §5.28)
        ├─ replies are written straight to the socket when nothing waits
        │  before them, else queued in order behind what does (§3.3, §5.26)
        └─ on close: wait for its requests (pool threads may still touch the
@@ -70,6 +71,7 @@ from kvoffload.protocol import (
 
 from .access.padding import Pad
 from .peer import Peer
+from .releasetimer import Cancellable, ReleaseTimer
 from .service import Service
 from .session import Session
 
@@ -114,7 +116,7 @@ class _InFlight:
         self.arrived = arrived
         self.started = time.perf_counter()
         self.done = done
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: Cancellable | None = None
 
 
 class Connection:
@@ -139,6 +141,8 @@ class Connection:
         self.tasks: dict[int, asyncio.Future[None]] = {}
         #: Padded replies waiting for their deadline (§5.28), by request id.
         self.held: dict[int, tuple[_InFlight, Reply]] = {}
+        #: Releases held replies at their exact deadline; made at the first one.
+        self._timer: ReleaseTimer | None = None
         self.closing = False
         self._on_close = on_close
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -413,16 +417,7 @@ class Connection:
         try:
             rid, req = parse_request(frame.msg)
         except ProtocolError as exc:
-            close_fds(frame.fds)
-            if exc.fatal or exc.request_id is None:
-                raise
-            code, why = exc.code, exc.message
-            if self.session.version is None and exc.op != Op.HELLO.value:
-                # §3.3 rule 1: anything but hello first — an op this server does
-                # not know too — is BAD_REQUEST, and closes the connection.
-                code, why = ErrorCode.BAD_REQUEST, f"hello first ({exc.message})"
-                self.closing = True
-            self._reply(exc.request_id, ErrorReply(exc.op or "error", code, why))
+            self._refuse_unparsed(frame, exc)
             return None
         op = req.OP.value
         session = self.session
@@ -443,15 +438,7 @@ class Connection:
                 return None
             return self._hello(rid, req)
         if isinstance(req, Lookup) and len(self.tasks) < self.service.config.max_inflight:
-            started = time.perf_counter()
-            pad = session.lookup_pad(req.tenant)
-            # A padded lookup always takes the pool's path, hit or miss (§5.28).
-            reply = session.lookup_inline(req) if pad is None else None
-            if reply is None:
-                self._spawn(rid, req, pad, arrived)
-            else:
-                self._reply(rid, reply)
-                self._observe(op, started)
+            self._lookup(rid, req, arrived)
         elif isinstance(req, Hello):
             self._reply(rid, ErrorReply(op, ErrorCode.BAD_REQUEST, "second hello"))
         elif isinstance(req, RegisterStaging):
@@ -463,6 +450,31 @@ class Connection:
         elif not self._inline(rid, req):
             self._spawn(rid, req, None, arrived)
         return None
+
+    def _refuse_unparsed(self, frame: Frame, exc: ProtocolError) -> None:
+        """A frame that does not parse: its error reply, or (fatal, no id) re-raised."""
+        close_fds(frame.fds)
+        if exc.fatal or exc.request_id is None:
+            raise exc
+        code, why = exc.code, exc.message
+        if self.session.version is None and exc.op != Op.HELLO.value:
+            # §3.3 rule 1: anything but hello first — an op this server does
+            # not know too — is BAD_REQUEST, and closes the connection.
+            code, why = ErrorCode.BAD_REQUEST, f"hello first ({exc.message})"
+            self.closing = True
+        self._reply(exc.request_id, ErrorReply(exc.op or "error", code, why))
+
+    def _lookup(self, rid: int, req: Lookup, arrived: float) -> None:
+        """§5.3: from the index on the loop where it can; a padded lookup always
+        takes the pool's path, hit or miss (§5.28)."""
+        started = time.perf_counter()
+        pad = self.session.lookup_pad(req.tenant)
+        reply = self.session.lookup_inline(req) if pad is None else None
+        if reply is None:
+            self._spawn(rid, req, pad, arrived)
+        else:
+            self._reply(rid, reply)
+            self._observe(req.OP.value, started)
 
     def _inline(self, rid: int, req: Request) -> bool:
         """Answer ``req`` here on the loop if it needs no wait (Session.execute_inline):
@@ -573,7 +585,9 @@ class Connection:
             self._answer(work, None if self.closing else reply)
             return
         self.held[work.rid] = (work, reply)
-        work.timer = self._loop.call_at(deadline, self._release, work.rid)
+        if self._timer is None:
+            self._timer = ReleaseTimer(self._loop)
+        work.timer = self._timer.call_at(deadline, self._release, work.rid)
 
     def _release(self, rid: int) -> None:
         work, reply = self.held.pop(rid)
@@ -617,6 +631,8 @@ class Connection:
             if work.timer is not None:
                 work.timer.cancel()
             self._release(work.rid)
+        if self._timer is not None:
+            self._timer.close()
         # Pool threads cannot be cancelled and may be writing into the
         # staging mapping: it must outlive them.
         await self._drain_tasks()

@@ -195,6 +195,90 @@ def publish_status(server: Server) -> bool:
     return notify.status(status_line(server))
 
 
+class _Daemon:
+    """One run of :func:`run`: the state its signal handlers and background tasks share."""
+
+    def __init__(
+        self,
+        server: Server,
+        load_policy: PolicyLoader | None,
+        policy_path: str | os.PathLike[str] | None,
+    ) -> None:
+        self.server = server
+        self.load_policy = load_policy
+        self.policy_path = policy_path
+        self.stop = asyncio.Event()
+        #: A second SIGINT: stop without draining.
+        self.forced = False
+        self.watcher: PolicyWatcher | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def main(self, on_listening: Callable[[], None] | None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await self.server.start()
+        if on_listening is not None:
+            on_listening()
+        if self.policy_path and self.load_policy:
+            self.watcher = PolicyWatcher(self.policy_path)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.loop.add_signal_handler(sig, self.on_signal, sig)
+        for sig in RELOAD_SIGNALS:
+            self.loop.add_signal_handler(sig, self.on_reload)
+        notify.ready()
+        interval = notify.watchdog_interval_s()
+        dog = asyncio.create_task(self.watchdog(interval)) if interval else None
+        reporter = asyncio.create_task(self.status())
+        watch = asyncio.create_task(self.watch_policy()) if self.watcher is not None else None
+        await self.stop.wait()
+        if watch is not None:
+            watch.cancel()
+        if self.server.metrics is not None:
+            self.server.metrics.ready = False  # /readyz: take this node out of rotation
+        notify.stopping()
+        notify.status("stopping: draining connections")
+        reporter.cancel()
+        if dog is not None:
+            dog.cancel()
+        if not self.forced:
+            await self.server.shutdown()
+
+    def on_signal(self, signum: int) -> None:
+        if self.stop.is_set() and signum == signal.SIGINT:
+            self.forced = True
+            log.warning("second interrupt: stopping without draining")
+            for task in asyncio.all_tasks(self.loop):
+                task.cancel()
+            return
+        self.stop.set()
+
+    def on_reload(self) -> None:
+        # The file is small; a pool thread would gain nothing but a race.
+        if self.watcher is not None:
+            self.watcher.reloaded()
+        reload_policy(self.server, self.load_policy)
+
+    async def watch_policy(self) -> None:
+        assert self.watcher is not None
+        while True:
+            await asyncio.sleep(POLICY_POLL_S)
+            try:
+                if self.watcher.changed():
+                    reload_policy(self.server, self.load_policy, why="policy file changed")
+            except Exception:  # the watcher must never stop the daemon
+                log.exception("watching the policy file failed")
+
+    @staticmethod
+    async def watchdog(interval: float) -> None:
+        while True:
+            notify.watchdog()
+            await asyncio.sleep(interval / 2)
+
+    async def status(self) -> None:
+        while True:
+            publish_status(self.server)
+            await asyncio.sleep(STATUS_INTERVAL_S)
+
+
 def run(
     server: Server,
     *,
@@ -208,79 +292,9 @@ def run(
     ``READY=1``); ``load_policy`` is what SIGHUP reloads (see :func:`reload_policy`).
     Errors of ``server.start()`` (the socket cannot be bound) propagate.
     """
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        await server.start()
-        if on_listening is not None:
-            on_listening()
-        stop = asyncio.Event()
-        forced = False
-
-        def on_signal(signum: int) -> None:
-            nonlocal forced
-            if stop.is_set() and signum == signal.SIGINT:
-                forced = True
-                log.warning("second interrupt: stopping without draining")
-                for task in asyncio.all_tasks(loop):
-                    task.cancel()
-                return
-            stop.set()
-
-        watcher = PolicyWatcher(policy_path) if policy_path and load_policy else None
-
-        def on_reload() -> None:
-            # The file is small; a pool thread would gain nothing but a race.
-            if watcher is not None:
-                watcher.reloaded()
-            reload_policy(server, load_policy)
-
-        async def watch_policy() -> None:
-            assert watcher is not None
-            while True:
-                await asyncio.sleep(POLICY_POLL_S)
-                try:
-                    if watcher.changed():
-                        reload_policy(server, load_policy, why="policy file changed")
-                except Exception:  # the watcher must never stop the daemon
-                    log.exception("watching the policy file failed")
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal, sig)
-        for sig in RELOAD_SIGNALS:
-            loop.add_signal_handler(sig, on_reload)
-        notify.ready()
-        interval = notify.watchdog_interval_s()
-
-        async def watchdog() -> None:
-            assert interval is not None
-            while True:
-                notify.watchdog()
-                await asyncio.sleep(interval / 2)
-
-        async def status() -> None:
-            while True:
-                publish_status(server)
-                await asyncio.sleep(STATUS_INTERVAL_S)
-
-        dog = asyncio.create_task(watchdog()) if interval else None
-        reporter = asyncio.create_task(status())
-        watch = asyncio.create_task(watch_policy()) if watcher is not None else None
-        await stop.wait()
-        if watch is not None:
-            watch.cancel()
-        if server.metrics is not None:
-            server.metrics.ready = False  # /readyz: take this node out of rotation
-        notify.stopping()
-        notify.status("stopping: draining connections")
-        reporter.cancel()
-        if dog is not None:
-            dog.cancel()
-        if not forced:
-            await server.shutdown()
-
+    daemon = _Daemon(server, load_policy, policy_path)
     with contextlib.suppress(asyncio.CancelledError):
-        asyncio.run(main())
+        asyncio.run(daemon.main(on_listening))
 
 
 __all__ = [

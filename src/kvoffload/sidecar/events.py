@@ -8,9 +8,19 @@ store's ``_drop``, which calls :meth:`SidecarEvents.removed`), and answers
 snapshots from the index. The replay buffer and the incarnation counter live
 in the index too, so both survive restarts.
 
+The index's ``blocks`` table is exactly what the feed announced and did not
+withdraw: a row is written with its ``BlockStored``; a chunk that leaves with
+a row is published as removed whatever its tenant's setting is now; a reload
+(or a start) that finds a tenant with ``events = false`` and rows withdraws
+them with ``BlockRemoved`` and drops the rows (:meth:`SidecarEvents.retract`).
+
 Every change that is published happens under :attr:`SidecarEvents.lock`
 (the publisher's), and a snapshot is read under it: a snapshot at seq S holds
 exactly the effects of the batches up to S.
+
+Who reads what (§7.1): :class:`SidecarFeedAccess` gives the full feed to
+readers (root, the sidecar's own uid, ``[events] readers``) and each
+tenant's channel to the peers the policy grants that tenant.
 """
 
 from __future__ import annotations
@@ -19,14 +29,16 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Container, Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import msgpack
+import msgspec
 
 from kvoffload.errors import ConfigError, ErrorCode, ProtocolError
+from kvoffload.events.access import FeedPeer, Visibility
 from kvoffload.events.publisher import CurveServer, KVEventPublisher
 from kvoffload.events.wire import (
     LOCALITY_LOCAL,
@@ -46,8 +58,10 @@ from .ports import PolicyAPI
 
 __all__ = [
     "EventsSettings",
+    "ExpiryWatch",
     "IndexReplayBuffer",
     "SidecarEvents",
+    "SidecarFeedAccess",
     "decode_blocks",
     "encode_blocks",
     "next_incarnation",
@@ -57,6 +71,8 @@ __all__ = [
 log = logging.getLogger("kvoffload.events")
 
 _INCARNATION_META = "events_incarnation"
+#: Events per batch of a retraction.
+RETRACT_BATCH = 256
 
 
 def encode_blocks(blocks: EngineBlocks) -> bytes:
@@ -71,12 +87,6 @@ def decode_blocks(blob: bytes) -> EngineBlocks:
     except (ValueError, msgpack.UnpackException) as exc:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"index.blocks: {exc}") from exc
     return decode(EngineBlocks, raw, "index.blocks")
-
-
-def _extra(blocks: EngineBlocks) -> tuple[tuple[Any, ...] | None, ...] | None:
-    if blocks.extra_keys is None:
-        return None
-    return tuple(tuple(x) if x is not None else None for x in blocks.extra_keys)
 
 
 class IndexReplayBuffer:
@@ -113,6 +123,46 @@ def next_incarnation(index: EventLog) -> int:
     return n
 
 
+class SidecarFeedAccess:
+    """Who may read the sidecar's feed (events-v1 §7.1), asked at every subscription
+    and request, so a reload applies to the next one.
+
+    The full feed: uid 0, the sidecar's own uid, and the uids and groups of
+    ``readers`` (``"uid:N"``, ``"gid:N"``); a peer on a TCP endpoint has no
+    credentials and reads it as anyone who reaches the port (CURVE, §7). A
+    tenant's channel: the peers the policy grants that tenant (a revoked
+    tenant: nobody), as on the sidecar's own socket.
+    """
+
+    def __init__(
+        self,
+        policy: Callable[[], PolicyAPI],
+        revoked: Container[str] = frozenset(),
+        readers: Iterable[str] = (),
+    ) -> None:
+        self._policy = policy
+        self._revoked = revoked
+        uids: set[int] = {0, os.geteuid()}
+        gids: set[int] = set()
+        for r in readers:
+            kind, _, n = r.partition(":")
+            (uids if kind == "uid" else gids).add(int(n))
+        self._uids, self._gids = frozenset(uids), frozenset(gids)
+
+    def visibility(self, peer: FeedPeer) -> Visibility:
+        if peer.uid is None:
+            return Visibility(full=True)
+        full = peer.uid in self._uids or not self._gids.isdisjoint(peer.gids)
+        tenants_for = getattr(self._policy(), "tenants_for", None)
+        if tenants_for is None:
+            return Visibility(full=full)
+        granted = tenants_for(peer.uid, peer.gids)
+        if not isinstance(granted, frozenset | set):  # ["*"]: every tenant
+            return Visibility(full=full, every_tenant=True)
+        visible = frozenset(t for t in granted if t not in self._revoked)
+        return Visibility(full=full, tenants=visible)
+
+
 class SidecarEvents:
     """Publishes what enters and leaves the store, for the tenants that allow it."""
 
@@ -130,6 +180,7 @@ class SidecarEvents:
         # What was stored and why it was or was not announced (stats, `events tail`).
         self._counts_mu = threading.Lock()
         self._counts = {"announced": 0, "without_hashes": 0, "tenant_events_off": 0}
+        self._expiry: ExpiryWatch | None = None
 
     @property
     def lock(self) -> AbstractContextManager[Any]:
@@ -146,6 +197,9 @@ class SidecarEvents:
             return False
 
     def _stored(self, blocks: EngineBlocks) -> BlockStored:
+        # No extra_keys: they hold what vLLM hashed besides the tokens, the
+        # tenant's cache_salt among them, and without token ids (the sidecar
+        # never has them) no reader can use them (§3.1).
         return BlockStored(
             block_hashes=blocks.hashes,
             parent_block_hash=blocks.parent,
@@ -154,7 +208,6 @@ class SidecarEvents:
             lora_id=None,
             medium=MEDIUM_STORAGE,
             lora_name=blocks.lora_name,
-            extra_keys=_extra(blocks),
             group_idx=blocks.group_idx,
             kv_cache_spec_kind=blocks.kind,
             locality=self._locality,
@@ -169,15 +222,17 @@ class SidecarEvents:
         """A chunk is stored with ``blocks``: keep them and publish ``BlockStored``.
 
         False when the tenant is not published, the chunk is gone already or
-        it has its hashes from an earlier save.
+        it has its hashes from an earlier save. The extra keys are not kept.
         """
         if not self.enabled_for(tenant):
             return False
-        blob = encode_blocks(blocks)
+        blob = encode_blocks(msgspec.structs.replace(blocks, extra_keys=None))
         with self._pub.lock:
-            if not self._index.set_blocks(tenant, chunk_key, blob):
+            # Again under the lock: a reload that turned the tenant off retracts
+            # under it, and nothing announced after that may survive it.
+            if not self.enabled_for(tenant) or not self._index.set_blocks(tenant, chunk_key, blob):
                 return False
-            self._pub.publish([self._stored(blocks)])
+            self._pub.publish([self._stored(blocks)], tenant=tenant)
         self._count("announced", 1)
         return True
 
@@ -210,36 +265,109 @@ class SidecarEvents:
         }
 
     def removed(self, tenant: str, blob: bytes, reason: str) -> None:
-        """The store dropped a chunk with hashes (called under :attr:`lock`)."""
-        if not self.enabled_for(tenant):
-            return
+        """The store dropped a chunk with hashes (called under :attr:`lock`).
+
+        Published whatever the tenant's setting is now: its hashes were
+        announced (a retraction would have dropped them).
+        """
         try:
             blocks = decode_blocks(blob)
         except ProtocolError:
             log.warning("events: undecodable block hashes in the index (%s); not published", reason)
             return
         try:
-            self._pub.publish([self._removed(blocks)])
+            self._pub.publish([self._removed(blocks)], tenant=tenant)
         except Exception:  # the feed must never fail an eviction or a purge
             log.exception("events: publishing a removal (%s) failed", reason)
 
-    def snapshot(self) -> list[Event]:
-        """Every published chunk as a ``BlockStored`` (called under :attr:`lock`)."""
+    def _events_of(self, tenant: str | None) -> list[Event]:
         out: list[Event] = []
-        enabled: dict[str, bool] = {}
-        for tenant, _key, blob in self._index.all_blocks():
-            if tenant not in enabled:
-                enabled[tenant] = self.enabled_for(tenant)
-            if not enabled[tenant]:
-                continue
+        for _tenant, _key, blob in self._index.all_blocks(tenant):
             try:
                 out.append(self._stored(decode_blocks(blob)))
             except ProtocolError:
                 continue
         return out
 
+    def snapshot(self) -> list[Event]:
+        """Every announced chunk as a ``BlockStored`` (called under :attr:`lock`)."""
+        return self._events_of(None)
+
+    def tenant_snapshot(self, tenant: str) -> list[Event]:
+        """``tenant``'s announced chunks, for its channel (called under :attr:`lock`)."""
+        return self._events_of(tenant)
+
+    def retract(self) -> int:
+        """Withdraw what the feed announced of tenants whose ``events`` is now off:
+        ``BlockRemoved`` for each such chunk, and its hashes forgotten. Returns
+        the chunks withdrawn."""
+        n = 0
+        for tenant in sorted(self._index.tenants()):
+            if not self.enabled_for(tenant):
+                n += self._retract_tenant(tenant)
+        return n
+
+    def _retract_tenant(self, tenant: str) -> int:
+        with self._pub.lock:
+            if self.enabled_for(tenant):
+                return 0
+            rows = list(self._index.all_blocks(tenant))
+            for i in range(0, len(rows), RETRACT_BATCH):
+                part = rows[i : i + RETRACT_BATCH]
+                events: list[Event] = []
+                for _t, _key, blob in part:
+                    try:
+                        events.append(self._removed(decode_blocks(blob)))
+                    except ProtocolError:
+                        continue
+                self._index.drop_blocks(tenant, [key for _t, key, _b in part])
+                if events:
+                    self._pub.publish(events, tenant=tenant)
+        if rows:
+            log.info("events: withdrew %d announced chunks of %s (events off)", len(rows), tenant)
+        return len(rows)
+
+    def policy_changed(self) -> None:
+        """A new policy is in force: retract what it turned off, and check every
+        subscriber anew (a grant it lost must not keep its channel)."""
+        try:
+            self.retract()
+        except Exception:  # the feed must never fail a reload
+            log.exception("events: retracting after a policy change failed")
+        self._pub.refresh_access()
+
+    def watch_expiry(self, expire: Callable[[], int], interval_s: float) -> None:
+        """Run ``expire`` (the store's stamped expiries) every ``interval_s``, so an
+        expired chunk leaves the feed within it even if nobody reads it."""
+        if interval_s > 0 and self._expiry is None:
+            self._expiry = ExpiryWatch(expire, interval_s)
+
     def close(self) -> None:
+        if self._expiry is not None:
+            self._expiry.stop()
         self._pub.close()
+
+
+class ExpiryWatch:
+    """A thread that calls ``expire`` every ``interval_s`` until stopped."""
+
+    def __init__(self, expire: Callable[[], int], interval_s: float) -> None:
+        self._expire = expire
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvoffload-expiry", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._expire()
+            except Exception:
+                log.exception("events: the expiry pass failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
 
 
 def default_endpoints(socket_path: Path) -> tuple[str, str]:
@@ -267,8 +395,11 @@ def start_events(
     policy: Callable[[], PolicyAPI],
     socket_path: Path,
     socket_group: int | None = None,
+    revoked: Container[str] = frozenset(),
 ) -> SidecarEvents:
-    """Open the feed: a new incarnation, the PUB and ROUTER sockets, the durable buffer."""
+    """Open the feed: a new incarnation, the sockets, the durable buffer; its first
+    batch (the incarnation's announcement, §4) goes out before any request is
+    answered, then what the policy no longer publishes is withdrawn."""
     pub_ep, replay_ep = default_endpoints(socket_path)
     endpoint = settings.endpoint or pub_ep
     replay = settings.replay_endpoint or replay_ep
@@ -281,10 +412,6 @@ def start_events(
     topic = settings.topic or f"kv@{socket.gethostname()}@kvoffload"
     incarnation = next_incarnation(index)
     holder: list[SidecarEvents] = []
-
-    def snapshot() -> list[Event]:
-        return holder[0].snapshot() if holder else []
-
     try:
         publisher = KVEventPublisher(
             endpoint,
@@ -293,14 +420,27 @@ def start_events(
             topic=topic,
             incarnation=incarnation,
             buffer=IndexReplayBuffer(index, settings.buffer),
-            snapshot=snapshot,
+            snapshot=lambda: holder[0].snapshot(),
             ipc_group=socket_group,
             curve=curve,
+            access=SidecarFeedAccess(policy, revoked, settings.readers),
+            tenant_snapshot=lambda tenant: holder[0].tenant_snapshot(tenant),
+            tenant_buffer=settings.tenant_buffer,
+            start=False,
         )
+    except ValueError as exc:  # a topic that overlaps the tenant channels'
+        raise ConfigError(f"[events] topic: {exc}") from exc
     except Exception as exc:  # zmq.ZMQError, OSError: a bad or busy endpoint
         raise ConfigError(f"[events] cannot bind {endpoint} / {replay}: {exc}") from exc
     events = SidecarEvents(index, publisher, policy, settings.locality)
     holder.append(events)
+    try:
+        publisher.announce(tenants=sorted(index.tenants()))
+        events.retract()  # what a policy changed while the sidecar was down turned off
+    except BaseException:
+        publisher.close()
+        raise
+    publisher.start()
     log.info(
         "events: publishing %s on %s (replay %s), incarnation %d, pid %d",
         topic,

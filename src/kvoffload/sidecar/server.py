@@ -29,6 +29,7 @@ from pathlib import Path
 from kvoffload.errors import ConfigError, ListenError
 from kvoffload.protocol import ErrorCode, encode_frame, error_message
 
+from .access.revocation import RevokedSet
 from .config import ServerConfig
 from .connection import Connection
 from .metrics import Metrics
@@ -97,9 +98,10 @@ class Server:
         config: ServerConfig | None = None,
         metrics: Metrics | None = None,
         events: EventsAPI | None = None,
+        revoked: RevokedSet | None = None,
     ) -> None:
         self.config = config or ServerConfig()
-        self.service = Service(store, policy, self.config, metrics, events)
+        self.service = Service(store, policy, self.config, metrics, events, revoked)
         self.pool = ThreadPoolExecutor(self.config.worker_threads, "kvoffload-io")
         self.connections: set[Connection] = set()
         self._listener: socket.socket | None = None

@@ -81,6 +81,8 @@ class EventsAPI(Protocol):
 
     def saved(self, tenant: str, written: int, with_hashes: int) -> None: ...
 
+    def policy_changed(self) -> None: ...
+
     def stats(self) -> dict[str, Any]: ...
 
 
@@ -120,20 +122,21 @@ class Service:
         config: ServerConfig,
         metrics: Metrics | None = None,
         events: EventsAPI | None = None,
+        revoked: RevokedSet | None = None,
     ) -> None:
         self.store = store
         self.config = config
         #: Tenants revoked by a reload (revocation.py); persisted beside the index.
-        self.revoked = RevokedSet(config.revoked_file)
+        self.revoked = revoked if revoked is not None else RevokedSet(config.revoked_file)
         #: Bumped by every policy swap; sessions re-check their decisions on a change.
         self.generation = 0
         self.policy_state = PolicyState(source=policy.source)
         self._policy = policy
         # Tenants the file lost while the daemon was down are revoked now.
-        revoked, restored = self.revoked.apply(policy)
-        if revoked or restored:
-            log.warning("policy at start: revoked %s, restored %s", revoked, restored)
-            store.record_audit("revoke", {"trigger": "start", "revoked": revoked,
+        lost, restored = self.revoked.apply(policy)
+        if lost or restored:
+            log.warning("policy at start: revoked %s, restored %s", lost, restored)
+            store.record_audit("revoke", {"trigger": "start", "revoked": lost,
                                           "restored": restored, "result": "ok"})  # fmt: skip
         self.metrics = metrics
         self.store_id = config.store_id or str(store.stats().get("store_id", "unknown"))
@@ -203,6 +206,10 @@ class Service:
             )  # fmt: skip
         for t in sorted(lost_tenants):
             self.store.cancel_loads(t)
+        if self.events is not None:
+            # What the policy no longer publishes is withdrawn from the feed, and
+            # every subscriber is checked again (events-v1 §7, §7.1).
+            self.events.policy_changed()
         return {
             "generation": self.generation,
             "revoked": revoked,

@@ -18,7 +18,7 @@ purge (:class:`PurgeReport`, with the names of the tiers it reached).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,7 +72,13 @@ class EventLog(Protocol):
 
     def set_blocks(self, tenant: str, chunk_key: bytes, blob: bytes) -> bool: ...
 
-    def all_blocks(self) -> Iterator[tuple[str, bytes, bytes]]: ...
+    def all_blocks(self, tenant: str | None = None) -> Iterator[tuple[str, bytes, bytes]]: ...
+
+    def drop_blocks(self, tenant: str, chunk_keys: Iterable[bytes]) -> None: ...
+
+    def tenants(self) -> Mapping[str, Any]:
+        """The tenants with at least one chunk (their usage)."""
+        ...
 
     def get_meta(self, name: str) -> bytes | None: ...
 

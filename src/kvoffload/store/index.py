@@ -558,9 +558,20 @@ class Index:
         key = index_key(tenant, chunk_key)
         return self._read(lambda txn: txn.get(key, db=self._blocks))
 
-    def all_blocks(self) -> Iterator[tuple[str, bytes, bytes]]:
-        """``(tenant, chunk_key, blob)`` of every chunk stored with block hashes."""
-        return self._scan(self._blocks, b"", lambda _t, k, v: (*split_key(k), bytes(v)))
+    def all_blocks(self, tenant: str | None = None) -> Iterator[tuple[str, bytes, bytes]]:
+        """``(tenant, chunk_key, blob)`` of every chunk (of ``tenant``) stored with block hashes."""
+        prefix = b"" if tenant is None else tenant_bytes(tenant) + b"\x00"
+        return self._scan(self._blocks, prefix, lambda _t, k, v: (*split_key(k), bytes(v)))
+
+    def drop_blocks(self, tenant: str, chunk_keys: Iterable[bytes]) -> None:
+        """Forget the block hashes of chunks (their announcement was retracted)."""
+        keys = [index_key(tenant, k) for k in chunk_keys]
+
+        def write(txn: _Txn) -> None:
+            for key in keys:
+                txn.delete(key, db=self._blocks)
+
+        self._write(write)
 
     def append_event(self, seq: int, payload: bytes, keep: int) -> None:
         """Add a published batch to the replay buffer; keep the newest ``keep``."""

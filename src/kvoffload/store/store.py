@@ -389,6 +389,10 @@ class Store:
         return self._purges.tenant(tenant, wait=wait).removed
 
     @boundary
+    def expire_due(self, now_ns: int | None = None) -> int:
+        return self._maintenance.expire_due(now_ns)
+
+    @boundary
     def purge_namespace(self, tenant: str, namespace: bytes) -> int:
         return self._purges.namespace(tenant, namespace).removed
 

@@ -13,7 +13,8 @@ seqs and replay buffer. This module builds the connector's share:
 - ``BlockStored`` (``medium="STORAGE"``) once every worker reported the
   sidecar's ``stored`` for the chunk (the worker metadata), never before;
 - ``BlockRemoved`` for announced hashes whose chunk left the store, read
-  from the sidecar's own feed (``kvoffload.events.consumer``, on a thread of
+  from the tenant's channel of the sidecar's feed (events-v1 §7.1: what the
+  worker's grant lets it read; ``kvoffload.events.consumer``, on a thread of
   its own) and handed to vLLM at the next step.
 """
 
@@ -76,6 +77,7 @@ class ConnectorEvents:
     def _open_feed(self) -> Any:
         """The sidecar's feed, beside its socket (events-v1 §7); None if absent."""
         try:
+            from kvoffload.events.access import tenant_topic
             from kvoffload.events.consumer import EventConsumer
             from kvoffload.events.sources import SourceSpec
         except ImportError:  # pyzmq missing: stores are announced, removals are not
@@ -84,10 +86,13 @@ class ConnectorEvents:
         if not (base / "kvevents.pub").exists():
             log.info("kvoffload: the sidecar publishes no KV events; removals are not announced")
             return None
+        # The tenant's own channel (events-v1 §7.1): what this worker's grant
+        # lets it read, and all it needs (the removals of its tenant's chunks).
         spec = SourceSpec(
             "sidecar",
             f"ipc://{base / 'kvevents.pub'}",
             f"ipc://{base / 'kvevents.replay'}",
+            topic=tenant_topic(self._settings.tenant).decode(),
             snapshots=True,
         )
         # Its own thread: a slow snapshot or a sidecar gone away never holds

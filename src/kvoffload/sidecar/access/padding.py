@@ -4,9 +4,10 @@ Within a tenant a hit is faster than a miss by nature (the index walks every
 present key; a miss stops at the first absent one). For a tenant whose policy
 sets ``lookup_floor``, every ``lookup`` reply leaves no earlier than the
 request's arrival (when its frame was read) + floor + U(0, jitter), with the
-jitter drawn from the OS's CSPRNG. The connection holds the reply on an
-event-loop timer (``loop.call_at``), never a thread or a sleep, so neither
-the loop, other connections nor this connection's other requests wait for it.
+jitter drawn from the OS's CSPRNG. The connection holds the reply on a
+timerfd its event loop watches (releasetimer.py: released at the deadline,
+whatever the lookup cost), never a thread or a sleep, so neither the loop,
+other connections nor this connection's other requests wait for it.
 
 A reply whose computation alone took longer than the floor is an *overrun*:
 it leaves as soon as its deadline allows, and the counter of overruns (in

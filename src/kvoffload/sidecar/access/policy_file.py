@@ -227,6 +227,20 @@ def _fmt_path(path: _Path) -> str:
     return out
 
 
+def _high_defaults(
+    table: Mapping[str, Any], max_age_s: float | None, idle_ttl_s: float | None, floor: float
+) -> tuple[float | None, float | None, float]:
+    """What ``sensitivity = "high"`` sets where the tenant's table leaves it out:
+    ``max_age``, ``idle_ttl`` and the lookup floor (module docstring)."""
+    if "max_age" not in table:
+        max_age_s = HIGH_SENSITIVITY_MAX_AGE_S
+    if "idle_ttl" not in table:
+        idle_ttl_s = HIGH_SENSITIVITY_IDLE_TTL_S
+    if "lookup_floor" not in table:
+        floor = max(floor, HIGH_SENSITIVITY_LOOKUP_FLOOR_S)
+    return max_age_s, idle_ttl_s, floor
+
+
 class _Parser:
     def __init__(self, text: str, source: str) -> None:
         self.text = text
@@ -310,105 +324,117 @@ class _Parser:
         base: TenantPolicy,
         allowed: Sequence[str],
     ) -> TenantPolicy:
+        # The rules are checked in this order: the first one a file breaks is the one
+        # its error names.
         if path == ("defaults",):
-            for key in _PER_TENANT_ONLY:
-                if key in table:
-                    raise self.fail(
-                        (*path, key),
-                        f"{key} is set per tenant, in [tenants.<id>], not in [defaults]",
-                    )
+            self._refuse_per_tenant_keys(table, path)
         self._check_keys(table, path, allowed)
-        encryption, ttl_s, quota = base.encryption, base.ttl_s, base.quota_bytes
-        trust_group = base.trust_group
-        if "encryption" in table:
-            value = table["encryption"]
-            if not isinstance(value, str) or value not in ENCRYPTIONS:
-                raise self.fail(
-                    (*path, "encryption"),
-                    f"encryption must be one of {', '.join(map(repr, ENCRYPTIONS))}, "
-                    f"not {_describe(value)}",
-                )
-            encryption = ENCRYPTIONS[value]
-        if "ttl" in table:
-            ttl_s = self._duration(table["ttl"], (*path, "ttl"))
-        max_age_s, idle_ttl_s = base.max_age_s, base.idle_ttl_s
-        if "max_age" in table:
-            max_age_s = self._duration(table["max_age"], (*path, "max_age"), "max_age")
-        if "idle_ttl" in table:
-            idle_ttl_s = self._duration(table["idle_ttl"], (*path, "idle_ttl"), "idle_ttl")
+        encryption = self._encryption(table, path, base.encryption)
+        ttl_s = self._duration(table["ttl"], (*path, "ttl")) if "ttl" in table else base.ttl_s
+        max_age_s = self._optional_duration(table, path, "max_age", base.max_age_s)
+        idle_ttl_s = self._optional_duration(table, path, "idle_ttl", base.idle_ttl_s)
         sensitivity = table.get("sensitivity", "normal")
         if sensitivity not in SENSITIVITIES:
             raise self.fail(
                 (*path, "sensitivity"),
                 f'sensitivity must be "normal" or "high", not {_describe(sensitivity)}',
             )
-        if "quota" in table:
-            quota = self._size(table["quota"], (*path, "quota"))
-        if "trust_group" in table:
-            value = table["trust_group"]
-            if not is_valid_tenant_id(value):
+        quota = (
+            self._size(table["quota"], (*path, "quota")) if "quota" in table else base.quota_bytes
+        )
+        trust_group = self._trust_group(table, path, base.trust_group)
+        direct, direct_gid = self._direct(table, path, encryption)
+        events = self._flag(table, path, "events", base.events)
+        if sensitivity == "high":
+            self._check_high(table, path, encryption, direct)
+            events = False
+        share = self._share_prefixes(table, path, trust_group)
+        floor = self._padding(table, path, "lookup_floor", base.lookup_floor_s)
+        jitter = self._padding(table, path, "lookup_jitter", base.lookup_jitter_s)
+        if sensitivity == "high":
+            max_age_s, idle_ttl_s, floor = _high_defaults(table, max_age_s, idle_ttl_s, floor)
+        return TenantPolicy(
+            encryption, ttl_s, quota, trust_group, direct, direct_gid, events,
+            max_age_s, idle_ttl_s, sensitivity, floor, jitter, share,
+        )  # fmt: skip
+
+    def _refuse_per_tenant_keys(self, table: Mapping[str, Any], path: _Path) -> None:
+        for key in _PER_TENANT_ONLY:
+            if key in table:
                 raise self.fail(
-                    (*path, "trust_group"),
-                    f"trust_group must be a name of 1-64 characters of [A-Za-z0-9._-], "
-                    f"not {_describe(value)}",
+                    (*path, key),
+                    f"{key} is set per tenant, in [tenants.<id>], not in [defaults]",
                 )
-            trust_group = value
-        direct = table.get("direct", False)
-        if not isinstance(direct, bool):
+
+    def _encryption(self, table: Mapping[str, Any], path: _Path, base: bool) -> bool:
+        if "encryption" not in table:
+            return base
+        value = table["encryption"]
+        if not isinstance(value, str) or value not in ENCRYPTIONS:
             raise self.fail(
-                (*path, "direct"), f"direct must be true or false, not {_describe(direct)}"
+                (*path, "encryption"),
+                f"encryption must be one of {', '.join(map(repr, ENCRYPTIONS))}, "
+                f"not {_describe(value)}",
             )
+        return ENCRYPTIONS[value]
+
+    def _optional_duration(
+        self, table: Mapping[str, Any], path: _Path, key: str, base: float | None
+    ) -> float | None:
+        """``max_age``/``idle_ttl``: a duration or "none"; ``base`` where the key is absent."""
+        if key not in table:
+            return base
+        return self._duration(table[key], (*path, key), key)
+
+    def _trust_group(self, table: Mapping[str, Any], path: _Path, base: str | None) -> str | None:
+        if "trust_group" not in table:
+            return base
+        value = table["trust_group"]
+        if not is_valid_tenant_id(value):
+            raise self.fail(
+                (*path, "trust_group"),
+                f"trust_group must be a name of 1-64 characters of [A-Za-z0-9._-], "
+                f"not {_describe(value)}",
+            )
+        return str(value)
+
+    def _flag(self, table: Mapping[str, Any], path: _Path, key: str, default: bool) -> bool:
+        """A true/false setting; ``default`` where it is absent."""
+        value = table.get(key, default)
+        if not isinstance(value, bool):
+            raise self.fail((*path, key), f"{key} must be true or false, not {_describe(value)}")
+        return value
+
+    def _direct(
+        self, table: Mapping[str, Any], path: _Path, encryption: bool
+    ) -> tuple[bool, int | None]:
+        """``direct`` and the gid of ``direct_group`` (None: not set)."""
+        direct = self._flag(table, path, "direct", False)
         if direct and encryption:
             raise self.fail(
                 (*path, "direct"),
                 'direct = true needs encryption = "none": a worker writing its own files has '
                 "no data key, and a sealed tenant's bytes never leave the sidecar in plaintext",
             )
-        direct_gid: int | None = None
-        if "direct_group" in table:
-            if not direct:
-                raise self.fail(
-                    (*path, "direct_group"), "direct_group is only meaningful with direct = true"
-                )
-            direct_gid = self._group_id(table["direct_group"], (*path, "direct_group"))
-        events = table.get("events", base.events)
-        if not isinstance(events, bool):
+        if "direct_group" not in table:
+            return direct, None
+        if not direct:
             raise self.fail(
-                (*path, "events"), f"events must be true or false, not {_describe(events)}"
+                (*path, "direct_group"), "direct_group is only meaningful with direct = true"
             )
-        if sensitivity == "high":
-            self._check_high(table, path, encryption, direct)
-            if "max_age" not in table:
-                max_age_s = HIGH_SENSITIVITY_MAX_AGE_S
-            if "idle_ttl" not in table:
-                idle_ttl_s = HIGH_SENSITIVITY_IDLE_TTL_S
-            events = table.get("events", False)
-            if events is not False:
-                raise self.fail(
-                    (*path, "events"),
-                    'a tenant with sensitivity = "high" never has its chunks announced on '
-                    "the KV-event feed: leave events out or set it to false",
-                )
-        share = table.get("share_prefixes", False)
-        if not isinstance(share, bool):
-            raise self.fail(
-                (*path, "share_prefixes"),
-                f"share_prefixes must be true or false, not {_describe(share)}",
-            )
+        return direct, self._group_id(table["direct_group"], (*path, "direct_group"))
+
+    def _share_prefixes(
+        self, table: Mapping[str, Any], path: _Path, trust_group: str | None
+    ) -> bool:
+        share = self._flag(table, path, "share_prefixes", False)
         if share and trust_group is None:
             raise self.fail(
                 (*path, "share_prefixes"),
                 "share_prefixes = true needs a trust_group: it makes this tenant the "
                 "shared prefix namespace of that group",
             )
-        floor = self._padding(table, path, "lookup_floor", base.lookup_floor_s)
-        jitter = self._padding(table, path, "lookup_jitter", base.lookup_jitter_s)
-        if sensitivity == "high" and "lookup_floor" not in table:
-            floor = max(floor, HIGH_SENSITIVITY_LOOKUP_FLOOR_S)
-        return TenantPolicy(
-            encryption, ttl_s, quota, trust_group, direct, direct_gid, events,
-            max_age_s, idle_ttl_s, sensitivity, floor, jitter, share,
-        )  # fmt: skip
+        return share
 
     def _check_high(
         self, table: Mapping[str, Any], path: _Path, encryption: bool, direct: bool
@@ -440,6 +466,12 @@ class _Parser:
                     f'a tenant with sensitivity = "high" has a {key}: "none" is refused '
                     "(set a duration, or leave it out for the default)",
                 )
+        if table.get("events", False) is not False:
+            raise self.fail(
+                (*path, "events"),
+                'a tenant with sensitivity = "high" never has its chunks announced on '
+                "the KV-event feed: leave events out or set it to false",
+            )
 
     def _padding(self, table: Mapping[str, Any], path: _Path, key: str, base: float) -> float:
         """``lookup_floor``/``lookup_jitter``: a duration of 0 to 1 s ("none" is 0)."""
