@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -59,12 +60,16 @@ def test_pytest_is_strict_and_coverage_covers_the_package() -> None:
 
 def _make_n(tmp: Path, *args: str) -> str:
     """What ``make -n ARGS`` would run in a checkout laid out in ``tmp`` (nothing runs)."""
+    # Under `make test` (CI) the outer make's MAKEFLAGS would make this one print
+    # "Entering directory" lines: it runs as a make of its own.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     r = subprocess.run(
-        ["make", "-n", "PY=python3", *args],
+        ["make", "-n", "--no-print-directory", "PY=python3", *args],
         cwd=tmp,
         capture_output=True,
         text=True,
         timeout=60,
+        env=env,
     )
     assert r.returncode == 0, r.stderr
     return r.stdout
