@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kvoffload.errors import Reject
-from kvoffload.protocol import EngineBlocks, ErrorCode, LeaseSlot, StoreSlot
+from kvoffload.protocol import MAX_FRAME, EngineBlocks, ErrorCode, LeaseSlot, StoreSlot
 from kvoffload.staging import RegionAllocator, StagingBuffer
 
 from .ports import StoreAPI
@@ -34,6 +34,10 @@ log = logging.getLogger("kvoffload.server")
 
 #: Handles released by revocation whose complete/abort is still awaited, per connection.
 MAX_REVOKED_HANDLES = 4096
+#: A reply frame's room for the lease entries of ``lease_store``/``lease_load``
+#: (§5.14, §5.15), and what one entry costs besides its path.
+REPLY_ROOM = MAX_FRAME - 4096
+LEASE_ENTRY_BYTES = 96
 
 
 @dataclass
@@ -242,6 +246,8 @@ class Handles:
 
 
 __all__ = [
+    "LEASE_ENTRY_BYTES",
+    "REPLY_ROOM",
     "Access",
     "Handle",
     "Handles",

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, TypeVar
 
 from kvoffload.errors import Reject
 from kvoffload.protocol import (
-    MAX_FRAME,
     Ack,
     CompleteLoad,
     ErrorCode,
@@ -35,7 +34,7 @@ from kvoffload.protocol import (
     align_up,
 )
 
-from .handles import Access, Handles, LoadHandle
+from .handles import LEASE_ENTRY_BYTES, REPLY_ROOM, Access, Handles, LoadHandle
 from .ports import Guard
 from .service import DECOY_TENANT, Service
 
@@ -45,9 +44,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvoffload.server")
 
 _R = TypeVar("_R", LoadSlot, ReadSlot)
-#: A reply frame's room for lease entries, and what one costs besides its path.
-_REPLY_ROOM = MAX_FRAME - 4096
-_LEASE_ENTRY_BYTES = 96
 _EXTENT_BYTES = 40
 
 #: Sends one interim frame of the request being served (§5.26); False when the
@@ -359,8 +355,8 @@ class Reads:
                     return found, ErrorCode.NOT_FOUND
                 path = str(lease.path)
                 layers = lease.header.layers
-                need = _LEASE_ENTRY_BYTES + len(path.encode()) + _EXTENT_BYTES * len(layers)
-                if used + need > _REPLY_ROOM:
+                need = LEASE_ENTRY_BYTES + len(path.encode()) + _EXTENT_BYTES * len(layers)
+                if used + need > REPLY_ROOM:
                     store.unpin(h.tenant, [key])
                     return found, ErrorCode.BUSY
                 used += need

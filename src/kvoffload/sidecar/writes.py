@@ -24,7 +24,6 @@ from kvoffload.errors import (
     TransferCancelled,
 )
 from kvoffload.protocol import (
-    MAX_FRAME,
     ChunkSpec,
     CompleteStore,
     CompleteStoreReply,
@@ -44,16 +43,21 @@ from kvoffload.protocol import (
     region_size,
 )
 
-from .handles import Access, Handles, LeasedWrite, StagedWrite, WriteHandle
+from .handles import (
+    LEASE_ENTRY_BYTES,
+    REPLY_ROOM,
+    Access,
+    Handles,
+    LeasedWrite,
+    StagedWrite,
+    WriteHandle,
+)
 from .ports import TenantSettings
 from .service import Service
 
 log = logging.getLogger("kvoffload.server")
 
 _W = TypeVar("_W", StoreSlot, LeaseSlot)
-#: A reply frame's room for lease entries, and what one costs besides its path.
-_REPLY_ROOM = MAX_FRAME - 4096
-_LEASE_ENTRY_BYTES = 96
 
 #: ``claim(handle, index, chunk, settings)``: the medium for one chunk to be written.
 ClaimFn = Callable[[WriteHandle, int, ChunkSpec, TenantSettings], _W]
@@ -100,8 +104,8 @@ class Writes:
 
         def claim(h: WriteHandle, i: int, c: ChunkSpec, settings: TenantSettings) -> LeaseSlot:
             nonlocal used
-            need = _LEASE_ENTRY_BYTES + 9 * len(c.layers) + 256
-            if used + need > _REPLY_ROOM:  # the reply must fit one frame
+            need = LEASE_ENTRY_BYTES + 9 * len(c.layers) + 256
+            if used + need > REPLY_ROOM:  # the reply must fit one frame
                 return LeaseSlot(StoreStatus.REJECTED, code=ErrorCode.BUSY)
             try:
                 lease = store.lease_store(
