@@ -63,6 +63,42 @@ def store(tmp_path: Path, kek_file: Path) -> Iterator[object]:
     s.close()
 
 
+# -- short directories for Unix sockets ---------------------------------------------
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A fresh directory under /tmp for a server's socket: AF_UNIX paths are limited
+    to 107 bytes and pytest's tmp_path can be longer."""
+    d = Path(tempfile.mkdtemp(prefix="kvo-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """Like ``sock_dir``, for a working directory whose socket path must fit sun_path
+    whatever the test's name (a CLI's cwd, a sidecar's state)."""
+    with tempfile.TemporaryDirectory(prefix="kvo-d-", dir="/tmp") as d:
+        yield Path(d)
+
+
+@pytest.fixture
+def direct_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory whose file system takes O_DIRECT (see ``helpers.direct_reads``)."""
+    from .helpers.direct_reads import direct_dirs
+
+    yield from direct_dirs(tmp_path)
+
+
+@pytest.fixture
+def wired(tmp_path: Path, kek_file: Path) -> Iterator[object]:
+    """A real store with the sidecar's events wired in and a consumer of its stream."""
+    from .helpers.events import wired_store
+
+    yield from wired_store(tmp_path, kek_file)
+
+
 # -- real daemon and client processes (tests/sidecar_proc.py) -----------------------
 
 

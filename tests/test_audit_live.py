@@ -12,13 +12,10 @@ import json
 import os
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from kvoffload.client import SidecarClient
 from kvoffload.store import Store, StoreConfig
@@ -28,12 +25,6 @@ from kvoffload.testing import SidecarProcess, cli_argv
 NS = bytes(range(32))
 KEYS = [bytes([i]) * 32 for i in range(3)]
 DEADLINE_S = 60.0
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="kvo-a-") as d:
-        yield Path(d)
 
 
 def cli(cwd: Path, sock: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -591,13 +591,12 @@ def test_in_process_benchmarks_measure_a_mapped_ram_tier_and_cold_rows_empty_it(
     the tier measured memory, not the device)."""
     from kvoffload.store import Store, StoreConfig
     from kvoffload.store.keys.keyring import Kek
-
-    from .test_iobackend import _direct_dir
+    from tests.helpers.direct_reads import direct_dirs
 
     kek = tmp_path / "kek"
     kek.write_bytes(os.urandom(32))
     kek.chmod(0o600)
-    for d in _direct_dir(tmp_path):
+    for d in direct_dirs(tmp_path):
         cfg = StoreConfig(root=d / "store", durability="none", ram_cache=128 << 20)
         store = Store(cfg, Kek.from_file(kek), create=True)
         try:

@@ -25,8 +25,7 @@ from kvoffload.sidecar import reads
 from kvoffload.staging import StagingBuffer
 from kvoffload.store import Store
 from kvoffload.store.reads import Reads
-from tests.test_server import Raw, ServerThread, sock_path, start
-from tests.test_server import sock_dir as sock_dir  # the fixture, shared
+from tests.helpers.server import Raw, ServerThread, sock_path, start
 
 TENANT = "acme"
 NS = b"\x44" * 32

@@ -6,17 +6,13 @@ Real sidecar processes (``python -m kvoffload.cli --dev serve``), real sockets.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,34 +24,11 @@ from kvoffload.contract import CompatContract, LayerLayout
 from kvoffload.store import Store, StoreConfig
 from kvoffload.store.keys.keyring import Kek
 from kvoffload.testing import SidecarProcess, cli_argv
+from tests.helpers.cli import cli, sidecar
 
 NS = bytes(range(32))
 KEYS = [bytes([i]) * 32 for i in range(3)]
 DEADLINE_S = 60.0
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    """A directory whose socket path fits sun_path whatever the test's name."""
-    with tempfile.TemporaryDirectory(prefix="kvo-l-") as d:
-        yield Path(d)
-
-
-def cli(
-    cwd: Path, sock: Path, *args: str, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    full = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
-    full["KVOFFLOAD_SERVER_SOCKET"] = str(sock)
-    full.update(env or {})
-    return subprocess.run(
-        cli_argv(*args),
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        env=full,
-        timeout=120,
-    )
 
 
 def seed(directory: Path) -> None:
@@ -67,22 +40,6 @@ def seed(directory: Path) -> None:
         s.put("acme", NS, k, [os.urandom(5000)])
     s.put("beta", NS, bytes([9]) * 32, [os.urandom(5000)], encrypt=False)
     s.close()
-
-
-@contextlib.contextmanager
-def sidecar(
-    directory: Path, sock: Path, *args: str, env: dict[str, str] | None = None
-) -> Iterator[SidecarProcess]:
-    extra = {"KVOFFLOAD_SERVER_SOCKET": str(sock), **(env or {})}
-    proc = SidecarProcess(
-        directory, sock, cli_argv("--dev", *args, "serve"), env=extra, tie_to_parent=True
-    )
-    proc.start()
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
 
 
 def wait_for_log(proc: SidecarProcess, text: str, count: int = 1) -> None:

@@ -14,7 +14,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,13 +37,6 @@ def run(
         env=base,
         timeout=timeout,
     )
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    """A directory whose socket path fits sun_path whatever the test's name."""
-    with tempfile.TemporaryDirectory(prefix="kvo-o-") as d:
-        yield Path(d)
 
 
 @contextlib.contextmanager

@@ -12,8 +12,7 @@ from kvoffload.client import SidecarClient
 from kvoffload.client.leased import LeasedPath
 from kvoffload.client.staged import StagedPath
 from kvoffload.staging import StagingBuffer
-
-from .test_client_memory import NS, FakeClock, FakeSidecar, key, layers_of, make_client
+from tests.helpers.client_memory import NS, FakeClock, FakeSidecar, key, layers_of, make_client
 
 
 @pytest.fixture

@@ -28,8 +28,7 @@ from kvoffload.protocol import CLIENT_MAGIC, SERVER_MAGIC, ErrorCode
 from kvoffload.sidecar import connection
 from kvoffload.sidecar.connection import Connection
 from kvoffload.staging import PAGE, StagingBuffer
-
-from .test_server import NS, FakeStore, Raw, ServerThread, key, sock_path, start, wait_until
+from tests.helpers.server import NS, FakeStore, Raw, ServerThread, key, sock_path, start, wait_until
 
 #: Larger than a Unix socket's send buffer (about 208 KiB by default), below MAX_FRAME.
 BLOB = 900_000

@@ -22,9 +22,7 @@ import pytest
 
 from kvoffload.layouts import v1
 from kvoffload.protocol import ErrorCode
-
-from .sidecar_proc import NS, Procs, chunk_key, chunk_layers, object_relpath, wait_until
-from .test_sidecar_process import (
+from tests.helpers.process import (
     NO_GRANT_UID,
     SOCKET_GROUP,
     UNUSED_UID,
@@ -37,6 +35,8 @@ from .test_sidecar_process import (
     values,
     write_config,
 )
+
+from .sidecar_proc import NS, Procs, chunk_key, chunk_layers, object_relpath, wait_until
 
 pytestmark = pytest.mark.skipif(not hasattr(__import__("os"), "O_NOFOLLOW"), reason="Linux only")
 

@@ -4,86 +4,26 @@ LMDB, real files, real ZMQ sockets."""
 
 from __future__ import annotations
 
-import hashlib
 import os
-import tempfile
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 zmq = pytest.importorskip("zmq")
 
-from kvoffload import protocol as p  # noqa: E402
 from kvoffload.events.consumer import EventConsumer  # noqa: E402
-from kvoffload.events.sources import Health, SourceSpec  # noqa: E402
 from kvoffload.layouts import v1  # noqa: E402
-from kvoffload.sidecar.access.policy import TenantPolicy  # noqa: E402
-from kvoffload.sidecar.config import EventsSettings  # noqa: E402
-from kvoffload.sidecar.events import SidecarEvents, start_events  # noqa: E402
-from kvoffload.store import Store, StoreConfig  # noqa: E402
-from kvoffload.store.keys.keyring import Kek  # noqa: E402
+from kvoffload.sidecar.events import SidecarEvents  # noqa: E402
+from kvoffload.store import Store  # noqa: E402
+from tests.helpers.events import NS, EventsPolicy, announced, blocks, chunk_key  # noqa: E402
 
 from .sidecar_proc import wait_until  # noqa: E402
 
-NS = b"\x01" * 32
-
-
-def _key(i: int) -> bytes:
-    return hashlib.blake2b(f"ev/{i}".encode(), digest_size=32).digest()
-
-
-def _blocks(i: int) -> p.EngineBlocks:
-    return p.EngineBlocks(tuple(i.to_bytes(4, "big") + bytes([j]) * 28 for j in range(2)), 16)
-
-
-class _Policy:
-    def __init__(self, off: set[str] = frozenset()) -> None:  # type: ignore[assignment]
-        self.off = off
-
-    def tenant(self, tenant: str) -> TenantPolicy:
-        return TenantPolicy(events=tenant not in self.off)
-
-
-@pytest.fixture
-def wired(tmp_path: Path, kek_file: Path) -> Iterator[tuple[Store, SidecarEvents, EventConsumer]]:
-    store = Store(
-        StoreConfig(root=tmp_path / "store", durability="none", capacity_bytes=1 << 20),
-        Kek.from_file(kek_file),
-        create=True,
-    )
-    sock_dir = Path(tempfile.mkdtemp(prefix="kvev-st-", dir="/tmp"))
-    events = start_events(EventsSettings(enabled=True), store.index, _Policy, sock_dir / "k.sock")
-    store.events_hook = events
-    base = sock_dir
-    spec = SourceSpec(
-        "s", f"ipc://{base / 'kvevents.pub'}", f"ipc://{base / 'kvevents.replay'}", snapshots=True
-    )
-    consumer = EventConsumer([spec], request_timeout_s=5, idle_check_s=0)
-    try:
-        yield store, events, consumer
-    finally:
-        consumer.close()
-        store.events_hook = None
-        events.close()
-        store.close()
-
 
 def _put(store: Store, events: SidecarEvents, i: int, **kw: Any) -> None:
-    assert store.put("acme", NS, _key(i), [os.urandom(40_000)], **kw)
-    assert events.record("acme", _key(i), _blocks(i))
-
-
-def _held(consumer: EventConsumer) -> set[Any]:
-    for _ in range(200):
-        consumer.poll(0.02)
-        consumer.sync("s")
-        if consumer.status("s").health is Health.LIVE:
-            break
-    with consumer.lock:
-        return set(consumer.view("s").hashes("STORAGE", "LOCAL"))
+    assert store.put("acme", NS, chunk_key(i), [os.urandom(40_000)], **kw)
+    assert events.record("acme", chunk_key(i), blocks(i))
 
 
 def test_expiry_corruption_eviction_and_purge_are_published(
@@ -93,46 +33,46 @@ def test_expiry_corruption_eviction_and_purge_are_published(
     _put(store, events, 1, ttl_s=0.05)
     _put(store, events, 2)
     _put(store, events, 3)
-    assert _held(consumer) == set(_blocks(1).hashes) | set(_blocks(2).hashes) | set(
-        _blocks(3).hashes
+    assert announced(consumer) == set(blocks(1).hashes) | set(blocks(2).hashes) | set(
+        blocks(3).hashes
     )
-    assert not events.record("acme", _key(3), _blocks(3))  # kept once, announced once
+    assert not events.record("acme", chunk_key(3), blocks(3))  # kept once, announced once
     time.sleep(0.1)
     assert store.expire() == 1
-    assert _held(consumer) == set(_blocks(2).hashes) | set(_blocks(3).hashes)
+    assert announced(consumer) == set(blocks(2).hashes) | set(blocks(3).hashes)
     # A failed verification drops the chunk: published as removed.
-    path = store.root / v1.object_relpath("acme", _key(2))
+    path = store.root / v1.object_relpath("acme", chunk_key(2))
     raw = bytearray(path.read_bytes())
     raw[-10] ^= 0xFF
     path.chmod(0o600)
     path.write_bytes(bytes(raw))
-    assert store.get("acme", _key(2)) is None
-    assert _held(consumer) == set(_blocks(3).hashes)
+    assert store.get("acme", chunk_key(2)) is None
+    assert announced(consumer) == set(blocks(3).hashes)
     # Capacity: 1 MiB holds ~25 of these; older ones are evicted and published.
     for i in range(10, 60):
         _put_maybe(store, events, i)
-    held = _held(consumer)
-    present = {i for i in range(3, 60) if store.index.get("acme", _key(i)) is not None}
-    assert held == {h for i in present for h in _blocks(i).hashes}
+    held = announced(consumer)
+    present = {i for i in range(3, 60) if store.index.get("acme", chunk_key(i)) is not None}
+    assert held == {h for i in present for h in blocks(i).hashes}
     assert 0 < len(present) < 50
     store.purge_tenant("acme", wait=True)
-    assert _held(consumer) == set()
+    assert announced(consumer) == set()
 
 
 def _put_maybe(store: Store, events: SidecarEvents, i: int) -> None:
-    if store.put("acme", NS, _key(i), [os.urandom(40_000)]):
-        events.record("acme", _key(i), _blocks(i))
+    if store.put("acme", NS, chunk_key(i), [os.urandom(40_000)]):
+        events.record("acme", chunk_key(i), blocks(i))
 
 
 def test_a_tenant_with_events_off_is_not_kept_or_published(
     wired: tuple[Store, SidecarEvents, EventConsumer],
 ) -> None:
     store, events, consumer = wired
-    events._policy = lambda: _Policy({"quiet"})  # type: ignore[assignment,return-value]
-    assert store.put("quiet", NS, _key(1), [b"x" * 1000])
-    assert not events.record("quiet", _key(1), _blocks(1))
-    assert store.index.get_blocks("quiet", _key(1)) is None
-    assert _held(consumer) == set()
+    events._policy = lambda: EventsPolicy({"quiet"})  # type: ignore[assignment,return-value]
+    assert store.put("quiet", NS, chunk_key(1), [b"x" * 1000])
+    assert not events.record("quiet", chunk_key(1), blocks(1))
+    assert store.index.get_blocks("quiet", chunk_key(1)) is None
+    assert announced(consumer) == set()
 
 
 def test_a_removal_is_published_whatever_the_tenant_setting_is_now(
@@ -141,14 +81,14 @@ def test_a_removal_is_published_whatever_the_tenant_setting_is_now(
     store, events, consumer = wired
     _put(store, events, 1)
     _put(store, events, 2)
-    assert _held(consumer) == set(_blocks(1).hashes) | set(_blocks(2).hashes)
+    assert announced(consumer) == set(blocks(1).hashes) | set(blocks(2).hashes)
     # The policy turned acme's events off, and its chunks leave before the
     # reload's retraction ran: they were announced, so their removal is too.
-    events._policy = lambda: _Policy({"acme"})  # type: ignore[assignment,return-value]
-    assert store.delete("acme", _key(1))
-    assert _held(consumer) == set(_blocks(2).hashes)
+    events._policy = lambda: EventsPolicy({"acme"})  # type: ignore[assignment,return-value]
+    assert store.delete("acme", chunk_key(1))
+    assert announced(consumer) == set(blocks(2).hashes)
     store.purge_tenant("acme", wait=True)
-    assert _held(consumer) == set()
+    assert announced(consumer) == set()
 
 
 def test_turning_events_off_retracts_and_forgets_what_was_announced(
@@ -157,19 +97,19 @@ def test_turning_events_off_retracts_and_forgets_what_was_announced(
     store, events, consumer = wired
     for i in range(3):
         _put(store, events, i)
-    assert store.put("beta", NS, _key(9), [b"b" * 1000])
-    assert events.record("beta", _key(9), _blocks(9))
-    assert _held(consumer) == {h for i in (0, 1, 2, 9) for h in _blocks(i).hashes}
-    events._policy = lambda: _Policy({"acme"})  # type: ignore[assignment,return-value]
+    assert store.put("beta", NS, chunk_key(9), [b"b" * 1000])
+    assert events.record("beta", chunk_key(9), blocks(9))
+    assert announced(consumer) == {h for i in (0, 1, 2, 9) for h in blocks(i).hashes}
+    events._policy = lambda: EventsPolicy({"acme"})  # type: ignore[assignment,return-value]
     events.policy_changed()
-    assert _held(consumer) == set(_blocks(9).hashes)
+    assert announced(consumer) == set(blocks(9).hashes)
     assert list(store.index.all_blocks("acme")) == []  # nothing left to announce or remove
-    assert not events.record("acme", _key(5), _blocks(5))
+    assert not events.record("acme", chunk_key(5), blocks(5))
     with events.lock:
-        assert {h for e in events.snapshot() for h in e.block_hashes} == set(_blocks(9).hashes)  # type: ignore[union-attr]
+        assert {h for e in events.snapshot() for h in e.block_hashes} == set(blocks(9).hashes)  # type: ignore[union-attr]
     # Removing a retracted chunk publishes nothing more (the view stays right).
     store.purge_tenant("acme", wait=True)
-    assert _held(consumer) == set(_blocks(9).hashes)
+    assert announced(consumer) == set(blocks(9).hashes)
     assert consumer.view("s").unmatched_removals == 0
 
 
@@ -179,14 +119,14 @@ def test_an_expired_chunk_leaves_the_feed_without_a_read_or_a_sweep(
     store, events, consumer = wired
     _put(store, events, 1, ttl_s=0.2)
     _put(store, events, 2)
-    assert _held(consumer) == set(_blocks(1).hashes) | set(_blocks(2).hashes)
+    assert announced(consumer) == set(blocks(1).hashes) | set(blocks(2).hashes)
     events.watch_expiry(store.expire_due, 0.05)
 
     def gone() -> bool:
-        return _held(consumer) == set(_blocks(2).hashes)
+        return announced(consumer) == set(blocks(2).hashes)
 
     wait_until(gone, "the expired chunk's BlockRemoved")
-    assert store.index.get("acme", _key(1)) is None
+    assert store.index.get("acme", chunk_key(1)) is None
 
 
 def test_two_tenants_chunks_with_one_hash_are_counted_not_set(
@@ -196,12 +136,12 @@ def test_two_tenants_chunks_with_one_hash_are_counted_not_set(
     # leaves the other's, with the same engine hash, announced.
     store, events, consumer = wired
     _put(store, events, 1)
-    assert store.put("beta", NS, _key(1), [b"b" * 1000])
-    assert events.record("beta", _key(1), _blocks(1))
-    _held(consumer)
+    assert store.put("beta", NS, chunk_key(1), [b"b" * 1000])
+    assert events.record("beta", chunk_key(1), blocks(1))
+    announced(consumer)
     with consumer.lock:
         assert set(consumer.view("s").snapshot()[("STORAGE", "LOCAL")].values()) == {2}
     store.purge_tenant("beta", wait=True)
-    assert _held(consumer) == set(_blocks(1).hashes)
+    assert announced(consumer) == set(blocks(1).hashes)
     with consumer.lock:
         assert set(consumer.view("s").snapshot()[("STORAGE", "LOCAL")].values()) == {1}

@@ -12,9 +12,7 @@ from kvoffload.layouts import v1
 from kvoffload.store import Store, StoreConfig
 from kvoffload.store import files as fileio
 from kvoffload.store.keys.kek import Kek
-
-from .test_store import NS, key, layers, open_store
-from .test_store_batch import _root_with_fanout
+from tests.helpers.stores import NS, key, layers, open_store, root_with_fanout
 
 
 def _count_dir_fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
@@ -80,7 +78,7 @@ def test_a_two_level_store_still_makes_leaves_as_writes_need_them(
     tmp_path: Path, kek_file: Path
 ) -> None:
     root = tmp_path / "store"
-    _root_with_fanout(root, [2, 2])  # a root an older build made
+    root_with_fanout(root, [2, 2])  # a root an older build made
     s = Store(StoreConfig(root=root, durability="none"), Kek.from_file(kek_file))
     try:
         assert s.layout.fanout == v1.FANOUT_TWO_LEVELS

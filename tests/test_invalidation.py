@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,22 +29,16 @@ from kvoffload.staging import PAGE
 from kvoffload.store import Store, StoreConfig
 from kvoffload.store.contracts import contract_matches
 from kvoffload.store.keys.keyring import Kek
+from tests.helpers.cli import cli, sidecar
+from tests.helpers.server import Raw, ServerThread
+from tests.helpers.shared import Nodes
 
 from .conftest import make_contract
-from .test_cli_live import cli, sidecar
-from .test_server import Raw, ServerThread
-from .test_shared_store import Nodes
 
 R1 = make_contract(model_revision="llama-tiny@r1")
 R2 = make_contract(model_revision="llama-tiny@r2")
 R1_BETA = make_contract(model_revision="llama-tiny@r1", tenant_namespace="beta")
 TOKENS = list(range(100, 100 + 3 * 64))  # three chunks of 64 tokens
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="kvo-i-") as d:
-        yield Path(d)
 
 
 def _layers(tag: str, i: int) -> list[bytes]:
@@ -323,13 +314,6 @@ def test_on_a_shared_root_an_invalidation_reaches_every_node(
 
 
 # -- the protocol: the server verifies before it records (§5.19) ---------------------
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="kvo-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_the_server_records_only_fields_that_hash_to_the_namespace(

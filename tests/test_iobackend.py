@@ -9,11 +9,9 @@ import errno
 import fcntl
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +36,12 @@ from kvoffload.store.iobackend import (
     requested_mode,
 )
 from kvoffload.store.keys.keyring import Kek
+from tests.helpers.direct_reads import DirectReads, cached_pages
+from tests.helpers.stores import evict
 
 from .ramfs import run_on_ramfs
-from .test_load_path import evict
 
 NS = bytes(range(32))
-REPO = Path(__file__).resolve().parent.parent
 
 
 def key(i: int) -> bytes:
@@ -85,29 +83,6 @@ class OpenSpy:
             if not writes and name.endswith(v1.OBJECT_SUFFIX) and not fl & os.O_CREAT:
                 out.append(fl)
         return out
-
-
-def _direct_dir(tmp_path: Path) -> Iterator[Path]:
-    """A directory whose file system takes O_DIRECT: tmp_path, else one under the repo."""
-    if probe_direct(tmp_path).supported:
-        yield tmp_path
-        return
-    d = REPO / f".pytest-odirect-{os.getpid()}"
-    d.mkdir(exist_ok=True)
-    try:
-        rep = probe_direct(d)
-        if not rep.supported:
-            pytest.skip(
-                f"no O_DIRECT here: tmp_path: {probe_direct(tmp_path).detail}; repo: {rep.detail}"
-            )
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def direct_dir(tmp_path: Path) -> Iterator[Path]:
-    yield from _direct_dir(tmp_path)
 
 
 def _round_trip(s: Store) -> None:
@@ -192,29 +167,6 @@ def test_default_posix_direct_writes_for_fsynced_or_large_objects_page_cache_rea
         assert "page-cache reads" in s.io_plan.reason
     finally:
         s.close()
-
-
-def cached_pages(path: Path) -> int | None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return fileio.cached_pages(fd)
-    finally:
-        os.close(fd)
-
-
-class DirectReads:
-    """Records every O_DIRECT a descriptor is switched to with fcntl (the real call runs)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.count = 0
-        real = fcntl.fcntl
-
-        def spy(fd: int, cmd: int, arg: int = 0) -> Any:
-            if cmd == fcntl.F_SETFL and arg & fileio.O_DIRECT:
-                self.count += 1
-            return real(fd, cmd, arg)
-
-        monkeypatch.setattr(fcntl, "fcntl", spy)
 
 
 @pytest.mark.parametrize("direct_read_min", [None, 0])

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ from kvoffload.layouts import v1
 from kvoffload.sidecar.reads import Reads
 from kvoffload.store import Store, StoreConfig
 from kvoffload.store.keys.keyring import Kek
-from tests.test_server import Raw, ServerThread, start
+from tests.helpers.server import Raw, ServerThread, start
 
 TENANT = "acme"
 NS = b"\x33" * 32
@@ -40,13 +38,6 @@ def key(i: int) -> bytes:
 def chunk(i: int) -> list[bytes]:
     rng = random.Random(i)
     return [rng.randbytes(3000 + 512 * j) for j in range(LAYERS)]
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="kvo-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

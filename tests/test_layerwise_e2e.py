@@ -25,7 +25,7 @@ from kvoffload.keys import chunk_keys
 from kvoffload.layouts import v1
 from kvoffload.store import Store, StoreConfig
 from kvoffload.store.keys.keyring import Kek
-from tests.test_server import start
+from tests.helpers.server import start
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None,

@@ -18,15 +18,10 @@ What must hold while loads get faster:
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import mmap
 import os
 import random
-import shutil
-import tempfile
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +41,8 @@ from kvoffload.store.files import Durability
 from kvoffload.store.iobackend import local_fs
 from kvoffload.store.keys.keyring import Kek
 from kvoffload.store.reads import Reads
-from tests.test_server import ServerThread, start
+from tests.helpers.server import ServerThread, start
+from tests.helpers.stores import evict, nowait_reads_miss
 
 TENANT = "acme"
 NS = b"\x5a" * 32
@@ -77,13 +73,6 @@ def store(tmp_path: Path, kek_file: Path) -> Iterator[Store]:
     assert getattr(s.io, "map_reads", False)
     yield s
     s.close()
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="kvo-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
@@ -173,57 +162,6 @@ class Threads:
             return real(self_, *a, **kw)
 
         monkeypatch.setattr(Reads, "_load_one", spy)
-
-
-def resident_pages(path: Path) -> int:
-    """Pages of ``path`` in the page cache (mincore(2)), without reading any."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    size = path.stat().st_size
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        m = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-    finally:
-        os.close(fd)
-    try:
-        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-        vec = (ctypes.c_ubyte * pages)()
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
-        rc = libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec)
-        assert rc == 0, os.strerror(ctypes.get_errno())
-        return sum(v & 1 for v in vec)
-    finally:
-        m.close()
-
-
-def evict(paths: Iterable[Path]) -> bool:
-    """Drop the files from the page cache, dirty pages written back first; False
-    where the kernel kept some (tmpfs): checked with mincore(2), since a probe
-    read, even with RWF_NOWAIT, may start readahead."""
-    paths = list(paths)
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return not any(resident_pages(path) for path in paths)
-
-
-def nowait_reads_miss(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A test double of the kernel's answer to an ``RWF_NOWAIT`` read: "not all in
-    the page cache" (EAGAIN), always. The real answer races the device: such a
-    read starts readahead, and on a fast device (this VM's disk, served by its
-    host) the pages of a just-dropped small file can be in before it returns,
-    making a cold read a cached one at random. Other reads stay real."""
-    real = os.preadv
-
-    def preadv(fd: int, buffers: Any, offset: int, flags: int = 0) -> int:
-        if flags & fileio.RWF_NOWAIT:
-            raise BlockingIOError(errno.EAGAIN, "test double: not in the page cache")
-        return real(fd, buffers, offset, flags)
-
-    monkeypatch.setattr(os, "preadv", preadv)
 
 
 def cold(store: Store, n: int) -> bool:

@@ -8,7 +8,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 import uuid
@@ -20,13 +19,6 @@ import pytest
 from kvoffload.sidecar import notify
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    # AF_UNIX paths are limited to 107 bytes; pytest's tmp_path can be longer.
-    with tempfile.TemporaryDirectory(prefix="kvo-", dir="/tmp") as d:
-        yield Path(d)
 
 
 @pytest.fixture

@@ -14,8 +14,7 @@ import pytest
 
 from kvoffload import protocol as p
 from kvoffload.protocol import CLIENT_MAGIC, SERVER_MAGIC, ErrorCode
-
-from .test_server import FakeStore, ServerThread, sock_path, start
+from tests.helpers.server import FakeStore, ServerThread, sock_path, start
 
 
 @pytest.fixture
@@ -88,7 +87,7 @@ def test_ages_beyond_the_epoch_are_clamped_not_internal(age: float, store: Any) 
     """§5.17/§5.18: a finite age beyond the Unix epoch (1e300 s) reaches before
     every chunk: ``ls`` older than it lists nothing, newer than it everything,
     and ``purge_older`` removes nothing; never INTERNAL (issue 28 item 10)."""
-    from .test_server import Raw, grants
+    from tests.helpers.server import Raw, grants
 
     for i in range(3):
         store.put("acme", bytes(32), bytes([i + 1]) * 32, [b"x" * 100])

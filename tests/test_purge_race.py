@@ -244,7 +244,7 @@ def test_a_store_request_during_a_purge_is_not_stored_and_says_busy(
     ``BUSY`` (not INTERNAL), even for a chunk that was there before; saved
     again after the purge, it is stored and loads."""
     from kvoffload.client import SidecarClient
-    from tests.test_server import start
+    from tests.helpers.server import start
 
     d = Path(tempfile.mkdtemp(prefix="kvo-pr-", dir="/tmp"))
     st = start(d, s)

@@ -19,8 +19,7 @@ import pytest
 from kvoffload.errors import QuotaExceeded, StoreFull
 from kvoffload.layouts import v1
 from kvoffload.store.api import ChunkRecord
-
-from .test_store import NS, key, layers, open_store
+from tests.helpers.stores import NS, key, layers, open_store
 
 OBJ = v1.object_size([3000] * 4, True)
 
@@ -185,8 +184,7 @@ def test_the_sidecar_enforces_the_policy_quota(tmp_path: Path) -> None:
     import shutil
     import tempfile
 
-    from .sidecar_proc import Procs, chunk_key, chunk_layers, object_relpath
-    from .test_sidecar_process import (
+    from tests.helpers.process import (
         load,
         lookup,
         no_tracebacks,
@@ -195,6 +193,8 @@ def test_the_sidecar_enforces_the_policy_quota(tmp_path: Path) -> None:
         values,
         write_config,
     )
+
+    from .sidecar_proc import Procs, chunk_key, chunk_layers, object_relpath
 
     workdir = Path(tempfile.mkdtemp(prefix="kvo-q-", dir="/tmp"))
     procs = Procs()

@@ -22,12 +22,9 @@ from kvoffload.layouts import v1
 from kvoffload.store import Store, StoreConfig
 from kvoffload.store.keys.keyring import Kek
 from kvoffload.store.ramtier import RamTier, Slot, _aligned
-
-from .test_cli_live import cli, short_dir, sidecar
-from .test_iobackend import DirectReads, _direct_dir, cached_pages
-from .test_load_path import evict
-
-__all__ = ["short_dir"]  # a fixture this module uses
+from tests.helpers.cli import cli, sidecar
+from tests.helpers.direct_reads import DirectReads, cached_pages
+from tests.helpers.stores import evict
 
 NS = bytes(range(32))
 #: Two 600 KiB layers: a sealed object of about 1.2 MiB, over the tier's
@@ -42,11 +39,6 @@ def key(i: int) -> bytes:
 def layers(i: int) -> list[bytes]:
     rnd = random.Random(i)
     return [rnd.randbytes(LAYER), rnd.randbytes(LAYER)]
-
-
-@pytest.fixture
-def direct_dir(tmp_path: Path) -> Iterator[Path]:
-    yield from _direct_dir(tmp_path)
 
 
 @pytest.fixture

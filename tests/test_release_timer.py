@@ -27,8 +27,7 @@ from kvoffload.sidecar.access.policy import Grant, Policy, TenantPolicy
 from kvoffload.sidecar.connection import Connection
 from kvoffload.sidecar.releasetimer import ReleaseTimer, timerfd_available
 from kvoffload.transport import UnixTransport
-
-from .test_server import ServerThread, sock_path, start
+from tests.helpers.server import ServerThread, sock_path, start
 
 pytestmark = pytest.mark.skipif(not timerfd_available(), reason="needs Linux timerfd")
 

@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.process import SOCKET_GROUP, UNUSED_UID, lookup, save, write_config
+
 from .revoke_proc import HERE as REVOKE_PROC
 from .sidecar_proc import (
     Child,
@@ -32,7 +34,6 @@ from .sidecar_proc import (
     object_relpath,
     wait_until,
 )
-from .test_sidecar_process import SOCKET_GROUP, UNUSED_UID, lookup, save, write_config
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or SOCKET_GROUP is None, reason="needs root to run peers under another uid"

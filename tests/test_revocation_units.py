@@ -31,12 +31,12 @@ from kvoffload.sidecar.server import Server
 from kvoffload.store import Store, StoreConfig, cancel
 from kvoffload.store.api import StoreLease
 from kvoffload.store.keys.keyring import Kek
-
-from .test_events_store import NS as EV_NS
-from .test_events_store import _blocks as ev_blocks
-from .test_events_store import _held as held
-from .test_events_store import _key as ev_key
-from .test_events_store import wired as _wired_fixture  # noqa: F401 - a fixture
+from tests.helpers.events import NS as EV_NS
+from tests.helpers.events import (
+    announced,
+)
+from tests.helpers.events import blocks as ev_blocks
+from tests.helpers.events import chunk_key as ev_key
 
 NS = bytes(range(32))
 SENTINEL = 0xA5
@@ -272,15 +272,14 @@ def test_a_purge_on_one_node_refuses_another_nodes_lease(nodes: list[Store]) -> 
 
 
 def test_a_namespace_purge_publishes_block_removed_for_exactly_its_chunks(
-    request: pytest.FixtureRequest,
+    wired: tuple[Store, SidecarEvents, EventConsumer],
 ) -> None:
-    wired: tuple[Store, SidecarEvents, EventConsumer] = request.getfixturevalue("_wired_fixture")
     store, events, consumer = wired
     other = bytes(32)
     for i, ns in ((1, EV_NS), (2, EV_NS), (3, other)):
         assert store.put("acme", ns, ev_key(i), [os.urandom(4000)])
         assert events.record("acme", ev_key(i), ev_blocks(i))
     everything = {h for i in (1, 2, 3) for h in ev_blocks(i).hashes}
-    assert held(consumer) == everything
+    assert announced(consumer) == everything
     assert store.purge_namespace("acme", EV_NS) == 2
-    assert held(consumer) == set(ev_blocks(3).hashes)
+    assert announced(consumer) == set(ev_blocks(3).hashes)

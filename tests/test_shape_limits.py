@@ -15,8 +15,7 @@ from kvoffload.posix import ScratchBuffers
 from kvoffload.protocol import ErrorCode, StoreStatus
 from kvoffload.staging import PAGE
 from kvoffload.store import Store
-
-from .test_server import NS, FakeStore, Raw, key, start
+from tests.helpers.server import NS, FakeStore, Raw, key, start
 
 ONE_BYTE_LAYERS = (1,) * 65535
 

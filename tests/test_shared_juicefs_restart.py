@@ -50,7 +50,7 @@ def volume(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[Path
 
 
 @pytest.fixture
-def short_dir() -> Iterator[Path]:
+def policy_dir() -> Iterator[Path]:
     d = Path(tempfile.mkdtemp(prefix="kvo28-", dir="/tmp"))  # socket paths stay short
     kek = d / "kek"
     kek.write_bytes(os.urandom(32))
@@ -139,7 +139,7 @@ def _lease(root: Path) -> LeaseState | None:
 
 
 def test_a_sidecar_killed_and_restarted_inside_an_epoch_keeps_what_it_wrote(
-    volume: tuple[list[Path], Path], short_dir: Path
+    volume: tuple[list[Path], Path], policy_dir: Path
 ) -> None:
     """kill -9 of a node's sidecar inside an evictor epoch: its restart knows what
     it wrote under the epoch (before, `.shared.grant.written` fell to 0 and the
@@ -148,8 +148,8 @@ def test_a_sidecar_killed_and_restarted_inside_an_epoch_keeps_what_it_wrote(
     mounts, meta = volume
     (mounts[0] / "restart").mkdir()
     objects = mounts[2] / "restart" / "objects"
-    b = Node(short_dir, "b", mounts[1] / "restart")
-    a = Node(short_dir, "a", mounts[0] / "restart")
+    b = Node(policy_dir, "b", mounts[1] / "restart")
+    a = Node(policy_dir, "a", mounts[0] / "restart")
     b.start()  # first: the holder, for the whole test
     a.start()
     clients = [a.client()]
@@ -232,7 +232,7 @@ def _saving_process(node: Node, seed: str) -> subprocess.Popen[bytes]:
 
 
 def test_a_restarted_sidecar_that_takes_the_lease_does_not_empty_the_root(
-    volume: tuple[list[Path], Path], short_dir: Path
+    volume: tuple[list[Path], Path], policy_dir: Path
 ) -> None:
     """A node killed mid-epoch and restarted that takes the lease counts what it
     saw of the others' grants: before, it counted every byte ever granted in the
@@ -241,8 +241,8 @@ def test_a_restarted_sidecar_that_takes_the_lease_does_not_empty_the_root(
     mounts, meta = volume
     (mounts[0] / "takeover").mkdir()
     root = mounts[2] / "takeover"
-    a = Node(short_dir, "a", mounts[0] / "takeover")
-    b = Node(short_dir, "b", mounts[1] / "takeover")
+    a = Node(policy_dir, "a", mounts[0] / "takeover")
+    b = Node(policy_dir, "b", mounts[1] / "takeover")
     a.start()  # first: the holder of epoch 1
     b.start()
     clients = [a.client(), b.client()]
@@ -303,7 +303,7 @@ def test_a_restarted_sidecar_that_takes_the_lease_does_not_empty_the_root(
 
 
 def test_a_sidecar_without_shared_on_a_live_shared_root_refuses_to_start(
-    volume: tuple[list[Path], Path], short_dir: Path
+    volume: tuple[list[Path], Path], policy_dir: Path
 ) -> None:
     """With `shared = false` on a root two nodes journal into, `serve` walked the
     tree, journaled nothing and, with a capacity, one save evicted the others'
@@ -311,8 +311,8 @@ def test_a_sidecar_without_shared_on_a_live_shared_root_refuses_to_start(
     touched; the shared nodes go on serving every chunk they acknowledged."""
     mounts, meta = volume
     (mounts[0] / "plain").mkdir()
-    a = Node(short_dir, "a", mounts[0] / "plain")
-    b = Node(short_dir, "b", mounts[1] / "plain")
+    a = Node(policy_dir, "a", mounts[0] / "plain")
+    b = Node(policy_dir, "b", mounts[1] / "plain")
     a.start()
     b.start()
     clients = [a.client(), b.client()]
@@ -324,7 +324,7 @@ def test_a_sidecar_without_shared_on_a_live_shared_root_refuses_to_start(
         wait_until(lambda: clients[1].lookup(keys) == 12, "b sees a's chunks")
         objects = mounts[2] / "plain" / "objects"
         on_disk = bytes_under(meta, objects)
-        c = Node(short_dir, "c", mounts[1] / "plain", shared=False)
+        c = Node(policy_dir, "c", mounts[1] / "plain", shared=False)
         try:
             r = subprocess.run(
                 cli_argv("--config", str(c.config), "serve"),

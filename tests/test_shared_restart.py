@@ -23,8 +23,7 @@ from kvoffload.layouts import v1
 from kvoffload.store import Store, StoreConfig
 from kvoffload.store.keys.keyring import Kek
 from kvoffload.store.shared.journal import JournalFollower, Op
-
-from .test_shared_store import NS, Nodes, key, layers
+from tests.helpers.shared import NS, Nodes, key, layers
 
 SIZE = v1.object_size([len(x) for x in layers(0)], True)  # every chunk here: 3 x 3000 B
 

@@ -18,7 +18,6 @@ import stat
 import struct
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,19 @@ from kvoffload.client import SidecarClient
 from kvoffload.layouts import v1
 from kvoffload.protocol import CLIENT_MAGIC, MAX_FRAME, SERVER_MAGIC, ErrorCode
 from kvoffload.transport import TransportClosed, UnixTransport
+from tests.helpers.process import (
+    NO_GRANT_UID,
+    SOCKET_GROUP,
+    UNUSED_UID,
+    load,
+    lookup,
+    no_tracebacks,
+    save,
+    start_configured,
+    tmp_files,
+    values,
+    write_config,
+)
 
 from .sidecar_proc import (
     NS,
@@ -41,26 +53,6 @@ from .sidecar_proc import (
     object_relpath,
     wait_until,
 )
-
-UNUSED_UID = 4242
-NO_GRANT_UID = 4343
-
-
-def _socket_group() -> str | None:
-    """An existing group for the uid test's socket (the children join it)."""
-    import grp
-
-    for name in ("nogroup", "nobody"):
-        try:
-            grp.getgrnam(name)
-        except KeyError:
-            continue
-        return name
-    return None
-
-
-SOCKET_GROUP = _socket_group()
-
 
 # ---------------------------------------------------------------------------
 # Helpers
@@ -76,83 +68,14 @@ def start_dev(procs: Procs, workdir: Path, env: dict[str, str] | None = None) ->
     return s
 
 
-def write_config(
-    workdir: Path, policy: str, *, socket_group: str | None = None, reservation_timeout: str = "60s"
-) -> Path:
-    """A production-style setup: config file, KEK file and policy file."""
-    kek = workdir / "kek"
-    kek.write_bytes(os.urandom(32))
-    kek.chmod(0o600)
-    pol = workdir / "policy.toml"
-    pol.write_text(textwrap.dedent(policy))
-    pol.chmod(0o644)
-    group = f'socket_group = "{socket_group}"\n' if socket_group else ""
-    cfg = workdir / "kvoffload.toml"
-    cfg.write_text(
-        textwrap.dedent(
-            f"""\
-            [store]
-            root = "{workdir}/store"
-            index_dir = "{workdir}/index"
-            durability = "batch"
-
-            [server]
-            socket = "{workdir}/run/kvo.sock"
-            idle_reservation_timeout = "{reservation_timeout}"
-            """
-        )
-        + group
-        + textwrap.dedent(
-            f"""
-            [security]
-            kek_file = "{kek}"
-            policy = "{pol}"
-            """
-        )
-    )
-    return cfg
-
-
-def start_configured(procs: Procs, workdir: Path, cfg: Path) -> Sidecar:
-    s = procs.sidecar(
-        workdir, workdir / "run" / "kvo.sock", Sidecar.serve_argv("--config", str(cfg), "serve")
-    )
-    s.start().wait_ready()
-    return s
-
-
-def save(seed: str, indices: list[int], tenant: str = "acme", **kw: Any) -> dict[str, Any]:
-    return {"op": "save", "tenant": tenant, "seed": seed, "indices": indices, **kw}
-
-
-def load(seed: str, indices: list[int], tenant: str = "acme", **kw: Any) -> dict[str, Any]:
-    return {"op": "load", "tenant": tenant, "seed": seed, "indices": indices, **kw}
-
-
-def lookup(seed: str, indices: list[int], tenant: str = "acme") -> dict[str, Any]:
-    return {"op": "lookup", "tenant": tenant, "seed": seed, "indices": indices}
-
-
 def salt(tenant: str) -> dict[str, Any]:
     return {"op": "salt", "tenant": tenant}
-
-
-def values(results: list[dict[str, Any]]) -> list[Any]:
-    return [r["value"] for r in results]
-
-
-def tmp_files(store_root: Path) -> list[Path]:
-    return [q for q in (store_root / "objects").rglob("*") if q.name.startswith(v1.TMP_PREFIX)]
 
 
 def exact_reservation(tenant: str, seed: str, indices: list[int]) -> int:
     return sum(
         v1.object_size([len(x) for x in chunk_layers(tenant, seed, i)], True) for i in indices
     )
-
-
-def no_tracebacks(sidecar: Sidecar) -> None:
-    assert "Traceback" not in sidecar.log_text(), sidecar.log_text()
 
 
 # ---------------------------------------------------------------------------

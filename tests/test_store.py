@@ -16,21 +16,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvoffload.errors import StoreFull, StoreLocked
 from kvoffload.layouts import UnknownLayoutVersion, store_root, v1
-from kvoffload.store import Store, StoreConfig
+from kvoffload.store import Store
 from kvoffload.store.keys.keyring import Kek, Keyring
-
-NS = bytes(range(32))
-
-
-def key(i: int, tenant: str = "acme") -> bytes:
-    import hashlib
-
-    return hashlib.blake2b(f"{tenant}/{i}".encode(), digest_size=32).digest()
-
-
-def layers(seed: int, n: int = 4, size: int = 3000) -> list[bytes]:
-    rng = random.Random(seed)
-    return [rng.randbytes(size + i) for i in range(n)]
+from tests.helpers.stores import NS, key, layers, open_store
 
 
 def disk_usage(root: Path) -> int:
@@ -39,11 +27,6 @@ def disk_usage(root: Path) -> int:
         with contextlib.suppress(FileNotFoundError):  # evicted while we walked
             total += p.stat().st_size
     return total
-
-
-def open_store(tmp_path: Path, kek_file: Path, **kw: object) -> Store:
-    cfg = StoreConfig(root=tmp_path / "store", durability="none", **kw)  # type: ignore[arg-type]
-    return Store(cfg, Kek.from_file(kek_file), create=True)
 
 
 def object_path(s: Store, tenant: str, k: bytes) -> Path:

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,8 +34,8 @@ from kvoffload.staging import PAGE, StagingBuffer
 from kvoffload.store.api import ChunkRecord
 from kvoffload.store.files import Durability
 from kvoffload.store.index import Index
-
-from .test_server import sock_path, start, wait_until
+from tests.helpers.server import sock_path, start, wait_until
+from tests.helpers.stores import root_with_fanout
 
 NS = b"\x33" * 32
 SECRET = b"\x5b" * 32
@@ -56,14 +54,6 @@ def layers_of(i: int) -> list[bytes]:
 
 def grants(*tenants: str) -> Policy:
     return Policy(grants=[Grant("uid", os.getuid(), frozenset(tenants))])
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    # AF_UNIX paths are limited to 107 bytes; pytest's tmp_path can be longer.
-    d = Path(tempfile.mkdtemp(prefix="kvo-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
@@ -496,18 +486,6 @@ def test_region_size_is_what_the_client_packs() -> None:
 DATA = Path(__file__).parent / "data" / "v1"
 
 
-def _root_with_fanout(root: Path, fanout: Any) -> None:
-    """A store root whose layout.json says ``fanout`` (as an older build wrote it)."""
-    from kvoffload.layouts import store_root
-
-    raw = json.loads((DATA / "layout-fanout-2-2.json").read_text())
-    raw["params"]["fanout"] = fanout
-    root.mkdir(parents=True)
-    for sub in ("keys", "objects", "journal"):
-        (root / sub).mkdir(mode=0o700)
-    (root / "layout.json").write_bytes(store_root._encode(raw))
-
-
 def test_golden_layouts_name_their_fanout(tmp_path: Path) -> None:
     from kvoffload.layouts import read_layout
 
@@ -535,7 +513,7 @@ def test_an_old_two_level_store_opens_loads_and_stays_two_level(
     from kvoffload.store.keys.keyring import Kek
 
     root = tmp_path / "store"
-    _root_with_fanout(root, [2, 2])
+    root_with_fanout(root, [2, 2])
     cfg = StoreConfig(root=root, durability=Durability.NONE)
     with Store(cfg, Kek.from_file(kek_file)) as s:
         assert s.layout.fanout == (2, 2)
@@ -560,7 +538,7 @@ def test_an_unknown_fanout_is_refused_at_open(tmp_path: Path, kek_file: Path, fa
     from kvoffload.store.keys.keyring import Kek
 
     root = tmp_path / "store"
-    _root_with_fanout(root, fanout)
+    root_with_fanout(root, fanout)
     with pytest.raises(LayoutError, match="fanout"):
         Store(StoreConfig(root=root, durability=Durability.NONE), Kek.from_file(kek_file))
     assert list((root / "objects").iterdir()) == []

@@ -23,8 +23,7 @@ from kvoffload.store import Store, StoreConfig
 from kvoffload.store import files as fileio
 from kvoffload.store.iobackend import PosixBackend, local_fs
 from kvoffload.store.keys.keyring import Kek
-
-from .test_load_path import evict, nowait_reads_miss
+from tests.helpers.stores import evict, nowait_reads_miss
 
 NS = bytes(range(32))
 

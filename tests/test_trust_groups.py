@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +19,9 @@ from kvoffload.sidecar.access.policy import Grant, Policy, TenantPolicy
 from kvoffload.sidecar.access.policy_file import parse_policy
 from kvoffload.sidecar.config import ServerConfig
 from kvoffload.staging import PAGE
+from tests.helpers.server import ServerThread
 
 from .conftest import make_contract
-from .test_server import ServerThread
 
 SECRET = b"\x5a" * 32
 SALT = bytes(range(32))
@@ -143,13 +140,6 @@ def test_policy_refuses_sharing_that_crosses_groups(
 
 
 # -- the salts handed out ----------------------------------------------------------------
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="kvo-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _policy(me_tenants: frozenset[str], groups: dict[str, str | None]) -> Policy:

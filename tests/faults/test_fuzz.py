@@ -36,8 +36,8 @@ from kvoffload.protocol import CLIENT_MAGIC, SERVER_MAGIC, ErrorCode
 from kvoffload.staging import PAGE, StagingBuffer
 from kvoffload.store import Store, StoreConfig
 from kvoffload.store.keys.keyring import Kek
+from tests.helpers.server import Raw, ServerThread, grants, sock_path
 
-from ..test_server import Raw, ServerThread, grants, sock_path
 from .conftest import FULL, family
 
 DATA = Path(__file__).resolve().parents[1] / "data"

@@ -1,0 +1,1 @@
+"""Helpers the test modules share (one definition each; test modules never import each other)."""
