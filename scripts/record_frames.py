@@ -21,7 +21,7 @@ from tests.test_protocol_frames import FRAMES_FILE, encode_catalogue  # noqa: E4
 def main() -> int:
     doc = {
         "about": "protocol v1 frames (u32 LE length + msgpack body), hex; "
-        "see tests/test_protocol_frames.py",
+        "see tests/protocol/test_protocol_frames.py",
         "frames": dict(sorted(encode_catalogue().items())),
     }
     FRAMES_FILE.parent.mkdir(parents=True, exist_ok=True)

@@ -223,3 +223,43 @@ def test_the_checks_find_deliberate_violations(broken: Path) -> None:
     assert ["kvoffload.sidecar.a", "kvoffload.sidecar.b"] in circles(edges)
     (broken / "kvoffload" / "store" / "big.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
     assert long_modules(broken) == [f"kvoffload/store/big.py: {MAX_MODULE_LINES + 1} lines"]
+
+
+# -- the tests' own shape: they mirror src/ and share helpers, never each other ---------
+
+TESTS = Path(__file__).resolve().parent
+
+
+def imports_between_test_modules(root: Path) -> list[str]:
+    """Every import of a ``test_*`` module by another module under ``root``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                if name.rsplit(".", 1)[-1].startswith("test_"):
+                    found.append(f"{path.relative_to(root)}:{node.lineno} imports {name}")
+    return found
+
+
+def test_test_modules_never_import_each_other(tmp_path: Path) -> None:
+    # Shared helpers live in tests/helpers (and the tier folders' own helper
+    # modules), fixtures in conftest.py; a test module is never a library.
+    assert imports_between_test_modules(TESTS) == []
+    # The check finds a deliberate violation.
+    (tmp_path / "test_a.py").write_text("def helper() -> None: ...\n")
+    (tmp_path / "test_b.py").write_text("def f() -> None:\n    from .test_a import helper\n")
+    assert imports_between_test_modules(tmp_path) == ["test_b.py:2 imports test_a"]
+
+
+def test_the_engine_and_daemon_tests_mirror_src() -> None:
+    # The engine's and the daemon's tests live in folders named after them.
+    for part in ("store", "sidecar", "protocol", "client", "cli", "events"):
+        assert (TESTS / part / "__init__.py").is_file(), part
+    assert not sorted(TESTS.glob("test_store*.py")), "engine tests belong in tests/store"
+    assert not sorted(TESTS.glob("test_server*.py")), "daemon tests belong in tests/sidecar"

@@ -2,7 +2,7 @@
 
 Each entry has its name, type, default and one line of documentation; the
 README's table of variables is generated from (and checked against)
-:data:`REGISTRY` (``tests/test_config_envvars.py``). The daemon's config
+:data:`REGISTRY` (``tests/sidecar/test_config_envvars.py``). The daemon's config
 variables are ``KVOFFLOAD_<SECTION>_<KEY>`` for each key of the config file
 (``sidecar/config.py``); a few have short forms that systemd units use.
 

@@ -22,10 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ..sharedfs import juice_volume, juicefs_unavailable
-from ..sidecar_proc import SharedNode, shared_root_sidecars, wait_until
-from .standin import requires_transformers, requires_vllm, write_model_dir
-from .test_reuse_across_processes import (
+from tests.e2e.reuse import (
     PROMPT_A_TOKENS,
     PROMPT_B_TOKENS,
     PROMPT_C_TOKENS,
@@ -37,6 +34,10 @@ from .test_reuse_across_processes import (
     run_and_recompute,
     run_engines,
 )
+
+from ..sharedfs import juice_volume, juicefs_unavailable
+from ..sidecar_proc import SharedNode, shared_root_sidecars, wait_until
+from .standin import requires_transformers, requires_vllm, write_model_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, requires_transformers, requires_vllm]
 

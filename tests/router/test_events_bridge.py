@@ -21,9 +21,9 @@ zmq = pytest.importorskip("zmq")
 from kvoffload.events.publisher import KVEventPublisher, MemoryReplayBuffer  # noqa: E402
 from kvoffload.events.wire import BlockStored  # noqa: E402
 from kvoffload.router.hashing import BlockHasher  # noqa: E402
+from tests.router.proxy_helpers import PROMPT, completion, wait_until, worker_of  # noqa: E402
 
 from .procs import RouterProc, Worker  # noqa: E402
-from .test_proxy import PROMPT, completion, wait_until, worker_of  # noqa: E402
 
 HASHES = BlockHasher(16).external_hashes(PROMPT)
 

@@ -9,32 +9,13 @@ runs DEGRADED: what it knows of each worker's cache is its own routing history.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
-import pytest
+from tests.router.proxy_helpers import PROMPT, completion, wait_until, worker_of
 
 from .procs import RouterProc, cluster, request
 from .standin_worker import SSE_CHUNKS
-
-PROMPT = list(range(1000, 1000 + 3200))  # 200 blocks of 16 tokens
-
-
-def completion(prompt: list[int], **kw: Any) -> dict[str, Any]:
-    return {"model": "m", "prompt": prompt, "max_tokens": 4, **kw}
-
-
-def worker_of(headers: dict[str, str]) -> str:
-    return headers["x-kvoffload-worker"]
-
-
-def wait_until(fn: Any, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not fn():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def query(router: RouterProc, prompt: list[int], **headers: str) -> dict[str, Any]:

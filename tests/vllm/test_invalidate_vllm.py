@@ -16,10 +16,10 @@ pytest.importorskip("transformers")
 
 from kvoffload.client import call_tenantless
 from kvoffload.protocol import Invalidate, InvalidateReply, Namespaces, NamespacesReply
+from tests.vllm.scheduling import CT, prompt_of, settings, stored_chunks
 
 from ..sidecar_proc import DevSidecar
 from .engine import Engine, make_request, make_vllm_config
-from .test_scheduler_real import CT, prompt_of, settings, stored_chunks
 
 pytestmark = pytest.mark.vllm
 

@@ -31,16 +31,16 @@ from kvoffload.integrations.vllm.common import ChunkRef
 from kvoffload.integrations.vllm.worker import PagedCache
 from kvoffload.keys import chunk_keys
 from kvoffload.layouts import v1
-
-from ..sidecar_proc import DevSidecar
-from .engine import LAYER_NAMES, Engine, make_request, make_vllm_config
-from .test_scheduler_real import (
+from tests.vllm.scheduling import (
     CT,
     assert_kv,
     prompt_of,
     rewound_to,
     settings,
 )
+
+from ..sidecar_proc import DevSidecar
+from .engine import LAYER_NAMES, Engine, make_request, make_vllm_config
 
 pytestmark = pytest.mark.vllm
 

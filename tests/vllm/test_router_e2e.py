@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("zmq")
 
 from tests.router.procs import RouterProc, Worker
-from tests.router.test_proxy import wait_until
+from tests.router.proxy_helpers import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -28,7 +28,7 @@ pytest.importorskip("zmq")
 pytest.importorskip("kvoffload.integrations.vllm")
 
 from tests.router.procs import RouterProc, Worker, request
-from tests.router.test_proxy import wait_until
+from tests.router.proxy_helpers import wait_until
 from tests.sidecar_proc import shared_root_sidecars
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -68,7 +68,7 @@ class ExitCode(IntEnum):
 
 #: What each exit code means: the one table that ``kvoffload --help``
 #: (:func:`exit_code_help`) and the README's rows (:func:`exit_code_markdown`,
-#: checked by tests/test_cli_exits.py) are made from.
+#: checked by tests/cli/test_cli_exits.py) are made from.
 EXIT_MEANINGS: Final[Mapping[ExitCode, str]] = MappingProxyType(
     {
         ExitCode.OK: "success",
@@ -94,7 +94,7 @@ def exit_code_help() -> str:
 
 
 def exit_code_markdown() -> str:
-    """The README's exit-code rows (tests/test_cli_exits.py holds the README to them)."""
+    """The README's exit-code rows (tests/cli/test_cli_exits.py holds the README to them)."""
     rows = "".join(f"| {int(c)} | {m} |\n" for c, m in EXIT_MEANINGS.items())
     return "| code | meaning |\n|---|---|\n" + rows
 

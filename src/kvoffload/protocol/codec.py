@@ -68,7 +68,7 @@ def _lookup_request(msg: Mapping[str, Any]) -> tuple[int, Lookup] | None:
     """``fields.decode`` of a ``lookup`` request, less its steps that have nothing
     to check in one (it is on the engine scheduler's path): a lookup has no
     number, no cross-field rule and no key the wire requires beyond its
-    fields (``tests/test_protocol_typed.py`` holds it to that), so msgspec's
+    fields (``tests/protocol/test_protocol_typed.py`` holds it to that), so msgspec's
     conversion is the whole check. None for anything it refuses: the generic
     path then names the fault."""
     rid = msg.get("id")

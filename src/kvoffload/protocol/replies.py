@@ -485,7 +485,7 @@ class LoadPlan(LoadProgress, frozen=True):
     is planned (n may be 0). Received, it decodes as a LoadProgress."""
 
     #: An encoding of its base class, not a message of its own: the reply
-    #: table gives the base for its op (tests/test_protocol_tables.py).
+    #: table gives the base for its op (tests/protocol/test_protocol_tables.py).
     DECODES_AS_BASE: ClassVar[bool] = True
 
     def to_wire(self) -> dict[str, Any]:

@@ -8,7 +8,7 @@ objects warm either, and the next load of the same chunk is cold again. This
 tier does: the sealed image a save or a cold read already has in hand is kept
 in the sidecar's memory, and the next load verifies and decrypts it from there.
 
-Rules (each one a test in ``tests/test_ramtier.py``):
+Rules (each one a test in ``tests/store/test_ramtier.py``):
 
 - **An image is the object, byte for byte, as on disk**: sealed (AES-GCM
   ciphertext and tags) or checksummed. A hit is verified and decrypted exactly
