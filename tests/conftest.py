@@ -51,14 +51,9 @@ def kek_file(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def store(tmp_path: Path, kek_file: Path) -> Iterator[object]:
-    from kvoffload.store import Store, StoreConfig
-    from kvoffload.store.keys.keyring import Kek
+    from .helpers.stores import open_store
 
-    s = Store(
-        StoreConfig(root=tmp_path / "store", durability="none"),
-        Kek.from_file(kek_file),
-        create=True,
-    )
+    s = open_store(tmp_path, kek_file)
     yield s
     s.close()
 

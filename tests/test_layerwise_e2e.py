@@ -23,9 +23,9 @@ import torch
 from kvoffload.client import SidecarClient
 from kvoffload.keys import chunk_keys
 from kvoffload.layouts import v1
-from kvoffload.store import Store, StoreConfig
-from kvoffload.store.keys.keyring import Kek
+from kvoffload.store import Store
 from tests.helpers.server import start
+from tests.helpers.stores import make_store
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None,
@@ -45,9 +45,7 @@ def setup(tmp_path: Path, kek_file: Path) -> Iterator[tuple[Any, Any, SidecarCli
     config = kd.llama_config(shape)
     model = kd.build_model(config, seed=5)
     contract = kd.demo_contract(config, 5, tenant=TENANT, chunk_tokens=CHUNK)
-    store = Store(
-        StoreConfig(root=tmp_path / "root", durability="none"), Kek.from_file(kek_file), create=True
-    )
+    store = make_store(tmp_path / "root", kek_file, durability="none")
     sock_dir = Path(tempfile.mkdtemp(prefix="kvo-", dir="/tmp"))
     server = start(sock_dir, store)
     path = server.server.config.socket_path

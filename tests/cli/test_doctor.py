@@ -10,11 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.gpu_probe import probe
-from kvoffload.store import Store, StoreConfig
-from kvoffload.store.files import Durability
 from kvoffload.store.iobackend import probe_direct
-from kvoffload.store.keys.keyring import Kek
 from tests.helpers.paths import REPO
+from tests.helpers.stores import open_store
 
 REPO = REPO
 
@@ -36,16 +34,8 @@ def doctor(root: Path, *args: str, **env: str) -> subprocess.CompletedProcess[st
     )
 
 
-def make_store(tmp_path: Path, kek_file: Path) -> Store:
-    return Store(
-        StoreConfig(root=tmp_path / "store", durability=Durability.NONE),
-        Kek.from_file(kek_file),
-        create=True,
-    )
-
-
 def test_doctor_json_names_the_backend_auto_chose(tmp_path: Path, kek_file: Path) -> None:
-    make_store(tmp_path, kek_file).close()
+    open_store(tmp_path, kek_file).close()
     proc = doctor(tmp_path / "store", "--json")
     assert proc.returncode == 0, proc.stderr
     data: dict[str, Any] = json.loads(proc.stdout)
@@ -78,7 +68,7 @@ def test_doctor_json_names_the_backend_auto_chose(tmp_path: Path, kek_file: Path
 def test_doctor_reports_an_unavailable_configured_backend_and_exits_0(
     tmp_path: Path, kek_file: Path
 ) -> None:
-    make_store(tmp_path, kek_file).close()
+    open_store(tmp_path, kek_file).close()
     proc = doctor(tmp_path / "store", "--json", KVOFFLOAD_IO="kvikio")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
@@ -92,7 +82,7 @@ def test_doctor_reports_an_unavailable_configured_backend_and_exits_0(
 def test_doctor_runs_while_the_store_is_open_and_without_a_store(
     tmp_path: Path, kek_file: Path
 ) -> None:
-    s = make_store(tmp_path, kek_file)
+    s = open_store(tmp_path, kek_file)
     try:
         proc = doctor(tmp_path / "store")  # human output; the index lock is held by us
     finally:

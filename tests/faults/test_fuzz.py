@@ -34,9 +34,8 @@ from hypothesis import strategies as st
 from kvoffload import protocol as p
 from kvoffload.protocol import CLIENT_MAGIC, SERVER_MAGIC, ErrorCode
 from kvoffload.staging import PAGE, StagingBuffer
-from kvoffload.store import Store, StoreConfig
-from kvoffload.store.keys.keyring import Kek
 from tests.helpers.server import Raw, ServerThread, grants, sock_path
+from tests.helpers.stores import make_store
 
 from .conftest import FULL, family
 
@@ -147,9 +146,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
 
     d = tmp_path_factory.mktemp("fuzz")
     (d / "kek").write_bytes(os.urandom(32))
-    store = Store(
-        StoreConfig(root=d / "store", durability="none"), Kek.from_file(d / "kek"), create=True
-    )
+    store = make_store(d / "store", d / "kek", durability="none")
     sock_dir = Path(tempfile.mkdtemp(prefix="kvo-", dir="/tmp"))
     config = ServerConfig(socket_path=sock_dir / "kvo.sock", secret=b"\x5a" * 32, workers=4)
     st_ = ServerThread(store, grants("acme", admin=True), config)

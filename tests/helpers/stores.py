@@ -34,9 +34,17 @@ def layers(seed: int, n: int = 4, size: int = 3000) -> list[bytes]:
     return [rng.randbytes(size + i) for i in range(n)]
 
 
+def make_store(
+    root: Path, kek_file: Path, *, create: bool = True, durability: object = "none", **cfg: object
+) -> Store:
+    """A real store at ``root`` sealed under the KEK in ``kek_file``: the one way the
+    tests build a store on a plain config (``cfg`` are ``StoreConfig`` fields)."""
+    config = StoreConfig(root=root, durability=durability, **cfg)  # type: ignore[arg-type]
+    return Store(config, Kek.from_file(kek_file), create=create)
+
+
 def open_store(tmp_path: Path, kek_file: Path, **kw: object) -> Store:
-    cfg = StoreConfig(root=tmp_path / "store", durability="none", **kw)  # type: ignore[arg-type]
-    return Store(cfg, Kek.from_file(kek_file), create=True)
+    return make_store(tmp_path / "store", kek_file, **kw)
 
 
 def evict(paths: Iterable[Path]) -> bool:

@@ -37,6 +37,7 @@ from tests.helpers.events import (
 )
 from tests.helpers.events import blocks as ev_blocks
 from tests.helpers.events import chunk_key as ev_key
+from tests.helpers.stores import make_store
 
 NS = bytes(range(32))
 SENTINEL = 0xA5
@@ -137,11 +138,7 @@ def test_policy_diff_names_grants_tenants_and_settings() -> None:
 def served(tmp_path: Path, kek_file: Path) -> Iterator[tuple[Server, Store, Path]]:
     pol = tmp_path / "policy.toml"
     write(pol, POLICY.format(tenants='["acme", "beta"]'))
-    store = Store(
-        StoreConfig(root=tmp_path / "store", durability="none"),  # type: ignore[arg-type]
-        Kek.from_file(kek_file),
-        create=True,
-    )
+    store = make_store(tmp_path / "store", kek_file, durability="none")
     server = Server(
         store,
         load_policy(pol),

@@ -12,7 +12,7 @@ from kvoffload.layouts import v1
 from kvoffload.store import Store, StoreConfig
 from kvoffload.store import files as fileio
 from kvoffload.store.keys.kek import Kek
-from tests.helpers.stores import NS, key, layers, open_store, root_with_fanout
+from tests.helpers.stores import NS, key, layers, make_store, open_store, root_with_fanout
 
 
 def _count_dir_fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
@@ -79,7 +79,7 @@ def test_a_two_level_store_still_makes_leaves_as_writes_need_them(
 ) -> None:
     root = tmp_path / "store"
     root_with_fanout(root, [2, 2])  # a root an older build made
-    s = Store(StoreConfig(root=root, durability="none"), Kek.from_file(kek_file))
+    s = make_store(root, kek_file, durability="none", create=False)
     try:
         assert s.layout.fanout == v1.FANOUT_TWO_LEVELS
         assert s.put("acme", NS, key(1), layers(1))

@@ -37,7 +37,7 @@ from kvoffload.store.iobackend import (
 )
 from kvoffload.store.keys.keyring import Kek
 from tests.helpers.direct_reads import DirectReads, cached_pages
-from tests.helpers.stores import evict
+from tests.helpers.stores import evict, make_store
 from tests.ramfs import run_on_ramfs
 
 NS = bytes(range(32))
@@ -136,9 +136,12 @@ def test_posix_direct_round_trips_with_o_direct(
     finally:
         s.close()
     # ... and the files are the same bytes a buffered store reads back.
-    s2 = Store(
-        StoreConfig(root=direct_dir / "store", durability=Durability.NONE, io="posix-buffered"),
-        Kek.from_file(kek_file),
+    s2 = make_store(
+        direct_dir / "store",
+        kek_file,
+        durability=Durability.NONE,
+        io="posix-buffered",
+        create=False,
     )
     try:
         for i in range(6):

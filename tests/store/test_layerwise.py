@@ -21,9 +21,9 @@ from kvoffload import protocol as p
 from kvoffload.client import SidecarClient
 from kvoffload.layouts import v1
 from kvoffload.sidecar.reads import Reads
-from kvoffload.store import Store, StoreConfig
-from kvoffload.store.keys.keyring import Kek
+from kvoffload.store import Store
 from tests.helpers.server import Raw, ServerThread, start
+from tests.helpers.stores import make_store
 
 TENANT = "acme"
 NS = b"\x33" * 32
@@ -42,11 +42,7 @@ def chunk(i: int) -> list[bytes]:
 
 @pytest.fixture
 def real_store(tmp_path: Path, kek_file: Path) -> Iterator[Store]:
-    s = Store(
-        StoreConfig(root=tmp_path / "root", durability="none"),
-        Kek.from_file(kek_file),
-        create=True,
-    )
+    s = make_store(tmp_path / "root", kek_file, durability="none")
     yield s
     s.close()
 

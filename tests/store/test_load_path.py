@@ -33,16 +33,15 @@ from kvoffload.layouts import v1
 from kvoffload.sidecar.connection import Connection
 from kvoffload.sidecar.reads import Reads as SidecarReads
 from kvoffload.sidecar.session import Session
-from kvoffload.store import Store, StoreConfig
+from kvoffload.store import Store
 from kvoffload.store import files as fileio
 from kvoffload.store import layerwise as lw
 from kvoffload.store.api import ChunkRecord
 from kvoffload.store.files import Durability
 from kvoffload.store.iobackend import local_fs
-from kvoffload.store.keys.keyring import Kek
 from kvoffload.store.reads import Reads
 from tests.helpers.server import ServerThread, start
-from tests.helpers.stores import evict, nowait_reads_miss
+from tests.helpers.stores import evict, make_store, nowait_reads_miss
 
 TENANT = "acme"
 NS = b"\x5a" * 32
@@ -65,11 +64,7 @@ def chunk(i: int) -> list[bytes]:
 def store(tmp_path: Path, kek_file: Path) -> Iterator[Store]:
     if not local_fs(tmp_path):
         pytest.skip(f"{tmp_path} is not on a local file system: loads read, never map")
-    s = Store(
-        StoreConfig(root=tmp_path / "root", durability=Durability.NONE, io_streams=4),
-        Kek.from_file(kek_file),
-        create=True,
-    )
+    s = make_store(tmp_path / "root", kek_file, durability=Durability.NONE, io_streams=4)
     assert getattr(s.io, "map_reads", False)
     yield s
     s.close()

@@ -28,6 +28,7 @@ from kvoffload.errors import TransferCancelled
 from kvoffload.layouts import v1
 from kvoffload.store import Store, StoreConfig
 from kvoffload.store.keys.keyring import Kek
+from tests.helpers.stores import make_store
 
 NS = bytes(range(32))
 
@@ -43,11 +44,7 @@ def layers(tag: str, i: int, n: int = 3) -> list[bytes]:
 
 @pytest.fixture
 def s(tmp_path: Path, kek_file: Path) -> Iterator[Store]:
-    store = Store(
-        StoreConfig(root=tmp_path / "store", durability="none", io_streams=4, ram_cache=0),
-        Kek.from_file(kek_file),
-        create=True,
-    )
+    store = make_store(tmp_path / "store", kek_file, durability="none", io_streams=4, ram_cache=0)
     yield store
     store.close()
 

@@ -25,6 +25,7 @@ from kvoffload.store.iobackend import probe_direct
 from kvoffload.store.keys.keyring import Kek
 from kvoffload.store.retention import RETENTION_DIR
 from tests.conftest import make_contract
+from tests.helpers.stores import make_store
 
 NS = bytes(range(32))
 NS2 = bytes(range(1, 33))
@@ -46,17 +47,14 @@ def store(tmp_path: Path, kek_file: Path) -> Iterator[Store]:
     """A store with a RAM tier: its large objects are read around the page cache."""
     if not probe_direct(tmp_path).supported:
         pytest.skip(f"no O_DIRECT in {tmp_path}: no RAM tier to purge")
-    s = Store(
-        StoreConfig(
-            root=tmp_path / "store",
-            durability="none",
-            io="posix",
-            direct_read_min=1 << 20,
-            ram_cache=16 << 20,
-            io_streams=2,
-        ),
-        Kek.from_file(kek_file),
-        create=True,
+    s = make_store(
+        tmp_path / "store",
+        kek_file,
+        durability="none",
+        io="posix",
+        direct_read_min=1 << 20,
+        ram_cache=16 << 20,
+        io_streams=2,
     )
     assert s.has_ram_tier
     try:

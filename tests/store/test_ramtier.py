@@ -19,12 +19,11 @@ import pytest
 
 from kvoffload.client import SidecarClient
 from kvoffload.layouts import v1
-from kvoffload.store import Store, StoreConfig
-from kvoffload.store.keys.keyring import Kek
+from kvoffload.store import Store
 from kvoffload.store.ramtier import RamTier, Slot, _aligned
 from tests.helpers.cli import cli, sidecar
 from tests.helpers.direct_reads import DirectReads, cached_pages
-from tests.helpers.stores import evict
+from tests.helpers.stores import evict, make_store
 
 NS = bytes(range(32))
 #: Two 600 KiB layers: a sealed object of about 1.2 MiB, over the tier's
@@ -43,17 +42,14 @@ def layers(i: int) -> list[bytes]:
 
 @pytest.fixture
 def store(direct_dir: Path, kek_file: Path) -> Iterator[Store]:
-    s = Store(
-        StoreConfig(
-            root=direct_dir / "store",
-            durability="none",
-            io="posix",
-            direct_read_min=1 << 20,
-            ram_cache=16 << 20,
-            io_streams=2,
-        ),
-        Kek.from_file(kek_file),
-        create=True,
+    s = make_store(
+        direct_dir / "store",
+        kek_file,
+        durability="none",
+        io="posix",
+        direct_read_min=1 << 20,
+        ram_cache=16 << 20,
+        io_streams=2,
     )
     try:
         yield s

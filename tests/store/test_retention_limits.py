@@ -34,6 +34,7 @@ from kvoffload.sidecar.access.policy_file import (
 from kvoffload.store import Store, StoreConfig
 from kvoffload.store.keys.keyring import Kek
 from kvoffload.testing import SidecarProcess, cli_argv
+from tests.helpers.stores import make_store
 
 NS = bytes(range(32))
 K = [bytes([i]) * 32 for i in range(1, 5)]
@@ -66,11 +67,7 @@ class Limits:
 
 @pytest.fixture
 def store(tmp_path: Path, kek_file: Path) -> Iterator[Store]:
-    s = Store(
-        StoreConfig(root=tmp_path / "store", durability="none"),
-        Kek.from_file(kek_file),
-        create=True,
-    )
+    s = make_store(tmp_path / "store", kek_file, durability="none")
     yield s
     s.close()
 

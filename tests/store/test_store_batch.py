@@ -36,7 +36,7 @@ from kvoffload.store.files import Durability
 from kvoffload.store.index import Index
 from tests.helpers.paths import DATA, REPO
 from tests.helpers.server import sock_path, start, wait_until
-from tests.helpers.stores import root_with_fanout
+from tests.helpers.stores import make_store, root_with_fanout
 
 NS = b"\x33" * 32
 SECRET = b"\x5b" * 32
@@ -535,13 +535,11 @@ def test_an_old_two_level_store_opens_loads_and_stays_two_level(
 @pytest.mark.parametrize("fanout", [[1], [2, 2, 2], [], "2/2", [2.0], [True]])
 def test_an_unknown_fanout_is_refused_at_open(tmp_path: Path, kek_file: Path, fanout: Any) -> None:
     from kvoffload.errors import LayoutError
-    from kvoffload.store import Store, StoreConfig
-    from kvoffload.store.keys.keyring import Kek
 
     root = tmp_path / "store"
     root_with_fanout(root, fanout)
     with pytest.raises(LayoutError, match="fanout"):
-        Store(StoreConfig(root=root, durability=Durability.NONE), Kek.from_file(kek_file))
+        make_store(root, kek_file, durability=Durability.NONE, create=False)
     assert list((root / "objects").iterdir()) == []
 
 
