@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,20 +11,9 @@ import pytest
 from kvoffload.layouts import v1
 from kvoffload.store import Store, StoreConfig
 from kvoffload.store.keys.keyring import Kek
+from tests.helpers.cli import run_cli as run
 
 NS = bytes(range(32))
-
-
-def run(cwd: Path, *args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvoffload.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        input=input,
-        env={k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")},
-        timeout=120,
-    )
 
 
 @pytest.fixture

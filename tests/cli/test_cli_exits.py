@@ -18,18 +18,8 @@ from kvoffload.cli.exits import (
     exit_code_markdown,
     exit_for,
 )
+from tests.helpers.cli import run_cli as run
 from tests.helpers.paths import REPO
-
-
-def run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvoffload.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")},
-        timeout=120,
-    )
 
 
 def test_the_table_covers_every_documented_code() -> None:

@@ -19,41 +19,11 @@ from kvoffload.cli.exits import ExitCode
 from kvoffload.layouts import v1
 from kvoffload.store import Store, StoreConfig
 from kvoffload.store.keys.keyring import Kek
+from tests.helpers.cli import one_line
+from tests.helpers.cli import run_cli as run
 from tests.helpers.paths import REPO
 
 NS = bytes(range(32))
-
-
-def run(
-    cwd: Path, *args: str, input: str | None = None, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
-    base.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "kvoffload.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        input=input,
-        stdin=None if input is not None else subprocess.DEVNULL,
-        env=base,
-        timeout=120,
-    )
-
-
-def one_line(r: subprocess.CompletedProcess[str], code: int, label: str) -> str:
-    """The failure's one stderr line (after the dev-KEK reminder, if any)."""
-    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
-    assert "Traceback" not in r.stderr, r.stderr
-    lines = [
-        ln
-        for ln in r.stderr.splitlines()
-        # the dev-KEK reminder and the confirmation prompt
-        if not ln.startswith(("WARNING kvoffload.store.keys.keyring: development KEK", "Purge "))
-    ]
-    assert len(lines) == 1, r.stderr
-    assert lines[0].startswith(f"{label}: "), lines[0]
-    return lines[0]
 
 
 @pytest.fixture

@@ -19,39 +19,10 @@ import pytest
 
 from kvoffload.cli.exits import ExitCode
 from kvoffload.testing import cli_argv
+from tests.helpers.cli import one_line
+from tests.helpers.cli import run_cli as run
 from tests.helpers.paths import REPO
 from tests.sidecar_proc import Procs, Sidecar, clean_env
-
-
-def run(
-    cwd: Path, *args: str, env: dict[str, str] | None = None, prelude: str = ""
-) -> subprocess.CompletedProcess[str]:
-    """``kvoffload ARGS`` in ``cwd``; ``prelude``: Python run before the CLI is imported."""
-    code = f"{prelude}\nfrom kvoffload.cli import main\nmain()\n"
-    return subprocess.run(
-        [sys.executable, "-c", code, *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        env=clean_env(env),
-        timeout=120,
-    )
-
-
-def one_line(r: subprocess.CompletedProcess[str], code: int, label: str) -> str:
-    """The failure's one stderr line (the dev-KEK reminder and test markers left out)."""
-    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
-    assert "Traceback" not in r.stderr, r.stderr
-    lines = [
-        ln
-        for ln in r.stderr.splitlines()
-        if not ln.startswith(("WARNING kvoffload.store.keys.keyring: development KEK", "marker:"))
-    ]
-    assert len(lines) == 1, r.stderr
-    assert lines[0].startswith(f"{label}: "), lines[0]
-    return lines[0]
-
 
 # -- item 13: the demo without torch, and its options checked first ----------------------------
 

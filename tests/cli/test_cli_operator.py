@@ -13,7 +13,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,23 +20,9 @@ import pytest
 
 from kvoffload.cli.exits import ExitCode
 from kvoffload.testing import SidecarProcess, cli_argv
+from tests.helpers.cli import one_line
+from tests.helpers.cli import run_cli as run
 from tests.helpers.paths import REPO
-
-
-def run(
-    cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120
-) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
-    base.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "kvoffload.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        env=base,
-        timeout=timeout,
-    )
 
 
 @contextlib.contextmanager
@@ -170,19 +155,6 @@ def test_config_check_with_the_sidecar_running_is_a_note(tmp_path: Path, short_d
 
 
 # -- item 3: a wedged sidecar is given up on at once, naming its socket ----------------------
-
-
-def one_line(r: subprocess.CompletedProcess[str], code: int, label: str) -> str:
-    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
-    no_traceback(r)
-    lines = [
-        ln
-        for ln in r.stderr.splitlines()
-        if not ln.startswith("WARNING kvoffload.store.keys.keyring: development KEK")
-    ]
-    assert len(lines) == 1, r.stderr
-    assert lines[0].startswith(f"{label}: "), lines[0]
-    return lines[0]
 
 
 def test_a_wedged_sidecar_is_one_line_naming_its_socket(tmp_path: Path, short_dir: Path) -> None:

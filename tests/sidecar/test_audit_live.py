@@ -7,55 +7,22 @@ then read back with ``kvoffload audit --verify --json``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from kvoffload.client import SidecarClient
 from kvoffload.store import Store, StoreConfig
 from kvoffload.store.keys.keyring import Kek
-from kvoffload.testing import SidecarProcess, cli_argv
+from kvoffload.testing import SidecarProcess
+from tests.helpers.cli import cli, sidecar
 
 NS = bytes(range(32))
 KEYS = [bytes([i]) * 32 for i in range(3)]
 DEADLINE_S = 60.0
-
-
-def cli(cwd: Path, sock: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
-    env["KVOFFLOAD_SERVER_SOCKET"] = str(sock)
-    return subprocess.run(
-        cli_argv(*args),
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        env=env,
-        timeout=120,
-    )
-
-
-@contextlib.contextmanager
-def sidecar(directory: Path, sock: Path, *args: str) -> Iterator[SidecarProcess]:
-    proc = SidecarProcess(
-        directory,
-        sock,
-        cli_argv("--dev", *args, "serve"),
-        env={"KVOFFLOAD_SERVER_SOCKET": str(sock)},
-        tie_to_parent=True,
-    )
-    proc.start()
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
 
 
 def wait_for_log(proc: SidecarProcess, text: str) -> None:

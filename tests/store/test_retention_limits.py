@@ -9,7 +9,6 @@ timestamps (the records' created / last-access times), never by timing.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -33,7 +32,8 @@ from kvoffload.sidecar.access.policy_file import (
 )
 from kvoffload.store import Store, StoreConfig
 from kvoffload.store.keys.keyring import Kek
-from kvoffload.testing import SidecarProcess, cli_argv
+from kvoffload.testing import cli_argv
+from tests.helpers.cli import sidecar
 from tests.helpers.stores import make_store
 
 NS = bytes(range(32))
@@ -297,23 +297,6 @@ def test_a_built_in_policy_has_no_limits() -> None:
 # -- a real sidecar -----------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def sidecar(cwd: Path, sock: Path, conf: Path) -> Iterator[SidecarProcess]:
-    proc = SidecarProcess(
-        cwd,
-        sock,
-        cli_argv("--dev", "--config", str(conf), "serve"),
-        env={"KVOFFLOAD_SERVER_SOCKET": str(sock)},
-        tie_to_parent=True,
-    )
-    proc.start()
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
-
-
 def test_a_sidecar_serves_nothing_past_max_age_and_applies_a_reload(tmp_path: Path) -> None:
     """max_age of 1 s: polled until it has passed (no speed asserted); the sidecar's
     sweep runs every 30 s, so the misses come from the read path. Then a reload
@@ -327,7 +310,7 @@ def test_a_sidecar_serves_nothing_past_max_age_and_applies_a_reload(tmp_path: Pa
     conf.write_text(f"[security]\npolicy = {json.dumps(str(pol))}\n")
     with tempfile.TemporaryDirectory(prefix="kvo-r-") as d:
         sock = Path(d) / "kvo.sock"
-        with sidecar(tmp_path, sock, conf) as proc:
+        with sidecar(tmp_path, sock, "--config", str(conf)) as proc:
             with SidecarClient(sock, "short", staging_bytes=1 << 20) as c:
                 saved = time.time()
                 assert c.save(NS, [(K[0], [b"a" * 5000])]) == [True]
