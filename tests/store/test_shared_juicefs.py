@@ -18,7 +18,7 @@ import pytest
 
 from kvoffload.store.shared.journal import JournalFollower, JournalRecord, JournalWriter, Op
 from kvoffload.store.shared.lease import EvictorLease
-from tests.sharedfs import doctor_sharing, juice_volume, juicefs_unavailable
+from tests.sharedfs import bytes_under, doctor_sharing, juice_volume, juicefs_unavailable
 
 pytestmark = pytest.mark.skipif(
     juicefs_unavailable() is not None, reason=str(juicefs_unavailable())
@@ -464,25 +464,7 @@ def test_three_clients_writing_three_times_the_capacity_never_exceed_it(
         return None if cur is None or cur.released else (cur.epoch, cur.holder)
 
     def on_disk() -> int:
-        """The bytes of every file under the root's objects/ (temp files of writes
-        in flight included), in one read of the volume's metadata: a walk through
-        a mount is not atomic, and files written and removed during it would count."""
-        import sqlite3
-
-        ino = os.stat(objects).st_ino
-        query = (
-            "WITH RECURSIVE t(inode) AS (SELECT ? UNION ALL "
-            "SELECT e.inode FROM jfs_edge e JOIN t ON e.parent = t.inode) "
-            "SELECT COALESCE(SUM(n.length), 0) FROM jfs_node n JOIN t ON n.inode = t.inode "
-            "WHERE n.type = 1"
-        )
-        for _ in range(50):
-            try:
-                with contextlib.closing(sqlite3.connect(f"file:{meta}?mode=ro", uri=True)) as db:
-                    return int(db.execute(query, (ino,)).fetchone()[0])
-            except sqlite3.OperationalError:  # the volume's clients hold a write lock
-                time.sleep(0.02)
-        raise AssertionError("the volume's metadata stayed locked")
+        return bytes_under(meta, objects)
 
     deadline = time.monotonic() + 60
     while holder() is None and time.monotonic() < deadline:
