@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.test_protocol_frames import FRAMES_FILE, encode_catalogue  # noqa: E402
+from tests.protocol.test_protocol_frames import FRAMES_FILE, encode_catalogue  # noqa: E402
 
 
 def main() -> int:

@@ -212,7 +212,7 @@ def _saving_process(node: Node, seed: str) -> subprocess.Popen[bytes]:
     code = (
         "import sys, time\n"
         "sys.path.insert(0, sys.argv[2])\n"
-        "from tests.test_shared_juicefs_restart import NS, _chunk\n"
+        "from tests.store.test_shared_juicefs_restart import NS, _chunk\n"
         "from kvoffload.client import SidecarClient\n"
         "c = SidecarClient(sys.argv[1], 'acme', staging_bytes=4 << 20)\n"
         "i = 0\n"
