@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -213,3 +214,29 @@ def test_sidecar_absent_at_start_lookups_miss(tenant: str, tmp_path: object) -> 
         wait_until(lambda: not mgr.has_pending_work(), "no pending work")
     finally:
         mgr.shutdown()
+
+
+def _policy(tenants: list[str]) -> str:
+    names = ", ".join(f'"{t}"' for t in tenants)
+    return f"version = 1\n[[grants]]\nuid = {os.getuid()}\ntenants = [{names}]\nadmin = true\n"
+
+
+def test_revocation_reaches_the_tier(tmp_path: Path, tenant: str) -> None:
+    pol = tmp_path / "policy.toml"
+    pol.write_text(_policy([tenant]))
+    pol.chmod(0o644)
+    with dev_sidecar(env={"KVOFFLOAD_POLICY": str(pol)}) as sc:
+        mgr, keys, _ = _stored_then_evicted(sc, tenant)
+        try:
+            gen = int(sc.stats()["policy"]["generation"])
+            new = tmp_path / "policy.new"
+            new.write_text(_policy(["someone-else"]))
+            new.chmod(0o644)
+            os.replace(new, pol)  # as an editor saves; the sidecar reloads on the change
+            wait_until(lambda: int(sc.stats()["policy"]["generation"]) > gen, "policy reloaded")
+            ctx = ReqContext("after-revocation")
+            with mgr.lock:
+                mgr.on_new_request(ctx)
+            assert d.resolve(mgr, ctx, keys) == [LookupResult.MISS] * 2
+        finally:
+            mgr.shutdown()
