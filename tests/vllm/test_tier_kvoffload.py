@@ -240,3 +240,29 @@ def test_revocation_reaches_the_tier(tmp_path: Path, tenant: str) -> None:
             assert d.resolve(mgr, ctx, keys) == [LookupResult.MISS] * 2
         finally:
             mgr.shutdown()
+
+
+def test_identity_from_the_current_vllm_config(tiny_model: Path) -> None:
+    """Under vLLM's current config the tier derives the model identity with the
+    connector's code, and refuses a non-cryptographic prefix-cache hash."""
+    from vllm.config import set_current_vllm_config
+
+    from kvoffload.integrations.vllm.common import model_revision
+
+    from .engine import make_vllm_config
+
+    cfg = d.kvoffload_tier("/nonexistent.sock", "t1")
+    del cfg["model_revision"], cfg["tokenizer_hash"]
+    cfg["attention_backend"] = "TORCH_SDPA"  # no platform backend on this CPU
+    vc = make_vllm_config(tiny_model, {"tenant": "t1"})
+    with set_current_vllm_config(vc):
+        mgr = d.make_spec([cfg]).get_manager()
+        try:
+            contract = d.tier(mgr).contract
+            assert contract.model_revision == model_revision(vc.model_config)
+            assert contract.layer_layout.cache_layout.startswith("vllm-row-v1:")
+        finally:
+            mgr.shutdown()
+        vc.cache_config.prefix_caching_hash_algo = "xxhash"
+        with pytest.raises(KVOffloadConfigError, match="prefix_caching_hash_algo"):
+            d.make_spec([cfg]).get_manager()

@@ -277,8 +277,6 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc]
                 f"kvoffload tier: locality must be LOCAL or REMOTE, got {locality!r}"
             ) from None
         row = self.block_size_bytes
-        #: The primary region as bytes: chunk c is [c * row, (c + 1) * row).
-        self._flat = primary_kv_view.cast("B")
         page = int(getattr(offloading_spec, "cpu_page_size_per_worker", 0) or row)
         # One layer per worker slot of the row (vLLM's SharedOffloadRegion layout).
         self._layers = [page] * (row // page) if page and row % page == 0 else [row]
@@ -289,6 +287,9 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc]
             )
         self.contract = tier_contract(offloading_spec, self.settings, row, _current_vllm_config())
         self.namespace = self.contract.fingerprint()
+        #: The primary region as bytes: chunk c is [c * row, (c + 1) * row). Taken
+        #: after every check, so that a refused start exports no buffer of it.
+        self._flat = primary_kv_view.cast("B")
         self._roots: dict[bytes, bytes] = {}  # salt -> root key
         self._tokens_per_chunk = self.contract.chunk_tokens
         self.events: list[OffloadingEvent] | None = None
