@@ -266,3 +266,22 @@ def test_identity_from_the_current_vllm_config(tiny_model: Path) -> None:
         vc.cache_config.prefix_caching_hash_algo = "xxhash"
         with pytest.raises(KVOffloadConfigError, match="prefix_caching_hash_algo"):
             d.make_spec([cfg]).get_manager()
+
+
+def test_drain_jobs_leaves_every_result_ready(sidecar: DevSidecar, tenant: str) -> None:
+    """SecondaryTierManager.drain_jobs: on return, no job touches the primary
+    region and each submitted job's result is in the next get_finished_jobs."""
+    mgr = d.make_spec([d.kvoffload_tier(str(sidecar.socket_path), tenant)]).get_manager()
+    try:
+        t = d.tier(mgr)
+        ctx = ReqContext("drain")
+        keys = d.offload_keys(uuid.uuid4().hex, 4)
+        with mgr.lock:
+            for j, k in enumerate(keys):
+                t.submit_store(TransferJob(100 + j, [k], np.array([j], np.int32), False, ctx))
+            t.drain_jobs()
+            done = sorted((r.job_id, r.success) for r in t.get_finished_jobs())
+        assert done == [(100 + j, True) for j in range(4)]
+        assert not t.has_pending_work()
+    finally:
+        mgr.shutdown()
