@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 want = rows.copy()
                 ceil = _ceilings(want, work / "raw")
                 results = _measure(mgr, rows, want, args, err, [work / "fs", sc.store_root])
+                del rows  # the region's buffer export, before vLLM unmaps it
             finally:
                 mgr.shutdown()
             describe = sc.describe()
