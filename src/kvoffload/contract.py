@@ -42,6 +42,9 @@ DEFAULT_CHUNK_TOKENS = 256
 TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 CACHE_LAYOUTS = ("NHD", "HND")
+#: contract-v1 §7: a row of vLLM's native-offloading primary tier as vLLM wrote
+#: it, named by the BLAKE2b-128 of its geometry (kvoffload's vLLM tier).
+VLLM_ROW_LAYOUT_RE = re.compile(r"^vllm-row-v1:[0-9a-f]{32}$")
 
 
 def validate_tenant(tenant: str) -> str:
@@ -119,9 +122,13 @@ class LayerLayout:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ContractError(f"layer_layout.{name} must be a positive int, got {v!r}")
-        if self.cache_layout not in CACHE_LAYOUTS:
+        layout = self.cache_layout
+        if layout not in CACHE_LAYOUTS and not (
+            isinstance(layout, str) and VLLM_ROW_LAYOUT_RE.fullmatch(layout)
+        ):
             raise ContractError(
-                f"layer_layout.cache_layout must be one of {CACHE_LAYOUTS}, "
+                f"layer_layout.cache_layout must be one of {CACHE_LAYOUTS} or "
+                "vllm-row-v1:<32 hex digits>, "
                 f"got {self.cache_layout!r}"
             )
 
