@@ -282,3 +282,37 @@ def test_a_complete_is_done_even_when_the_request_is_refused(sock_dir: Path) -> 
         if buf is not None:
             buf.close()
         st.stop()
+
+
+def test_a_padded_tenants_lookup_load_is_held_like_its_lookup(sock_dir: Path, store: Store) -> None:
+    """§5.28: a tenant with a ``lookup_floor`` has every lookup-carrying reply
+    padded, ``lookup_load``'s too (counted in stats), and the reply held is
+    the whole answer."""
+    import os
+
+    from kvoffload.sidecar.access.policy import Grant, Policy, TenantPolicy
+
+    assert store.put(TENANT, NS, key(0), chunk(0))
+    policy = Policy(
+        grants=[Grant("uid", os.getuid(), frozenset({TENANT}))],
+        tenants={TENANT: TenantPolicy(lookup_floor_s=0.005)},
+    )
+    st = ServerThread(sock_dir, store, policy)
+    r = Raw(st.path)
+    buf: StagingBuffer | None = None
+    try:
+        r.hello(TENANT)
+        buf = r.register()
+        for _ in range(3):
+            got = r.call(p.LookupLoad(TENANT, (key(0), key(9))))
+            assert isinstance(got, p.LookupLoadReply)
+            assert (got.found, got.verified, got.stop) == (1, 1, ErrorCode.NOT_FOUND)
+            assert r.call(p.CompleteLoad(got.handle)) == p.Ack(p.Op.COMPLETE_LOAD)
+        stats = r.call(p.Stats())
+        assert isinstance(stats, p.StatsReply)
+        assert stats.stats["lookup_padding"][TENANT]["padded"] == 3
+    finally:
+        r.close()
+        if buf is not None:
+            buf.close()
+        st.stop()
