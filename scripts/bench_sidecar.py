@@ -165,6 +165,9 @@ FINAL_ROWS: tuple[tuple[str, str, dict[str, str]], ...] = (
     ("cold load", "load sealed cold", {d: "get cold" for d in DURABILITIES}),
     ("warm load", "load sealed warm", {d: "get warm" for d in DURABILITIES}),
 )
+#: Keys of the lookup-then-load rows: ``lookup`` + ``load`` (two round trips) against
+#: ``lookup_load`` (one, protocol revision 15), of the same small present chunks.
+FOLD_KEYS = 4
 #: Issue 12's lookup targets: p99 < 0.15 ms and >= 200k keys/s per connection.
 LOOKUP_TARGET_P99_US = 150.0
 LOOKUP_TARGET_KEYS_PER_S = 200_000.0
@@ -632,7 +635,7 @@ class Bench:
             raise RuntimeError(f"lookup keys not stored ({data.shape.key})\n{sc.log_tail()}")
         req = len(encode_frame(request_message(1 << 20, Lookup(SEALED_TENANT, tuple(keys)))))
         rep = len(encode_frame(reply_message(1 << 20, LookupReply(LOOKUP_KEYS))))
-        lat: dict[str, list[float]] = {"echo": [], "64": [], "1": []}
+        lat: dict[str, list[float]] = {"echo": [], "64": [], "1": [], "two": [], "fold": []}
 
         def lookup(which: str, ks: list[bytes]) -> Callable[[int], None]:
             out = lat[which]
@@ -645,6 +648,26 @@ class Bench:
                     raise RuntimeError(f"lookup found {found} of {len(ks)}\n{sc.log_tail()}")
 
             return op
+
+        batch = keys[:FOLD_KEYS]
+
+        def drop(_i: int, _k: bytes, _v: object) -> None:
+            pass
+
+        def then_load(_i: int) -> None:  # lookup, then load what it found: 2 round trips
+            s = time.perf_counter()
+            found = client.lookup(batch)
+            got = client.load(batch[:found], into=drop)
+            lat["two"].append(time.perf_counter() - s)
+            if found != len(batch) or not all(r.ok for r in got):
+                raise RuntimeError(f"lookup+load found {found} of {len(batch)}\n{sc.log_tail()}")
+
+        def folded(_i: int) -> None:  # lookup_load (revision 15, §5.32): 1 round trip
+            s = time.perf_counter()
+            found, got = client.lookup_load(batch, into=drop)
+            lat["fold"].append(time.perf_counter() - s)
+            if found != len(batch) or not all(r.ok for r in got):
+                raise RuntimeError(f"lookup_load found {found} of {len(batch)}\n{sc.log_tail()}")
 
         with socket_echo(req, rep) as echo_op:
 
@@ -659,11 +682,20 @@ class Bench:
                 budget_s=1e9,
                 min_ops=self.lookups,
             )
+            # A loop of their own: a load's work (and its deferred complete)
+            # must not land in the lookup rows above.
+            interleaved([then_load, folded], n=self.lookups, budget_s=1e9, min_ops=self.lookups)
         # interleaved() ran one untimed warm-up op of each: drop it.
         ceil = Latency.of("ceiling", f"unix socket round trip {req}+{rep} B", dur, lat["echo"][1:])
         rows = [
             Latency.of("kvoffload", f"lookup {LOOKUP_KEYS} keys", dur, lat["64"][1:], LOOKUP_KEYS),
             Latency.of("kvoffload", "lookup 1 key", dur, lat["1"][1:], 1),
+            Latency.of(
+                "kvoffload", f"lookup+load {FOLD_KEYS} keys", dur, lat["two"][1:], FOLD_KEYS
+            ),
+            Latency.of(
+                "kvoffload", f"lookup_load {FOLD_KEYS} keys", dur, lat["fold"][1:], FOLD_KEYS
+            ),
         ]
         rows[0].target_p99_us = LOOKUP_TARGET_P99_US
         rows[0].target_keys_per_s = LOOKUP_TARGET_KEYS_PER_S

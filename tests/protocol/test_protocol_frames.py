@@ -370,6 +370,31 @@ CATALOGUE: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
     ),
     "error_frame": ("reply", lambda: p.error_message(ErrorCode.SHUTTING_DOWN, "draining")),
     "error_frame_unicode": ("reply", lambda: p.error_message(ErrorCode.INTERNAL, "défaut ✗")),
+    # revision 15 (§5.32): lookup_load, and completes on the way
+    "lookup_load": ("request", _req(21, p.LookupLoad("acme", (K[0], K[1])))),
+    "lookup_load_complete": ("request", _req(21, p.LookupLoad("acme", (K[2],), (5, 2**40)))),
+    "prepare_load_complete": ("request", _req(8, p.PrepareLoad("acme", (K[0],), complete=(7,)))),
+    "lookup_load_reply": (
+        "reply",
+        _rep(
+            21,
+            p.LookupLoadReply(
+                9, ErrorCode.NOT_FOUND, (p.LoadSlot(True, 0, (10, 20)), p.LoadSlot(False)), (), 1
+            ),
+        ),
+    ),
+    "lookup_load_reply_failed": (
+        "reply",
+        _rep(21, p.LookupLoadReply(0, ErrorCode.NOT_FOUND, (p.LoadSlot(False),), (5,), 0)),
+    ),
+    "prepare_load_reply_failed": (
+        "reply",
+        _rep(8, p.PrepareLoadReply(0, ErrorCode.NOT_FOUND, (p.LoadSlot(False),), (7, 8))),
+    ),
+    "hello_reply_lookup_load": (
+        "reply",
+        _rep(1, p.HelloReply(1, "srv", "store", {"acme": SALT}, lookup_load=True)),
+    ),
 }
 
 

@@ -423,12 +423,15 @@ def test_a_load_waits_for_one_reply_per_batch(
     calls: list[str] = []
     real_call, real_post, real_send = ClientSession.call, ClientSession.post, ClientSession.send
 
+    def name(req: Any) -> str:  # §5.32: a load that completes the one before
+        return req.OP.value + (" +complete" if getattr(req, "complete", ()) else "")
+
     def call(self_: ClientSession, req: Any, fds: Any = ()) -> Any:
-        calls.append("call " + req.OP.value)
+        calls.append("call " + name(req))
         return real_call(self_, req, fds)
 
     def send(self_: ClientSession, req: Any) -> int:  # then its replies are waited for
-        calls.append("call " + req.OP.value)
+        calls.append("call " + name(req))
         return real_send(self_, req)
 
     def post(self_: ClientSession, req: Any) -> None:
@@ -442,8 +445,11 @@ def test_a_load_waits_for_one_reply_per_batch(
         for _ in range(20):
             assert loaded_bytes(c, CHUNKS) == [b"".join(chunk(i)) for i in range(CHUNKS)]
         loads = [x for x in calls if "load" in x]
-        assert loads == ["call prepare_load", "post complete_load"] * 20  # never BUSY
+        # Never BUSY; each load completes the one before on the way (§5.32).
+        assert loads == ["call prepare_load"] + ["call prepare_load +complete"] * 19
         assert c.stats()["chunks"] == CHUNKS  # the posted Acks were read on the way
+        # The last load's complete went out on its own, before stats.
+        assert [x for x in calls if "load" in x][20:] == ["post complete_load"]
 
 
 def test_a_corrupt_small_page_cache_hit_is_a_miss_and_leaves(

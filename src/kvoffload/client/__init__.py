@@ -264,6 +264,33 @@ class SidecarClient:
                 s.lose(exc)
             return total
 
+    def lookup_load(
+        self, keys: Sequence[bytes], into: LoadCallback | None = None
+    ) -> tuple[int, list[LoadedChunk]]:
+        """What :meth:`lookup` and then :meth:`load` of ``keys`` give, in one round
+        trip per batch where the sidecar serves ``lookup_load`` (protocol
+        revision 15, §5.32) and saves take the staging path; else the two calls.
+
+        The count is advisory as :meth:`lookup`'s (counted up to the first batch
+        not wholly loaded); the ``ok`` chunks form a prefix of ``keys``.
+        """
+        keys = check_keys(keys)
+        results = [LoadedChunk(k, False) for k in keys]
+        if not keys:
+            return 0, results
+        with self._lock:
+            s, path = self._ensure_path()
+            if s is None or path is None:
+                return 0, results
+            if isinstance(path, StagedPath) and s.hello.lookup_load:
+                try:
+                    return path.lookup_load(s, keys, results, into), results
+                except CONNECTION_ERRORS as exc:
+                    s.lose(exc)
+                    return sum(r.ok for r in results), results
+        found = self.lookup(keys)
+        return found, self.load(keys[:found], into) + results[found:]
+
     def uses_direct(self) -> bool:
         """Whether saves and loads take the direct path now (connects if needed)."""
         with self._lock:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..protocol import (
+    MAX_PIGGYBACK,
     MAX_PROTOCOL_VERSION,
     MIN_PROTOCOL_VERSION,
     Ack,
@@ -26,8 +27,10 @@ from ..protocol import (
     ErrorReply,
     Hello,
     HelloReply,
+    LookupLoad,
     Op,
     PrepareLoad,
+    PrepareLoadReply,
     ProtocolError,
     Reply,
     Request,
@@ -134,6 +137,10 @@ class Session:
     #: Requests sent without waiting (:meth:`post`) whose replies are still to
     #: come, by id: read on the way to the next reply this session waits for.
     posted: dict[int, Request] = field(default_factory=dict)
+    #: §5.32: load handles whose data is copied out, to be completed by the
+    #: next ``prepare_load`` or ``lookup_load`` (its ``complete``), or by a
+    #: ``complete_load`` sent before any other request.
+    deferred: list[int] = field(default_factory=list)
 
     def contract_for(self, namespace: bytes) -> dict[str, Any] | None:
         """§5.19: the fields to send with a write of ``namespace``: once per connection."""
@@ -157,11 +164,13 @@ class Session:
 
     def send(self, req: Request) -> int:
         """Send ``req`` without waiting; its id, for :func:`read_reply`."""
+        self._flush_deferred(req)
         rid = self.take_id()
         self.transport.send(request_message(rid, req))
         return rid
 
     def call(self, req: Request, fds: Sequence[int] = ()) -> Reply:
+        self._flush_deferred(req)
         rid = self.take_id()
         self.transport.send(request_message(rid, req), fds)
         return self.reply_to(rid, req)
@@ -170,14 +179,40 @@ class Session:
         """Send ``req`` and go on without its reply, which is checked when it comes
         (on the way to the next reply waited for): for a verb whose success
         changes nothing here (:meth:`complete_load`). Saves a round trip."""
+        self._flush_deferred(req)
         rid = self.take_id()
         self.transport.send(request_message(rid, req))
         self.posted[rid] = req
 
     def complete_load(self, handle: int) -> None:
-        """§5.8 for a staged load whose bytes are copied out: posted where the
+        """§5.8 for a staged load whose bytes are copied out: deferred to the
+        next load request's ``complete`` where the server takes it
+        (``lookup_load``, §5.32: no frame of its own), else posted where the
         server answers it before the next request (``complete_in_order``,
         §5.29), else a call whose error reply is handled here."""
+        if self.hello.lookup_load:
+            self.deferred.append(handle)
+            if len(self.deferred) >= MAX_PIGGYBACK:
+                self._flush_deferred(None)
+            return
+        self._complete_now(handle)
+
+    def take_deferred(self) -> tuple[int, ...]:
+        """§5.32: the deferred handles, for the ``complete`` of the request about
+        to be sent (which then owns them)."""
+        handles = tuple(self.deferred)
+        self.deferred.clear()
+        return handles
+
+    def _flush_deferred(self, req: Request | None) -> None:
+        """Complete the deferred handles with frames of their own before ``req``,
+        unless ``req`` carries them (a load request built with :meth:`take_deferred`)."""
+        if not self.deferred or (isinstance(req, PrepareLoad | LookupLoad) and req.complete):
+            return
+        for handle in self.take_deferred():
+            self._complete_now(handle)
+
+    def _complete_now(self, handle: int) -> None:
         if self.hello.complete_in_order:
             self.post(CompleteLoad(handle))
             return
@@ -190,6 +225,14 @@ class Session:
         first are taken on the way, an error among them handled as any error."""
         while True:
             got, reply = read_reply(self.transport, rid, req, self.posted)
+            if isinstance(reply, PrepareLoadReply) and reply.complete_failed:
+                # §5.32: a handle that expired while deferred; nothing is lost.
+                self.warn(
+                    logging.WARNING,
+                    "complete-failed",
+                    f"kvoffload sidecar had no load handle {list(reply.complete_failed)} "
+                    "to complete (expired while idle?)",
+                )
             if got == rid:
                 return reply
             if isinstance(reply, ErrorReply):

@@ -23,6 +23,8 @@ from ..protocol import (
     ErrorReply,
     LoadProgress,
     LoadSlot,
+    LookupLoad,
+    LookupLoadReply,
     PrepareLoad,
     PrepareLoadReply,
     PrepareStore,
@@ -277,7 +279,9 @@ class StagedPath:
         handle = 0
         try:
             reply = _with_frames(
-                s, PrepareLoad(s.tenant, tuple(batch), layerwise=True), lw.progress
+                s,
+                PrepareLoad(s.tenant, tuple(batch), layerwise=True, complete=s.take_deferred()),
+                lw.progress,
             )
             if isinstance(reply, ErrorReply):
                 s.on_error_reply(reply)
@@ -298,6 +302,29 @@ class StagedPath:
                     s.lose(exc)
         return n, prep.stop is ErrorCode.BUSY and n > 0
 
+    def lookup_load(
+        self, s: Session, keys: list[bytes], results: list[LoadedChunk], into: LoadCallback | None
+    ) -> int:
+        """§5.32: ``lookup`` and ``load`` of ``keys`` with one ``lookup_load`` per
+        batch (a server that announced it); how many leading keys it holds."""
+        found = 0
+        pos = 0
+        while pos < len(keys) and s.alive:
+            got: list[int] = []
+            n, more = self._load_batch(s, keys, pos, into, results, got)
+            if not got:
+                break
+            found += got[0]
+            batch = min(len(keys) - pos, s.hello.max_batch)
+            # The rest of a batch answered in part is loaded the ordinary way.
+            while more and n < batch and s.alive:
+                m, more = self._load_batch(s, keys, pos + n, into, results)
+                n += m
+            if got[0] < batch or n < batch:
+                break
+            pos += batch
+        return found
+
     def _load_batch(
         self,
         s: Session,
@@ -305,20 +332,29 @@ class StagedPath:
         pos: int,
         into: LoadCallback | None,
         results: list[LoadedChunk],
+        found: list[int] | None = None,
     ) -> tuple[int, bool]:
         """Load keys[pos:] up to one batch; (chunks loaded, worth asking for more).
 
         To a server with chunk-wise loads (§5.30) each chunk is handed out as its
-        frame arrives, while the server still reads the chunks after it."""
+        frame arrives, while the server still reads the chunks after it. With
+        ``found`` (a server with ``lookup_load``, §5.32): one ``lookup_load``,
+        whose ``found`` is appended to it."""
         batch = keys[pos : pos + s.hello.max_batch]
         out = _Handout(self._staging, keys, pos, into, results)
         prep: PrepareLoadReply | None = None
         try:
-            if s.hello.chunkwise:
-                req = PrepareLoad(s.tenant, tuple(batch), chunkwise=True)
+            if found is not None:
+                reply = s.call(LookupLoad(s.tenant, tuple(batch), s.take_deferred()))
+                if isinstance(reply, LookupLoadReply):
+                    found.append(reply.found)
+            elif s.hello.chunkwise:
+                req = PrepareLoad(
+                    s.tenant, tuple(batch), chunkwise=True, complete=s.take_deferred()
+                )
                 reply = _with_frames(s, req, out.frame)
             else:
-                reply = s.call(PrepareLoad(s.tenant, tuple(batch)))
+                reply = s.call(PrepareLoad(s.tenant, tuple(batch), complete=s.take_deferred()))
             if isinstance(reply, ErrorReply):
                 s.on_error_reply(reply)
                 return out.done, False

@@ -30,6 +30,8 @@ MAX_FDS = 4
 MAX_PATH = 4096
 #: Largest region alignment a server may announce.
 MAX_ALIGNMENT = 1 << 30
+#: Most load handles one request may complete on the way (``complete``, §5.32).
+MAX_PIGGYBACK = 64
 
 
 class Op(StrEnum):
@@ -60,6 +62,8 @@ class Op(StrEnum):
     STORE = "store"
     #: Revision 13 (§5.31, admin): empty the sidecar's RAM tier.
     DROP_CACHE = "drop_cache"
+    #: Revision 15 (§5.32): ``lookup`` and ``prepare_load`` in one request.
+    LOOKUP_LOAD = "lookup_load"
     #: Server-initiated fatal error frame (id 0).
     ERROR = "error"
 

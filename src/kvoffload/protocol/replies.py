@@ -9,8 +9,8 @@ whole: handle 0 exactly when nothing is to be done, found entries a prefix.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Annotated, Any, ClassVar, Self, TypeVar
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Self
 
 import msgspec
 from msgspec import Meta
@@ -31,7 +31,6 @@ from .admin_replies import (
 from .fields import (
     Aligned,
     Check,
-    LayerSizes,
     Message,
     Path,
     ReplyMessage,
@@ -56,6 +55,7 @@ from .limits import (
     Op,
     StoreStatus,
 )
+from .load_replies import LoadSlot, LookupLoadReply, PrepareLoadReply, _prefix_reply
 
 Ident = Annotated[str, Meta(max_length=256)]
 Alignment = Annotated[int, Meta(ge=ALIGNMENT, le=MAX_ALIGNMENT)]
@@ -96,6 +96,9 @@ class HelloReply(ReplyMessage, frozen=True):
     #: Optional (revision 12, §5.30): the server answers ``prepare_load`` with
     #: ``chunkwise`` by reporting chunks as they are verified. Absent: false.
     chunkwise: bool = False
+    #: Optional (revision 15, §5.32): the server serves ``lookup_load`` and the
+    #: ``complete`` key of ``prepare_load`` and ``lookup_load``. Absent: false.
+    lookup_load: bool = False
 
     def validate_wire(self, where: str) -> None:
         if self.alignment & (self.alignment - 1):
@@ -120,6 +123,7 @@ class HelloReply(ReplyMessage, frozen=True):
             | ({"layerwise": True} if self.layerwise else {})
             | ({"complete_in_order": True} if self.complete_in_order else {})
             | ({"chunkwise": True} if self.chunkwise else {})
+            | ({"lookup_load": True} if self.lookup_load else {})
         )
 
 
@@ -229,8 +233,6 @@ _StagedEntries = Annotated[
 _LeasedEntries = Annotated[
     tuple[_LeasedWrite | _Exists | _Rejected, ...], Meta(min_length=1, max_length=MAX_BATCH)
 ]
-#: Checked entry by entry: a miss's other keys are not read.
-_LoadEntries = Annotated[tuple[Any, ...], Meta(min_length=1, max_length=MAX_BATCH)]
 
 
 class _PrepareStoreWire(Message, frozen=True):
@@ -316,13 +318,7 @@ class LeaseStoreReply(ReplyMessage, frozen=True):
         return cls(wire.handle, wire.alignment, slots, wire.durability)
 
 
-# -- prepare_load, lease_load: a found prefix of the keys ---------------------
-
-
-class LoadSlot(Message, frozen=True):
-    verified: bool
-    offset: int = 0
-    layers: tuple[int, ...] = ()
+# -- lease_load: a found prefix of the keys (prepare_load's: load_replies.py) --
 
 
 class LayerExtent(Message, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -355,21 +351,6 @@ class ReadSlot(Message, frozen=True):
         }
 
 
-class _LoadWire(Message, frozen=True):
-    handle: UInt
-    stop: WireCode
-    chunks: _LoadEntries
-
-
-class _Verified(Message, frozen=True):
-    verified: bool
-
-
-class _LoadHit(Message, frozen=True):
-    offset: Aligned
-    layers: LayerSizes
-
-
 class _Found(Message, frozen=True):
     found: bool
 
@@ -378,62 +359,6 @@ class _ReadHit(Message, frozen=True):
     path: Path
     size: Aligned
     layers: Annotated[tuple[LayerExtent, ...], Meta(min_length=1, max_length=MAX_LAYERS)]
-
-
-_S = TypeVar("_S")
-
-
-def _prefix_reply(
-    m: Mapping[str, Any],
-    w: str,
-    flag: str,
-    hit: Callable[[Any, str], _S | None],
-    miss: _S,
-) -> tuple[int, ErrorCode, tuple[_S, ...]]:
-    """(handle, stop, slots) of a load-type reply: the chunks whose ``flag`` is
-    true form a prefix, ``stop`` is OK exactly when there is no miss, and the
-    handle is 0 exactly when nothing was found. ``hit`` returns None for a miss."""
-    wire = decode(_LoadWire, m, w)
-    slots: list[_S] = []
-    seen_miss = False
-    for i, c in enumerate(wire.chunks):
-        cw = f"{w}.chunks[{i}]"
-        got = hit(c, cw)
-        if got is None:
-            seen_miss = True
-            slots.append(miss)
-            continue
-        if seen_miss:
-            raise bad(f"{cw}: {flag} chunk after a miss")
-        slots.append(got)
-    stop = code(wire.stop)
-    if (stop is ErrorCode.OK) != (not seen_miss):
-        raise bad(f"{w}: stop {stop.name} does not match the chunks")
-    if (wire.handle == 0) == (slots[0] is not miss):  # the found chunks are a prefix
-        raise bad(f"{w}: handle {wire.handle} does not match the {flag} chunks")
-    return wire.handle, stop, tuple(slots)
-
-
-class PrepareLoadReply(ReplyMessage, frozen=True):
-    OP: ClassVar[Op] = Op.PREPARE_LOAD
-    handle: int
-    stop: ErrorCode
-    chunks: tuple[LoadSlot, ...]
-
-    @property
-    def verified(self) -> int:
-        """Length of the verified prefix."""
-        return sum(1 for c in self.chunks if c.verified)
-
-    @classmethod
-    def from_wire(cls, m: Mapping[str, Any]) -> Self:
-        def hit(c: Any, cw: str) -> LoadSlot | None:
-            if not decode(_Verified, c, cw).verified:
-                return None
-            h = decode(_LoadHit, c, cw)
-            return LoadSlot(True, h.offset, h.layers)
-
-        return cls(*_prefix_reply(m, "prepare_load reply", "verified", hit, LoadSlot(False)))
 
 
 class LoadProgress(ReplyMessage, frozen=True):
@@ -559,6 +484,7 @@ ResultReply = (
     | LoadProgress
     | StoreReply
     | DropCacheReply
+    | LookupLoadReply
 )
 Reply = ResultReply | Ack | ErrorReply
 
@@ -583,6 +509,7 @@ __all__ = [
     "LoadPlan",
     "LoadProgress",
     "LoadSlot",
+    "LookupLoadReply",
     "LookupReply",
     "LsReply",
     "NamespacesReply",

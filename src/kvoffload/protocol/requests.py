@@ -32,6 +32,7 @@ from .limits import (
     ALIGNMENT,
     MAX_BATCH,
     MAX_CLIENT_NAME,
+    MAX_PIGGYBACK,
     MAX_PROTOCOL_VERSION,
     MAX_TENANTS,
     MIN_PROTOCOL_VERSION,
@@ -88,6 +89,10 @@ class Touch(_TenantKeys, frozen=True):
     OP: ClassVar[Op] = Op.TOUCH
 
 
+#: Revision 15 (§5.32): load handles completed before the request is served.
+Completes = Annotated[tuple[Handle, ...], Meta(max_length=MAX_PIGGYBACK)]
+
+
 class PrepareLoad(_TenantKeys, frozen=True):
     OP: ClassVar[Op] = Op.PREPARE_LOAD
     #: Revision 9 (§5.26): report layers as they are verified (``load_progress``
@@ -98,6 +103,13 @@ class PrepareLoad(_TenantKeys, frozen=True):
     #: before the reply). Sent only when true, only to a server whose ``hello``
     #: announced ``chunkwise``, never with ``layerwise``.
     chunkwise: bool = False
+    #: Revision 15 (§5.32): earlier load handles this request completes first,
+    #: as ``complete_load`` without ``corrupt`` would. Sent only when non-empty,
+    #: only to a server whose ``hello`` announced ``lookup_load``.
+    complete: Completes = ()
+
+    def validate_wire(self, where: str) -> None:
+        distinct(self.complete, f"{where}.complete", "handle")
 
     def to_wire(self) -> dict[str, Any]:
         d: dict[str, Any] = {"tenant": self.tenant, "keys": list(self.keys)}
@@ -105,6 +117,8 @@ class PrepareLoad(_TenantKeys, frozen=True):
             d["layerwise"] = True
         if self.chunkwise:
             d["chunkwise"] = True
+        if self.complete:
+            d["complete"] = list(self.complete)
         return d
 
 
@@ -112,6 +126,27 @@ class LeaseLoad(PrepareLoad, frozen=True):
     """``prepare_load``'s fields; the direct path (5.15). Match it before PrepareLoad."""
 
     OP: ClassVar[Op] = Op.LEASE_LOAD
+
+    def validate_wire(self, where: str) -> None:
+        if self.complete:
+            raise bad(f"{where}.complete: lease_load completes no handle on the way (5.32)")
+
+
+class LookupLoad(_TenantKeys, frozen=True):
+    """Revision 15 (§5.32): ``lookup`` and ``prepare_load`` of the same keys in one
+    round trip, completing the load handles in ``complete`` first."""
+
+    OP: ClassVar[Op] = Op.LOOKUP_LOAD
+    complete: Completes = ()
+
+    def validate_wire(self, where: str) -> None:
+        distinct(self.complete, f"{where}.complete", "handle")
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"tenant": self.tenant, "keys": list(self.keys)}
+        if self.complete:
+            d["complete"] = list(self.complete)
+        return d
 
 
 #: An engine block hash as vLLM publishes it: bytes, or a u64 (events-v1 §1).
@@ -426,6 +461,7 @@ Request = (
     | Namespaces
     | StoreBatch
     | DropCache
+    | LookupLoad
 )
 
 #: op → request class, made from :data:`Request`.
@@ -446,6 +482,7 @@ __all__ = [
     "LeaseLoad",
     "LeaseStore",
     "Lookup",
+    "LookupLoad",
     "Ls",
     "Namespaces",
     "PrepareLoad",

@@ -41,6 +41,8 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
+import msgspec
+
 from kvoffload.protocol import (
     CLIENT_MAGIC,
     MAX_FDS,
@@ -56,8 +58,10 @@ from kvoffload.protocol import (
     Hello,
     LoadProgress,
     Lookup,
+    LookupLoad,
     Op,
     PrepareLoad,
+    PrepareLoadReply,
     ProtocolError,
     RegisterStaging,
     Reply,
@@ -165,6 +169,8 @@ class Connection:
         # Pool completions, drained on the loop with one wake-up per batch.
         self._completions: collections.deque[tuple[_InFlight, _Outcome]] = collections.deque()
         self._drain_scheduled = False
+        #: §5.32: the handles of a request's ``complete`` that failed, by request id.
+        self._complete_failed: dict[int, tuple[int, ...]] = {}
 
     def __repr__(self) -> str:
         return repr(self.session)
@@ -261,6 +267,9 @@ class Connection:
         await fut
 
     def _reply(self, rid: int, reply: Reply) -> None:
+        failed = self._complete_failed.pop(rid, None) if self._complete_failed else None
+        if failed and isinstance(reply, PrepareLoadReply):
+            reply = msgspec.structs.replace(reply, complete_failed=failed)
         metrics = self.service.metrics
         if metrics is not None and isinstance(reply, ErrorReply):
             metrics.error(reply.code.name)
@@ -437,7 +446,12 @@ class Connection:
                 self.closing = True
                 return None
             return self._hello(rid, req)
-        if isinstance(req, Lookup) and len(self.tasks) < self.service.config.max_inflight:
+        if isinstance(req, PrepareLoad | LookupLoad) and req.complete:
+            # §5.32: completed before anything else of the request, on the loop
+            # (as an inline complete_load), whatever the request's own answer.
+            self._complete_failed[rid] = session.complete_piggyback(req.complete)
+        room = len(self.tasks) < self.service.config.max_inflight
+        if isinstance(req, Lookup | LookupLoad) and room:
             self._lookup(rid, req, arrived)
         elif isinstance(req, Hello):
             self._reply(rid, ErrorReply(op, ErrorCode.BAD_REQUEST, "second hello"))
@@ -445,7 +459,7 @@ class Connection:
             self._reply(rid, session.register_staging(req, frame.fds))
         elif isinstance(req, Bye):
             return self._bye(rid)
-        elif len(self.tasks) >= self.service.config.max_inflight:
+        elif not room:
             self._reply(rid, ErrorReply(op, ErrorCode.BUSY, "too many requests in flight"))
         elif not self._inline(rid, req):
             self._spawn(rid, req, None, arrived)
@@ -464,12 +478,21 @@ class Connection:
             self.closing = True
         self._reply(exc.request_id, ErrorReply(exc.op or "error", code, why))
 
-    def _lookup(self, rid: int, req: Lookup, arrived: float) -> None:
-        """§5.3: from the index on the loop where it can; a padded lookup always
-        takes the pool's path, hit or miss (§5.28)."""
+    def _lookup(self, rid: int, req: Lookup | LookupLoad, arrived: float) -> None:
+        """§5.3, §5.32: from the index on the loop where it can; a padded lookup
+        always takes the pool's path, hit or miss (§5.28)."""
         started = time.perf_counter()
-        pad = self.session.lookup_pad(req.tenant)
-        reply = self.session.lookup_inline(req) if pad is None else None
+        session = self.session
+        pad = session.lookup_pad(req.tenant)
+        reply: Reply | None = None
+        if pad is None and isinstance(req, Lookup):
+            reply = session.lookup_inline(req)
+        elif pad is None:
+            try:
+                reply = session.execute_inline(req)
+            except Exception:
+                log.exception("%r: %s failed", self, req.OP.value)
+                reply = ErrorReply(req.OP.value, ErrorCode.INTERNAL, "internal error")
         if reply is None:
             self._spawn(rid, req, pad, arrived)
         else:

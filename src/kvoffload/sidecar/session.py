@@ -50,11 +50,14 @@ from kvoffload.protocol import (
     LeaseLoad,
     LeaseStore,
     Lookup,
+    LookupLoad,
+    LookupLoadReply,
     LookupReply,
     Ls,
     Namespaces,
     Op,
     PrepareLoad,
+    PrepareLoadReply,
     PrepareStore,
     ProtocolError,
     Purge,
@@ -156,6 +159,7 @@ class Session:
             store=True,
             complete_in_order=True,  # connection.py answers it on the loop (§5.29)
             chunkwise=True,
+            lookup_load=True,  # §5.32: connection.py completes a request's handles first
         )
 
     def register_staging(self, req: RegisterStaging, fds: list[int]) -> Reply:
@@ -298,6 +302,8 @@ class Session:
                 reply: Reply | None = self.reads.complete_load(req)
             elif type(req) is PrepareLoad:
                 reply = self.reads.prepare_load_inline(req)
+            elif type(req) is LookupLoad:
+                reply = self.lookup_load_inline(req)
             else:
                 return None
         except Reject as exc:
@@ -380,6 +386,42 @@ class Session:
         found = self.service.store.lookup(req.tenant if allowed else DECOY_TENANT, req.keys)
         return LookupReply(max(0, min(found, len(req.keys))) if allowed else 0)
 
+    # -- lookup and load in one request, completes on the way (§5.32) ---------------
+
+    def complete_piggyback(self, handles: Sequence[int]) -> tuple[int, ...]:
+        """§5.32: complete each load handle of a request's ``complete`` as a
+        ``complete_load`` without ``corrupt`` would (a handle released by a
+        revocation or purge counts as completed); the handles that were no
+        live load handle of this connection, for the reply's ``complete_failed``."""
+        failed: list[int] = []
+        for h in handles:
+            try:
+                self.reads.complete_load(CompleteLoad(h))
+            except Reject:
+                failed.append(h)
+        return tuple(failed)
+
+    def lookup_load_inline(self, req: LookupLoad) -> Reply | None:
+        """:meth:`lookup_load` on the event loop where both halves can be
+        answered there (:meth:`lookup_inline`, ``prepare_load_inline``), else None."""
+        if req.tenant not in self.tenants:
+            return None
+        allowed = self.may_use(req.tenant)
+        found = self.service.store.lookup_cached(req.tenant if allowed else DECOY_TENANT, req.keys)
+        if found is None:
+            return None
+        prep = self.reads.prepare_load_inline(PrepareLoad(req.tenant, req.keys))
+        if prep is None:
+            return None
+        return _folded(found if allowed else 0, prep)
+
+    def lookup_load(self, req: LookupLoad) -> Reply:
+        """§5.32: what ``lookup`` and then ``prepare_load`` of ``req.keys`` answer,
+        in one reply (a whole-request error of the load is the request's error)."""
+        found = self.lookup(Lookup(req.tenant, req.keys))
+        assert isinstance(found, LookupReply)
+        return _folded(found.found, self.reads.prepare_load(PrepareLoad(req.tenant, req.keys)))
+
     def lookup_pad(self, tenant: str) -> Pad | None:
         """§5.28: the padding of a lookup of ``tenant`` (its policy's ``lookup_floor``),
         for a permitted and a forbidden tenant alike; None for none or an unlisted one."""
@@ -457,11 +499,21 @@ class Session:
         return Ack(Op.ABORT)
 
 
+def _folded(found: int, prep: Reply) -> Reply:
+    """§5.32: a ``lookup_load`` reply from its lookup's ``found`` and its load's reply."""
+    if not isinstance(prep, PrepareLoadReply):
+        if isinstance(prep, ErrorReply):
+            return ErrorReply(Op.LOOKUP_LOAD.value, prep.code, prep.message)
+        raise TypeError(f"prepare_load answered {prep!r}")
+    return LookupLoadReply(prep.handle, prep.stop, prep.chunks, (), min(found, len(prep.chunks)))
+
+
 #: How each verb after ``hello`` is served: request type → the part's method.
 #: Looked up by the exact type (a lease verb subclasses its prepare verb), and
 #: resolved on every call, so that a test can replace a part's method.
 _VERBS: dict[type[Request], Callable[[Session, Any, EmitFn | None], Reply]] = {
     Lookup: lambda s, r, _: s.lookup(r),
+    LookupLoad: lambda s, r, _: s.lookup_load(r),
     Touch: lambda s, r, _: s.touch(r),
     PrepareStore: lambda s, r, _: s.writes.prepare_store(r),
     LeaseStore: lambda s, r, _: s.writes.lease_store(r),
