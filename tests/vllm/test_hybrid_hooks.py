@@ -172,3 +172,54 @@ def test_reset_cache_is_refused_in_one_line(
         assert engine.scheduler.reset_prefix_cache(reset_connector=True) is False
     lines = [r.getMessage() for r in caplog.records if "reset_cache" in r.getMessage()]
     assert len(lines) == 1 and "kvoffload invalidate" in lines[0]
+
+
+class _Blocks:
+    """A test double of vLLM's ``KVCacheBlocks``: only ``get_block_ids``."""
+
+    def __init__(self, ids: tuple[list[int], ...]) -> None:
+        self._ids = ids
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return self._ids
+
+
+def test_a_hit_vllm_did_not_allocate_in_full_is_failed_whole(
+    tiny_model: Path, sidecar: DevSidecar, tenant: str
+) -> None:
+    """A Mamba state block missing from the allocation: the full-attention chunks
+    are not loaded alone, every block of the hit is reported failed instead."""
+    extra = {
+        "tenant": tenant,
+        "socket_path": str(sidecar.socket_path),
+        "chunk_tokens": CT,
+        "staging_bytes": 1 << 20,
+        "attention_backend": "FLASH_ATTN",
+        "load_mode": "sync",
+        "save_mode": "sync",
+    }
+    made = []
+    for _ in range(2):
+        cfg = make_vllm_config(tiny_model, extra, block_size=CT)
+        cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
+        cfg.cache_config.mamba_cache_mode = "align"
+        made.append(HybridEngine(cfg, "mamba"))
+    a, b = made
+    try:
+        tokens = [(31 * i + 5) % 997 for i in range(100)]
+        a.add(make_request("a", tokens, block_size=CT))
+        a.run_until(lambda: not a.scheduler.requests)
+        req = make_request("b", tokens, block_size=CT)
+        sched = b.sched_side
+        assert sched.get_num_new_matched_tokens(req, 0) == (96, False)
+        full = list(range(10, 17))
+        sched.update_state_after_alloc(req, _Blocks((full, [0] * 7)), 96)
+        meta = sched.build_connector_meta(mock.Mock(preempted_req_ids=(), num_scheduled_tokens={}))
+        (job,) = meta.loads
+        assert job.fail
+        worker = b.worker_side
+        worker.start_load_kv(meta)
+        assert worker.get_block_ids_with_load_errors() == set(full[:6])
+    finally:
+        for e in made:
+            e.close()

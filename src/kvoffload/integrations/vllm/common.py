@@ -563,6 +563,9 @@ class LoadJob:
     req_id: str
     chunks: tuple[ChunkRef, ...]
     is_async: bool
+    #: Not loadable as planned (a hybrid hit vLLM did not allocate in full):
+    #: the workers report every block failed, vLLM recomputes them.
+    fail: bool = False
 
 
 @dataclass(frozen=True)

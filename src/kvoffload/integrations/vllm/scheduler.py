@@ -41,7 +41,7 @@ from .common import (
     SaveJob,
 )
 from .events import ConnectorEvents
-from .groups import MAMBA, GroupSpec, hit_boundary
+from .groups import FULL, MAMBA, SLIDING, GroupSpec, hit_boundary
 
 log = logging.getLogger(__name__)
 
@@ -273,11 +273,12 @@ class KVOffloadScheduler:
 
     def _hybrid_load(
         self, st: _RequestState, block_ids: Any, start: int, end: int
-    ) -> list[ChunkRef]:
+    ) -> tuple[list[ChunkRef], bool]:
         """Each group's share of a hit ``[start, end)``: only the chunks vLLM's rule
         needs (a window, a state), only the blocks vLLM allocated (not null)."""
         shards = self._contracts.num_shards
         chunks: list[ChunkRef] = []
+        broken = False
         for g in self._groups:
             ids = list(block_ids[g.index])
             keys = st.keys[g.index * shards : (g.index + 1) * shards]
@@ -293,12 +294,16 @@ class KVOffloadScheduler:
                 else:
                     bpc = self._ct // g.block_size
                     lo, hi = max(c * bpc, start // g.block_size), (c + 1) * bpc
-                if hi > len(ids):
-                    continue
                 run = ids[lo:hi]
-                while run and run[0] == _NULL_BLOCK_ID:  # outside the window: not allocated
-                    run, lo = run[1:], lo + 1
-                if not run or _NULL_BLOCK_ID in run:
+                want = hi - lo
+                while g.kind != FULL and run and run[0] == _NULL_BLOCK_ID:
+                    run, lo, want = run[1:], lo + 1, want - 1  # below the window: none kept
+                if g.kind == SLIDING and not run:
+                    continue
+                if not run or len(run) != want or _NULL_BLOCK_ID in run:
+                    # vLLM allocated no block for a part of the hit: loading the
+                    # rest would be a partial hit. Fail it all (vLLM recomputes).
+                    broken = True
                     continue
                 first = 0 if g.kind == MAMBA else lo - c * (self._ct // g.block_size)
                 chunks.append(
@@ -307,7 +312,12 @@ class KVOffloadScheduler:
                     )
                 )
                 st.load_blocks.update((b, c) for b in run)
-        return chunks
+        if broken:
+            log.warning(
+                "kvoffload: %s: vLLM allocated no block for part of the hit; not loading it",
+                st.request.request_id,
+            )
+        return chunks, broken
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -325,13 +335,15 @@ class KVOffloadScheduler:
         st.load_async = self._async_load
         st.load_emitted = False
         if self._groups:
-            chunks = self._hybrid_load(st, blocks.get_block_ids(), start, end)
-            self._pending_loads.append(LoadJob(request.request_id, tuple(chunks), self._async_load))
+            planned, broken = self._hybrid_load(st, blocks.get_block_ids(), start, end)
+            self._pending_loads.append(
+                LoadJob(request.request_id, tuple(planned), self._async_load, fail=broken)
+            )
             return
         block_ids = list(blocks.get_block_ids()[0])
         bs, bpc = self._bs, self._blocks_per_chunk
         first_blk, end_blk = start // bs, -(-end // bs)
-        chunks = []
+        chunks: list[ChunkRef] = []
         for c in range(first_blk // bpc, -(-end_blk // bpc)):
             lo, hi = max(c * bpc, first_blk), min((c + 1) * bpc, end_blk)
             ids = tuple(block_ids[lo:hi])

@@ -335,11 +335,16 @@ class KVOffloadWorker:
         # Async loads (and layer-wise sync ones) write on a side stream: order
         # them after what this step queued on the main one (vLLM zeroes newly
         # allocated blocks there).
-        sync = [job for job in meta.loads if not job.is_async]
+        for job in meta.loads:
+            if job.fail:
+                self._fail_load(job)
+        sync = [job for job in meta.loads if not job.is_async and not job.fail]
         layerwise = bool(sync) and self._layerwise
         background = layerwise or any(job.is_async for job in meta.loads)
         after = self._load_stream.mark() if background and self._load_stream else None
         for job in meta.loads:
+            if job.fail:
+                continue
             if job.is_async:
                 self._loads[job.req_id] = self._load_pool.submit(self._run_load, job, True, after)
             elif not layerwise:
@@ -352,6 +357,16 @@ class KVOffloadWorker:
             step = _StepLoad(len(cache.layers), total, self._device_stream())
             step.future = self._step_pool.submit(self._run_step, sync, step, after)
             self._step = step
+
+    def _fail_load(self, job: LoadJob) -> None:
+        failed = {b for c in job.chunks for b in c.block_ids}
+        self._count(chunks_load_failed=len(job.chunks))
+        if job.is_async:
+            done: Future[set[int]] = Future()
+            done.set_result(failed)
+            self._loads[job.req_id] = done
+        else:
+            self._load_errors |= failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Return once layer ``layer_name`` of this step's sync loads is in the cache
