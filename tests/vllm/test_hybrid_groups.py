@@ -87,16 +87,17 @@ def test_the_connector_declares_hma() -> None:
     assert supports_hma(KVOffloadConnector)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
 def test_sliding_window_hit_loads_only_the_window(
-    engines: Any, sidecar: DevSidecar, tenant: str
+    engines: Any, sidecar: DevSidecar, tenant: str, mode: str
 ) -> None:
     tokens = prompt_of(200)
-    a = engines("sliding_window", settings(sidecar, tenant))
+    a = engines("sliding_window", settings(sidecar, tenant, save_mode=mode))
     a.add(make_request("a", tokens, block_size=BS, max_tokens=2))
     finish(a)
     # The full-attention group stored all 12 whole chunks; the sliding-window
     # group only what vLLM still held once the prompt was processed: its window.
-    b = engines("sliding_window", settings(sidecar, tenant))
+    b = engines("sliding_window", settings(sidecar, tenant, load_mode=mode))
     start = first_schedule(b, "b", tokens)
     assert start == (192, 8)  # 12 chunks from the store, vLLM computes the rest
     full_ids = b.group_block_ids("b", 0)
@@ -148,12 +149,15 @@ def test_a_missing_pool_is_a_miss(engines: Any, sidecar: DevSidecar, tenant: str
     assert first_schedule(c, "c", tokens)[0] == 192
 
 
-def test_mamba_state_at_the_boundary(engines: Any, sidecar: DevSidecar, tenant: str) -> None:
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_mamba_state_at_the_boundary(
+    engines: Any, sidecar: DevSidecar, tenant: str, mode: str
+) -> None:
     tokens = prompt_of(200)
-    a = engines("mamba", settings(sidecar, tenant))
+    a = engines("mamba", settings(sidecar, tenant, save_mode=mode))
     a.add(make_request("a", tokens, block_size=BS, max_tokens=2))
     finish(a)
-    b = engines("mamba", settings(sidecar, tenant))
+    b = engines("mamba", settings(sidecar, tenant, load_mode=mode))
     assert first_schedule(b, "b", tokens) == (192, 8)
     want = b.expected(tokens)
     for name in FULL_LAYERS:

@@ -52,7 +52,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             log.info(
                 "kvoffload: tenant %s on %s, namespace %s (shard 0 of %d; no LoRA); contract: "
                 "model_revision=%s tokenizer_hash=%s chat_template_version=%s "
-                "attention_backend=%s kv_dtype=%s block_size=%d chunk_tokens=%d layers=%s",
+                "attention_backend=%s kv_dtype=%s block_size=%d chunk_tokens=%d layers=%s "
+                "kv_group=%s",
                 self.settings.tenant,
                 self.settings.socket_path,
                 c.fingerprint().hex(),
@@ -65,6 +66,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 c.block_size,
                 c.chunk_tokens,
                 c.layer_layout,
+                c.kv_group,
             )
         self._scheduler: KVOffloadScheduler | None = None
         self._worker: KVOffloadWorker | None = None
