@@ -7,7 +7,14 @@ import sys
 import numpy as np
 import pytest
 
-from kvoffload.contract import CompatContract, ContractError, LayerLayout, Shard, canonical_json
+from kvoffload.contract import (
+    CompatContract,
+    ContractError,
+    KVGroup,
+    LayerLayout,
+    Shard,
+    canonical_json,
+)
 from kvoffload.keys import KeyDerivationError, chunk_keys, next_key, root_key
 
 from .conftest import make_contract
@@ -28,6 +35,7 @@ FIELD_CHANGES: dict[str, object] = {
     "tenant_namespace": "beta",
     "shard": Shard(tp_rank=1, tp_size=2),
     "chunk_tokens": 128,
+    "kv_group": KVGroup(index=0, num_groups=2, kind="full_attention", layers=(0, 2)),
 }
 
 
@@ -99,7 +107,7 @@ def test_invalid_contracts_are_refused(overrides: dict[str, object], match: str)
 
 def test_unknown_contract_version_refused() -> None:
     d = make_contract().to_dict()
-    d["contract"] = 2
+    d["contract"] = 3
     with pytest.raises(ContractError, match="unknown contract encoding version"):
         CompatContract.from_dict(d)
 

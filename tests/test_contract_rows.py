@@ -1,4 +1,4 @@
-"""contract-v1 §7: the ``vllm-row-v1:<hex>`` cache layout of kvoffload's vLLM tier."""
+"""contract-v1 §8: the ``vllm-row-v1:<hex>`` cache layout of kvoffload's vLLM tier."""
 
 from __future__ import annotations
 

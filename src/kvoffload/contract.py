@@ -15,7 +15,11 @@ encoding* of the contract, specified in ``docs/spec/contract-v1.md``:
   infinities are refused);
 * nested mappings are encoded the same way, recursively; sequences keep their
   order; ``None`` is ``null``;
-* the top-level object carries ``"contract": 1``, the version of this encoding.
+* the top-level object carries ``"contract": 1``, the version of this encoding;
+  a contract of one KV-cache group of a hybrid model (``kv_group`` set) is
+  encoding version 2: the same object plus a ``kv_group`` object
+  (contract-v1.md §7). A model with one group never carries it, so its
+  fingerprints are those of version 1.
 
 So neither field order, dict ordering nor float formatting can change the
 fingerprint, while any change of value does.
@@ -35,6 +39,10 @@ from typing import Any
 from kvoffload.errors import ContractError
 
 CONTRACT_ENCODING_VERSION = 1
+#: The encoding of a contract that names one KV-cache group (contract-v1.md §7).
+CONTRACT_GROUP_ENCODING_VERSION = 2
+#: What a KV-cache group holds (contract-v1.md §7).
+KV_GROUP_KINDS = ("full_attention", "sliding_window", "mamba")
 FINGERPRINT_SIZE = 32
 DEFAULT_CHUNK_TOKENS = 256
 
@@ -42,7 +50,7 @@ DEFAULT_CHUNK_TOKENS = 256
 TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 CACHE_LAYOUTS = ("NHD", "HND")
-#: contract-v1 §7: a row of vLLM's native-offloading primary tier as vLLM wrote
+#: contract-v1 §8: a row of vLLM's native-offloading primary tier as vLLM wrote
 #: it, named by the BLAKE2b-128 of its geometry (kvoffload's vLLM tier).
 VLLM_ROW_LAYOUT_RE = re.compile(r"^vllm-row-v1:[0-9a-f]{32}$")
 
@@ -148,6 +156,74 @@ class Shard:
 
 
 @dataclass(frozen=True)
+class KVGroup:
+    """One KV-cache group of a hybrid model (vLLM's hybrid KV-cache manager).
+
+    Each group has its own block table, so its chunks are separate objects
+    under a namespace of their own: the same tokens' chunk of another group
+    (other layers, another window) is never the same object.
+    """
+
+    index: int
+    num_groups: int
+    kind: str
+    #: The group's layers, as layer numbers of the model, ascending.
+    layers: tuple[int, ...]
+    #: Sliding-window groups: the window in tokens; None otherwise.
+    sliding_window: int | None = None
+    #: Mamba groups: vLLM's ``mamba_cache_mode``; None otherwise.
+    mamba_cache_mode: str | None = None
+    #: Sliding-window groups: tokens kept below the window (vLLM's
+    #: ``extra_retained_tokens``), None when 0.
+    extra_retained_tokens: int | None = None
+    #: Mamba groups: the state tensors of one layer's page (type, shapes, dtypes).
+    state: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("index", "num_groups"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ContractError(f"kv_group.{name} must be an int >= 0, got {v!r}")
+        if not self.index < self.num_groups:
+            raise ContractError(f"kv_group.index {self.index} outside {self.num_groups} groups")
+        if self.kind not in KV_GROUP_KINDS:
+            raise ContractError(f"kv_group.kind must be one of {KV_GROUP_KINDS}, got {self.kind!r}")
+        layers = tuple(self.layers)
+        if not layers or any(
+            not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in layers
+        ):
+            raise ContractError(f"kv_group.layers must be layer numbers, got {self.layers!r}")
+        object.__setattr__(self, "layers", layers)
+        window = self.sliding_window
+        if (self.kind == "sliding_window") != (window is not None):
+            raise ContractError("kv_group.sliding_window is set exactly for sliding_window groups")
+        if window is not None and (not isinstance(window, int) or window <= 0):
+            raise ContractError(f"kv_group.sliding_window must be positive, got {window!r}")
+        mode = self.mamba_cache_mode
+        if (self.kind == "mamba") != (mode is not None):
+            raise ContractError("kv_group.mamba_cache_mode is set exactly for mamba groups")
+        if mode is not None and (not isinstance(mode, str) or not mode):
+            raise ContractError(f"kv_group.mamba_cache_mode must be a string, got {mode!r}")
+        extra = self.extra_retained_tokens
+        if extra is not None and (not isinstance(extra, int) or extra <= 0 or window is None):
+            raise ContractError(f"kv_group.extra_retained_tokens: a positive int, got {extra!r}")
+        if (self.kind == "mamba") != (self.state is not None) or self.state == "":
+            raise ContractError("kv_group.state describes exactly a mamba group's state")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "num_groups": self.num_groups,
+            "kind": self.kind,
+            "layers": list(self.layers),
+            "sliding_window": self.sliding_window,
+            "mamba_cache_mode": self.mamba_cache_mode,
+            "extra_retained_tokens": self.extra_retained_tokens,
+            "state": self.state,
+        }
+
+
+@dataclass(frozen=True)
 class CompatContract:
     """Every input that shapes the KV of a chunk. Equal contract ⇔ reusable KV."""
 
@@ -163,6 +239,8 @@ class CompatContract:
     lora_id: str | None = None
     shard: Shard = field(default_factory=Shard)
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    #: The KV-cache group of a hybrid model; None for a model with one group.
+    kv_group: KVGroup | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -195,6 +273,8 @@ class CompatContract:
             object.__setattr__(self, "rope_config", _freeze(rope))
         elif not isinstance(rope, tuple):
             raise ContractError("rope_config must be a mapping")
+        if self.kv_group is not None and not isinstance(self.kv_group, KVGroup):
+            raise ContractError(f"kv_group must be a KVGroup or None, got {self.kv_group!r}")
 
     @property
     def rope(self) -> dict[str, Any]:
@@ -206,6 +286,13 @@ class CompatContract:
         return self.tenant_namespace
 
     def to_dict(self) -> dict[str, Any]:
+        out = self._v1_dict()
+        if self.kv_group is not None:
+            out["contract"] = CONTRACT_GROUP_ENCODING_VERSION
+            out["kv_group"] = self.kv_group.to_dict()
+        return out
+
+    def _v1_dict(self) -> dict[str, Any]:
         return {
             "contract": CONTRACT_ENCODING_VERSION,
             "model_revision": self.model_revision,
@@ -235,8 +322,25 @@ class CompatContract:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> CompatContract:
         version = d.get("contract", CONTRACT_ENCODING_VERSION)
-        if version != CONTRACT_ENCODING_VERSION:
+        if version not in (CONTRACT_ENCODING_VERSION, CONTRACT_GROUP_ENCODING_VERSION) or (
+            isinstance(version, bool)
+        ):
             raise ContractError(f"unknown contract encoding version {version!r}")
+        group: KVGroup | None = None
+        if version == CONTRACT_GROUP_ENCODING_VERSION:
+            raw = d.get("kv_group")
+            if not isinstance(raw, Mapping):
+                raise ContractError("a contract of encoding version 2 needs a kv_group object")
+            try:
+                layers = raw.get("layers")
+                if not isinstance(layers, list | tuple):
+                    raise ContractError("kv_group.layers must be an array of layer numbers")
+                fields = {str(k): v for k, v in raw.items() if k != "layers"}
+                group = KVGroup(**fields, layers=tuple(layers))
+            except TypeError as exc:
+                raise ContractError(f"invalid kv_group: {exc}") from exc
+        elif "kv_group" in d:
+            raise ContractError("kv_group needs contract encoding version 2")
         try:
             return cls(
                 model_revision=d["model_revision"],
@@ -251,6 +355,7 @@ class CompatContract:
                 lora_id=d.get("lora_id"),
                 tenant_namespace=d["tenant_namespace"],
                 shard=Shard(**d.get("shard", {})),
+                kv_group=group,
             )
         except KeyError as exc:
             raise ContractError(f"contract field {exc.args[0]!r} is missing") from exc

@@ -231,7 +231,7 @@ class Engine:
         self.block_size = vllm_config.cache_config.block_size
         self.tp = vllm_config.parallel_config.tensor_parallel_size
         self.heads_per_rank = NUM_KV_HEADS // self.tp
-        self.kv_cache_config = make_kv_cache_config(vllm_config, num_blocks)
+        self.kv_cache_config = self.plan_kv_cache(vllm_config, num_blocks)
         self.pipelined = bool(vllm_config.scheduler_config.async_scheduling)
         scheduler_cls = AsyncScheduler if self.pipelined else Scheduler
         self.scheduler = scheduler_cls(
@@ -267,6 +267,10 @@ class Engine:
         # Tokens the fake model sampled, by request and position: with async
         # scheduling a step computes a token before the scheduler has it.
         self._sampled: dict[str, dict[int, int]] = {}
+
+    def plan_kv_cache(self, vllm_config: VllmConfig, num_blocks: int) -> KVCacheConfig:
+        """The KV-cache plan (a hybrid engine plans several groups)."""
+        return make_kv_cache_config(vllm_config, num_blocks)
 
     # -- handles ---------------------------------------------------------------
 

@@ -22,7 +22,6 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     MLAAttentionSpec,
-    SlidingWindowSpec,
 )
 
 from kvoffload.client import DEFAULT_SOCKET_PATH
@@ -200,12 +199,6 @@ def test_parallel_shards(tiny_model: Path) -> None:
             "MLAAttentionSpec",
         ),
         (
-            SlidingWindowSpec(
-                block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float32, sliding_window=64
-            ),
-            "SlidingWindowSpec",
-        ),
-        (
             FullAttentionSpec(
                 block_size=16, num_kv_heads=2, head_size=16, head_size_v=8, dtype=torch.float32
             ),
@@ -218,16 +211,6 @@ def test_unsupported_caches_are_refused(tiny_model: Path, spec: Any, match: str)
     kvc = KVCacheConfig(16, [], [KVCacheGroupSpec(list(LAYER_NAMES), spec)])
     with pytest.raises(KVOffloadConfigError, match=match):
         EngineContracts.from_vllm(cfg, kvc, KVOffloadSettings.from_extra_config(BASE))
-
-
-def test_two_cache_groups_are_refused(tiny_model: Path) -> None:
-    cfg = make_vllm_config(tiny_model, BASE)
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float32)
-    groups = [KVCacheGroupSpec([name], spec) for name in LAYER_NAMES]
-    with pytest.raises(KVOffloadConfigError, match="one KV-cache group"):
-        EngineContracts.from_vllm(
-            cfg, KVCacheConfig(16, [], groups), KVOffloadSettings.from_extra_config(BASE)
-        )
 
 
 def test_model_config_and_cache_spec_must_agree(tiny_model: Path) -> None:

@@ -51,6 +51,17 @@ from ...contract import (
     validate_tenant,
 )
 from ...protocol import EngineBlocks
+from .groups import (
+    GroupSpec,
+    KVSpec,
+    _no_attention,
+    attention_spec,
+    check_chunking,
+    describe_groups,
+    group_contract,
+    kv_spec_of,
+    needs_groups,
+)
 
 Mode = Literal["sync", "async"]
 _MODES: tuple[Mode, ...] = ("sync", "async")
@@ -316,64 +327,6 @@ def registered_attention_backend(vllm_config: Any, layer_names: Sequence[str]) -
     return "+".join(sorted({layer.get_attn_backend().get_name() for layer in layers.values()}))
 
 
-@dataclass(frozen=True)
-class KVSpec:
-    """What one shard's paged cache looks like (from vLLM's KV-cache spec)."""
-
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: Any  # torch.dtype
-    layer_names: tuple[str, ...]
-
-
-def attention_spec(kv_cache_config: Any, *, quant_ok: bool = True) -> KVSpec:
-    """The single full-attention group this connector supports, or a clear refusal."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, MLAAttentionSpec
-
-    groups = list(kv_cache_config.kv_cache_groups)
-    if len(groups) != 1:
-        raise KVOffloadConfigError(
-            f"kvoffload supports models with one KV-cache group, this one has {len(groups)} "
-            "(hybrid/sliding-window/Mamba layers with the hybrid KV-cache manager); run with "
-            "--disable-hybrid-kv-cache-manager or without the connector"
-        )
-    spec = groups[0].kv_cache_spec
-    kind = type(spec).__name__
-    if isinstance(spec, MLAAttentionSpec) or not isinstance(spec, FullAttentionSpec):
-        raise KVOffloadConfigError(
-            f"kvoffload supports full attention with separate K and V, not {kind}"
-        )
-    if spec.kv_quant_mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
-        raise KVOffloadConfigError(
-            f"kvoffload does not support KV-cache quantization mode {spec.kv_quant_mode!r}: "
-            "its pages hold scales or packed values besides K and V"
-        )
-    if spec.kv_quant_mode != KVQuantMode.NONE and not quant_ok:
-        # Scales computed from the first batch differ between engines, so the
-        # same fp8 bytes would mean different values in each.
-        raise KVOffloadConfigError(
-            "kvoffload does not support a quantized KV cache with calculate_kv_scales"
-        )
-    if spec.num_head_slots is not None or spec.state_content_bytes is not None:
-        raise KVOffloadConfigError(f"kvoffload does not support packed KV pages ({kind})")
-    if spec.tokens_per_state != 1:
-        raise KVOffloadConfigError(
-            f"kvoffload needs one KV state per token, {kind} has {spec.tokens_per_state}"
-        )
-    if spec.head_size_v != spec.head_size:
-        raise KVOffloadConfigError(
-            f"kvoffload needs equal K and V head sizes, got {spec.head_size} and {spec.head_size_v}"
-        )
-    return KVSpec(
-        block_size=int(spec.block_size),
-        num_kv_heads=int(spec.num_kv_heads),
-        head_dim=int(spec.head_size),
-        dtype=spec.dtype,
-        layer_names=tuple(groups[0].layer_names),
-    )
-
-
 class EngineContracts:
     """The engine's contract, one variant per (LoRA adapter, parallel shard).
 
@@ -390,6 +343,8 @@ class EngineContracts:
         pp_size: int,
         layers_per_stage: Sequence[int],
         spec: KVSpec,
+        groups: Sequence[GroupSpec] = (),
+        mamba_align: int | None = None,
     ) -> None:
         if len(layers_per_stage) != pp_size:
             raise ValueError("one layer count per pipeline stage expected")
@@ -398,8 +353,19 @@ class EngineContracts:
         self.pp_size = pp_size
         self.layers_per_stage = tuple(layers_per_stage)
         self.spec = spec
-        self._contracts: dict[tuple[str | None, int], CompatContract] = {}
-        self._namespaces: dict[tuple[str | None, int], bytes] = {}
+        #: A hybrid model's KV-cache groups (empty: one group, no ``kv_group``).
+        self.groups = tuple(groups)
+        self.mamba_align = mamba_align
+        self._contracts: dict[tuple[str | None, int, int], CompatContract] = {}
+        self._namespaces: dict[tuple[str | None, int, int], bytes] = {}
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.groups)
+
+    @property
+    def num_groups(self) -> int:
+        return max(1, len(self.groups))
 
     @property
     def num_shards(self) -> int:
@@ -420,10 +386,14 @@ class EngineContracts:
             )
         return pp_rank * self.tp_size + tp_rank
 
-    def contract(self, lora_id: str | None, shard: int) -> CompatContract:
-        k = (lora_id, shard)
+    def contract(self, lora_id: str | None, shard: int, group: int = 0) -> CompatContract:
+        k = (lora_id, shard, group)
         c = self._contracts.get(k)
-        if c is None:
+        if c is None and self.groups and group >= 0:
+            g = self.groups[group]
+            one = self.contract(lora_id, shard, -1)
+            c = self._contracts[k] = group_contract(one, g, len(self.groups), layer_numbers(g))
+        elif c is None:
             pp_rank, tp_rank = divmod(shard, self.tp_size)
             c = dataclasses.replace(
                 self.base,
@@ -436,11 +406,11 @@ class EngineContracts:
             self._contracts[k] = c
         return c
 
-    def namespace(self, lora_id: str | None, shard: int) -> bytes:
-        k = (lora_id, shard)
+    def namespace(self, lora_id: str | None, shard: int, group: int = 0) -> bytes:
+        k = (lora_id, shard, group)
         ns = self._namespaces.get(k)
         if ns is None:
-            ns = self._namespaces[k] = self.contract(lora_id, shard).fingerprint()
+            ns = self._namespaces[k] = self.contract(lora_id, shard, group).fingerprint()
         return ns
 
     @classmethod
@@ -458,7 +428,20 @@ class EngineContracts:
                     f"{getattr(pc, name)}): a rank holds only some tokens of a block"
                 )
         quant_ok = not getattr(cc, "calculate_kv_scales", False)
-        spec = attention_spec(kv_cache_config, quant_ok=quant_ok)
+        groups: list[GroupSpec] = []
+        mamba_align = None
+        if not needs_groups(kv_cache_config):
+            spec = attention_spec(kv_cache_config, quant_ok=quant_ok)
+        else:
+            groups = describe_groups(
+                kv_cache_config, lambda s, n: kv_spec_of(s, n, quant_ok=quant_ok)
+            )
+            mamba_align = check_chunking(groups, settings.chunk_tokens)
+            spec = next((g.attn for g in groups if g.attn is not None), None) or _no_attention()
+            if int(pc.pipeline_parallel_size) != 1:
+                raise KVOffloadConfigError(
+                    "kvoffload does not support hybrid KV-cache groups with pipeline parallelism"
+                )
         if settings.chunk_tokens % spec.block_size:
             raise KVOffloadConfigError(
                 f"kv_connector_extra_config.chunk_tokens ({settings.chunk_tokens}) must be a "
@@ -466,6 +449,9 @@ class EngineContracts:
             )
         kv_heads = int(mc.get_num_kv_heads(pc))
         head_dim = int(mc.get_head_size())
+        if groups:
+            # Each group's spec is what its layers hold (models mix head sizes).
+            kv_heads, head_dim = spec.num_kv_heads, spec.head_dim
         if (kv_heads, head_dim) != (spec.num_kv_heads, spec.head_dim):
             raise KVOffloadConfigError(
                 f"model config says {kv_heads} KV heads × {head_dim} per shard, the KV cache "
@@ -499,7 +485,21 @@ class EngineContracts:
             )
         except ContractError as exc:
             raise KVOffloadConfigError(f"cannot build the compatibility contract: {exc}") from exc
-        return cls(base, tp_size=tp, pp_size=pp, layers_per_stage=layers, spec=spec)
+        return cls(
+            base,
+            tp_size=tp,
+            pp_size=pp,
+            layers_per_stage=layers,
+            spec=spec,
+            groups=groups,
+            mamba_align=mamba_align,
+        )
+
+
+def layer_numbers(group: GroupSpec) -> list[int]:
+    """The group's layers as model layer numbers (positions when the names hold none)."""
+    nums = [layer_index(n) for n in ordered_layer_names(group.layer_names)]
+    return [n if n is not None else i for i, n in enumerate(nums)]
 
 
 def default_tokenizer_hash(model_config: Any) -> str:
@@ -554,6 +554,8 @@ class ChunkRef:
     first_block: int = 0
     #: A save's engine block hashes for the sidecar's KV-event feed (protocol-v1 §5.4).
     blocks: EngineBlocks | None = None
+    #: The KV-cache group whose blocks these are (hybrid models; 0 otherwise).
+    group: int = 0
 
 
 @dataclass(frozen=True)
@@ -561,6 +563,9 @@ class LoadJob:
     req_id: str
     chunks: tuple[ChunkRef, ...]
     is_async: bool
+    #: Not loadable as planned (a hybrid hit vLLM did not allocate in full):
+    #: the workers report every block failed, vLLM recomputes them.
+    fail: bool = False
 
 
 @dataclass(frozen=True)
@@ -572,6 +577,8 @@ class SaveJob:
     #: The LoRA the namespaces are of, so a worker can register their contract
     #: fields with the sidecar (protocol-v1 §5.19).
     lora_id: str | None = None
+    #: The KV-cache group of every chunk of the job (one job per group).
+    group: int = 0
 
 
 @dataclass

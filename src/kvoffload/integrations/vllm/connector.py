@@ -18,6 +18,7 @@ import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -30,7 +31,11 @@ from .worker import KVOffloadWorker
 log = logging.getLogger(__name__)
 
 
-class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """See the module docstring. ``SupportsHMA``: hybrid models (sliding-window,
+    Mamba groups) run with vLLM's hybrid KV-cache manager, each group's chunks
+    stored on their own (groups.py, contract-v1.md §7)."""
+
     # Hits come from the node's NVMe or a shared filesystem (vLLM's metrics label).
     _cache_hit_source = CacheHitSource.DISK
 
@@ -47,7 +52,8 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
             log.info(
                 "kvoffload: tenant %s on %s, namespace %s (shard 0 of %d; no LoRA); contract: "
                 "model_revision=%s tokenizer_hash=%s chat_template_version=%s "
-                "attention_backend=%s kv_dtype=%s block_size=%d chunk_tokens=%d layers=%s",
+                "attention_backend=%s kv_dtype=%s block_size=%d chunk_tokens=%d layers=%s "
+                "kv_group=%s",
                 self.settings.tenant,
                 self.settings.socket_path,
                 c.fingerprint().hex(),
@@ -60,6 +66,7 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 c.block_size,
                 c.chunk_tokens,
                 c.layer_layout,
+                c.kv_group,
             )
         self._scheduler: KVOffloadScheduler | None = None
         self._worker: KVOffloadWorker | None = None
@@ -111,6 +118,13 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker_side.register_kv_caches(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        """Sleep mode: finish this worker's saves; no transfer until restore."""
+        self.worker_side.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        self.worker_side.restore_kv_caches()
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         if isinstance(kv_connector_metadata, KVOffloadMetadata):
@@ -184,6 +198,25 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished_all_groups(request, block_ids)
+
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: refused.
+
+        The store outlives this engine and is shared with other engines and
+        nodes; one engine's reset must not empty it. What changed the KV (new
+        weights) belongs in the contract (``model_revision``), and removing
+        chunks is the operator's ``kvoffload invalidate`` / ``purge``.
+        """
+        log.warning(
+            "kvoffload: reset_cache refused: the store is shared and persistent; remove "
+            "chunks with `kvoffload invalidate --model-revision ...` or `kvoffload purge`"
+        )
+        return False
 
     def take_events(self) -> Iterable[Any]:
         """KV events of this step: vLLM publishes them on its own stream (events-v1 §1)."""

@@ -120,12 +120,13 @@ class ConnectorEvents:
         for ev in batch.events:
             if not isinstance(ev, WireRemoved):
                 continue
+            group = ev.group_idx or 0
             with self._lock:
-                gone = [h for h in ev.block_hashes if self._announced[h] > 0]
+                gone = [h for h in ev.block_hashes if self._announced[group, h] > 0]
                 for h in gone:
-                    self._announced[h] -= 1
-                    if self._announced[h] <= 0:
-                        del self._announced[h]
+                    self._announced[group, h] -= 1
+                    if self._announced[group, h] <= 0:
+                        del self._announced[group, h]
             if not gone:
                 continue
             self._append(
@@ -137,8 +138,14 @@ class ConnectorEvents:
                 )
             )
 
-    def chunk_blocks(self, request: Any, chunk: int) -> tuple[EngineBlocks, BlockStored] | None:
-        """The hashes of chunk ``chunk`` of ``request`` (None if vLLM has not hashed it)."""
+    def chunk_blocks(
+        self, request: Any, chunk: int, group: Any = None
+    ) -> tuple[EngineBlocks, BlockStored] | None:
+        """The hashes of chunk ``chunk`` of ``request`` (None if vLLM has not hashed it).
+
+        ``group`` (a ``groups.GroupSpec``, hybrid models): the KV-cache group
+        whose chunk it is; its index and kind (and window) go into the event,
+        as vLLM's own events of that group carry them."""
         hashes_raw = list(getattr(request, "block_hashes", ()) or ())
         lo, hi = chunk * self._bpc, (chunk + 1) * self._bpc
         if len(hashes_raw) < hi:
@@ -159,14 +166,17 @@ class ConnectorEvents:
         tokens: list[int] = []
         if self._settings.events_token_ids:
             tokens = list(request.all_token_ids[lo * self._bs : hi * self._bs])
+        group_idx = 0 if group is None else int(group.index)
+        kind = "full_attention" if group is None else str(group.kind)
+        window = None if group is None else group.sliding_window
         blocks = EngineBlocks(
             hashes=tuple(hashes),
             block_size=self._bs,
             parent=parent,
             lora_name=lora_name,
             extra_keys=tuple(extra) if extra is not None else None,
-            group_idx=0,
-            kind="full_attention",
+            group_idx=group_idx,
+            kind=kind,
         )
         event = BlockStored(
             block_hashes=hashes,
@@ -177,8 +187,9 @@ class ConnectorEvents:
             medium=MEDIUM_STORAGE,
             lora_name=lora_name,
             extra_keys=extra,
-            group_idx=0,
-            kv_cache_spec_kind="full_attention",
+            group_idx=group_idx,
+            kv_cache_spec_kind=kind,
+            kv_cache_spec_sliding_window=window,
             locality=self._locality,
         )
         return blocks, event
@@ -195,7 +206,7 @@ class ConnectorEvents:
         for chunk, event in sorted(events.items()):
             if stored.get(chunk, 0) >= workers:
                 with self._lock:
-                    self._announced.update(event.block_hashes)
+                    self._announced.update((event.group_idx or 0, h) for h in event.block_hashes)
                 self._append(event)
 
     def _append(self, event: KVCacheEvent) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,6 +37,9 @@ class PagedCache:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+
+    def blocks_per_chunk(self, chunk_tokens: int) -> int:
+        return chunk_tokens // self.block_size
 
     @property
     def ratio(self) -> int:
@@ -163,4 +167,99 @@ def build_paged_cache(
     )
 
 
-__all__ = ["PagedCache", "build_paged_cache"]
+@dataclass(frozen=True)
+class StatePages:
+    """A Mamba group's state pages: per layer, the raw bytes of one block's state.
+
+    A chunk object of a Mamba group holds, per layer in ascending layer index,
+    the state page (``real_page_size_bytes``, its tensors back to back as vLLM
+    lays them out) of the block that ends at the chunk's last token. Pages are
+    addressed through vLLM's placement (``KVCacheTensor``: offset, layer and
+    block strides into the backing allocation), whatever its layout.
+    """
+
+    layer_names: tuple[str, ...]
+    raw: torch.Tensor  # uint8 over the whole backing allocation
+    offsets: tuple[int, ...]  # per layer: byte offset of its block 0
+    block_strides: tuple[int, ...]
+    page_bytes: int
+    device: torch.device
+    block_size: int
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        return self.layer_names
+
+    def layer_nbytes(self, tokens: int) -> int:
+        return self.page_bytes
+
+    def blocks_per_chunk(self, chunk_tokens: int) -> int:
+        return 1
+
+    def _page(self, layer: int, block: int) -> torch.Tensor:
+        at = self.offsets[layer] + block * self.block_strides[layer]
+        return self.raw[at : at + self.page_bytes]
+
+    def gather(self, block_ids: Sequence[int], n_chunks: int) -> list[torch.Tensor]:
+        """Per layer, ``[n_chunks, page_bytes]`` (one state block per chunk)."""
+        if len(block_ids) != n_chunks:
+            raise ValueError(f"{len(block_ids)} state blocks for {n_chunks} chunks")
+        return [
+            torch.stack([self._page(i, b) for b in block_ids]).cpu()
+            for i in range(len(self.layer_names))
+        ]
+
+    def scatter(self, chunk: ChunkRef, chunk_tokens: int, layers: Sequence[memoryview]) -> None:
+        if len(layers) != len(self.layer_names):
+            raise _BadChunk(f"{len(layers)} layers, this group has {len(self.layer_names)}")
+        for i, mv in enumerate(layers):
+            if mv.nbytes != self.page_bytes:
+                raise _BadChunk(f"layer {i} holds {mv.nbytes} bytes, expected {self.page_bytes}")
+        for i, mv in enumerate(layers):
+            self.scatter_layer(chunk, chunk_tokens, i, mv)
+
+    def scatter_layer(
+        self, chunk: ChunkRef, chunk_tokens: int, i: int, mv: memoryview, non_blocking: bool = False
+    ) -> None:
+        if not 0 <= i < len(self.layer_names) or mv.nbytes != self.page_bytes:
+            raise _BadChunk(f"layer {i} of {mv.nbytes} bytes does not fit this Mamba group")
+        if len(chunk.block_ids) != 1:
+            raise _BadChunk(f"{len(chunk.block_ids)} state blocks for one chunk")
+        src = torch.frombuffer(mv, dtype=torch.uint8)
+        self._page(i, chunk.block_ids[0]).copy_(src, non_blocking=non_blocking)
+
+
+def build_state_pages(kv_caches: dict[str, Any], group: Any, kv_cache_config: Any) -> StatePages:
+    """A Mamba group's pages, from vLLM's placement of its layers."""
+    names = ordered_layer_names([n for n in group.layer_names if n in kv_caches])
+    missing = [n for n in group.layer_names if n not in kv_caches]
+    if missing or not names:
+        raise KVOffloadConfigError(
+            f"register_kv_caches lacks layers of Mamba KV-cache group {group.index}: "
+            f"{missing or 'all'}"
+        )
+    place: dict[str, tuple[int, int]] = {}
+    for t in kv_cache_config.kv_cache_tensors:
+        for pos, name in enumerate(t.layers):
+            place[name] = (t.offset + pos * t.layer_stride, t.block_stride)
+    first = kv_caches[names[0]]
+    first = first[0] if isinstance(first, list | tuple) else first
+    storage = first.untyped_storage()
+    raw = torch.empty(0, dtype=torch.uint8, device=first.device).set_(
+        storage, 0, (storage.nbytes(),), (1,)
+    )
+    if any(n not in place for n in names):
+        raise KVOffloadConfigError(f"Mamba group {group.index}: a layer without a placement")
+    _quiet_frombuffer()
+    return StatePages(
+        layer_names=tuple(names),
+        raw=raw,
+        offsets=tuple(place[n][0] for n in names),
+        block_strides=tuple(place[n][1] for n in names),
+        page_bytes=int(group.state_bytes),
+        device=first.device,
+        block_size=int(group.block_size),
+    )
+
+
+__all__ = ["PagedCache", "StatePages", "build_paged_cache", "build_state_pages"]

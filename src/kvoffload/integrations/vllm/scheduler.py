@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ from .common import (
     SaveJob,
 )
 from .events import ConnectorEvents
+from .groups import FULL, MAMBA, SLIDING, GroupSpec, hit_boundary
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,8 @@ class _RequestState:
     request: Any  # vllm.v1.request.Request
     lora_id: str | None
     salt: bytes | None = None
-    # Chunk keys computed so far, one list per shard (equal lengths).
+    # Chunk keys computed so far, one list per (group, shard) stream, index
+    # group * num_shards + shard (equal lengths; one group: one per shard).
     keys: list[list[bytes]] = field(default_factory=list)
     # The last get_num_new_matched_tokens: where vLLM's own hit ended, and
     # how many tokens the sidecar holds.
@@ -161,6 +163,8 @@ class KVOffloadScheduler:
         self._held: set[str] = set()
         self._kv_cache_manager: Any = None
         self._events = ConnectorEvents(vllm_config, settings, self._bs, self._blocks_per_chunk)
+        self._groups = contracts.groups
+        self._streams = contracts.num_groups * contracts.num_shards
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         """Fallback source of block tables when a step carries no block state."""
@@ -186,7 +190,7 @@ class KVOffloadScheduler:
         if st.salt != salt:
             # First use, or the sidecar now serves another store: start over.
             st.salt = salt
-            st.keys = [[] for _ in range(self._contracts.num_shards)]
+            st.keys = [[] for _ in range(self._streams)]
         have = len(st.keys[0])
         if have < n_chunks:
             tokens = st.request.all_token_ids
@@ -194,16 +198,18 @@ class KVOffloadScheduler:
             for c in range(have, n_chunks):
                 chunk_tokens = tokens[c * ct : (c + 1) * ct]
                 extra = chunk_extra_keys(st.request, c, ct)
-                for shard, shard_keys in enumerate(st.keys):
-                    parent = shard_keys[-1] if shard_keys else self._root(st.lora_id, shard, salt)
+                for stream, shard_keys in enumerate(st.keys):
+                    parent = shard_keys[-1] if shard_keys else self._root(st.lora_id, stream, salt)
                     shard_keys.append(next_key(parent, salt, chunk_tokens, extra))
         return [k[:n_chunks] for k in st.keys]
 
-    def _root(self, lora: str | None, shard: int, salt: bytes) -> bytes:
-        k = (lora, shard, salt)
+    def _root(self, lora: str | None, stream: int, salt: bytes) -> bytes:
+        k = (lora, stream, salt)
         r = self._roots.get(k)
         if r is None:
-            r = self._roots[k] = root_key(self._contracts.namespace(lora, shard), salt)
+            group, shard = divmod(stream, self._contracts.num_shards)
+            ns = self._contracts.namespace(lora, shard, group)
+            r = self._roots[k] = root_key(ns, salt)
         return r
 
     # -- loads -------------------------------------------------------------------
@@ -225,12 +231,15 @@ class KVOffloadScheduler:
         keys = self._keys(st, n_max)
         if keys is None:
             return 0, False
-        found = n_max
-        for shard_keys in keys:
-            # Every shard must hold the chunk: a worker without it could not load.
-            found = min(found, self._client.lookup(shard_keys[:found]))
-            if found == 0:
-                break
+        if self._groups:
+            found = self._hybrid_hit(keys, n_max, num_computed_tokens)
+        else:
+            found = n_max
+            for shard_keys in keys:
+                # Every shard must hold the chunk: a worker without it could not load.
+                found = min(found, self._client.lookup(shard_keys[:found]))
+                if found == 0:
+                    break
         st.query_hit = found * self._ct
         # The store holds these chunks: a later save of them would only hear "exists".
         st.next_save_chunk = max(st.next_save_chunk, found)
@@ -245,6 +254,71 @@ class KVOffloadScheduler:
         )
         return st.query_hit - num_computed_tokens, self._async_load
 
+    def _hybrid_hit(self, keys: list[list[bytes]], n_max: int, start: int) -> int:
+        """vLLM's hit rule over the groups (groups.py): every group served, or none."""
+        shards = self._contracts.num_shards
+
+        def present(group: int, lo: int, hi: int) -> int:
+            held = hi - lo
+            for shard in range(shards):
+                # Every shard must hold the chunk: a worker without it could not load.
+                held = min(held, self._client.lookup(keys[group * shards + shard][lo : lo + held]))
+                if held == 0:
+                    break
+            return held
+
+        return hit_boundary(
+            self._groups, self._ct, n_max, start, present, self._contracts.mamba_align
+        )
+
+    def _hybrid_load(
+        self, st: _RequestState, block_ids: Any, start: int, end: int
+    ) -> tuple[list[ChunkRef], bool]:
+        """Each group's share of a hit ``[start, end)``: only the chunks vLLM's rule
+        needs (a window, a state), only the blocks vLLM allocated (not null)."""
+        shards = self._contracts.num_shards
+        chunks: list[ChunkRef] = []
+        broken = False
+        for g in self._groups:
+            ids = list(block_ids[g.index])
+            keys = st.keys[g.index * shards : (g.index + 1) * shards]
+            # Attention groups: every chunk with blocks vLLM allocated; a
+            # sliding-window group's blocks before the window are null (vLLM
+            # keeps none there), so only its window is loaded. Mamba: the
+            # state at the boundary.
+            first_c, end_c = start // self._ct, end // self._ct
+            for c in range(end_c - 1, end_c) if g.kind == MAMBA else range(first_c, end_c):
+                if g.kind == MAMBA:
+                    lo = ((c + 1) * self._ct) // g.block_size - 1
+                    hi = lo + 1
+                else:
+                    bpc = self._ct // g.block_size
+                    lo, hi = max(c * bpc, start // g.block_size), (c + 1) * bpc
+                run = ids[lo:hi]
+                want = hi - lo
+                while g.kind != FULL and run and run[0] == _NULL_BLOCK_ID:
+                    run, lo, want = run[1:], lo + 1, want - 1  # below the window: none kept
+                if g.kind == SLIDING and not run:
+                    continue
+                if not run or len(run) != want or _NULL_BLOCK_ID in run:
+                    # vLLM allocated no block for a part of the hit: loading the
+                    # rest would be a partial hit. Fail it all (vLLM recomputes).
+                    broken = True
+                    continue
+                first = 0 if g.kind == MAMBA else lo - c * (self._ct // g.block_size)
+                chunks.append(
+                    ChunkRef(
+                        c, tuple(k[c] for k in keys), tuple(run), first_block=first, group=g.index
+                    )
+                )
+                st.load_blocks.update((b, c) for b in run)
+        if broken:
+            log.warning(
+                "kvoffload: %s: vLLM allocated no block for part of the hit; not loading it",
+                st.request.request_id,
+            )
+        return chunks, broken
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
@@ -257,57 +331,92 @@ class KVOffloadScheduler:
                 f"vLLM asked kvoffload to load tokens [{start}, {end}) of request "
                 f"{request.request_id}, more than the lookup offered"
             )
+        st.load_blocks = {}
+        st.load_async = self._async_load
+        st.load_emitted = False
+        if self._groups:
+            planned, broken = self._hybrid_load(st, blocks.get_block_ids(), start, end)
+            self._pending_loads.append(
+                LoadJob(request.request_id, tuple(planned), self._async_load, fail=broken)
+            )
+            return
         block_ids = list(blocks.get_block_ids()[0])
         bs, bpc = self._bs, self._blocks_per_chunk
         first_blk, end_blk = start // bs, -(-end // bs)
         chunks: list[ChunkRef] = []
-        st.load_blocks = {}
         for c in range(first_blk // bpc, -(-end_blk // bpc)):
             lo, hi = max(c * bpc, first_blk), min((c + 1) * bpc, end_blk)
             ids = tuple(block_ids[lo:hi])
             chunks.append(ChunkRef(c, tuple(k[c] for k in st.keys), ids, first_block=lo - c * bpc))
             st.load_blocks.update((b, c) for b in ids)
-        st.load_async = self._async_load
-        st.load_emitted = False
         self._pending_loads.append(LoadJob(request.request_id, tuple(chunks), self._async_load))
 
     # -- saves -----------------------------------------------------------------------
 
-    def _plan_save(self, st: _RequestState, block_ids: list[int]) -> SaveJob | None:
-        """A job saving every processed, unsaved whole chunk of the request, if any."""
+    def _save_blocks(self, group: GroupSpec | None, block_ids: Sequence[int], c: int) -> Any:
+        """The blocks chunk ``c`` of a group is saved from, None where vLLM keeps none."""
+        if group is not None and group.kind == MAMBA:
+            end = (c + 1) * self._ct
+            if end % group.block_size:
+                return None  # no state ends inside this chunk's last block
+            lo, hi = end // group.block_size - 1, end // group.block_size
+        else:
+            bpc = self._ct // (group.block_size if group is not None else self._bs)
+            lo, hi = c * bpc, (c + 1) * bpc
+        ids = tuple(block_ids[lo:hi])
+        return None if len(ids) < hi - lo or _NULL_BLOCK_ID in ids else ids
+
+    def _save_end(self, group: GroupSpec | None, block_ids: Sequence[int]) -> int:
+        bs = group.block_size if group is not None else self._bs
+        return len(block_ids) * bs // self._ct
+
+    def _plan_save(self, st: _RequestState, groups: Sequence[Sequence[int]]) -> list[SaveJob]:
+        """Jobs (one per KV-cache group) saving every processed, unsaved whole chunk."""
         req = st.request
         processed = min(req.num_computed_tokens - req.num_in_flight_tokens, req.num_tokens)
-        end = min(processed // self._ct, len(block_ids) // self._blocks_per_chunk)
+        specs: Sequence[GroupSpec | None] = self._groups or (None,)
+        end = processed // self._ct
+        for g in specs:
+            end = min(end, self._save_end(g, groups[g.index if g is not None else 0]))
         if end <= st.next_save_chunk:
-            return None
+            return []
         keys = self._keys(st, end)
         if keys is None:
-            return None  # sidecar unreachable: try again at a later step
-        bpc = self._blocks_per_chunk
-        chunks = []
-        for c in range(st.next_save_chunk, end):
-            ids = tuple(block_ids[c * bpc : (c + 1) * bpc])
-            if _NULL_BLOCK_ID in ids:
-                continue
-            made = self._events.chunk_blocks(req, c)
-            if made is not None:
-                self._events.planned(self._next_job_id, c, made[1])
-            blocks = made[0] if made is not None else None
-            chunks.append(ChunkRef(c, tuple(k[c] for k in keys), ids, blocks=blocks))
+            return []  # sidecar unreachable: try again at a later step
+        shards = self._contracts.num_shards
+        jobs = []
+        for g in specs:
+            gi = g.index if g is not None else 0
+            chunks = []
+            for c in range(st.next_save_chunk, end):
+                ids = self._save_blocks(g, groups[gi], c)
+                if ids is None:
+                    continue  # outside the window / no state kept: nothing to save
+                made = self._events.chunk_blocks(req, c, g)
+                if made is not None:
+                    self._events.planned(self._next_job_id, c, made[1])
+                blocks = made[0] if made is not None else None
+                stream = keys[gi * shards : (gi + 1) * shards]
+                chunks.append(
+                    ChunkRef(c, tuple(k[c] for k in stream), ids, blocks=blocks, group=gi)
+                )
+            if chunks:
+                jobs.append(self._new_job(st, tuple(chunks), gi))
         st.next_save_chunk = end
-        if not chunks:
-            return None
+        return jobs
+
+    def _new_job(self, st: _RequestState, chunks: tuple[ChunkRef, ...], group: int) -> SaveJob:
+        shards = range(self._contracts.num_shards)
         job = SaveJob(
             self._next_job_id,
-            req.request_id,
-            tuple(
-                self._contracts.namespace(st.lora_id, s) for s in range(self._contracts.num_shards)
-            ),
-            tuple(chunks),
+            st.request.request_id,
+            tuple(self._contracts.namespace(st.lora_id, s, group) for s in shards),
+            chunks,
             st.lora_id,
+            group,
         )
         self._next_job_id += 1
-        self._saves[job.job_id] = _SaveStatus(req.request_id, self._num_workers)
+        self._saves[job.job_id] = _SaveStatus(st.request.request_id, self._num_workers)
         st.pending_saves.add(job.job_id)
         return job
 
@@ -334,14 +443,18 @@ class KVOffloadScheduler:
                     groups = self._kv_cache_manager.get_block_ids(req_id)
                 if groups is None:
                     continue
-                job = self._plan_save(st, list(groups[0]))
-                if job is not None:
-                    meta.saves.append(job)
+                meta.saves.extend(self._plan_save(st, groups))
         return meta
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Plan the last saves over every group; hold the blocks until they are done."""
         st = self._requests.get(request.request_id)
         if st is None:
             return False, None
@@ -353,9 +466,12 @@ class KVOffloadScheduler:
             del self._requests[request.request_id]
             return False, None
         if self._producer and offloadable(request):
-            job = self._plan_save(st, list(block_ids))
-            if job is not None:
-                self._pending_saves.append(job)
+            if len(block_ids) != self._contracts.num_groups:
+                raise RuntimeError(
+                    f"kvoffload: {len(block_ids)} block tables for request "
+                    f"{request.request_id}, the model has {self._contracts.num_groups} groups"
+                )
+            self._pending_saves.extend(self._plan_save(st, block_ids))
         if st.pending_saves:
             self._held.add(request.request_id)
             self._newly_held.add(request.request_id)

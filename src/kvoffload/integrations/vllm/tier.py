@@ -94,7 +94,7 @@ log = logging.getLogger("kvoffload.vllm.tier")
 
 #: ``LayerLayout.cache_layout`` of a tier object: vLLM's primary-tier row, as is.
 TIER_ROW_LAYOUT = "vllm-row-v1"
-#: The extra key that binds a chunk key to vLLM's ``OffloadKey`` (contract-v1 §7).
+#: The extra key that binds a chunk key to vLLM's ``OffloadKey`` (contract-v1 §8).
 OFFLOAD_KEY_PERSON = b"vllm-offload-key-v1"
 
 #: The connector settings a tier takes as they are (common.KVOffloadSettings).
@@ -176,7 +176,7 @@ def _row_geometry(spec: OffloadingSpec, row_bytes: int) -> dict[str, Any]:
 def tier_contract(
     spec: OffloadingSpec, settings: KVOffloadSettings, row_bytes: int, vllm_config: Any = None
 ) -> CompatContract:
-    """The tier's compatibility contract (contract-v1 §7).
+    """The tier's compatibility contract (contract-v1 §8).
 
     The model identity comes from the connector's own derivation
     (common.model_revision, default_tokenizer_hash, rope_config,
@@ -233,7 +233,7 @@ def tier_contract(
 
 
 def tier_key(root: bytes, salt: bytes, key: bytes) -> bytes:
-    """The kvoffload chunk key of vLLM's ``OffloadKey`` (contract-v1 §7)."""
+    """The kvoffload chunk key of vLLM's ``OffloadKey`` (contract-v1 §8)."""
     return next_key(root, salt, (), (OFFLOAD_KEY_PERSON, bytes(key)))
 
 

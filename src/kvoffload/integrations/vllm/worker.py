@@ -59,7 +59,7 @@ from .common import (
     SaveJob,
     registered_attention_backend,
 )
-from .paged import PagedCache, _BadChunk, build_paged_cache
+from .paged import PagedCache, StatePages, _BadChunk, build_paged_cache, build_state_pages
 from .pinned import PinnedStaging
 from .stats import FIELDS as STATS_FIELDS
 
@@ -190,12 +190,17 @@ class KVOffloadWorker:
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-load")
         # Sync loads of a step, layer by layer, while the forward runs.
         self._step_pool = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-step-load")
-        self._layerwise = settings.layerwise
+        # Hybrid models load whole chunks before the forward: each group has
+        # layers of its own, the layer-wise hand-off counts one group's.
+        self._layerwise = settings.layerwise and not contracts.hybrid
+        # One cache per KV-cache group (hybrid models; else only group 0).
+        self._caches: dict[int, PagedCache | StatePages] = {}
         self._step: _StepLoad | None = None
         self._layer_of: dict[str, int] = {}
         self._pinned = PinnedStaging()
         self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-save")
         self._cache: PagedCache | None = None
+        self._sleeping = False
         self._load_stream: _Stream | None = None
         self._save_stream: _Stream | None = None
         self._loads: dict[str, Future[set[int]]] = {}
@@ -214,6 +219,9 @@ class KVOffloadWorker:
     # -- registration ----------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._contracts.hybrid:
+            self._register_groups(kv_caches)
+            return
         spec = self._contracts.spec
         cache = build_paged_cache(kv_caches, spec, int(self._kv_cache_config.num_blocks))
         if len(cache.layers) != self._num_layers:
@@ -235,6 +243,7 @@ class KVOffloadWorker:
                 f"smaller than one chunk ({packed} bytes): raise it or lower chunk_tokens"
             )
         self._cache = cache
+        self._caches = {0: cache}
         self._layer_of = {name: i for i, name in enumerate(cache.layer_names)}
         self._load_stream = _Stream(cache.device)
         self._save_stream = _Stream(cache.device)
@@ -252,7 +261,69 @@ class KVOffloadWorker:
             self._contracts.num_shards,
         )
 
+    def _register_groups(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """A hybrid model: one cache per KV-cache group, each checked like a model's."""
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        caches: dict[int, PagedCache | StatePages] = {}
+        for g in self._contracts.groups:
+            cache: PagedCache | StatePages
+            if g.attn is not None:
+                cache = build_paged_cache(kv_caches, g.attn, num_blocks)
+            else:
+                cache = build_state_pages(kv_caches, g, self._kv_cache_config)
+            packed = region_size([cache.layer_nbytes(self._ct)] * len(cache.layers))
+            if packed > self._settings.staging_bytes:
+                raise KVOffloadConfigError(
+                    f"kv_connector_extra_config.staging_bytes ({self._settings.staging_bytes}) "
+                    f"is smaller than one chunk of KV-cache group {g.index} ({packed} bytes)"
+                )
+            caches[g.index] = cache
+        attn = [c for c in caches.values() if isinstance(c, PagedCache)]
+        names = [n for c in attn for n in c.layer_names]
+        expected = self._contracts.base.attention_backend
+        actual = registered_attention_backend(self._vllm_config, names)
+        if actual is not None and actual != expected:
+            raise KVOffloadConfigError(
+                f"the workers run attention backend {actual}, the scheduler derived {expected}; "
+                "pin it with --attention-backend (or kv_connector_extra_config.attention_backend)"
+            )
+        self._caches = caches
+        self._cache = attn[0]
+        self._load_stream = _Stream(attn[0].device)
+        self._save_stream = _Stream(attn[0].device)
+        log.info(
+            "kvoffload: hybrid model, %d KV-cache groups (%s), %d-token chunks, shard %d of %d",
+            len(caches),
+            ", ".join(
+                f"{g.index}:{g.kind}×{len(caches[g.index].layers)}" for g in self._contracts.groups
+            ),
+            self._ct,
+            self._shard,
+            self._contracts.num_shards,
+        )
+
+    def _group_cache(self, group: int) -> PagedCache | StatePages:
+        cache = self._caches.get(group)
+        if cache is None:
+            raise RuntimeError(f"kvoffload: KV-cache group {group} has no registered cache")
+        return cache
+
+    def unregister_kv_caches(self) -> None:
+        """Sleep mode: vLLM drained every transfer; the caches go away until restore."""
+        self._finish_step()
+        for _job, (_req, fut) in list(self._saves.items()):
+            fut.result()
+        self._poll_saves()
+        self._pinned.unpin()
+        self._sleeping = True
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: vLLM restored the same allocations, so the views stand."""
+        self._sleeping = False
+
     def _require_cache(self) -> PagedCache:
+        if self._sleeping:
+            raise RuntimeError("kvoffload: KV transfer requested while vLLM sleeps")
         if self._cache is None:
             raise RuntimeError("kvoffload: KV transfer requested before register_kv_caches")
         return self._cache
@@ -264,11 +335,16 @@ class KVOffloadWorker:
         # Async loads (and layer-wise sync ones) write on a side stream: order
         # them after what this step queued on the main one (vLLM zeroes newly
         # allocated blocks there).
-        sync = [job for job in meta.loads if not job.is_async]
+        for job in meta.loads:
+            if job.fail:
+                self._fail_load(job)
+        sync = [job for job in meta.loads if not job.is_async and not job.fail]
         layerwise = bool(sync) and self._layerwise
         background = layerwise or any(job.is_async for job in meta.loads)
         after = self._load_stream.mark() if background and self._load_stream else None
         for job in meta.loads:
+            if job.fail:
+                continue
             if job.is_async:
                 self._loads[job.req_id] = self._load_pool.submit(self._run_load, job, True, after)
             elif not layerwise:
@@ -281,6 +357,16 @@ class KVOffloadWorker:
             step = _StepLoad(len(cache.layers), total, self._device_stream())
             step.future = self._step_pool.submit(self._run_step, sync, step, after)
             self._step = step
+
+    def _fail_load(self, job: LoadJob) -> None:
+        failed = {b for c in job.chunks for b in c.block_ids}
+        self._count(chunks_load_failed=len(job.chunks))
+        if job.is_async:
+            done: Future[set[int]] = Future()
+            done.set_result(failed)
+            self._loads[job.req_id] = done
+        else:
+            self._load_errors |= failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Return once layer ``layer_name`` of this step's sync loads is in the cache
@@ -380,7 +466,7 @@ class KVOffloadWorker:
 
     def _run_load(self, job: LoadJob, background: bool, after: Any) -> set[int]:
         """Load a request's chunks; the block ids that did not get verified data."""
-        cache = self._require_cache()
+        self._require_cache()
         chunks = job.chunks
         done = 0  # chunks [0, done) are in their blocks
         stop = False
@@ -390,7 +476,7 @@ class KVOffloadWorker:
             if stop or i != done:
                 return  # nothing after a failure counts as loaded
             try:
-                cache.scatter(chunks[i], self._ct, layers)
+                self._group_cache(chunks[i].group).scatter(chunks[i], self._ct, layers)
             except _BadChunk as exc:
                 log.warning("kvoffload: chunk %d of %s unusable: %s", i, job.req_id, exc)
                 stop = True
@@ -428,50 +514,65 @@ class KVOffloadWorker:
         # After the forward: the step's loads are over, whatever it waited for.
         self._finish_step()
         if meta.saves:
-            cache = self._require_cache()
+            self._require_cache()
             after = self._save_stream.mark() if self._save_stream is not None else None
             for job in meta.saves:
+                cache = self._group_cache(job.group)
+                # Hybrid models: vLLM frees a sliding-window block once the
+                # window passed it, and an aligned Mamba state once a newer one
+                # exists, to reuse them next step. Copy them out now.
+                early = self._gather(cache, job) if self._contracts.hybrid else None
                 if self._async_save:
-                    fut = self._save_pool.submit(self._run_save, cache, job, after)
+                    fut = self._save_pool.submit(self._run_save, cache, job, after, early)
                     self._saves[job.job_id] = (job.req_id, fut)
                     self._req_saves.setdefault(job.req_id, set()).add(job.job_id)
                 else:
-                    self._run_save(cache, job, None)
+                    self._run_save(cache, job, None, early)
                     self._completed_saves.append(job.job_id)
         # Registered only now, after this step's saves: get_finished may run
         # before wait_for_save (deferred finalize), and must not report a held
         # request whose last save has not even been submitted.
         self._held |= meta.held_req_ids
 
-    def _run_save(self, cache: PagedCache, job: SaveJob, after: Any) -> None:
+    def _run_save(
+        self, cache: PagedCache | StatePages, job: SaveJob, after: Any, early: Any = None
+    ) -> None:
         try:
             with self._background(self._save_stream, after):
-                self._save(cache, job)
+                self._save(cache, job, early)
         except Exception:
             # A lost save is a later miss; the blocks must be released regardless.
             log.exception("kvoffload: save job %d of %s failed", job.job_id, job.req_id)
 
-    def _save(self, cache: PagedCache, job: SaveJob) -> None:
-        namespace = job.namespaces[self._shard]
-        if namespace not in self._registered_ns:
-            # The sidecar records the fields, so `kvoffload invalidate` finds them.
-            if self._contracts.namespace(job.lora_id, self._shard) == namespace:
-                self._save_client.register_contract(
-                    self._contracts.contract(job.lora_id, self._shard)
-                )
-            self._registered_ns.add(namespace)
-        bpc = self._ct // cache.block_size
+    def _gather(self, cache: PagedCache | StatePages, job: SaveJob) -> list[Any]:
+        """The job's chunks, gathered a staging buffer's worth at a time:
+        ``(chunks, layers)`` per batch, lazily unless listed."""
+        return list(self._batches(cache, job))
+
+    def _batches(self, cache: PagedCache | StatePages, job: SaveJob) -> Iterator[Any]:
+        bpc = cache.blocks_per_chunk(self._ct)
+        if any(len(c.block_ids) != bpc for c in job.chunks):
+            raise ValueError(f"save job {job.job_id}: a chunk without {bpc} blocks")
         per_chunk = region_size([cache.layer_nbytes(self._ct)] * len(cache.layers))
         # Gather at most a staging buffer's worth at a time: the client sends
         # in batches of that size anyway, and a long prompt would otherwise
         # materialize all its chunks in host memory at once.
         group = max(1, self._settings.staging_bytes // per_chunk)
-        stored = 0
-        if any(len(c.block_ids) != bpc for c in job.chunks):
-            raise ValueError(f"save job {job.job_id}: a chunk without {bpc} blocks")
         for g in range(0, len(job.chunks), group):
             chunks = job.chunks[g : g + group]
-            layers = cache.gather([b for c in chunks for b in c.block_ids], len(chunks))
+            yield chunks, cache.gather([b for c in chunks for b in c.block_ids], len(chunks))
+
+    def _save(self, cache: PagedCache | StatePages, job: SaveJob, early: Any = None) -> None:
+        namespace = job.namespaces[self._shard]
+        if namespace not in self._registered_ns:
+            # The sidecar records the fields, so `kvoffload invalidate` finds them.
+            if self._contracts.namespace(job.lora_id, self._shard, job.group) == namespace:
+                self._save_client.register_contract(
+                    self._contracts.contract(job.lora_id, self._shard, job.group)
+                )
+            self._registered_ns.add(namespace)
+        stored = 0
+        for chunks, layers in early if early is not None else self._batches(cache, job):
             items = [
                 (c.keys[self._shard], [layer[i] for layer in layers]) for i, c in enumerate(chunks)
             ]
