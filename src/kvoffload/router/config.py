@@ -13,6 +13,7 @@ errors that name the file and the key, like the sidecar's config::
     metrics_interval = "1s"          # GET <worker>/metrics (queue, running, KV usage)
     request_timeout = "600s"
     connect_timeout = "5s"
+    max_body = "64MiB"               # a larger request body is a 413
     log_decisions = false            # every decision, with each candidate's terms, at INFO
     work_weight = 1.0                # the weight of added work under load (core.Router)
     salt_secret_file = "/etc/kvoffload/router-salt"  # derives each tenant's cache_salt
@@ -151,6 +152,7 @@ class RouterConfig:
     metrics_interval_s: float = 1.0
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
+    max_body_bytes: int = 64 << 20
     log_decisions: bool = False
     work_weight: float = 1.0
     salt_secret_file: Path | None = None
@@ -247,6 +249,13 @@ def _positive_duration(v: object) -> float:
     return s
 
 
+def _positive_size(v: object) -> int:
+    n = parse_size(v)
+    if not n or n <= 0:
+        raise ValueError("must be a positive size")
+    return int(n)
+
+
 def _miss(v: object) -> str:
     if v not in ("shed", "fastest"):
         raise ValueError(f"must be shed or fastest, not {v!r}")
@@ -282,6 +291,7 @@ _ROUTER_KEYS: dict[str, tuple[str, Any]] = {
     "metrics_interval": ("metrics_interval_s", _positive_duration),
     "request_timeout": ("request_timeout_s", _positive_duration),
     "connect_timeout": ("connect_timeout_s", _positive_duration),
+    "max_body": ("max_body_bytes", _positive_size),
     "log_decisions": ("log_decisions", _bool),
     "work_weight": ("work_weight", _float),
     "salt_secret_file": ("salt_secret_file", Path),

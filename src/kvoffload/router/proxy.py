@@ -11,9 +11,13 @@ Routes:
   as the engine does, under the tenant's ``cache_salt`` (set on the forwarded
   body); sent to the worker with the lowest estimated TTFT; streamed back as
   received. 429 with ``Retry-After`` when no worker can meet the deadline
-  (policy ``shed``); a worker that fails before the first byte (connection
-  refused or reset, a 5xx) is marked and the request is retried once on the
-  next best worker.
+  (policy ``shed``). Nothing is sent to the client before the worker's first
+  body byte, so a worker that fails until then (connection refused or reset,
+  a 5xx, a connection cut after the headers, an empty 2xx) is marked and the
+  request is retried once on the next best worker; one that breaks off later
+  breaks the client's connection too (an OpenAI error event first, when an
+  event stream is cut between two events): never a clean end of a partial
+  answer.
 - ``GET /v1/models``: the first healthy worker's answer.
 - ``GET /health``: 200 while a worker is healthy, else 503; the mode and each
   worker's state.
@@ -22,6 +26,11 @@ Routes:
 - ``POST /v1/kv/query``: per worker the matched tokens per tier and the
   estimate with its terms. ``POST /v1/kv/select``: the choice, optionally
   reserved (``"reserve": true``), settled by ``POST /v1/kv/release``.
+
+Every error the router answers itself is OpenAI's error object
+(``{"error": {"message", "type", "param", "code"}}``, ``code`` the HTTP status
+as vLLM sends it): bad JSON or JSON nested too deeply is a 400, a body over
+``[router] max_body`` a 413, an unknown route a 404.
 
 The deadline of a request: the ``X-KVOffload-Deadline-Ms`` header, else its
 tenant's ``deadline``, else ``[router] default_deadline``.
@@ -72,11 +81,62 @@ _HOP = {
 }
 
 
+def _error_body(status: int, message: str, kind: str, param: str | None = None) -> bytes:
+    """OpenAI's error object (as vLLM sends it: ``code`` is the HTTP status)."""
+    err = {"message": message, "type": kind, "param": param, "code": status}
+    return json.dumps({"error": err}).encode()
+
+
 def _error(
-    status: int, message: str, kind: str, headers: Mapping[str, str] | None = None
+    status: int,
+    message: str,
+    kind: str,
+    headers: Mapping[str, str] | None = None,
+    param: str | None = None,
 ) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "code": status}}
-    return web.json_response(body, status=status, headers=headers)
+    return web.Response(
+        body=_error_body(status, message, kind, param),
+        status=status,
+        headers=headers,
+        content_type="application/json",
+    )
+
+
+#: The OpenAI error ``type`` of an HTTP status the router answers itself.
+_KINDS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+#: Set on a request once its response is committed to the client (headers sent).
+_COMMITTED = "kvoffload.committed"
+
+
+@web.middleware
+async def _openai_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every error the router produces in the OpenAI format: aiohttp's own too."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        keep = {k: v for k, v in exc.headers.items() if k in ("Allow", "Retry-After")}
+        message = exc.text if exc.text and exc.text != f"{exc.status}: {exc.reason}" else None
+        return _error(
+            exc.status, message or exc.reason, _KINDS.get(exc.status, "server_error"), keep
+        )
+    except Exception:
+        if request.get(_COMMITTED):
+            raise
+        log.exception("the router failed on %s %s", request.method, request.path)
+        return _error(500, "the router failed on this request (see its log)", "server_error")
 
 
 def parse_worker_metrics(text: str) -> dict[str, float]:
@@ -211,7 +271,7 @@ class RouterService:
     # -- application ----------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[_openai_errors])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -366,8 +426,20 @@ class RouterService:
 
     async def _body(self, request: web.Request) -> dict[str, Any] | web.Response:
         try:
-            body = await request.json(loads=json.loads)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(
+                413,
+                f"the request body is larger than the router's limit of "
+                f"{self.cfg.max_body_bytes} bytes ([router] max_body)",
+                "invalid_request_error",
+            )
+        try:
+            # bytes: json detects UTF-8/16/32 itself, whatever charset the header claims
+            body = json.loads(raw)
+        except RecursionError:
+            return _error(400, "the request body is nested too deeply", "invalid_request_error")
+        except ValueError:  # not JSON, not UTF-8, an integer of too many digits
             return _error(400, "the request body is not valid JSON", "invalid_request_error")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object", "invalid_request_error")
@@ -415,9 +487,16 @@ class RouterService:
         if salt is not None:
             body["cache_salt"] = salt
         hashes, n_tokens = await self.hashes(body, chat, salt)
-        payload = json.dumps(body).encode()
+        try:
+            payload = json.dumps(body).encode()
+        except RecursionError:
+            return _error(400, "the request body is nested too deeply", "invalid_request_error")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         headers.pop(TENANT_HEADER, None)
+        # The body forwarded is the router's own serialization: UTF-8 JSON, whatever came in.
+        for k in [k for k in headers if k.lower() == "content-type"]:
+            del headers[k]
+        headers["Content-Type"] = "application/json"
         tried: list[str] = []
         last_error = "no healthy worker"
         for attempt in range(2):
@@ -436,7 +515,6 @@ class RouterService:
                         {"Retry-After": str(retry)},
                     )
                 return _error(503, f"no worker available ({last_error})", "service_unavailable")
-            name = decision.worker
             if attempt:
                 self.metrics.retries.inc()
             chosen = decision.chosen
@@ -446,33 +524,60 @@ class RouterService:
                     if n:
                         self.metrics.cached.labels(tier).inc(n)
             ticket = self.router.dispatch(decision, self.clock())
-            tried.append(name)
-            url = self.workers[name].url + request.path
-            try:
-                upstream = await self.session.post(url, data=payload, headers=headers)
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                self.router.failed(ticket, self.clock())
-                self.mark(name, False)
-                self.metrics.requests.labels(name, "connect_error").inc()
-                last_error = f"{name}: {type(exc).__name__}"
-                log.warning(
-                    "worker %s failed before the first byte (%s): retrying elsewhere", name, exc
-                )
+            tried.append(decision.worker)
+            got = await self._send(ticket, request.path, payload, headers)
+            if isinstance(got, str):
+                last_error = got
                 continue
-            if upstream.status >= 500:
-                await upstream.read()
-                upstream.release()
-                self.router.failed(ticket, self.clock())
-                self.metrics.requests.labels(name, f"http_{upstream.status}").inc()
-                last_error = f"{name}: HTTP {upstream.status}"
-                log.warning("worker %s answered %s: retrying elsewhere", name, upstream.status)
-                continue
-            return await self._relay(request, upstream, ticket)
+            return await self._relay(request, ticket, *got)
         return _error(502, f"the workers failed ({last_error})", "bad_gateway")
 
+    async def _send(
+        self, ticket: Ticket, path: str, payload: bytes, headers: Mapping[str, str]
+    ) -> tuple[aiohttp.ClientResponse, bytes, float] | str:
+        """Sends a request and waits for the first byte of the answer's body.
+
+        Nothing is visible to the client before that byte, so any failure until
+        then (refused, reset, a 5xx, a connection cut after the headers, an
+        empty 2xx) is retried elsewhere: the reason is returned, the ticket
+        settled as failed.
+        """
+        name = ticket.worker
+        upstream: aiohttp.ClientResponse | None = None
+        down = True
+        try:
+            upstream = await self.session.post(
+                self.workers[name].url + path, data=payload, headers=headers
+            )
+            if upstream.status >= 500:
+                await upstream.read()
+                reason, outcome, down = f"HTTP {upstream.status}", f"http_{upstream.status}", False
+            else:
+                first = await upstream.content.readany()
+                if first or upstream.status >= 300 or upstream.headers.get("Content-Length") == "0":
+                    return upstream, first, self.clock()
+                reason, outcome = "no body after the headers", "broken_before_first_byte"
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            outcome = "connect_error" if upstream is None else "broken_before_first_byte"
+        if upstream is not None:
+            upstream.release()
+        self.router.failed(ticket, self.clock())
+        if down:
+            self.mark(name, False)
+        self.metrics.requests.labels(name, outcome).inc()
+        log.warning("worker %s failed before the first byte (%s): retrying elsewhere", name, reason)
+        return f"{name}: {reason}"
+
     async def _relay(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, ticket: Ticket
+        self,
+        request: web.Request,
+        ticket: Ticket,
+        upstream: aiohttp.ClientResponse,
+        first: bytes,
+        first_at: float,
     ) -> web.StreamResponse:
+        """Streams the answer through as received; a break upstream breaks the client's too."""
         name = ticket.worker
         out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         for k, v in upstream.headers.items():
@@ -480,33 +585,59 @@ class RouterService:
                 out.headers[k] = v
         out.headers[WORKER_HEADER] = name
         streaming = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
-        first = True
+        if streaming:
+            self._first_token(ticket, first_at)
         outcome = "ok" if upstream.status < 400 else f"http_{upstream.status}"
+        broke: BaseException | None = None
+        tail = first[-4:]
         try:
-            async for chunk in upstream.content.iter_any():
-                if first:
-                    first = False
-                    now = self.clock()
-                    if streaming:
-                        self._first_token(ticket, now)
-                    await out.prepare(request)
+            request[_COMMITTED] = True
+            await out.prepare(request)
+            chunk = first
+            while chunk:
                 await out.write(chunk)
-            if first:
-                await out.prepare(request)
-            if not streaming:
-                self._first_token(ticket, self.clock(), observed=False)
-            await out.write_eof()
-        except (TimeoutError, aiohttp.ClientError, ConnectionResetError) as exc:
-            outcome = "broken"
-            log.warning("worker %s: the response broke off (%s)", name, exc)
+                tail = (tail + chunk)[-4:]
+                try:
+                    chunk = await upstream.content.readany()
+                except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                    broke = exc
+                    break
+            if broke is None:
+                if not streaming:
+                    self._first_token(ticket, self.clock(), observed=False)
+                await out.write_eof()
+        except ConnectionError:  # the client went away: closing upstream aborts the request
+            outcome = "client_gone"
         finally:
             upstream.release()
             if not ticket.settled:
                 self.router.failed(ticket, self.clock())
             else:
                 self.router.finished(ticket)
-            self.metrics.requests.labels(name, outcome).inc()
+        if broke is not None:
+            outcome = "broken"
+            log.warning("worker %s: the response broke off (%s)", name, broke or type(broke))
+            await self._abort(request, out, streaming, tail, name)
+        self.metrics.requests.labels(name, outcome).inc()
         return out
+
+    async def _abort(
+        self, request: web.Request, out: web.StreamResponse, sse: bool, tail: bytes, name: str
+    ) -> None:
+        """Ends a committed response as broken: never a clean end of a partial answer.
+
+        An event stream cut between two events gets an OpenAI error event first
+        (OpenAI's clients raise it as an ``APIError``); then the connection is
+        closed without the chunked terminator, so any HTTP client sees a
+        transport error (curl: exit 18, httpx: ``RemoteProtocolError``).
+        """
+        if sse and tail.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
+            event = _error_body(502, f"worker {name} broke off the stream", "server_error")
+            with contextlib.suppress(ConnectionError):
+                await out.write(b"data: " + event + b"\n\n")
+        out.force_close()
+        if request.transport is not None:
+            request.transport.close()
 
     def _first_token(self, ticket: Ticket, now: float, *, observed: bool = True) -> None:
         self.router.first_token(ticket, now, observed=observed)
