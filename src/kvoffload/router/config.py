@@ -22,6 +22,7 @@ errors that name the file and the key, like the sidecar's config::
     [model]
     name = "llama-3-8b"              # the served model name
     tokenizer = "/models/llama-3-8b" # a local directory (tokenizer + chat template)
+    tokenizer_processes = 0          # 0: tokenize in a thread; N: N processes tokenize and hash
     block_size = 16                  # the engine's block size
     hash_algorithm = "sha256"        # the engine's --prefix-caching-hash-algo
     hash_seed = "vllm-none-hash"     # the engine's PYTHONHASHSEED, if it sets one
@@ -159,6 +160,7 @@ class RouterConfig:
     trust_tenant_header: bool = False
     model_name: str | None = None
     tokenizer: Path | None = None
+    tokenizer_processes: int = 0
     block_size: int = 16
     hash_algorithm: str = "sha256"
     hash_seed: str | None = None
@@ -256,6 +258,13 @@ def _positive_size(v: object) -> int:
     return int(n)
 
 
+def _processes(v: object) -> int:
+    n = _int(v)
+    if not 0 <= n <= 64:
+        raise ValueError("must be 0 (a thread) to 64")
+    return n
+
+
 def _miss(v: object) -> str:
     if v not in ("shed", "fastest"):
         raise ValueError(f"must be shed or fastest, not {v!r}")
@@ -300,6 +309,7 @@ _ROUTER_KEYS: dict[str, tuple[str, Any]] = {
 _MODEL_KEYS: dict[str, tuple[str, Any]] = {
     "name": ("model_name", _str),
     "tokenizer": ("tokenizer", Path),
+    "tokenizer_processes": ("tokenizer_processes", _processes),
     "block_size": ("block_size", _block_size),
     "hash_algorithm": ("hash_algorithm", _algo),
     "hash_seed": ("hash_seed", _str),

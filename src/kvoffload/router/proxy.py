@@ -55,7 +55,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from .config import RouterConfig, TenantSpec
 from .core import Decision, Router, Ticket
 from .index import SourceState
-from .tokenize import Tokenizer, request_tokens
+from .tokenize import PromptHasher, Tokenizer
 
 __all__ = ["RouterService", "parse_worker_metrics"]
 
@@ -239,6 +239,9 @@ class RouterService:
             work_weight=cfg.work_weight,
         )
         self.hasher = cfg.hasher()
+        self.prompts = PromptHasher(
+            tokenizer, self.hasher, processes=cfg.tokenizer_processes, path=cfg.tokenizer
+        )
         self.workers = {w.name: w for w in cfg.workers}
         self.salts = cfg.tenant_salts()
         self.by_key = {k: t for t in cfg.tenants for k in t.api_keys}
@@ -289,6 +292,7 @@ class RouterService:
             total=self.cfg.request_timeout_s, sock_connect=self.cfg.connect_timeout_s
         )
         self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        await self.prompts.start()
         if self._bridge is not None:
             self._bridge.start()
         self._tasks = [
@@ -304,6 +308,7 @@ class RouterService:
                 await t
         if self._session is not None:
             await self._session.close()
+        await asyncio.to_thread(self.prompts.close)
         if self._bridge is not None:
             await asyncio.to_thread(self._bridge.close)
 
@@ -448,16 +453,18 @@ class RouterService:
     async def hashes(
         self, body: Mapping[str, Any], chat: bool, salt: str | None
     ) -> tuple[list[int], int]:
-        """The engine block hashes (64-bit) of a request and its prompt length in tokens."""
+        """The engine block hashes (64-bit) of a request and its prompt length in tokens.
+
+        Tokenized once and hashed once, off the event loop where it costs
+        (:class:`~kvoffload.router.tokenize.PromptHasher`); every try of the
+        request routes on the same hashes.
+        """
         try:
-            tokens = await asyncio.to_thread(request_tokens, body, chat, self.tokenizer)
+            got = await self.prompts.hashes(body, chat, salt, self.cfg.lora(body.get("model")))
         except Exception as exc:  # a template or tokenizer failure: route on load alone
             log.warning("cannot tokenize a request (%s): routed as cold", exc)
-            tokens = None
-        if tokens is None:
-            return [], 0
-        lora = self.cfg.lora(body.get("model"))
-        return self.hasher.external_hashes(tokens, cache_salt=salt, lora=lora), len(tokens)
+            got = None
+        return got if got is not None else ([], 0)
 
     def _log(self, decision: Decision) -> None:
         self.metrics.decisions.labels(decision.mode.value).inc()
