@@ -49,12 +49,12 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client import generate_latest
 
 from .config import RouterConfig, TenantSpec
 from .core import Decision, Router, Ticket
 from .index import SourceState
+from .serving import COMMITTED, Metrics, error, error_body, openai_errors, parse_worker_metrics
 from .tokenize import PromptHasher, Tokenizer
 
 __all__ = ["RouterService", "parse_worker_metrics"]
@@ -81,141 +81,10 @@ _HOP = {
 }
 
 
-def _error_body(status: int, message: str, kind: str, param: str | None = None) -> bytes:
-    """OpenAI's error object (as vLLM sends it: ``code`` is the HTTP status)."""
-    err = {"message": message, "type": kind, "param": param, "code": status}
-    return json.dumps({"error": err}).encode()
-
-
-def _error(
-    status: int,
-    message: str,
-    kind: str,
-    headers: Mapping[str, str] | None = None,
-    param: str | None = None,
-) -> web.Response:
-    return web.Response(
-        body=_error_body(status, message, kind, param),
-        status=status,
-        headers=headers,
-        content_type="application/json",
-    )
-
-
-#: The OpenAI error ``type`` of an HTTP status the router answers itself.
-_KINDS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-}
-
-#: Set on a request once its response is committed to the client (headers sent).
-_COMMITTED = "kvoffload.committed"
-
-
-@web.middleware
-async def _openai_errors(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    """Every error the router produces in the OpenAI format: aiohttp's own too."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        keep = {k: v for k, v in exc.headers.items() if k in ("Allow", "Retry-After")}
-        message = exc.text if exc.text and exc.text != f"{exc.status}: {exc.reason}" else None
-        return _error(
-            exc.status, message or exc.reason, _KINDS.get(exc.status, "server_error"), keep
-        )
-    except Exception:
-        if request.get(_COMMITTED):
-            raise
-        log.exception("the router failed on %s %s", request.method, request.path)
-        return _error(500, "the router failed on this request (see its log)", "server_error")
-
-
-def parse_worker_metrics(text: str) -> dict[str, float]:
-    """vLLM's ``/metrics``: requests waiting and running, KV-cache usage (summed over labels)."""
-    want = {
-        "vllm:num_requests_waiting": "waiting",
-        "vllm:num_requests_running": "running",
-        "vllm:kv_cache_usage_perc": "kv_usage",
-        "vllm:gpu_cache_usage_perc": "kv_usage",
-    }
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for sample in fam.samples:
-            key = want.get(sample.name)
-            if key is not None:
-                out[key] = out.get(key, 0.0) + float(sample.value)
-    return out
-
-
 @dataclass
 class _Reservation:
     ticket: Ticket
     expires: float
-
-
-class _Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.decisions = Counter(
-            "kvoffload_router_decisions", "Routing decisions, by mode.", ["mode"], registry=r
-        )
-        self.requests = Counter(
-            "kvoffload_router_requests",
-            "Proxied requests, by worker and outcome.",
-            ["worker", "outcome"],
-            registry=r,
-        )
-        self.shed = Counter("kvoffload_router_shed", "Requests refused with 429.", registry=r)
-        self.retries = Counter(
-            "kvoffload_router_retries", "Requests retried on another worker.", registry=r
-        )
-        buckets = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
-        self.estimated = Histogram(
-            "kvoffload_router_estimated_ttft_seconds",
-            "The chosen worker's estimated TTFT.",
-            buckets=buckets,
-            registry=r,
-        )
-        self.observed = Histogram(
-            "kvoffload_router_observed_ttft_seconds",
-            "Observed TTFT (streamed responses: first byte from the worker).",
-            buckets=buckets,
-            registry=r,
-        )
-        self.error = Histogram(
-            "kvoffload_router_ttft_estimate_error_ratio",
-            "(estimated − observed) / observed TTFT.",
-            buckets=(-0.9, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 2, 5),
-            registry=r,
-        )
-        self.cached = Counter(
-            "kvoffload_router_cached_tokens",
-            "Prompt tokens the chosen worker was credited with, by tier.",
-            ["tier"],
-            registry=r,
-        )
-        self.healthy = Gauge(
-            "kvoffload_router_worker_healthy",
-            "1 if the worker passes health checks.",
-            ["worker"],
-            registry=r,
-        )
-        self.queue = Gauge(
-            "kvoffload_router_worker_queue_seconds",
-            "The router's estimate of each worker's queue.",
-            ["worker"],
-            registry=r,
-        )
 
 
 class RouterService:
@@ -246,7 +115,7 @@ class RouterService:
         self.salts = cfg.tenant_salts()
         self.by_key = {k: t for t in cfg.tenants for k in t.api_keys}
         self.by_name = {t.name: t for t in cfg.tenants}
-        self.metrics = _Metrics()
+        self.metrics = Metrics()
         self.reservations: dict[int, _Reservation] = {}
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -274,7 +143,7 @@ class RouterService:
     # -- application ----------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[_openai_errors])
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[openai_errors])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -397,7 +266,7 @@ class RouterService:
             t = self.by_name.get(request.headers.get(TENANT_HEADER, ""))
             if t is not None:
                 return t
-        return _error(401, "unknown or missing API key", "authentication_error")
+        return error(401, "unknown or missing API key", "authentication_error")
 
     def salt(self, tenant: TenantSpec | None, client_salt: object) -> str | None:
         """The cache_salt forwarded to the engine (and hashed by the router)."""
@@ -417,7 +286,7 @@ class RouterService:
                 if not ms > 0:
                     raise ValueError
             except ValueError:
-                return _error(
+                return error(
                     400,
                     f"{DEADLINE_HEADER} must be a positive number of milliseconds",
                     "invalid_request_error",
@@ -433,7 +302,7 @@ class RouterService:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            return _error(
+            return error(
                 413,
                 f"the request body is larger than the router's limit of "
                 f"{self.cfg.max_body_bytes} bytes ([router] max_body)",
@@ -443,11 +312,11 @@ class RouterService:
             # bytes: json detects UTF-8/16/32 itself, whatever charset the header claims
             body = json.loads(raw)
         except RecursionError:
-            return _error(400, "the request body is nested too deeply", "invalid_request_error")
+            return error(400, "the request body is nested too deeply", "invalid_request_error")
         except ValueError:  # not JSON, not UTF-8, an integer of too many digits
-            return _error(400, "the request body is not valid JSON", "invalid_request_error")
+            return error(400, "the request body is not valid JSON", "invalid_request_error")
         if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object", "invalid_request_error")
+            return error(400, "the request body must be a JSON object", "invalid_request_error")
         return body
 
     async def hashes(
@@ -497,7 +366,7 @@ class RouterService:
         try:
             payload = json.dumps(body).encode()
         except RecursionError:
-            return _error(400, "the request body is nested too deeply", "invalid_request_error")
+            return error(400, "the request body is nested too deeply", "invalid_request_error")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         headers.pop(TENANT_HEADER, None)
         # The body forwarded is the router's own serialization: UTF-8 JSON, whatever came in.
@@ -515,13 +384,13 @@ class RouterService:
                 if decision.shed:
                     self.metrics.shed.inc()
                     retry = int(decision.retry_after_s or 1)
-                    return _error(
+                    return error(
                         429,
                         f"no worker can answer within the deadline of {deadline:.3f}s",
                         "rate_limit_error",
                         {"Retry-After": str(retry)},
                     )
-                return _error(503, f"no worker available ({last_error})", "service_unavailable")
+                return error(503, f"no worker available ({last_error})", "service_unavailable")
             if attempt:
                 self.metrics.retries.inc()
             chosen = decision.chosen
@@ -537,7 +406,7 @@ class RouterService:
                 last_error = got
                 continue
             return await self._relay(request, ticket, *got)
-        return _error(502, f"the workers failed ({last_error})", "bad_gateway")
+        return error(502, f"the workers failed ({last_error})", "bad_gateway")
 
     async def _send(
         self, ticket: Ticket, path: str, payload: bytes, headers: Mapping[str, str]
@@ -598,7 +467,7 @@ class RouterService:
         broke: BaseException | None = None
         tail = first[-4:]
         try:
-            request[_COMMITTED] = True
+            request[COMMITTED] = True
             await out.prepare(request)
             chunk = first
             while chunk:
@@ -639,7 +508,7 @@ class RouterService:
         transport error (curl: exit 18, httpx: ``RemoteProtocolError``).
         """
         if sse and tail.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
-            event = _error_body(502, f"worker {name} broke off the stream", "server_error")
+            event = error_body(502, f"worker {name} broke off the stream", "server_error")
             with contextlib.suppress(ConnectionError):
                 await out.write(b"data: " + event + b"\n\n")
         out.force_close()
@@ -667,7 +536,7 @@ class RouterService:
                         return web.Response(body=data, content_type="application/json")
             except (TimeoutError, aiohttp.ClientError, OSError):
                 continue
-        return _error(503, "no worker answered /v1/models", "service_unavailable")
+        return error(503, "no worker answered /v1/models", "service_unavailable")
 
     async def _health(self, request: web.Request) -> web.Response:
         healthy = {n: self.router.healthy[n] for n in self.workers}
@@ -707,7 +576,7 @@ class RouterService:
             if not isinstance(tokens, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in tokens
             ):
-                return _error(400, "tokens must be a list of token ids", "invalid_request_error")
+                return error(400, "tokens must be a list of token ids", "invalid_request_error")
             lora = self.cfg.lora(body.get("model"))
             return (
                 body,
@@ -718,7 +587,7 @@ class RouterService:
         chat = "messages" in body
         hashes, n = await self.hashes(body, chat, salt)
         if n == 0:
-            return _error(
+            return error(
                 400,
                 "give tokens, or a prompt or messages the router can tokenize",
                 "invalid_request_error",
@@ -770,12 +639,12 @@ class RouterService:
             return body
         rid, outcome = body.get("reservation"), body.get("outcome")
         if outcome not in ("first_token", "finished", "failed"):
-            return _error(
+            return error(
                 400, "outcome must be first_token, finished or failed", "invalid_request_error"
             )
         res = self.reservations.get(rid) if isinstance(rid, int) else None
         if res is None:
-            return _error(404, "no such reservation", "not_found_error")
+            return error(404, "no such reservation", "not_found_error")
         now = self.clock()
         if outcome == "first_token":
             self._first_token(res.ticket, now)
