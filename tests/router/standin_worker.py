@@ -11,8 +11,11 @@ first line of stdout once it listens.
 - ``GET /health`` (200, or 503 when told ``healthy: false``), ``GET /metrics``
   (vLLM's gauge names with the values it is told), ``GET /v1/models``.
 - ``POST /_control`` sets ``delay``, ``healthy``, ``waiting``, ``running``,
-  ``status`` (an HTTP status to answer completions with); ``GET /_requests``
-  lists the bodies received.
+  ``status`` (an HTTP status to answer completions with), ``die_after`` (the
+  next streamed answer kills this process, as a crashed engine dies, after
+  that many of :data:`SSE_CHUNKS`: 0 is right after the response headers, as
+  vLLM sends them before the first token); ``GET /_requests`` lists the
+  bodies received.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import sys
 from typing import Any
 
@@ -46,6 +50,7 @@ def main() -> None:
         "waiting": 0,
         "running": 0,
         "status": 200,
+        "die_after": None,
     }
     received: list[dict[str, Any]] = []
 
@@ -55,6 +60,8 @@ def main() -> None:
         await asyncio.sleep(float(state["delay"]))
         if state["status"] != 200:
             return web.json_response({"error": "told to fail"}, status=int(state["status"]))
+        if body.get("stream") and state["die_after"] is not None:
+            return await die(request, int(state["die_after"]))
         if body.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -64,6 +71,16 @@ def main() -> None:
             await resp.write_eof()
             return resp
         return web.json_response({"id": "cmpl-1", "worker": args.name, "choices": [{"text": "hi"}]})
+
+    async def die(request: web.Request, after: int) -> web.StreamResponse:
+        transport = request.transport
+        assert transport is not None
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        transport.write(head + b"Transfer-Encoding: chunked\r\n\r\n")
+        for chunk in SSE_CHUNKS[:after]:
+            transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        await asyncio.sleep(0.2)  # the bytes leave; then the process dies, mid-answer
+        os._exit(1)
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(status=200 if state["healthy"] else 503)

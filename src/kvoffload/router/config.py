@@ -13,6 +13,7 @@ errors that name the file and the key, like the sidecar's config::
     metrics_interval = "1s"          # GET <worker>/metrics (queue, running, KV usage)
     request_timeout = "600s"
     connect_timeout = "5s"
+    max_body = "64MiB"               # a larger request body is a 413
     log_decisions = false            # every decision, with each candidate's terms, at INFO
     work_weight = 1.0                # the weight of added work under load (core.Router)
     salt_secret_file = "/etc/kvoffload/router-salt"  # derives each tenant's cache_salt
@@ -21,6 +22,7 @@ errors that name the file and the key, like the sidecar's config::
     [model]
     name = "llama-3-8b"              # the served model name
     tokenizer = "/models/llama-3-8b" # a local directory (tokenizer + chat template)
+    tokenizer_processes = 0          # 0: tokenize in a thread; N: N processes tokenize and hash
     block_size = 16                  # the engine's block size
     hash_algorithm = "sha256"        # the engine's --prefix-caching-hash-algo
     hash_seed = "vllm-none-hash"     # the engine's PYTHONHASHSEED, if it sets one
@@ -151,12 +153,14 @@ class RouterConfig:
     metrics_interval_s: float = 1.0
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
+    max_body_bytes: int = 64 << 20
     log_decisions: bool = False
     work_weight: float = 1.0
     salt_secret_file: Path | None = None
     trust_tenant_header: bool = False
     model_name: str | None = None
     tokenizer: Path | None = None
+    tokenizer_processes: int = 0
     block_size: int = 16
     hash_algorithm: str = "sha256"
     hash_seed: str | None = None
@@ -247,6 +251,20 @@ def _positive_duration(v: object) -> float:
     return s
 
 
+def _positive_size(v: object) -> int:
+    n = parse_size(v)
+    if not n or n <= 0:
+        raise ValueError("must be a positive size")
+    return int(n)
+
+
+def _processes(v: object) -> int:
+    n = _int(v)
+    if not 0 <= n <= 64:
+        raise ValueError("must be 0 (a thread) to 64")
+    return n
+
+
 def _miss(v: object) -> str:
     if v not in ("shed", "fastest"):
         raise ValueError(f"must be shed or fastest, not {v!r}")
@@ -282,6 +300,7 @@ _ROUTER_KEYS: dict[str, tuple[str, Any]] = {
     "metrics_interval": ("metrics_interval_s", _positive_duration),
     "request_timeout": ("request_timeout_s", _positive_duration),
     "connect_timeout": ("connect_timeout_s", _positive_duration),
+    "max_body": ("max_body_bytes", _positive_size),
     "log_decisions": ("log_decisions", _bool),
     "work_weight": ("work_weight", _float),
     "salt_secret_file": ("salt_secret_file", Path),
@@ -290,6 +309,7 @@ _ROUTER_KEYS: dict[str, tuple[str, Any]] = {
 _MODEL_KEYS: dict[str, tuple[str, Any]] = {
     "name": ("model_name", _str),
     "tokenizer": ("tokenizer", Path),
+    "tokenizer_processes": ("tokenizer_processes", _processes),
     "block_size": ("block_size", _block_size),
     "hash_algorithm": ("hash_algorithm", _algo),
     "hash_seed": ("hash_seed", _str),

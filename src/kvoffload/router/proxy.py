@@ -11,9 +11,13 @@ Routes:
   as the engine does, under the tenant's ``cache_salt`` (set on the forwarded
   body); sent to the worker with the lowest estimated TTFT; streamed back as
   received. 429 with ``Retry-After`` when no worker can meet the deadline
-  (policy ``shed``); a worker that fails before the first byte (connection
-  refused or reset, a 5xx) is marked and the request is retried once on the
-  next best worker.
+  (policy ``shed``). Nothing is sent to the client before the worker's first
+  body byte, so a worker that fails until then (connection refused or reset,
+  a 5xx, a connection cut after the headers, an empty 2xx) is marked and the
+  request is retried once on the next best worker; one that breaks off later
+  breaks the client's connection too (an OpenAI error event first, when an
+  event stream is cut between two events): never a clean end of a partial
+  answer.
 - ``GET /v1/models``: the first healthy worker's answer.
 - ``GET /health``: 200 while a worker is healthy, else 503; the mode and each
   worker's state.
@@ -22,6 +26,11 @@ Routes:
 - ``POST /v1/kv/query``: per worker the matched tokens per tier and the
   estimate with its terms. ``POST /v1/kv/select``: the choice, optionally
   reserved (``"reserve": true``), settled by ``POST /v1/kv/release``.
+
+Every error the router answers itself is OpenAI's error object
+(``{"error": {"message", "type", "param", "code"}}``, ``code`` the HTTP status
+as vLLM sends it): bad JSON or JSON nested too deeply is a 400, a body over
+``[router] max_body`` a 413, an unknown route a 404.
 
 The deadline of a request: the ``X-KVOffload-Deadline-Ms`` header, else its
 tenant's ``deadline``, else ``[router] default_deadline``.
@@ -40,13 +49,13 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client import generate_latest
 
 from .config import RouterConfig, TenantSpec
 from .core import Decision, Router, Ticket
 from .index import SourceState
-from .tokenize import Tokenizer, request_tokens
+from .serving import COMMITTED, Metrics, error, error_body, openai_errors, parse_worker_metrics
+from .tokenize import PromptHasher, Tokenizer
 
 __all__ = ["RouterService", "parse_worker_metrics"]
 
@@ -72,90 +81,10 @@ _HOP = {
 }
 
 
-def _error(
-    status: int, message: str, kind: str, headers: Mapping[str, str] | None = None
-) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "code": status}}
-    return web.json_response(body, status=status, headers=headers)
-
-
-def parse_worker_metrics(text: str) -> dict[str, float]:
-    """vLLM's ``/metrics``: requests waiting and running, KV-cache usage (summed over labels)."""
-    want = {
-        "vllm:num_requests_waiting": "waiting",
-        "vllm:num_requests_running": "running",
-        "vllm:kv_cache_usage_perc": "kv_usage",
-        "vllm:gpu_cache_usage_perc": "kv_usage",
-    }
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for sample in fam.samples:
-            key = want.get(sample.name)
-            if key is not None:
-                out[key] = out.get(key, 0.0) + float(sample.value)
-    return out
-
-
 @dataclass
 class _Reservation:
     ticket: Ticket
     expires: float
-
-
-class _Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.decisions = Counter(
-            "kvoffload_router_decisions", "Routing decisions, by mode.", ["mode"], registry=r
-        )
-        self.requests = Counter(
-            "kvoffload_router_requests",
-            "Proxied requests, by worker and outcome.",
-            ["worker", "outcome"],
-            registry=r,
-        )
-        self.shed = Counter("kvoffload_router_shed", "Requests refused with 429.", registry=r)
-        self.retries = Counter(
-            "kvoffload_router_retries", "Requests retried on another worker.", registry=r
-        )
-        buckets = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
-        self.estimated = Histogram(
-            "kvoffload_router_estimated_ttft_seconds",
-            "The chosen worker's estimated TTFT.",
-            buckets=buckets,
-            registry=r,
-        )
-        self.observed = Histogram(
-            "kvoffload_router_observed_ttft_seconds",
-            "Observed TTFT (streamed responses: first byte from the worker).",
-            buckets=buckets,
-            registry=r,
-        )
-        self.error = Histogram(
-            "kvoffload_router_ttft_estimate_error_ratio",
-            "(estimated − observed) / observed TTFT.",
-            buckets=(-0.9, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 2, 5),
-            registry=r,
-        )
-        self.cached = Counter(
-            "kvoffload_router_cached_tokens",
-            "Prompt tokens the chosen worker was credited with, by tier.",
-            ["tier"],
-            registry=r,
-        )
-        self.healthy = Gauge(
-            "kvoffload_router_worker_healthy",
-            "1 if the worker passes health checks.",
-            ["worker"],
-            registry=r,
-        )
-        self.queue = Gauge(
-            "kvoffload_router_worker_queue_seconds",
-            "The router's estimate of each worker's queue.",
-            ["worker"],
-            registry=r,
-        )
 
 
 class RouterService:
@@ -179,11 +108,14 @@ class RouterService:
             work_weight=cfg.work_weight,
         )
         self.hasher = cfg.hasher()
+        self.prompts = PromptHasher(
+            tokenizer, self.hasher, processes=cfg.tokenizer_processes, path=cfg.tokenizer
+        )
         self.workers = {w.name: w for w in cfg.workers}
         self.salts = cfg.tenant_salts()
         self.by_key = {k: t for t in cfg.tenants for k in t.api_keys}
         self.by_name = {t.name: t for t in cfg.tenants}
-        self.metrics = _Metrics()
+        self.metrics = Metrics()
         self.reservations: dict[int, _Reservation] = {}
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -211,7 +143,7 @@ class RouterService:
     # -- application ----------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[openai_errors])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -229,6 +161,7 @@ class RouterService:
             total=self.cfg.request_timeout_s, sock_connect=self.cfg.connect_timeout_s
         )
         self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        await self.prompts.start()
         if self._bridge is not None:
             self._bridge.start()
         self._tasks = [
@@ -244,6 +177,7 @@ class RouterService:
                 await t
         if self._session is not None:
             await self._session.close()
+        await asyncio.to_thread(self.prompts.close)
         if self._bridge is not None:
             await asyncio.to_thread(self._bridge.close)
 
@@ -332,7 +266,7 @@ class RouterService:
             t = self.by_name.get(request.headers.get(TENANT_HEADER, ""))
             if t is not None:
                 return t
-        return _error(401, "unknown or missing API key", "authentication_error")
+        return error(401, "unknown or missing API key", "authentication_error")
 
     def salt(self, tenant: TenantSpec | None, client_salt: object) -> str | None:
         """The cache_salt forwarded to the engine (and hashed by the router)."""
@@ -352,7 +286,7 @@ class RouterService:
                 if not ms > 0:
                     raise ValueError
             except ValueError:
-                return _error(
+                return error(
                     400,
                     f"{DEADLINE_HEADER} must be a positive number of milliseconds",
                     "invalid_request_error",
@@ -366,26 +300,40 @@ class RouterService:
 
     async def _body(self, request: web.Request) -> dict[str, Any] | web.Response:
         try:
-            body = await request.json(loads=json.loads)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "the request body is not valid JSON", "invalid_request_error")
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return error(
+                413,
+                f"the request body is larger than the router's limit of "
+                f"{self.cfg.max_body_bytes} bytes ([router] max_body)",
+                "invalid_request_error",
+            )
+        try:
+            # bytes: json detects UTF-8/16/32 itself, whatever charset the header claims
+            body = json.loads(raw)
+        except RecursionError:
+            return error(400, "the request body is nested too deeply", "invalid_request_error")
+        except ValueError:  # not JSON, not UTF-8, an integer of too many digits
+            return error(400, "the request body is not valid JSON", "invalid_request_error")
         if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object", "invalid_request_error")
+            return error(400, "the request body must be a JSON object", "invalid_request_error")
         return body
 
     async def hashes(
         self, body: Mapping[str, Any], chat: bool, salt: str | None
     ) -> tuple[list[int], int]:
-        """The engine block hashes (64-bit) of a request and its prompt length in tokens."""
+        """The engine block hashes (64-bit) of a request and its prompt length in tokens.
+
+        Tokenized once and hashed once, off the event loop where it costs
+        (:class:`~kvoffload.router.tokenize.PromptHasher`); every try of the
+        request routes on the same hashes.
+        """
         try:
-            tokens = await asyncio.to_thread(request_tokens, body, chat, self.tokenizer)
+            got = await self.prompts.hashes(body, chat, salt, self.cfg.lora(body.get("model")))
         except Exception as exc:  # a template or tokenizer failure: route on load alone
             log.warning("cannot tokenize a request (%s): routed as cold", exc)
-            tokens = None
-        if tokens is None:
-            return [], 0
-        lora = self.cfg.lora(body.get("model"))
-        return self.hasher.external_hashes(tokens, cache_salt=salt, lora=lora), len(tokens)
+            got = None
+        return got if got is not None else ([], 0)
 
     def _log(self, decision: Decision) -> None:
         self.metrics.decisions.labels(decision.mode.value).inc()
@@ -415,9 +363,16 @@ class RouterService:
         if salt is not None:
             body["cache_salt"] = salt
         hashes, n_tokens = await self.hashes(body, chat, salt)
-        payload = json.dumps(body).encode()
+        try:
+            payload = json.dumps(body).encode()
+        except RecursionError:
+            return error(400, "the request body is nested too deeply", "invalid_request_error")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         headers.pop(TENANT_HEADER, None)
+        # The body forwarded is the router's own serialization: UTF-8 JSON, whatever came in.
+        for k in [k for k in headers if k.lower() == "content-type"]:
+            del headers[k]
+        headers["Content-Type"] = "application/json"
         tried: list[str] = []
         last_error = "no healthy worker"
         for attempt in range(2):
@@ -429,14 +384,13 @@ class RouterService:
                 if decision.shed:
                     self.metrics.shed.inc()
                     retry = int(decision.retry_after_s or 1)
-                    return _error(
+                    return error(
                         429,
                         f"no worker can answer within the deadline of {deadline:.3f}s",
                         "rate_limit_error",
                         {"Retry-After": str(retry)},
                     )
-                return _error(503, f"no worker available ({last_error})", "service_unavailable")
-            name = decision.worker
+                return error(503, f"no worker available ({last_error})", "service_unavailable")
             if attempt:
                 self.metrics.retries.inc()
             chosen = decision.chosen
@@ -446,33 +400,60 @@ class RouterService:
                     if n:
                         self.metrics.cached.labels(tier).inc(n)
             ticket = self.router.dispatch(decision, self.clock())
-            tried.append(name)
-            url = self.workers[name].url + request.path
-            try:
-                upstream = await self.session.post(url, data=payload, headers=headers)
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                self.router.failed(ticket, self.clock())
-                self.mark(name, False)
-                self.metrics.requests.labels(name, "connect_error").inc()
-                last_error = f"{name}: {type(exc).__name__}"
-                log.warning(
-                    "worker %s failed before the first byte (%s): retrying elsewhere", name, exc
-                )
+            tried.append(decision.worker)
+            got = await self._send(ticket, request.path, payload, headers)
+            if isinstance(got, str):
+                last_error = got
                 continue
+            return await self._relay(request, ticket, *got)
+        return error(502, f"the workers failed ({last_error})", "bad_gateway")
+
+    async def _send(
+        self, ticket: Ticket, path: str, payload: bytes, headers: Mapping[str, str]
+    ) -> tuple[aiohttp.ClientResponse, bytes, float] | str:
+        """Sends a request and waits for the first byte of the answer's body.
+
+        Nothing is visible to the client before that byte, so any failure until
+        then (refused, reset, a 5xx, a connection cut after the headers, an
+        empty 2xx) is retried elsewhere: the reason is returned, the ticket
+        settled as failed.
+        """
+        name = ticket.worker
+        upstream: aiohttp.ClientResponse | None = None
+        down = True
+        try:
+            upstream = await self.session.post(
+                self.workers[name].url + path, data=payload, headers=headers
+            )
             if upstream.status >= 500:
                 await upstream.read()
-                upstream.release()
-                self.router.failed(ticket, self.clock())
-                self.metrics.requests.labels(name, f"http_{upstream.status}").inc()
-                last_error = f"{name}: HTTP {upstream.status}"
-                log.warning("worker %s answered %s: retrying elsewhere", name, upstream.status)
-                continue
-            return await self._relay(request, upstream, ticket)
-        return _error(502, f"the workers failed ({last_error})", "bad_gateway")
+                reason, outcome, down = f"HTTP {upstream.status}", f"http_{upstream.status}", False
+            else:
+                first = await upstream.content.readany()
+                if first or upstream.status >= 300 or upstream.headers.get("Content-Length") == "0":
+                    return upstream, first, self.clock()
+                reason, outcome = "no body after the headers", "broken_before_first_byte"
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            outcome = "connect_error" if upstream is None else "broken_before_first_byte"
+        if upstream is not None:
+            upstream.release()
+        self.router.failed(ticket, self.clock())
+        if down:
+            self.mark(name, False)
+        self.metrics.requests.labels(name, outcome).inc()
+        log.warning("worker %s failed before the first byte (%s): retrying elsewhere", name, reason)
+        return f"{name}: {reason}"
 
     async def _relay(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, ticket: Ticket
+        self,
+        request: web.Request,
+        ticket: Ticket,
+        upstream: aiohttp.ClientResponse,
+        first: bytes,
+        first_at: float,
     ) -> web.StreamResponse:
+        """Streams the answer through as received; a break upstream breaks the client's too."""
         name = ticket.worker
         out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         for k, v in upstream.headers.items():
@@ -480,33 +461,59 @@ class RouterService:
                 out.headers[k] = v
         out.headers[WORKER_HEADER] = name
         streaming = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
-        first = True
+        if streaming:
+            self._first_token(ticket, first_at)
         outcome = "ok" if upstream.status < 400 else f"http_{upstream.status}"
+        broke: BaseException | None = None
+        tail = first[-4:]
         try:
-            async for chunk in upstream.content.iter_any():
-                if first:
-                    first = False
-                    now = self.clock()
-                    if streaming:
-                        self._first_token(ticket, now)
-                    await out.prepare(request)
+            request[COMMITTED] = True
+            await out.prepare(request)
+            chunk = first
+            while chunk:
                 await out.write(chunk)
-            if first:
-                await out.prepare(request)
-            if not streaming:
-                self._first_token(ticket, self.clock(), observed=False)
-            await out.write_eof()
-        except (TimeoutError, aiohttp.ClientError, ConnectionResetError) as exc:
-            outcome = "broken"
-            log.warning("worker %s: the response broke off (%s)", name, exc)
+                tail = (tail + chunk)[-4:]
+                try:
+                    chunk = await upstream.content.readany()
+                except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                    broke = exc
+                    break
+            if broke is None:
+                if not streaming:
+                    self._first_token(ticket, self.clock(), observed=False)
+                await out.write_eof()
+        except ConnectionError:  # the client went away: closing upstream aborts the request
+            outcome = "client_gone"
         finally:
             upstream.release()
             if not ticket.settled:
                 self.router.failed(ticket, self.clock())
             else:
                 self.router.finished(ticket)
-            self.metrics.requests.labels(name, outcome).inc()
+        if broke is not None:
+            outcome = "broken"
+            log.warning("worker %s: the response broke off (%s)", name, broke or type(broke))
+            await self._abort(request, out, streaming, tail, name)
+        self.metrics.requests.labels(name, outcome).inc()
         return out
+
+    async def _abort(
+        self, request: web.Request, out: web.StreamResponse, sse: bool, tail: bytes, name: str
+    ) -> None:
+        """Ends a committed response as broken: never a clean end of a partial answer.
+
+        An event stream cut between two events gets an OpenAI error event first
+        (OpenAI's clients raise it as an ``APIError``); then the connection is
+        closed without the chunked terminator, so any HTTP client sees a
+        transport error (curl: exit 18, httpx: ``RemoteProtocolError``).
+        """
+        if sse and tail.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
+            event = error_body(502, f"worker {name} broke off the stream", "server_error")
+            with contextlib.suppress(ConnectionError):
+                await out.write(b"data: " + event + b"\n\n")
+        out.force_close()
+        if request.transport is not None:
+            request.transport.close()
 
     def _first_token(self, ticket: Ticket, now: float, *, observed: bool = True) -> None:
         self.router.first_token(ticket, now, observed=observed)
@@ -529,7 +536,7 @@ class RouterService:
                         return web.Response(body=data, content_type="application/json")
             except (TimeoutError, aiohttp.ClientError, OSError):
                 continue
-        return _error(503, "no worker answered /v1/models", "service_unavailable")
+        return error(503, "no worker answered /v1/models", "service_unavailable")
 
     async def _health(self, request: web.Request) -> web.Response:
         healthy = {n: self.router.healthy[n] for n in self.workers}
@@ -569,7 +576,7 @@ class RouterService:
             if not isinstance(tokens, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in tokens
             ):
-                return _error(400, "tokens must be a list of token ids", "invalid_request_error")
+                return error(400, "tokens must be a list of token ids", "invalid_request_error")
             lora = self.cfg.lora(body.get("model"))
             return (
                 body,
@@ -580,7 +587,7 @@ class RouterService:
         chat = "messages" in body
         hashes, n = await self.hashes(body, chat, salt)
         if n == 0:
-            return _error(
+            return error(
                 400,
                 "give tokens, or a prompt or messages the router can tokenize",
                 "invalid_request_error",
@@ -632,12 +639,12 @@ class RouterService:
             return body
         rid, outcome = body.get("reservation"), body.get("outcome")
         if outcome not in ("first_token", "finished", "failed"):
-            return _error(
+            return error(
                 400, "outcome must be first_token, finished or failed", "invalid_request_error"
             )
         res = self.reservations.get(rid) if isinstance(rid, int) else None
         if res is None:
-            return _error(404, "no such reservation", "not_found_error")
+            return error(404, "no such reservation", "not_found_error")
         now = self.clock()
         if outcome == "first_token":
             self._first_token(res.ticket, now)
