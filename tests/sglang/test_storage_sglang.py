@@ -2,7 +2,7 @@
 factory, host pool and cache-controller methods, over a real sidecar process.
 
 What cannot run without a GPU (the controller's device pool and process
-groups) is the named stand-in of tests/sglang/engine.py; everything that moves
+groups) is the named stand-in of scripts/benchlib/sglang.py; everything that moves
 a page is SGLang's code or kvoffload's.
 """
 
@@ -19,7 +19,13 @@ from kvoffload.testing import cli_argv
 from ..sidecar_proc import DevSidecar, clean_env
 
 try:
-    from .engine import controller_stand_in, dynamic_extra, host_pool, import_sglang, storage_config
+    from benchlib.sglang import (
+        controller_stand_in,
+        dynamic_extra,
+        host_pool,
+        import_sglang,
+        storage_config,
+    )
 
     import_sglang()
 except ImportError as exc:  # the main venv: no SGLang

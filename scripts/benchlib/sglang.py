@@ -1,4 +1,5 @@
-"""SGLang's own code, imported on a CPU-only machine, and a real host pool built from it.
+"""SGLang's own code, imported on a CPU-only machine, and a real host pool built from it
+(tests/sglang and scripts/bench_sglang.py; run in the SGLang venv, .venv-sglang).
 
 Named stand-ins (each only for what cannot run here):
 
@@ -140,8 +141,9 @@ def dynamic_extra(socket_path: str, tenant: str, **more: Any) -> dict[str, Any]:
     }
 
 
-def controller_stand_in(backend: Any, pool: Any) -> Any:
-    """The named stand-in for ``HiCacheController`` (see the module docstring)."""
+def controller_stand_in(backend: Any, pool: Any, *, v1: bool = True) -> Any:
+    """The named stand-in for ``HiCacheController`` (see the module docstring).
+    ``v1``: a "dynamic" backend with ``interface_v1`` (else the generic calls)."""
     from sglang.srt.managers.cache_controller import HiCacheController as HC
 
     class ControllerStandIn:
@@ -161,7 +163,6 @@ def controller_stand_in(backend: Any, pool: Any) -> Any:
             self.page_size = pool.page_size
             self.prefetch_sync_queue: Queue[Any] = Queue()
             # attach_storage_backend's choice for "dynamic" with interface_v1.
-            v1 = bool(backend.config.extra_config.get("interface_v1", 0))
             self.page_get_func = self._page_get_zero_copy if v1 else self._generic_page_get
             self.page_set_func = self._page_set_zero_copy if v1 else self._generic_page_set
 
