@@ -8,6 +8,7 @@ a page is SGLang's code or kvoffload's.
 
 from __future__ import annotations
 
+import os
 import subprocess
 from array import array
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 
 from kvoffload.testing import cli_argv
 
-from ..sidecar_proc import DevSidecar, clean_env
+from ..sidecar_proc import DevSidecar, clean_env, dev_sidecar
 
 try:
     from benchlib.sglang import (
@@ -258,3 +259,22 @@ def test_a_typo_in_extra_config_is_one_clear_error(tmp_path: Any) -> None:
     extra = dynamic_extra(str(tmp_path / "s.sock"), "t", tenat="x")
     with pytest.raises(SettingsError, match=r"unknown key.*'tenat'"):
         StorageBackendFactory.create_backend("dynamic", storage_config(extra), pool)
+
+
+def test_a_tenant_over_its_quota_stores_nothing_and_hits_nothing(tmp_path: Any) -> None:
+    policy = tmp_path / "policy.toml"
+    policy.write_text(
+        'version = 1\n[tenants.full]\nquota = "0B"\n'
+        f'[[grants]]\nuid = {os.getuid()}\ntenants = ["*"]\nadmin = true\n'
+    )
+    policy.chmod(0o644)
+    pool = host_pool(page_size=PAGE)
+    hashes = _hashes(_tokens(2, seed=10))
+    src = _fill(pool, 2, seed=10)
+    with dev_sidecar(env={"KVOFFLOAD_POLICY": str(policy)}) as sc:
+        b = _backend(sc, "full", pool)
+        assert b.batch_set_v1(hashes, src) == [False, False]
+        assert b.batch_exists(hashes) == 0
+        assert b.batch_get_v1(hashes, pool.alloc(2 * PAGE)) == [False, False]
+        assert sc.objects("full") == [] and sc.tmp_files() == []
+        b.close()
