@@ -101,3 +101,15 @@ def test_sglang_own_keys_are_accepted_and_a_model_is_required() -> None:
         make_contract(s, dataclasses.replace(COORDS, model_name=None), SHAPE)
     with pytest.raises(SettingsError, match="tp_lcm_size"):
         make_contract(s, dataclasses.replace(COORDS, split_heads=True), SHAPE)
+
+
+def test_the_sglang_requirements_pin_everything_and_name_themselves() -> None:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "requirements/sglang-cpu.txt").read_text()
+    lines = text.splitlines()
+    assert re.findall(r"-r (\S+)", "\n".join(lines[:3])) == ["requirements/sglang-cpu.txt"]
+    reqs = [ln for ln in lines if ln and not ln.startswith("#")]
+    assert "sglang==0.5.23" in reqs and all("==" in r for r in reqs)
+    assert not any(r.startswith(("torch==", "torchvision")) for r in reqs)
