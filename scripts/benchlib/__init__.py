@@ -19,6 +19,7 @@ stores      an in-process store's KEK and RAM tier
 facts       the machine a run ran on, and the source tree it ran
 sidecar     a real sidecar process: config, start, stop, RAM tier, socket echo
 lmcache     the LMCache peer (lmcache_peer.py in its venv) and its best rows
+sglang      SGLang's code on CPU (its venv): import, a real host pool, the controller stand-in
 targets     the printed targets (a row against a ceiling or the peer), verdicts
 events      the KV-event rows (events on vs off, publisher rate)
 tables      consoles, the machine table, cells, the not-cold warning
