@@ -131,7 +131,7 @@ def test_the_lmcache_tier_is_pinned_and_runs_in_make_test(tmp_path: Path) -> Non
     for name in ("Makefile", "pyproject.toml"):
         (tmp_path / name).write_bytes((ROOT / name).read_bytes())
     (tmp_path / "requirements").mkdir()
-    for req in ("vllm-cpu.txt", "lmcache-cpu.txt"):
+    for req in ("vllm-cpu.txt", "lmcache-cpu.txt", "sglang-cpu.txt"):
         (tmp_path / "requirements" / req).write_text("")
     test = _make_n(tmp_path, "test")
     assert ".venv-lmcache/bin/pip install -q torch==2.13.0" in test
