@@ -19,8 +19,14 @@ class Clock:
 def test_until_both_rates_are_measured_a_hit_is_loaded() -> None:
     g = RecomputeGuard()
     assert g.decide(512).tokens == 512  # the first loads are the measurement
-    g.observe_load(512, 10.0)  # a very slow tier, but no prefill rate yet
+    for _ in range(3):
+        g.observe_load(512, 10.0)  # a very slow tier, but no prefill rate yet
     assert g.decide(512).tokens == 512
+    for _ in range(7):
+        g.observe_step(4096, 0.01)
+    assert g.decide(512).tokens == 512  # seven steps are not yet a rate
+    g.observe_step(4096, 0.01)
+    assert g.decide(512).tokens == 0
     assert g.decide(0).tokens == 0
 
 
@@ -28,7 +34,8 @@ def test_a_slow_tier_is_recomputed_and_a_fast_one_loaded() -> None:
     g = RecomputeGuard()
     for _ in range(8):
         g.observe_step(2048, 0.1)  # the engine prefills 20k tokens/s
-    g.observe_load(1024, 0.5)  # the tier: 2k tokens/s
+    for _ in range(3):
+        g.observe_load(1024, 0.5)  # the tier: 2k tokens/s
     d = g.decide(1024)
     assert d.tokens == 0 and "recompute" in d.reason
     fast = RecomputeGuard()
@@ -54,20 +61,24 @@ def test_rates_are_read_on_the_safe_side() -> None:
 def test_a_configured_prefill_rate_wins_over_measurement() -> None:
     g = RecomputeGuard(prefill_tokens_per_s=1000.0)
     g.observe_step(100_000, 0.1)  # ignored: the operator knows the rate
-    g.observe_load(1000, 0.5)  # 2k tokens/s beats 1k tokens/s
+    for _ in range(3):
+        g.observe_load(1000, 0.5)  # 2k tokens/s beats 1k tokens/s
     assert g.prefill_rate() == 1000.0
     assert g.decide(4096).tokens == 4096
 
 
 def test_steps_too_small_to_be_prefill_are_not_counted() -> None:
     g = RecomputeGuard(min_step_tokens=64)
-    g.observe_step(8, 0.0001)  # a decode step: 80k "tokens/s" that no prefill reaches
+    for _ in range(8):
+        g.observe_step(8, 0.0001)  # decode steps: 80k "tokens/s" that no prefill reaches
     assert g.prefill_rate() is None
 
 
 def test_a_refusing_guard_probes_the_tier_again_and_notices_it_recovered() -> None:
     clock = Clock()
-    g = RecomputeGuard(probe_tokens=64, reprobe_s=30.0, window=4, clock=clock)
+    g = RecomputeGuard(
+        probe_tokens=64, reprobe_s=30.0, window=4, min_loads=1, min_steps=4, clock=clock
+    )
     for _ in range(4):
         g.observe_step(2048, 0.1)
     g.observe_load(1024, 1.0)  # slow

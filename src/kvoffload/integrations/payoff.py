@@ -24,10 +24,12 @@ only pays where the per-token costs differ along the prompt, and the later
 tokens of a prompt, whose attention spans more, are the dearer ones to
 recompute, so a partial load is never better than the whole one here.
 
-Until both rates are measured the guard loads (the first loads are the
-measurement). Once it refuses, no load would ever measure the tier again, so
-every ``reprobe_s`` one request loads its first ``probe_tokens`` (one chunk)
-and recomputes the rest: a bounded cost that notices a tier that recovered.
+Until both rates are measured, over at least ``min_loads`` loads and
+``min_steps`` steps, the guard loads (the first loads are the measurement;
+one slow sample never turns reuse off). Once it refuses, no load would ever
+measure the tier again, so every ``reprobe_s`` one request loads its first
+``probe_tokens`` (one chunk) and recomputes the rest: a bounded cost that
+notices a tier that recovered.
 
 Engine-agnostic: the vLLM connector feeds it from its worker metadata and its
 scheduler's steps; other engines' adapters can feed it the same way.
@@ -75,6 +77,8 @@ class RecomputeGuard:
         probe_tokens: int = 0,
         reprobe_s: float = 30.0,
         min_step_tokens: int = 1,
+        min_loads: int = 3,
+        min_steps: int = 8,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if window < 1 or margin <= 0 or reprobe_s <= 0:
@@ -88,6 +92,7 @@ class RecomputeGuard:
         self._probe_tokens = probe_tokens
         self._reprobe_s = reprobe_s
         self._min_step_tokens = min_step_tokens
+        self._min_loads, self._min_steps = min_loads, min_steps
         self._clock = clock
         self._last_load_sample = clock()
         self._lock = threading.Lock()
@@ -110,10 +115,12 @@ class RecomputeGuard:
             self._steps.append(tokens / seconds)
 
     def load_rate(self) -> float | None:
-        """The tier's load rate, tokens/s (conservative), or None before a load."""
+        """The tier's load rate, tokens/s (conservative), or None before ``min_loads``."""
         with self._lock:
             loads = list(self._loads)
-        return _quantile(loads, LOAD_QUANTILE, high=False) if loads else None
+        if len(loads) < self._min_loads:
+            return None
+        return _quantile(loads, LOAD_QUANTILE, high=False)
 
     def prefill_rate(self) -> float | None:
         """The engine's prefill rate, tokens/s (configured, else measured), or None."""
@@ -121,7 +128,9 @@ class RecomputeGuard:
             return self._fixed_prefill
         with self._lock:
             steps = list(self._steps)
-        return _quantile(steps, PREFILL_QUANTILE, high=True) if steps else None
+        if len(steps) < self._min_steps:
+            return None
+        return _quantile(steps, PREFILL_QUANTILE, high=True)
 
     # -- the decision ---------------------------------------------------------------
 
