@@ -106,6 +106,11 @@ class KVOffloadSettings:
     #: verified it (protocol-v1.md §5.26), so layer i+1 streams while layer i
     #: computes; false: the whole chunk is loaded before the forward starts.
     layerwise: bool = True
+    #: Load a hit only when the tier's measured load rate beats the engine's
+    #: measured prefill rate (``kvoffload.integrations.payoff``); false: always load.
+    recompute_guard: bool = True
+    #: The engine's prefill rate, tokens/s, when known; unset: measured from its steps.
+    prefill_tokens_per_s: float | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KVOffloadSettings:
@@ -200,6 +205,8 @@ _CHECKS: dict[str, Callable[[str, object], Any]] = {
     "ttl_s": _check_opt_pos_float,
     "model_revision": _check_opt_str,
     "attention_backend": _check_opt_str,
+    "recompute_guard": _check_bool,
+    "prefill_tokens_per_s": _check_opt_pos_float,
     "direct": _check_bool,
     "events_token_ids": _check_bool,
     "events_locality": _check_locality,
@@ -602,6 +609,9 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
     completed_saves: dict[int, int] = field(default_factory=dict)
     #: Per completed job: chunk index → workers that got ``stored`` from the sidecar.
     stored_chunks: dict[int, dict[int, int]] = field(default_factory=dict)
+    #: Loads run since the last report: (chunks asked for, seconds from the request
+    #: to its last verified byte), for the scheduler's recompute guard.
+    load_samples: list[tuple[int, float]] = field(default_factory=list)
 
     def aggregate(self, other: Any) -> KVOffloadWorkerMetadata:
         if not isinstance(other, KVOffloadWorkerMetadata):
@@ -614,7 +624,7 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
             into = stored.setdefault(job, {})
             for idx, n in counts.items():
                 into[idx] = into.get(idx, 0) + n
-        return KVOffloadWorkerMetadata(merged, stored)
+        return KVOffloadWorkerMetadata(merged, stored, self.load_samples + other.load_samples)
 
 
 def make_client(settings: KVOffloadSettings, *, name: str, staging_bytes: int) -> SidecarClient:

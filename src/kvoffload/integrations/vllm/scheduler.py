@@ -21,6 +21,7 @@ workers report it in ``finished_sending`` once its saves are done.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from vllm.v1.request import RequestStatus
 
 from ...keys import next_key, root_key
 from ...protocol import ALIGNMENT
+from ..payoff import RecomputeGuard
 from . import common
 from .common import (
     ChunkRef,
@@ -51,6 +53,10 @@ _NULL_BLOCK_ID = 0
 
 _CACHE_SALT_TAG = b"kvo-cache-salt\x00"
 _MM_TAG = b"kvo-mm\x00"
+
+
+#: A gap between two scheduling steps longer than this is idle time, not a step.
+_MAX_STEP_S = 5.0
 
 
 @dataclass
@@ -159,6 +165,18 @@ class KVOffloadScheduler:
         self._pending_saves: list[SaveJob] = []
         self._saves: dict[int, _SaveStatus] = {}
         self._next_job_id = 1
+        # Never slower than recompute: loads only where the tier's measured rate
+        # beats the engine's (payoff.py); each worker's loads measure the tier.
+        self._guard = (
+            RecomputeGuard(
+                prefill_tokens_per_s=settings.prefill_tokens_per_s,
+                probe_tokens=self._ct,
+                min_step_tokens=self._ct,
+            )
+            if settings.recompute_guard
+            else None
+        )
+        self._last_step: tuple[float, int] | None = None
         self._newly_held: set[str] = set()
         self._held: set[str] = set()
         self._kv_cache_manager: Any = None
@@ -240,9 +258,9 @@ class KVOffloadScheduler:
                 found = min(found, self._client.lookup(shard_keys[:found]))
                 if found == 0:
                     break
-        st.query_hit = found * self._ct
         # The store holds these chunks: a later save of them would only hear "exists".
         st.next_save_chunk = max(st.next_save_chunk, found)
+        st.query_hit = self._worth_loading(request, found) * self._ct
         if st.query_hit <= num_computed_tokens:
             return 0, False
         log.debug(
@@ -318,6 +336,23 @@ class KVOffloadScheduler:
                 st.request.request_id,
             )
         return chunks, broken
+
+    def _worth_loading(self, request: Any, found: int) -> int:
+        """Of the ``found`` stored chunks, how many to load: the guard's answer,
+        down to a chunk boundary (the rest is recomputed)."""
+        st = self._requests[request.request_id]
+        offered = found * self._ct - st.query_start
+        if self._guard is None or offered <= 0:
+            return found
+        decision = self._guard.decide(offered)
+        if decision.tokens >= offered:
+            return found
+        log.debug("kvoffload: %s: %s", request.request_id, decision.reason)
+        if self._groups:
+            # A hybrid hit is whole or nothing: a shorter boundary needs other
+            # windows and states than the ones the lookup found.
+            return 0
+        return min(found, (st.query_start + decision.tokens) // self._ct)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -421,6 +456,7 @@ class KVOffloadScheduler:
         return job
 
     def build_connector_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
+        self._observe_step(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0))
         meta = KVOffloadMetadata(
             loads=self._pending_loads,
             saves=self._pending_saves,
@@ -445,6 +481,16 @@ class KVOffloadScheduler:
                     continue
                 meta.saves.extend(self._plan_save(st, groups))
         return meta
+
+    def _observe_step(self, tokens: int) -> None:
+        """The engine's prefill rate, from the time between two scheduling steps:
+        the first step's tokens were computed in between (idle gaps left out)."""
+        now = time.monotonic()
+        if self._guard is not None and self._last_step is not None:
+            then, n = self._last_step
+            if now - then < _MAX_STEP_S:
+                self._guard.observe_step(n, now - then)
+        self._last_step = (now, tokens) if tokens > 0 else None
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -479,26 +525,32 @@ class KVOffloadScheduler:
         del self._requests[request.request_id]
         return False, None
 
+    def _take_worker_meta(self, meta: KVOffloadWorkerMetadata) -> None:
+        if self._guard is not None:
+            for chunks, seconds in meta.load_samples:
+                self._guard.observe_load(chunks * self._ct, seconds)
+        for job_id, counts in meta.stored_chunks.items():
+            status = self._saves.get(job_id)
+            if status is not None:
+                status.stored.update(counts)
+        for job_id, n in meta.completed_saves.items():
+            status = self._saves.get(job_id)
+            if status is None:
+                continue
+            status.remaining -= n
+            if status.remaining > 0:
+                continue
+            del self._saves[job_id]
+            # BlockStored only now: every worker's sidecar acknowledged it.
+            self._events.job_done(job_id, status.stored, self._num_workers)
+            st = self._requests.get(status.req_id)
+            if st is not None:
+                st.pending_saves.discard(job_id)
+
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KVOffloadWorkerMetadata):
-            for job_id, counts in meta.stored_chunks.items():
-                status = self._saves.get(job_id)
-                if status is not None:
-                    status.stored.update(counts)
-            for job_id, n in meta.completed_saves.items():
-                status = self._saves.get(job_id)
-                if status is None:
-                    continue
-                status.remaining -= n
-                if status.remaining > 0:
-                    continue
-                del self._saves[job_id]
-                # BlockStored only now: every worker's sidecar acknowledged it.
-                self._events.job_done(job_id, status.stored, self._num_workers)
-                st = self._requests.get(status.req_id)
-                if st is not None:
-                    st.pending_saves.discard(job_id)
+            self._take_worker_meta(meta)
         invalid = connector_output.invalid_block_ids or set()
         recving = connector_output.finished_recving or set()
         for req_id, st in self._requests.items():

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -215,6 +216,8 @@ class KVOffloadWorker:
         # the load and save threads both count.
         self._stats_lock = threading.Lock()
         self._stats: dict[str, int] = dict.fromkeys(STATS_FIELDS, 0)
+        # Loads since the last worker metadata: (chunks, seconds), for the recompute guard.
+        self._load_samples: list[tuple[int, float]] = []
 
     # -- registration ----------------------------------------------------------
 
@@ -410,6 +413,7 @@ class KVOffloadWorker:
     def _run_load_layerwise(self, job: LoadJob, step: _StepLoad) -> set[int]:
         """Load one request's chunks layer by layer; the block ids not verified in full."""
         cache = self._require_cache()
+        started = time.monotonic()
         chunks = job.chunks
         num_layers = len(cache.layers)
         delivered = [0] * num_layers  # per layer: leading chunks in the cache
@@ -461,12 +465,14 @@ class KVOffloadWorker:
         finally:
             for layer in range(num_layers):
                 step.add(layer, len(chunks) - delivered[layer])
+        self._sample_load(len(chunks), time.monotonic() - started)
         self._count(chunks_loaded=done, chunks_load_failed=len(chunks) - done)
         return {b for c in chunks[done:] for b in c.block_ids}
 
     def _run_load(self, job: LoadJob, background: bool, after: Any) -> set[int]:
         """Load a request's chunks; the block ids that did not get verified data."""
         self._require_cache()
+        started = time.monotonic()
         chunks = job.chunks
         done = 0  # chunks [0, done) are in their blocks
         stop = False
@@ -490,8 +496,13 @@ class KVOffloadWorker:
             done = min(done, verified)
         except Exception:
             log.exception("kvoffload: load for %s failed", job.req_id)
+        self._sample_load(len(chunks), time.monotonic() - started)
         self._count(chunks_loaded=done, chunks_load_failed=len(chunks) - done)
         return {b for c in chunks[done:] for b in c.block_ids}
+
+    def _sample_load(self, chunks: int, seconds: float) -> None:
+        with self._stats_lock:
+            self._load_samples.append((chunks, seconds))
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
@@ -646,11 +657,13 @@ class KVOffloadWorker:
         return errors
 
     def build_connector_worker_meta(self) -> KVOffloadWorkerMetadata | None:
-        if not self._completed_saves:
+        with self._stats_lock:
+            samples, self._load_samples = self._load_samples, []
+        if not self._completed_saves and not samples:
             return None
         done, self._completed_saves = self._completed_saves, []
         stored = {job: dict.fromkeys(self._stored.pop(job, ()), 1) for job in done}
-        return KVOffloadWorkerMetadata({job: 1 for job in done}, stored)
+        return KVOffloadWorkerMetadata({job: 1 for job in done}, stored, samples)
 
     def shutdown(self) -> None:
         # Let running saves finish (they hold nothing vLLM needs back now).
