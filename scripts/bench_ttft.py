@@ -70,6 +70,7 @@ from kvoffload.cli.admin import SidecarTarget
 from kvoffload.client import SidecarClient
 from kvoffload.integrations import demo_model as kd
 from kvoffload.integrations.demo_run import dev_sidecar
+from kvoffload.integrations.payoff import RecomputeGuard
 from kvoffload.keys import chunk_keys
 from kvoffload.layouts import v1
 
@@ -149,6 +150,23 @@ class Exactness:
 # --------------------------------------------------------------------------- the run
 
 
+class SlowTier:
+    """A deliberately slow tier: the real client, with an injected delay of
+    ``bytes / rate`` before every load (the stand-in of a throttled file system)."""
+
+    def __init__(self, client: Any, chunk_bytes: int) -> None:
+        self._client, self._chunk_bytes = client, chunk_bytes
+        self.bytes_per_s = 0.0  # set once recompute has been timed
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def load(self, keys: Sequence[bytes], *args: Any, **kw: Any) -> Any:
+        if self.bytes_per_s > 0:
+            time.sleep(len(keys) * self._chunk_bytes / self.bytes_per_s)
+        return self._client.load(keys, *args, **kw)
+
+
 @dataclass
 class Bench:
     model: Any
@@ -164,6 +182,8 @@ class Bench:
     progress: Callable[[str], None] = lambda _m: None
     #: Empties the sidecar's RAM tier (its drop_cache verb): a cold load reads files.
     drop_ram_tier: Callable[[], object] = lambda: None
+    #: How much slower than recompute the slow tier's load of the prefix is made.
+    slow_factor: float = 2.0
     _ref_logits: torch.Tensor | None = None
     _reuse_logits: dict[tuple[str, bool], torch.Tensor] = field(default_factory=dict)
 
@@ -178,6 +198,13 @@ class Bench:
         self.reader = raw_reader(self.obj_paths, self.read_buf)
         self.src = random_payload(self.kv_bytes, 1)
         self.dst = touched(self.kv_bytes)
+        # Never slower than recompute (kvoffload.integrations.payoff): one guard per
+        # tier, fed with this run's own measurements (recompute times, load times).
+        self.slow = SlowTier(self.client, max(1, self.file_bytes // max(1, self.reused_chunks)))
+        self.guards = {
+            tier: RecomputeGuard(min_loads=1, min_steps=1) for tier in ("normal", "slow")
+        }
+        self.decisions: dict[str, list[str]] = {"normal": [], "slow": []}
 
     def row(self, kind: str, name: str, nbytes: int = 0, note: str = "") -> Row:
         if name not in self.rows:
@@ -190,6 +217,10 @@ class Bench:
         t0 = time.perf_counter()
         full = kd.prefill(self.model, self.prompt)
         dt = time.perf_counter() - t0
+        for guard in self.guards.values():
+            guard.observe_step(len(self.prompt), dt)
+        if self.slow.bytes_per_s == 0:  # the slow tier: its prefix load takes slow_factor x this
+            self.slow.bytes_per_s = self.file_bytes / (self.slow_factor * dt)
         if timed:
             self._check_recompute(full)
         return dt
@@ -203,6 +234,8 @@ class Bench:
             cached = self.mincore.resident(self.obj_paths)
         fn = kd.reuse_prefill_layerwise if layerwise else kd.reuse_prefill
         r = fn(self.model, self.client, self.contract, self.prompt)
+        if cache_state == "cold" and not layerwise:
+            self.guards["normal"].observe_load(self.prefix_len, r.load_s)
         if r.reused_chunks != self.reused_chunks:
             raise AssertionError(
                 f"reuse {cache_state}: {r.reused_chunks} chunks reused, expected "
@@ -233,6 +266,35 @@ class Bench:
                 self.row("stage", f"{tag}{cache_state}/{stage}").runs.append(s)
             self._check_reuse(r, cache_state, layerwise)
         return r.total_s
+
+    def reuse_slow(self, timed: bool) -> float:
+        """Reuse through the slow tier, unguarded: what a tier slower than recompute costs."""
+        drop_cache(self.obj_paths)
+        self.drop_ram_tier()
+        r = kd.reuse_prefill(self.model, self.slow, self.contract, self.prompt)
+        self.guards["slow"].observe_load(self.prefix_len, r.load_s)
+        if timed:
+            self.row("ttft", "reuse, slow tier (no guard)").runs.append(r.total_s)
+        return r.total_s
+
+    def guarded(self, tier: str, timed: bool) -> float:
+        """The connector's choice: the guard decides from this run's rates, then
+        the prefix is loaded from ``tier`` or recomputed."""
+        t0 = time.perf_counter()
+        load = self.guards[tier].decide(self.prefix_len).tokens >= self.prefix_len
+        if load:
+            drop_cache(self.obj_paths)
+            self.drop_ram_tier()
+            client = self.slow if tier == "slow" else self.client
+            r = kd.reuse_prefill(self.model, client, self.contract, self.prompt)
+            self.guards[tier].observe_load(self.prefix_len, r.load_s)
+        else:
+            kd.prefill(self.model, self.prompt)
+        dt = time.perf_counter() - t0
+        if timed:
+            self.row("ttft", f"guarded, {tier} tier (cold)").runs.append(dt)
+            self.decisions[tier].append("load" if load else "recompute")
+        return dt
 
     def raw_read(self, cache_state: str, timed: bool) -> float:
         if cache_state == "cold":
@@ -333,6 +395,9 @@ class Bench:
             ("raw read warm", lambda t: self.raw_read("warm", t)),
             ("memcpy", self.memcpy),
             ("suffix prefill alone", self.suffix_only),
+            ("reuse, slow tier", self.reuse_slow),
+            ("guarded, normal tier", lambda t: self.guarded("normal", t)),
+            ("guarded, slow tier", lambda t: self.guarded("slow", t)),
         ]
         self.progress("warm-up: every operation once, untimed")
         for name, op in ops:
@@ -392,6 +457,16 @@ def summary(bench: Bench) -> dict[str, Any]:
     out["bound_cold_s"] = raw_cold + suffix
     out["bound_ratio_cold"] = (raw_cold + suffix) / recompute if recompute > 0 else None
     out["load_cold_x_raw_read_cold"] = rows["cold/load"].median / raw_cold if raw_cold > 0 else None
+    slow = {
+        "slow_tier_bytes_per_s": bench.slow.bytes_per_s,
+        "reuse_slow_s": rows["reuse, slow tier (no guard)"].median,
+        "decisions": bench.decisions,
+    }
+    for tier in ("normal", "slow"):
+        g = rows[f"guarded, {tier} tier (cold)"].median
+        slow[f"guarded_{tier}_s"] = g
+        slow[f"guarded_{tier}_vs_recompute"] = g / recompute if recompute > 0 else None
+    out["never_slower_than_recompute"] = slow
     return out
 
 
@@ -518,8 +593,36 @@ def render(console: Console, facts: dict[str, str], bench: Bench, summ: dict[str
     t.add_row("prefix KV max |loaded - recomputed|", f"{e.prefix_kv_max_abs_diff:.3g}")
     t.add_row("recompute run-to-run max |diff|", f"{e.recompute_run_to_run:.3g}")
     console.print(t)
+    render_guard(console, summ)
     console.print(f"[bold]method[/bold]: {METHOD}")
     console.print(f"[bold]cold[/bold]: {COLD_METHOD}")
+
+
+def render_guard(console: Console, summ: dict[str, Any]) -> None:
+    """Never slower than recompute: the guarded rows against recompute, same run."""
+    s = summ["never_slower_than_recompute"]
+    t = Table(title="never slower than recompute (the recompute guard, cold loads)")
+    for col in ("path", "TTFT p50", "x recompute", "guard chose"):
+        t.add_column(col)
+    t.add_row("recompute", _ms(summ["recompute_s"]), "1.00", "")
+    rc = summ["recompute_s"]
+    t.add_row(
+        "reuse, slow tier (no guard)", _ms(s["reuse_slow_s"]), f"{s['reuse_slow_s'] / rc:.2f}", ""
+    )
+    for tier in ("normal", "slow"):
+        chose = s["decisions"][tier]
+        t.add_row(
+            f"guarded, {tier} tier",
+            _ms(s[f"guarded_{tier}_s"]),
+            f"{s[f'guarded_{tier}_vs_recompute']:.2f}",
+            ", ".join(f"{chose.count(c)} {c}" for c in ("load", "recompute") if c in chose),
+        )
+    console.print(t)
+    console.print(
+        f"slow tier: an injected delay before each load, {s['slow_tier_bytes_per_s'] / MiB:.1f} "
+        "MiB/s (its prefix load set to 2x the first recompute); the guards decide from this "
+        "run's recompute times and load times only"
+    )
 
 
 # --------------------------------------------------------------------------- main

@@ -455,6 +455,11 @@ def test_bench_ttft_quick_reports_every_row_and_stops_its_sidecar(tmp_path: Path
     assert exact["logits_max_abs_diff"] <= exact["logits_tolerance"]
     # The same bytes, the same computation: layer-wise reuse changes no bit.
     assert exact["layerwise_vs_whole_max_abs_diff"] == 0
+    # Never slower than recompute: with the tier slower than recompute the guard
+    # recomputes; with the real tier (far faster here) it loads.
+    guard = summary["never_slower_than_recompute"]
+    assert guard["reuse_slow_s"] > summary["recompute_s"]
+    assert guard["decisions"] == {"normal": ["load"], "slow": ["recompute"]}
     assert doc["config"]["torch_threads"] == 2
     assert doc["machine"]["load average 1/5/15 min (start)"]
     assert not Path(f"/proc/{doc['config']['sidecar_pid']}").exists(), "sidecar still running"
