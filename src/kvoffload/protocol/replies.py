@@ -9,8 +9,8 @@ whole: handle 0 exactly when nothing is to be done, found entries a prefix.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Annotated, Any, ClassVar, Self, TypeVar
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Self
 
 import msgspec
 from msgspec import Meta
@@ -56,6 +56,9 @@ from .limits import (
     Op,
     StoreStatus,
 )
+from .prefix import Found as _Found
+from .prefix import prefix_reply as _prefix_reply
+from .sealed_replies import SealedLoadReply, SealedSlot
 
 Ident = Annotated[str, Meta(max_length=256)]
 Alignment = Annotated[int, Meta(ge=ALIGNMENT, le=MAX_ALIGNMENT)]
@@ -96,6 +99,8 @@ class HelloReply(ReplyMessage, frozen=True):
     #: Optional (revision 12, §5.30): the server answers ``prepare_load`` with
     #: ``chunkwise`` by reporting chunks as they are verified. Absent: false.
     chunkwise: bool = False
+    #: Optional (revision 15, §5.32): the server answers ``sealed_load``. Absent: false.
+    sealed_load: bool = False
 
     def validate_wire(self, where: str) -> None:
         if self.alignment & (self.alignment - 1):
@@ -120,6 +125,7 @@ class HelloReply(ReplyMessage, frozen=True):
             | ({"layerwise": True} if self.layerwise else {})
             | ({"complete_in_order": True} if self.complete_in_order else {})
             | ({"chunkwise": True} if self.chunkwise else {})
+            | ({"sealed_load": True} if self.sealed_load else {})
         )
 
 
@@ -229,8 +235,6 @@ _StagedEntries = Annotated[
 _LeasedEntries = Annotated[
     tuple[_LeasedWrite | _Exists | _Rejected, ...], Meta(min_length=1, max_length=MAX_BATCH)
 ]
-#: Checked entry by entry: a miss's other keys are not read.
-_LoadEntries = Annotated[tuple[Any, ...], Meta(min_length=1, max_length=MAX_BATCH)]
 
 
 class _PrepareStoreWire(Message, frozen=True):
@@ -355,12 +359,6 @@ class ReadSlot(Message, frozen=True):
         }
 
 
-class _LoadWire(Message, frozen=True):
-    handle: UInt
-    stop: WireCode
-    chunks: _LoadEntries
-
-
 class _Verified(Message, frozen=True):
     verified: bool
 
@@ -370,48 +368,10 @@ class _LoadHit(Message, frozen=True):
     layers: LayerSizes
 
 
-class _Found(Message, frozen=True):
-    found: bool
-
-
 class _ReadHit(Message, frozen=True):
     path: Path
     size: Aligned
     layers: Annotated[tuple[LayerExtent, ...], Meta(min_length=1, max_length=MAX_LAYERS)]
-
-
-_S = TypeVar("_S")
-
-
-def _prefix_reply(
-    m: Mapping[str, Any],
-    w: str,
-    flag: str,
-    hit: Callable[[Any, str], _S | None],
-    miss: _S,
-) -> tuple[int, ErrorCode, tuple[_S, ...]]:
-    """(handle, stop, slots) of a load-type reply: the chunks whose ``flag`` is
-    true form a prefix, ``stop`` is OK exactly when there is no miss, and the
-    handle is 0 exactly when nothing was found. ``hit`` returns None for a miss."""
-    wire = decode(_LoadWire, m, w)
-    slots: list[_S] = []
-    seen_miss = False
-    for i, c in enumerate(wire.chunks):
-        cw = f"{w}.chunks[{i}]"
-        got = hit(c, cw)
-        if got is None:
-            seen_miss = True
-            slots.append(miss)
-            continue
-        if seen_miss:
-            raise bad(f"{cw}: {flag} chunk after a miss")
-        slots.append(got)
-    stop = code(wire.stop)
-    if (stop is ErrorCode.OK) != (not seen_miss):
-        raise bad(f"{w}: stop {stop.name} does not match the chunks")
-    if (wire.handle == 0) == (slots[0] is not miss):  # the found chunks are a prefix
-        raise bad(f"{w}: handle {wire.handle} does not match the {flag} chunks")
-    return wire.handle, stop, tuple(slots)
 
 
 class PrepareLoadReply(ReplyMessage, frozen=True):
@@ -559,6 +519,7 @@ ResultReply = (
     | LoadProgress
     | StoreReply
     | DropCacheReply
+    | SealedLoadReply
 )
 Reply = ResultReply | Ack | ErrorReply
 
@@ -594,6 +555,8 @@ __all__ = [
     "Reply",
     "ReplyMessage",
     "ResultReply",
+    "SealedLoadReply",
+    "SealedSlot",
     "StatsReply",
     "StoreReply",
     "StoreSlot",

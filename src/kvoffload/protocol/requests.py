@@ -114,6 +114,13 @@ class LeaseLoad(PrepareLoad, frozen=True):
     OP: ClassVar[Op] = Op.LEASE_LOAD
 
 
+class SealedLoad(_TenantKeys, frozen=True):
+    """§5.32 (revision 15): the leading objects handed by descriptor, each with
+    the key that opens it alone; completed by ``complete_load``."""
+
+    OP: ClassVar[Op] = Op.SEALED_LOAD
+
+
 #: An engine block hash as vLLM publishes it: bytes, or a u64 (events-v1 §1).
 EngineHash = Annotated[bytes, Meta(min_length=1, max_length=64)] | Annotated[int, Meta(ge=0)]
 #: Blocks of one chunk: a chunk holds at most this many engine blocks.
@@ -426,6 +433,7 @@ Request = (
     | Namespaces
     | StoreBatch
     | DropCache
+    | SealedLoad
 )
 
 #: op → request class, made from :data:`Request`.
@@ -455,6 +463,7 @@ __all__ = [
     "RegisterStaging",
     "Request",
     "RequestMessage",
+    "SealedLoad",
     "Stats",
     "StoreBatch",
     "StoreChunk",
