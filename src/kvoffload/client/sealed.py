@@ -106,7 +106,10 @@ def open_handed(
             return dests
     finally:
         if isinstance(buf, mmap.mmap):
-            buf.close()
+            # A failure's traceback may still hold views of the mapping: then it
+            # is unmapped when they go, with the exception.
+            with contextlib.suppress(BufferError):
+                buf.close()
 
 
 class _CallerError(Exception):

@@ -368,6 +368,7 @@ class Store:
     def lease_load(self, tenant: str, key: bytes) -> ReadLease | None:
         return self._leases.lease_load(tenant, key)
 
+    @boundary
     def sealed_lease(self, tenant: str, key: bytes) -> SealedLease | None:
         return self._leases.sealed_lease(tenant, key)
 
