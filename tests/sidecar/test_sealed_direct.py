@@ -70,7 +70,7 @@ def write_policy(workdir: Path, tenants: list[str]) -> None:
     tmp.replace(pol)
 
 
-def configure(workdir: Path) -> Path:
+def configure(workdir: Path, store_extra: str = "") -> Path:
     kek = workdir / "kek"
     kek.write_bytes(os.urandom(32))
     kek.chmod(0o600)
@@ -83,7 +83,7 @@ def configure(workdir: Path) -> Path:
             root = "{workdir}/store"
             index_dir = "{workdir}/index"
             durability = "batch"
-
+            {store_extra}
             [server]
             socket = "{workdir}/run/kvo.sock"
 
@@ -97,9 +97,9 @@ def configure(workdir: Path) -> Path:
 
 
 class Node:
-    def __init__(self, procs: Procs, workdir: Path) -> None:
+    def __init__(self, procs: Procs, workdir: Path, store_extra: str = "") -> None:
         self.workdir = workdir
-        self.cfg = configure(workdir)
+        self.cfg = configure(workdir, store_extra)
         self.sock = workdir / "run" / "kvo.sock"
         self.procs = procs
         self.proc: Sidecar | None = None
@@ -315,3 +315,18 @@ def test_objects_sealed_before_per_object_keys_load_through_staging(node: Node) 
         got = c.load([k for k, _ in mixed])
         assert [r.ok for r in got] == [True] * 6
         assert [[bytes(x) for x in r.layers] for r in got] == [ls for _, ls in mixed]
+
+
+def test_a_sidecar_told_object_keys_false_seals_under_the_dek_and_still_serves(
+    procs: Procs, workdir: Path
+) -> None:
+    node = Node(procs, workdir, "object_keys = false\n").start()
+    data = chunks("acme", "cfg", 3)
+    with node.client("acme") as c:
+        assert c.save(NS, data) == [True] * 3
+        h = v1.decode_header(node.object_path("acme", data[0][0]).read_bytes())
+        assert h.sealed and not h.flags & v1.FLAG_OBJECT_KEY
+        reply, fds = sealed_call(session_of(c), [k for k, _ in data])
+        assert reply.found == 0 and fds == [] and reply.stop is ErrorCode.UNSUPPORTED
+        got = c.load([k for k, _ in data])
+        assert [[bytes(x) for x in r.layers] for r in got] == [ls for _, ls in data]

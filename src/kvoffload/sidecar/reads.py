@@ -410,6 +410,12 @@ class Reads:
         except BaseException:
             close_fds(fds)
             raise
+        if handle and not self.access.may_use(req.tenant):
+            # Revoked while the objects were opened: nothing leaves (§6.1).
+            held = self.handles.take_any(handle)  # None: the revocation released it
+            if held is not None:
+                self.handles.release(held)
+            handle, stop, slots = 0, ErrorCode.NOT_FOUND, (SealedSlot(False),) * len(req.keys)
         if handle == 0:  # nothing handed out (a forbidden tenant does the decoy's work)
             close_fds(fds)
             fds = []

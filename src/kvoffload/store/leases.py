@@ -211,11 +211,13 @@ class Leases:
         itself (an older object), so only the store opens it. The caller pins
         the key first, and owns (closes) the descriptor.
         """
+        # Read before the record: a purge or revocation that begins after this
+        # line (it bumps the generation first) hands nothing out.
+        gen = self._state.load_gens.current(tenant)
         rec = self._reads.record(tenant, key)
         if rec is None:
             self._state.counters.miss()
             return None
-        gen = self._state.load_gens.current(tenant)
         path = self._state.path(tenant, key)
         fd = -1
         try:
