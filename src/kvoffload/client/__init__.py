@@ -282,6 +282,13 @@ class SidecarClient:
             s = self._ensure_session()
             return s is not None and isinstance(self._path, LeasedPath)
 
+    def uses_sealed_direct(self) -> bool:
+        """Whether loads are sealed direct reads now (connects if needed): asked for,
+        and the sidecar announces ``sealed_load`` (protocol-v1.md §5.32)."""
+        with self._lock:
+            s, path = self._ensure_path()
+            return s is not None and isinstance(path, SealedPath)
+
     def save(
         self,
         namespace: bytes,

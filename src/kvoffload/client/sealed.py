@@ -16,6 +16,7 @@ import itertools
 import logging
 import mmap
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,18 +51,38 @@ def _aead_of(key: bytes) -> _AeadFor:
     return lambda _h: aead
 
 
-def _map(fd: int, size: int) -> mmap.mmap | bytearray:
+#: Objects smaller than this are read (one copy into a reused buffer) rather than
+#: mapped: a mapping's set-up and teardown cost more than copying a small object.
+MAP_MIN_BYTES = 1 << 20
+
+
+class _Scratch(threading.local):
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+
+_SCRATCH = _Scratch()
+
+
+def _map(fd: int, size: int) -> mmap.mmap | memoryview:
     """The object's bytes: mapped from the page cache (populated in one go), or read
-    where the file cannot be mapped."""
-    try:
-        return mmap.mmap(
-            fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ
-        )
-    except (OSError, ValueError):
-        buf = bytearray(size)
-        if os.preadv(fd, [buf], 0) != size:
-            raise CorruptObject("object ends early") from None
-        return buf
+    into this thread's buffer where it is small or cannot be mapped."""
+    if size >= MAP_MIN_BYTES:
+        try:
+            return mmap.mmap(
+                fd,
+                size,
+                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                prot=mmap.PROT_READ,
+            )
+        except (OSError, ValueError):
+            pass
+    if len(_SCRATCH.buf) < size:
+        _SCRATCH.buf = bytearray(size)
+    view = memoryview(_SCRATCH.buf)[:size]
+    if os.preadv(fd, [view], 0) != size:
+        raise CorruptObject("object ends early")
+    return view
 
 
 def open_handed(
@@ -95,6 +116,7 @@ def open_handed(
                     namespace=slot.namespace,
                     chunk_key=key,
                     object_aead=_aead_of(slot.key),
+                    header=h,
                 )
             finally:
                 with contextlib.suppress(BufferError):
@@ -210,9 +232,12 @@ class SealedPath(StagedPath):
         finally:
             if prep.handle:
                 try:
-                    done = s.call(CompleteLoad(prep.handle, tuple(bad)))
-                    if isinstance(done, ErrorReply):
-                        s.on_error_reply(done)
+                    if bad:
+                        done = s.call(CompleteLoad(prep.handle, tuple(bad)))
+                        if isinstance(done, ErrorReply):
+                            s.on_error_reply(done)
+                    else:
+                        s.complete_load(prep.handle)  # posted where the server allows (§5.29)
                 except CONNECTION_ERRORS as exc:
                     s.lose(exc)
 

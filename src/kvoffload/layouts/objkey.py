@@ -55,6 +55,7 @@ def open_layers_into(
     namespace: bytes,
     chunk_key: bytes,
     object_aead: Callable[[v1.ObjectHeader], v1.Aead | None],
+    header: v1.ObjectHeader | None = None,
 ) -> v1.ObjectHeader:
     """Verify the whole object in ``buf`` and decrypt layer ``i`` into ``dests[i]``.
 
@@ -62,9 +63,10 @@ def open_layers_into(
     identity, size, padding, every tag or checksum); a sealed object must carry
     ``FLAG_OBJECT_KEY`` (an older one is opened by the sidecar only). Raises
     :class:`CorruptObject` / :class:`ObjectMismatch` / ``UnknownKeyEpoch``; the
-    destinations hold garbage unless this returns.
+    destinations hold garbage unless this returns. ``header``: what
+    :func:`~kvoffload.layouts.v1.decode_header` returned for ``buf`` (not decoded again).
     """
-    h = v1.decode_header(buf)
+    h = v1.decode_header(buf) if header is None else header
     if h.sealed and not h.flags & v1.FLAG_OBJECT_KEY:
         raise ObjectMismatch("object sealed under the tenant key: only the sidecar opens it")
     if len(dests) != len(h.layers):
