@@ -118,13 +118,13 @@ def open_handed(
                     object_aead=_aead_of(slot.key),
                     header=h,
                 )
+                for d, dev, o in zip(dests, device, outs, strict=True):
+                    if dev:  # a GPU layer: decrypted on the host, then copied up
+                        direct_io.copy_into(o, d)
             finally:
                 with contextlib.suppress(BufferError):
                     for o in outs:
                         o.release()
-            for d, dev, o in zip(dests, device, outs, strict=True):
-                if dev:
-                    direct_io.copy_into(o, d)
             return dests
     finally:
         if isinstance(buf, mmap.mmap):
