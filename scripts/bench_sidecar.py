@@ -21,6 +21,12 @@ direct
     sidecar verifies and names them; loads are ``SidecarClient.load_to``
     straight into the pre-touched destination buffer (the worker reads and
     verifies each layer), no staging buffer either way.
+sealed direct
+    cold and warm loads of the sealed tenant's chunks through
+    ``SidecarClient(..., sealed_direct=True)`` (protocol-v1.md §5.32): the sidecar
+    hands each object's descriptor and its own key, the client verifies and
+    decrypts it (mapped, or read if small) straight into ``load_to``'s
+    destinations; rows ``load sealed direct cold/warm``, in the target table too.
 ceilings (same run, same directory)
     memcpy, AES-256-GCM ``encrypt_into`` / ``decrypt_into`` per layer and
     XXH3-128 (one thread; ``benchlib.ceilings``); a raw write of the very
