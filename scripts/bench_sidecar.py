@@ -21,6 +21,12 @@ direct
     sidecar verifies and names them; loads are ``SidecarClient.load_to``
     straight into the pre-touched destination buffer (the worker reads and
     verifies each layer), no staging buffer either way.
+sealed direct
+    cold and warm loads of the sealed tenant's chunks through
+    ``SidecarClient(..., sealed_direct=True)`` (protocol-v1.md §5.33): the sidecar
+    hands each object's descriptor and its own key, the client verifies and
+    decrypts it (mapped, or read if small) straight into ``load_to``'s
+    destinations; rows ``load sealed direct cold/warm``, in the target table too.
 ceilings (same run, same directory)
     memcpy, AES-256-GCM ``encrypt_into`` / ``decrypt_into`` per layer and
     XXH3-128 (one thread; ``benchlib.ceilings``); a raw write of the very
@@ -155,6 +161,8 @@ TARGETS = {  # row name -> minimum x ceiling; printed next to the ratio, never a
     "save sealed": TARGET_CEIL,
     "load sealed cold": TARGET_CEIL,
     "load sealed warm": TARGET_CEIL,
+    "load sealed direct cold": TARGET_CEIL,
+    "load sealed direct warm": TARGET_CEIL,
 }
 #: The final target table's rows: (op, our row name, LMCache's row at each durability).
 #: LMCache never fsyncs: its 'put' is our durability none, its 'put' + a timed fsync of its
@@ -164,6 +172,9 @@ FINAL_ROWS: tuple[tuple[str, str, dict[str, str]], ...] = (
     ("save", "save sealed", {"none": "put", "object": "put+fsync"}),
     ("cold load", "load sealed cold", {d: "get cold" for d in DURABILITIES}),
     ("warm load", "load sealed warm", {d: "get warm" for d in DURABILITIES}),
+    # Sealed direct reads (protocol §5.33): the worker decrypts the handed object itself.
+    ("direct cold load", "load sealed direct cold", {d: "get cold" for d in DURABILITIES}),
+    ("direct warm load", "load sealed direct warm", {d: "get warm" for d in DURABILITIES}),
 )
 #: Keys of the lookup-then-load rows: ``lookup`` + ``load`` (two round trips) against
 #: ``lookup_load`` (one, protocol revision 15), of the same small present chunks.
@@ -184,7 +195,9 @@ SERIAL_BOUND = (
     "serial bound: 1 / sum(1/GB/s) of the raw I/O ceiling and the CPU stages the row must run "
     "one after the other (client and sidecar take turns): save sealed = client memcpy into "
     "staging + AES-GCM seal + write; save plain = memcpy + memcpy + XXH3 + write; load sealed = "
-    "read + AES-GCM open + client memcpy out; load plain = read + memcpy + XXH3 + memcpy; "
+    "read + AES-GCM open + client memcpy out; load sealed direct = read + AES-GCM open (in the "
+    "client, from the mapped page cache into the destination); load plain = read + memcpy + "
+    "XXH3 + memcpy; "
     "save direct = XXH3 (client) + write + memcpy + XXH3 (the sidecar's re-read and check); "
     "load direct = read + XXH3 (client)."
 )
@@ -283,6 +296,8 @@ class Bench:
     #: --spy: py-spy's path and the directory of its recordings (sealed rows).
     spy_exe: str | None = None
     spy_dir: Path | None = None
+    #: The client whose loads are sealed direct reads (protocol §5.33), per sidecar.
+    sealed_direct: SidecarClient | None = None
 
     def add(self, r: Result) -> Result:
         self.results.append(r)
@@ -365,6 +380,19 @@ class Bench:
                         f"{c.uses_direct()}, expected {fmt == 'direct'}: the sidecar does not "
                         f"offer the direct path as the policy says\n{sc.log_tail()}"
                     )
+            # Loads of the sealed tenant as sealed direct reads (§5.33): rows of their own.
+            self.sealed_direct = stack.enter_context(
+                SidecarClient(
+                    sc.socket,
+                    TENANTS["sealed"],
+                    staging_bytes=self.staging_bytes,
+                    timeout_s=120.0,
+                    name="bench_sidecar sealed direct",
+                    sealed_direct=True,
+                )
+            )
+            if not self.sealed_direct.uses_sealed_direct():
+                raise RuntimeError(f"the sidecar offers no sealed_load:\n{sc.log_tail()}")
             for data in shapes:
                 self.progress(f"{dur} / {data.shape.key}: {data.shape.describe()}")
                 for fmt in FORMATS:
@@ -534,8 +562,23 @@ class Bench:
                         f"load {fmt}: {ok.count(False)} of {batch} chunks missed\n{sc.log_tail()}"
                     )
 
+            sealed_direct = self.sealed_direct
+
+            def load_sealed_direct(i: int) -> None:  # decrypted straight into dest_for's views
+                ks = keys[i * batch : (i + 1) * batch]
+                ok = sealed_direct.load_to(ks, dest_for)
+                if not all(ok):
+                    raise RuntimeError(
+                        f"load {fmt} direct: {ok.count(False)} of {batch} chunks missed\n"
+                        + sc.log_tail()
+                    )
+
+            variants = [("", load)]
+            if fmt == "sealed" and sealed_direct is not None:
+                variants.append((" direct", load_sealed_direct))
             n = written - 1
-            for cache in ("cold", "warm") if fmt != "direct" else ("cold",):
+            caches = ("cold", "warm") if fmt != "direct" else ("cold",)
+            for suffix, load_op, cache in [(v, op, c) for v, op in variants for c in caches]:
                 readers: list[tuple[str, str, Callable[[int], None], list[Path]]] = []
                 if cache == "cold":
                     extra = fan_r["cold"][2] if "cold" in fan_r else []
@@ -574,9 +617,12 @@ class Bench:
                 cached = [self.mincore.resident(r[3][batch : (n + 1) * batch]) for r in readers]
                 obj_cached = self.mincore.resident(obj_paths[batch : (n + 1) * batch])
                 hits0 = sc.ram_and_store_hits()
-                with self.observed(sc, fmt, f"{stem}-{cache}") as (meter, profiles):
+                with self.observed(sc, fmt, f"{stem}{suffix.strip()}-{cache}") as (
+                    meter,
+                    profiles,
+                ):
                     timings = interleaved(
-                        [r[2] for r in readers] + [meter.wrap(load)],
+                        [r[2] for r in readers] + [meter.wrap(load_op)],
                         n=n,
                         budget_s=budget,
                         min_ops=min(3, n),
@@ -588,7 +634,14 @@ class Bench:
                     for (name, method, _op, _p), t, c in zip(readers, timings, cached, strict=False)
                 ]
                 row = self._row(
-                    "kvoffload", f"load {fmt} {cache}", data, dur, fmt, timings[-1], "", obj_cached
+                    "kvoffload",
+                    f"load {fmt}{suffix} {cache}",
+                    data,
+                    dur,
+                    fmt,
+                    timings[-1],
+                    "",
+                    obj_cached,
                 )
                 if hits0 is not None and hits1 is not None and hits1[1] > hits0[1]:
                     row.ram = (hits1[0] - hits0[0]) / (hits1[1] - hits0[1])
@@ -613,6 +666,8 @@ class Bench:
                 if fmt == "sealed"
                 else [cpu["memcpy"], cpu["xxh3-128"]]
             )
+        elif row.name.startswith("load sealed direct"):  # decrypted into the destination
+            stages = [cpu["aes-gcm decrypt_into"]]
         else:
             stages = (
                 [cpu["aes-gcm decrypt_into"]]

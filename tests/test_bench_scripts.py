@@ -259,13 +259,15 @@ SIDECAR_ROWS = (
     "save direct",
     "load sealed cold",
     "load sealed warm",
+    "load sealed direct cold",
+    "load sealed direct warm",
     "load plain cold",
     "load plain warm",
     "load direct cold",
 )
 
 
-TARGET_OPS = ("save", "cold load", "warm load")
+TARGET_OPS = ("save", "cold load", "warm load", "direct cold load", "direct warm load")
 LMCACHE_SKIP = (
     f"{LMCACHE_PYTHON} does not exist (python3 -m venv .venv-lmcache && "
     ".venv-lmcache/bin/pip install torch==2.13.0 lmcache==0.5.6)"
@@ -482,7 +484,13 @@ def _sidecar_rows(bsc: Any) -> tuple[list[Any], list[Any]]:
     results: list[Any] = []
     payload = 4 * 32 * (1 << 20)
     for dur in DURABILITIES:
-        for name in ("save sealed", "load sealed cold", "load sealed warm"):
+        for name in (
+            "save sealed",
+            "load sealed cold",
+            "load sealed warm",
+            "load sealed direct cold",
+            "load sealed direct warm",
+        ):
             ceil = f"raw {'write' if name.startswith('save') else 'read'} sealed-obj x4"
             results.append(
                 bsc.Row("ceiling", ceil, "large", dur, 10, payload, payload, 10 * payload / 2e9,

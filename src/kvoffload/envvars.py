@@ -168,6 +168,14 @@ REGISTRY: tuple[EnvVar, ...] = (
         "around the page cache; auto = 1/16 of memory, at most 8GiB; 0 = none.",
     ),
     _cfg(
+        "store",
+        "object_keys",
+        "bool",
+        "true",
+        "[store] object_keys: seal each new object under its own key derived from the "
+        "tenant's (sealed direct reads); false while nodes of older builds share the root.",
+    ),
+    _cfg(
         "server",
         "socket",
         "path",

@@ -32,6 +32,7 @@ from .protocol import (
     CLIENT_MAGIC,
     MAX_FDS,
     MAX_FRAME,
+    MAX_REPLY_FDS,
     SERVER_MAGIC,
     ErrorCode,
     Frame,
@@ -47,7 +48,6 @@ from .protocol import (
 MAX_FDS_PER_RECV = MAX_FDS + 1
 RECV_SIZE = 256 * 1024
 DEFAULT_TIMEOUT_S = 10.0
-_ANCILLARY = socket.CMSG_LEN(MAX_FDS_PER_RECV * array.array("i").itemsize)
 # Plain ints: a flag enum's ``|`` and ``&`` cost a call each.
 _MSG_NOSIGNAL = int(socket.MSG_NOSIGNAL)
 _MSG_SEND_NOW = int(socket.MSG_NOSIGNAL | socket.MSG_DONTWAIT)
@@ -101,7 +101,12 @@ class UnixTransport:
         self._sock = sock
         self._timeout_s = timeout_s
         self._max_frame = max_frame
-        self._decoder = FrameDecoder(expect_magic=expect_magic, max_frame=max_frame)
+        # A server's frames may carry a sealed_load reply's descriptors (§5.33).
+        max_fds = MAX_REPLY_FDS if expect_magic == SERVER_MAGIC else MAX_FDS
+        self._decoder = FrameDecoder(
+            expect_magic=expect_magic, max_frame=max_frame, max_fds=max_fds
+        )
+        self._ancillary = socket.CMSG_LEN((max_fds + 1) * array.array("i").itemsize)
         self._ready: collections.deque[Frame] = collections.deque()
         self._closed = False
         self._rbuf = bytearray(RECV_SIZE)
@@ -207,7 +212,7 @@ class UnixTransport:
                 self._wait_readable(deadline - time.monotonic())
             try:
                 n, ancdata, flags, _ = self._sock.recvmsg_into(
-                    [self._rbuf], _ANCILLARY, _MSG_RECV if timeout_s is None else _MSG_RECV_NOW
+                    [self._rbuf], self._ancillary, _MSG_RECV if timeout_s is None else _MSG_RECV_NOW
                 )
                 break
             except BlockingIOError:
@@ -268,7 +273,8 @@ class MemoryTransport:
     ) -> None:
         self._inbox: queue.Queue[tuple[bytes, list[int]] | _Eof] = queue.Queue()
         self._peer: MemoryTransport | None = None
-        self._decoder = FrameDecoder(expect_magic=expect_magic)
+        max_fds = MAX_REPLY_FDS if expect_magic == SERVER_MAGIC else MAX_FDS
+        self._decoder = FrameDecoder(expect_magic=expect_magic, max_fds=max_fds)
         self._ready: collections.deque[Frame] = collections.deque()
         self._send_magic = send_magic
         self._timeout_s = timeout_s

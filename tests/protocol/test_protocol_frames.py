@@ -133,6 +133,7 @@ CATALOGUE: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
         _req(15, p.LeaseStore("acme", NS, (p.ChunkSpec(K[3], (1,)),))),
     ),
     "lease_load": ("request", _req(16, p.LeaseLoad("acme", (K[0], K[1], K[2])))),
+    "sealed_load": ("request", _req(17, p.SealedLoad("acme", (K[0], K[1])))),
     "store": (
         "request",
         _req(
@@ -351,6 +352,25 @@ CATALOGUE: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
                 (p.ReadSlot(True, "/s/o", 4096, (p.LayerExtent(0, 1, CHECK),)),),
             ),
         ),
+    ),
+    "sealed_load_reply": (
+        "reply",
+        _rep(
+            17,
+            p.SealedLoadReply(
+                80,
+                ErrorCode.UNSUPPORTED,
+                (
+                    p.SealedSlot(True, 8192, SALT, NS),
+                    p.SealedSlot(True, 4096, b"", NS),
+                    p.SealedSlot(False),
+                ),
+            ),
+        ),
+    ),
+    "hello_reply_sealed_load": (
+        "reply",
+        _rep(1, p.HelloReply(1, "srv", "store", {"acme": SALT}, sealed_load=True)),
     ),
     "error_reply": (
         "reply",

@@ -21,10 +21,18 @@ to GPU memory where the node has it). Results and failure handling are the
 same as on the staging path; any other tenant, or a sidecar that does not
 offer it, quietly uses staging.
 
+With ``sealed_direct=True`` (and a sidecar that announces ``sealed_load``,
+protocol revision 16), loads of any tenant are sealed direct reads
+(:mod:`.sealed`): the sidecar hands each object's descriptor and the key of
+that object alone, and this process verifies and decrypts it from the page
+cache straight into the destination. Objects it cannot hand out that way
+(sealed before per-object keys) load through staging, as do saves.
+
 The package: :mod:`.session` (one connection, replies, ``fetch_stats``),
 :mod:`.paths` (the save/load strategy interface), :mod:`.staged` (the staging
-path), :mod:`.leased` (the lease/direct path), :mod:`.buffers` (layer views
-and argument checks); this module is the never-raising facade.
+path), :mod:`.leased` (the lease/direct path), :mod:`.sealed` (sealed direct
+reads), :mod:`.buffers` (layer views and argument checks); this module is the
+never-raising facade.
 """
 
 from __future__ import annotations
@@ -77,6 +85,7 @@ from .buffers import (
 from .direct import as_byte_view
 from .leased import DIRECT_BATCH, LeasedPath
 from .paths import TransferPath
+from .sealed import SealedPath
 from .session import (
     CONNECTION_ERRORS,
     RateLimitedLog,
@@ -139,6 +148,7 @@ class SidecarClient:
         backoff_max_s: float = 30.0,
         log_interval_s: float = 60.0,
         direct: bool = False,
+        sealed_direct: bool = False,
     ) -> None:
         self._tenant = validate_tenant(tenant)
         if staging_bytes < ALIGNMENT:
@@ -163,6 +173,8 @@ class SidecarClient:
         self._closed = False
         self._salt: bytes | None = None
         self._direct = direct
+        #: Loads as sealed direct reads where the sidecar offers them (§5.33).
+        self._sealed_direct = sealed_direct
         #: Contracts of the namespaces this client derived keys for (§5.19).
         self._contracts: dict[bytes, dict[str, Any]] = {}
 
@@ -296,6 +308,13 @@ class SidecarClient:
         with self._lock:
             s = self._ensure_session()
             return s is not None and isinstance(self._path, LeasedPath)
+
+    def uses_sealed_direct(self) -> bool:
+        """Whether loads are sealed direct reads now (connects if needed): asked for,
+        and the sidecar announces ``sealed_load`` (protocol-v1.md §5.33)."""
+        with self._lock:
+            s, path = self._ensure_path()
+            return s is not None and isinstance(path, SealedPath)
 
     def save(
         self,
@@ -533,7 +552,10 @@ class SidecarClient:
         staging = self._staging
         assert staging is not None  # a session implies a registered buffer
         # Late-bound, so that replacing SidecarClient._copy_in takes effect.
-        return StagedPath(staging, lambda st, off, layers: self._copy_in(st, off, layers))
+        copy = lambda st, off, layers: self._copy_in(st, off, layers)  # noqa: E731
+        if self._sealed_direct and s.hello.sealed_load:
+            return SealedPath(staging, copy)
+        return StagedPath(staging, copy)
 
     def _handshake(self, transport: Transport) -> Session:
         hello_req = Hello(MIN_PROTOCOL_VERSION, MAX_PROTOCOL_VERSION, self._name, (self._tenant,))

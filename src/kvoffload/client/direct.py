@@ -129,6 +129,11 @@ def _host_view(obj: Any, writable: bool = False) -> memoryview:
     return as_byte_view(obj)
 
 
+def writable_view(obj: Any) -> memoryview:
+    """A flat, writable byte view of a host destination (buffer or CPU tensor)."""
+    return _host_view(obj, writable=True)
+
+
 def nbytes(obj: Any) -> int:
     return _device_nbytes(obj) if is_device(obj) else _host_view(obj).nbytes
 

@@ -34,6 +34,7 @@ from ..protocol import (
     ProtocolError,
     Reply,
     Request,
+    SealedLoad,
     Stats,
     StatsReply,
     close_fds,
@@ -94,11 +95,25 @@ def read_reply(
     """The reply to request ``rid`` (``req``), checked for id and op; or, where
     it comes first, the reply to one of the ``posted`` requests (sent without
     waiting), checked against that request and removed from ``posted``."""
+    got, reply, _fds = read_reply_fds(transport, rid, req, posted)
+    return got, reply
+
+
+def read_reply_fds(
+    transport: Transport, rid: int, req: Request, posted: dict[int, Request] | None = None
+) -> tuple[int, Reply, list[int]]:
+    """:func:`read_reply`, and the descriptors that came with the reply to a
+    ``sealed_load`` (§5.33; the caller's to close). Any other frame that carries
+    descriptors is a protocol error."""
     frame = transport.recv()
-    if frame.fds:
+    try:
+        got, reply = parse_reply(frame.msg)
+    except BaseException:
+        close_fds(frame.fds)
+        raise
+    if frame.fds and not (got == rid and isinstance(req, SealedLoad)):
         close_fds(frame.fds)
         raise ProtocolError(ErrorCode.BAD_REQUEST, "server sent descriptors")
-    got, reply = parse_reply(frame.msg)
     if got == 0 and isinstance(reply, ErrorReply):
         raise _Unavailable(f"sidecar closed the connection: {reply.code.name}: {reply.message}")
     if got != rid:
@@ -107,10 +122,11 @@ def read_reply(
         req = posted.pop(got)
     op = reply.op if isinstance(reply, ErrorReply | Ack) else reply.OP
     if op is Op.LOAD_PROGRESS and isinstance(req, PrepareLoad) and (req.layerwise or req.chunkwise):
-        return got, reply  # §5.26, §5.30: an interim frame of this request
+        return got, reply, []  # §5.26, §5.30: an interim frame of this request
     if op != req.OP:
+        close_fds(frame.fds)
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"reply for {op}, expected {req.OP}")
-    return got, reply
+    return got, reply, frame.fds
 
 
 #: ``on_lost(session, exc)``: the owner forgets the session and backs off.
@@ -219,6 +235,17 @@ class Session:
         done = self.call(CompleteLoad(handle))
         if isinstance(done, ErrorReply):
             self.on_error_reply(done)
+
+    def call_fds(self, req: SealedLoad) -> tuple[Reply, list[int]]:
+        """:meth:`call`, and the descriptors its reply carried (§5.33; the caller's)."""
+        rid = self.take_id()
+        self.transport.send(request_message(rid, req))
+        while True:
+            got, reply, fds = read_reply_fds(self.transport, rid, req, self.posted)
+            if got == rid:
+                return reply, fds
+            if isinstance(reply, ErrorReply):
+                self.on_error_reply(reply)
 
     def reply_to(self, rid: int, req: Request) -> Reply:
         """The reply to ``rid`` (``req``); replies to posted requests that arrive

@@ -5,7 +5,7 @@ one chunk (N tokens × all layers of one shard). All integers little-endian::
 
     0    8  magic "KVOFFOBJ"
     8    2  layout version (1)
-    10   2  flags (bit 0: SEALED = AES-256-GCM; all other bits 0)
+    10   2  flags (bit 0: SEALED = AES-256-GCM; bit 1: OBJECT_KEY, objkey.py; others 0)
     12   4  header_length (bytes, including the trailing checksum)
     16   4  data_offset (first layer; multiple of 4096)
     20   4  num_layers (1..65535)
@@ -45,7 +45,9 @@ VERSION = 1
 MAGIC = b"KVOFFOBJ"
 ALIGN = 4096
 FLAG_SEALED = 0x1
-KNOWN_FLAGS = FLAG_SEALED
+#: Sealed under the object's own key (layout-v1.md §3.3, :mod:`.objkey`), not the DEK.
+FLAG_OBJECT_KEY = 0x2
+KNOWN_FLAGS = FLAG_SEALED | FLAG_OBJECT_KEY
 TAG_SIZE = 16
 NONCE_SIZE = 12
 KEY_SIZE = 32
@@ -78,6 +80,10 @@ class Aead(Protocol):
     def decrypt_into(
         self, nonce: bytes, data: Any, associated_data: bytes | None, buf: Any
     ) -> int: ...
+
+
+#: The AEAD of an object sealed under its own key (FLAG_OBJECT_KEY), or None (purged).
+ObjectAead = Callable[["ObjectHeader"], Aead | None]
 
 
 #: Fan-out of ``objects/<tenant>/``: hex digits of the chunk key per directory
@@ -309,8 +315,8 @@ def decode_header(buf: bytes | memoryview) -> ObjectHeader:
     if not 1 <= tlen <= MAX_TENANT or tenant_raw[tlen:] != bytes(MAX_TENANT - tlen):
         raise CorruptObject("bad tenant field")
     sealed = bool(flags & FLAG_SEALED)
-    if not sealed and epoch != 0:
-        raise CorruptObject("plaintext object with a key epoch")
+    if not sealed and (epoch != 0 or flags & FLAG_OBJECT_KEY):
+        raise CorruptObject("plaintext object with a key epoch or an object key")
     layers = []
     for off, length, nonce, check, rsv in _LAYER_READ.iter_unpack(
         mv[_FIXED.size : hl - _CHECK_SIZE]
@@ -376,11 +382,13 @@ def seal_into(
     key_epoch: int = 0,
     created_ns: int = 0,
     nonce_source: Callable[[int], bytes] = os.urandom,
+    object_aead: ObjectAead | None = None,
 ) -> int:
     """Build a complete object in ``out``; returns its size. ``aead=None``: plaintext.
 
     ``out`` must hold :func:`object_size` bytes. Ciphertext is written straight
-    into ``out`` (``encrypt_into``), so sealing costs no extra copy.
+    into ``out`` (``encrypt_into``), so sealing costs no extra copy. ``object_aead``
+    (``aead`` not None): sealed under the object's own key (FLAG_OBJECT_KEY, §3.3).
     """
     if len(chunk_key) != KEY_SIZE or len(namespace) != KEY_SIZE:
         raise ValueError("chunk key and namespace fingerprint must be 32 bytes")
@@ -394,7 +402,7 @@ def seal_into(
     size = total_size(data_offset, lengths, sealed)
     if len(out) < size:
         raise ValueError(f"output buffer too small: {len(out)} < {size}")
-    flags = FLAG_SEALED if sealed else 0
+    flags = (FLAG_SEALED | (FLAG_OBJECT_KEY if object_aead is not None else 0)) if sealed else 0
     entries: list[LayerEntry] = []
     proto = ObjectHeader(
         VERSION,
@@ -407,6 +415,8 @@ def seal_into(
         data_offset,
         tuple(LayerEntry(o, n, b"", b"") for o, n in zip(offsets, lengths, strict=True)),
     )
+    if sealed and object_aead is not None:
+        aead = object_aead(proto)
     for i, (src, off, n) in enumerate(zip(layers, offsets, lengths, strict=True)):
         data = memoryview(src).cast("B")
         if sealed:
@@ -483,7 +493,7 @@ def layer_check(data: memoryview | bytes | bytearray) -> bytes:
 _ZEROS = bytes(ALIGN)
 
 
-def _is_zero(mv: memoryview) -> bool:
+def is_zero(mv: memoryview) -> bool:
     # A memcmp against _ZEROS with no copy (bytes.startswith takes any buffer);
     # memoryview == bytes compares item by item (50x slower).
     if len(mv) <= ALIGN:
@@ -519,25 +529,26 @@ def _check_whole(
     if h.sealed:
         return
     hl = header_length(len(h.layers))
-    if not _is_zero(buf[hl : h.data_offset]):
+    if not is_zero(buf[hl : h.data_offset]):
         raise CorruptObject("non-zero padding after header")
     for i, le in enumerate(h.layers):
         end = le.offset + le.length
         nxt = h.layers[i + 1].offset if i + 1 < len(h.layers) else size
-        if not _is_zero(buf[end:nxt]):
+        if not is_zero(buf[end:nxt]):
             raise CorruptObject(f"non-zero padding after layer {i}")
         if xxhash.xxh3_128_digest(buf[le.offset : end]) != le.check:
             raise CorruptObject(f"layer {i}: checksum mismatch")
 
 
-def _admit(
+def admit(
     h: ObjectHeader,
     size: int,
-    out: memoryview,
+    room: int,
     tenant: str,
     namespace: bytes,
     chunk_key: bytes,
     aead_for_epoch: Callable[[int], Aead | None],
+    object_aead: ObjectAead | None = None,
 ) -> Aead | None:
     """The whole-object checks of :func:`open_into` and :func:`open_read_into`
     before any layer is read: the object is this chunk's, ``size`` bytes as its
@@ -546,12 +557,17 @@ def _admit(
         raise ObjectMismatch("object belongs to another chunk key, tenant or namespace")
     if size != h.total_size:
         raise CorruptObject(f"object is {size} bytes, header says {h.total_size}")
-    if len(out) < h.payload_size:
+    if room < h.payload_size:
         # The caller sized ``out`` from what it expected of this chunk: the
         # object is another one (relabelled, or from a store of other shapes).
-        raise ObjectMismatch(f"object holds {h.payload_size} bytes, {len(out)} expected")
-    aead = aead_for_epoch(h.key_epoch) if h.sealed else None
-    if h.sealed and aead is None:
+        raise ObjectMismatch(f"object holds {h.payload_size} bytes, {room} expected")
+    if not h.sealed:
+        return None
+    if h.flags & FLAG_OBJECT_KEY:
+        aead = object_aead(h) if object_aead is not None else None
+    else:
+        aead = aead_for_epoch(h.key_epoch)
+    if aead is None:
         raise UnknownKeyEpoch(f"no key for epoch {h.key_epoch} (purged, unknown or newer)")
     return aead
 
@@ -565,6 +581,7 @@ def open_into(
     chunk_key: bytes,
     aead_for_epoch: Callable[[int], Aead | None],
     before_layer: Callable[[int], None] | None = None,
+    object_aead: ObjectAead | None = None,
 ) -> ObjectHeader:
     """Verify the whole object in ``buf`` and write its layers, packed, into ``out``.
 
@@ -575,9 +592,9 @@ def open_into(
     whatever it raises stops the copy there (a cancelled load).
     """
     h = decode_header(buf)
-    aead = _admit(h, len(buf), out, tenant, namespace, chunk_key, aead_for_epoch)
+    aead = admit(h, len(buf), len(out), tenant, namespace, chunk_key, aead_for_epoch, object_aead)
     hl = header_length(len(h.layers))
-    if not _is_zero(buf[hl : h.data_offset]):
+    if not is_zero(buf[hl : h.data_offset]):
         raise CorruptObject("non-zero padding after header")
     pos = 0
     for i, le in enumerate(h.layers):
@@ -611,6 +628,7 @@ def open_read_into(
     chunk_key: bytes,
     aead_for_epoch: Callable[[int], Aead | None],
     before_layer: Callable[[int], None] | None = None,
+    object_aead: ObjectAead | None = None,
 ) -> ObjectHeader:
     """:func:`open_into` of an object of ``size`` bytes read piece by piece
     through ``read_at``: its header, then one layer slot (:func:`layer_slot`:
@@ -624,14 +642,14 @@ def open_read_into(
         if len(head) < hl <= min(size, MAX_HEADER_LENGTH):
             head = _read_exact(read_at, alloc(hl)[:hl], 0)
     h = decode_header(head)
-    aead = _admit(h, size, out, tenant, namespace, chunk_key, aead_for_epoch)
+    aead = admit(h, size, len(out), tenant, namespace, chunk_key, aead_for_epoch, object_aead)
     hl = header_length(len(h.layers))
     if len(head) >= h.data_offset:
         pad = head[hl : h.data_offset]
     else:
         n = h.data_offset - hl
         pad = _read_exact(read_at, alloc(n)[:n], hl)
-    if not _is_zero(pad):
+    if not is_zero(pad):
         raise CorruptObject("non-zero padding after header")
     pos = 0
     for i, le in enumerate(h.layers):
@@ -663,7 +681,7 @@ def open_layer(
     """
     le = h.layers[i]
     stored = le.length + (TAG_SIZE if h.sealed else 0)
-    if len(slot) < stored or not _is_zero(slot[stored:]):
+    if len(slot) < stored or not is_zero(slot[stored:]):
         raise CorruptObject(f"non-zero padding after layer {i}")
     if h.sealed:
         if aead is None:

@@ -104,10 +104,15 @@ class FrameDecoder:
     After a ProtocolError the decoder is poisoned: the stream is out of sync.
     """
 
-    def __init__(self, expect_magic: bytes | None = None, max_frame: int = MAX_FRAME) -> None:
+    def __init__(
+        self, expect_magic: bytes | None = None, max_frame: int = MAX_FRAME, max_fds: int = MAX_FDS
+    ) -> None:
         self._buf = bytearray()
         self._magic = expect_magic
         self._max_frame = max_frame
+        #: Descriptors a frame may declare: MAX_FDS from a client, MAX_REPLY_FDS
+        #: from a server (a ``sealed_load`` reply, §5.33).
+        self._max_fds = max_fds
         self._fds: collections.deque[int] = collections.deque()
         self._error: ProtocolError | None = None
 
@@ -143,7 +148,7 @@ class FrameDecoder:
                 # an incomplete tail is copied.
                 with memoryview(data) as view:
                     self._buf += view[self._frames(view, frames) :]
-            if len(self._fds) > MAX_FDS:
+            if len(self._fds) > self._max_fds:
                 raise bad(f"{len(self._fds)} descriptors sent that no frame declared")
         except ProtocolError as exc:
             self._fail(exc)
@@ -203,8 +208,8 @@ class FrameDecoder:
         n = msg.get("fds", 0)
         if n == 0 and type(n) is int:
             return []
-        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_FDS:
-            raise bad(f"fds: {n!r} is not an integer in [0, {MAX_FDS}]")
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= self._max_fds:
+            raise bad(f"fds: {n!r} is not an integer in [0, {self._max_fds}]")
         if n > len(self._fds):
             raise bad(f"frame declares {n} descriptors, {len(self._fds)} arrived")
         return [self._fds.popleft() for _ in range(n)]

@@ -26,6 +26,9 @@ SALT_SIZE = 32
 MAX_MESSAGE = 4096
 #: Most descriptors one frame may declare, and most received but unclaimed.
 MAX_FDS = 4
+#: Descriptors one reply frame may carry (a ``sealed_load`` reply, §5.33), and
+#: so the most chunks such a reply hands out.
+MAX_REPLY_FDS = 32
 #: Longest object path a lease may name.
 MAX_PATH = 4096
 #: Largest region alignment a server may announce.
@@ -64,6 +67,8 @@ class Op(StrEnum):
     DROP_CACHE = "drop_cache"
     #: Revision 15 (§5.32): ``lookup`` and ``prepare_load`` in one request.
     LOOKUP_LOAD = "lookup_load"
+    #: Revision 16 (§5.33): objects handed by descriptor with their own keys.
+    SEALED_LOAD = "sealed_load"
     #: Server-initiated fatal error frame (id 0).
     ERROR = "error"
 

@@ -1,12 +1,12 @@
 """The replies of the loads answered into staging: ``prepare_load`` (5.7) and
 ``lookup_load`` (revision 15, 5.32), and the prefix check that ``lease_load``'s
-reply (replies.py) shares: the found chunks are a prefix of the keys.
+reply (replies.py) shares (prefix.py): the found chunks are a prefix of the keys.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Annotated, Any, ClassVar, Self, TypeVar
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Self
 
 from msgspec import Meta
 
@@ -17,28 +17,17 @@ from .fields import (
     LayerSizes,
     Message,
     ReplyMessage,
-    UInt,
-    WireCode,
-    code,
     decode,
 )
 from .framing import bad
 from .limits import MAX_BATCH, MAX_PIGGYBACK, Op
-
-#: Checked entry by entry: a miss's other keys are not read.
-_LoadEntries = Annotated[tuple[Any, ...], Meta(min_length=1, max_length=MAX_BATCH)]
+from .prefix import prefix_reply as _prefix_reply
 
 
 class LoadSlot(Message, frozen=True):
     verified: bool
     offset: int = 0
     layers: tuple[int, ...] = ()
-
-
-class _LoadWire(Message, frozen=True):
-    handle: UInt
-    stop: WireCode
-    chunks: _LoadEntries
 
 
 class _Verified(Message, frozen=True):
@@ -61,40 +50,6 @@ class _Piggyback(Message, frozen=True):
 class _LookupFound(Message, frozen=True):
     WIRE_REQUIRED: ClassVar[tuple[str, ...]] = ("found",)
     found: Annotated[int, Meta(ge=0, le=MAX_BATCH)] = 0
-
-
-_S = TypeVar("_S")
-
-
-def _prefix_reply(
-    m: Mapping[str, Any],
-    w: str,
-    flag: str,
-    hit: Callable[[Any, str], _S | None],
-    miss: _S,
-) -> tuple[int, ErrorCode, tuple[_S, ...]]:
-    """(handle, stop, slots) of a load-type reply: the chunks whose ``flag`` is
-    true form a prefix, ``stop`` is OK exactly when there is no miss, and the
-    handle is 0 exactly when nothing was found. ``hit`` returns None for a miss."""
-    wire = decode(_LoadWire, m, w)
-    slots: list[_S] = []
-    seen_miss = False
-    for i, c in enumerate(wire.chunks):
-        cw = f"{w}.chunks[{i}]"
-        got = hit(c, cw)
-        if got is None:
-            seen_miss = True
-            slots.append(miss)
-            continue
-        if seen_miss:
-            raise bad(f"{cw}: {flag} chunk after a miss")
-        slots.append(got)
-    stop = code(wire.stop)
-    if (stop is ErrorCode.OK) != (not seen_miss):
-        raise bad(f"{w}: stop {stop.name} does not match the chunks")
-    if (wire.handle == 0) == (slots[0] is not miss):  # the found chunks are a prefix
-        raise bad(f"{w}: handle {wire.handle} does not match the {flag} chunks")
-    return wire.handle, stop, tuple(slots)
 
 
 def _load_hit(c: Any, cw: str) -> LoadSlot | None:

@@ -55,7 +55,10 @@ from .limits import (
     Op,
     StoreStatus,
 )
-from .load_replies import LoadSlot, LookupLoadReply, PrepareLoadReply, _prefix_reply
+from .load_replies import LoadSlot, LookupLoadReply, PrepareLoadReply
+from .prefix import Found as _Found
+from .prefix import prefix_reply as _prefix_reply
+from .sealed_replies import SealedLoadReply, SealedSlot
 
 Ident = Annotated[str, Meta(max_length=256)]
 Alignment = Annotated[int, Meta(ge=ALIGNMENT, le=MAX_ALIGNMENT)]
@@ -99,6 +102,8 @@ class HelloReply(ReplyMessage, frozen=True):
     #: Optional (revision 15, §5.32): the server serves ``lookup_load`` and the
     #: ``complete`` key of ``prepare_load`` and ``lookup_load``. Absent: false.
     lookup_load: bool = False
+    #: Optional (revision 16, §5.33): the server answers ``sealed_load``. Absent: false.
+    sealed_load: bool = False
 
     def validate_wire(self, where: str) -> None:
         if self.alignment & (self.alignment - 1):
@@ -124,6 +129,7 @@ class HelloReply(ReplyMessage, frozen=True):
             | ({"complete_in_order": True} if self.complete_in_order else {})
             | ({"chunkwise": True} if self.chunkwise else {})
             | ({"lookup_load": True} if self.lookup_load else {})
+            | ({"sealed_load": True} if self.sealed_load else {})
         )
 
 
@@ -351,10 +357,6 @@ class ReadSlot(Message, frozen=True):
         }
 
 
-class _Found(Message, frozen=True):
-    found: bool
-
-
 class _ReadHit(Message, frozen=True):
     path: Path
     size: Aligned
@@ -485,6 +487,7 @@ ResultReply = (
     | StoreReply
     | DropCacheReply
     | LookupLoadReply
+    | SealedLoadReply
 )
 Reply = ResultReply | Ack | ErrorReply
 
@@ -521,6 +524,8 @@ __all__ = [
     "Reply",
     "ReplyMessage",
     "ResultReply",
+    "SealedLoadReply",
+    "SealedSlot",
     "StatsReply",
     "StoreReply",
     "StoreSlot",

@@ -149,6 +149,13 @@ class LookupLoad(_TenantKeys, frozen=True):
         return d
 
 
+class SealedLoad(_TenantKeys, frozen=True):
+    """§5.33 (revision 16): the leading objects handed by descriptor, each with
+    the key that opens it alone; completed by ``complete_load``."""
+
+    OP: ClassVar[Op] = Op.SEALED_LOAD
+
+
 #: An engine block hash as vLLM publishes it: bytes, or a u64 (events-v1 §1).
 EngineHash = Annotated[bytes, Meta(min_length=1, max_length=64)] | Annotated[int, Meta(ge=0)]
 #: Blocks of one chunk: a chunk holds at most this many engine blocks.
@@ -462,6 +469,7 @@ Request = (
     | StoreBatch
     | DropCache
     | LookupLoad
+    | SealedLoad
 )
 
 #: op → request class, made from :data:`Request`.
@@ -492,6 +500,7 @@ __all__ = [
     "RegisterStaging",
     "Request",
     "RequestMessage",
+    "SealedLoad",
     "Stats",
     "StoreBatch",
     "StoreChunk",

@@ -26,6 +26,8 @@ File format (every key optional; unknown keys are errors)::
                                            #   page cache (posix); "0" = page cache only
     ram_cache = "auto"                     # RAM tier of those large objects' sealed images:
                                            #   a size, "0" = none; auto = 1/16 of memory, <= 8GiB
+    object_keys = true                     # seal each object under its own key (sealed
+                                           #   direct reads); false while older nodes share the root
 
     [server]
     socket = "/run/kvoffload/kvoffload.sock"
@@ -255,6 +257,8 @@ class Config:
     direct_read_min: int | None = None
     #: None: "auto" (store.ramtier.auto_capacity); 0: no RAM tier
     ram_cache: int | None = None
+    #: Seal under per-object keys (layout-v1.md §3.3); False: under the DEK, as before.
+    object_keys: bool = True
     # [server]
     socket_path: Path = Path("/run/kvoffload/kvoffload.sock")
     socket_group: str | None = None
@@ -376,6 +380,7 @@ class Config:
             io_streams=self.io_streams,
             direct_read_min=self.direct_read_min,
             ram_cache=self.ram_cache,
+            object_keys=self.object_keys,
             audit_max_bytes=self.audit_max_bytes,
             audit_keep=self.audit_keep,
         )
@@ -508,6 +513,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Any]] = {
     ("store", "io_streams"): ("io_streams", _parse_streams),
     ("store", "direct_read_min"): ("direct_read_min", _direct_read_min),
     ("store", "ram_cache"): ("ram_cache", _ram_cache),
+    ("store", "object_keys"): ("object_keys", parse_bool),
     ("server", "socket"): ("socket_path", Path),
     ("server", "socket_group"): ("socket_group", str),
     ("server", "workers"): ("workers", int),

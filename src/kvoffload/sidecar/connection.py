@@ -66,6 +66,7 @@ from kvoffload.protocol import (
     RegisterStaging,
     Reply,
     Request,
+    SealedLoadReply,
     close_fds,
     encode_frame,
     error_message,
@@ -165,6 +166,9 @@ class Connection:
         self._wdone = 0  # bytes ever written to the socket
         self._wwaiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
         self._wfailed: OSError | None = None
+        #: Descriptors to pass with the frame that starts at a byte count (a
+        #: sealed_load reply, §5.33): sent with that frame's first byte, then closed.
+        self._wfds: dict[int, list[int]] = {}
         self._writing = False
         # Pool completions, drained on the loop with one wake-up per batch.
         self._completions: collections.deque[tuple[_InFlight, _Outcome]] = collections.deque()
@@ -186,7 +190,7 @@ class Connection:
         self._wtotal += n
         if not self._wbuf:
             try:
-                sent = self.sock.send(data)
+                sent = self._send(data) if self._wfds else self.sock.send(data)
             except (BlockingIOError, InterruptedError):
                 sent = 0
             except OSError as exc:
@@ -208,7 +212,7 @@ class Connection:
         while self._wbuf:
             head = self._wbuf[0]
             try:
-                sent = self.sock.send(head)
+                sent = self._send(head) if self._wfds else self.sock.send(head)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
@@ -229,7 +233,33 @@ class Connection:
         if self._wqueued <= WRITE_LOW:
             self._update_reading()
 
+    def _send(self, data: bytes | memoryview) -> int:
+        """``send``, or ``sendmsg`` with the descriptors of the frame starting here."""
+        fds = self._wfds.get(self._wdone)
+        if fds is None:
+            return self.sock.send(data)
+        sent = self.sock.sendmsg(
+            [data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+        )
+        del self._wfds[self._wdone]  # in the peer now (they travel with the first byte)
+        close_fds(fds)
+        return sent
+
+    def _write_with_fds(self, data: bytes, fds: list[int]) -> None:
+        """:meth:`_write` of a frame whose first byte carries ``fds`` (owned from now on)."""
+        if self._wfailed is not None:
+            close_fds(fds)
+            return
+        self._wfds[self._wtotal] = fds
+        self._write(data)
+
+    def _drop_fds(self) -> None:
+        for fds in self._wfds.values():
+            close_fds(fds)
+        self._wfds.clear()
+
     def _write_failed(self, exc: OSError) -> None:
+        self._drop_fds()
         self._wfailed = exc
         self._wbuf.clear()
         self._wqueued = 0
@@ -273,15 +303,22 @@ class Connection:
         metrics = self.service.metrics
         if metrics is not None and isinstance(reply, ErrorReply):
             metrics.error(reply.code.name)
+        fds = list(reply.fds) if isinstance(reply, SealedLoadReply) else []
         try:
-            data = encode_frame(reply_message(rid, reply))
+            msg = reply_message(rid, reply)
+            data = encode_frame({**msg, "fds": len(fds)} if fds else msg)
         except ProtocolError:
+            close_fds(fds)
+            fds = []
             op = reply.op if isinstance(reply, ErrorReply | Ack) else reply.OP.value
             log.error("%r: reply to %s exceeds the frame limit", self, op)
             data = encode_frame(
                 reply_message(rid, ErrorReply(str(op), ErrorCode.INTERNAL, "reply too large"))
             )
-        self._write(data)
+        if fds:
+            self._write_with_fds(data, fds)
+        else:
+            self._write(data)
 
     async def _run(self, fn: Callable[..., _T], *args: object) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -672,6 +709,7 @@ class Connection:
         self._reading = self._writing = False
         while self._inbox:
             close_fds(self._inbox.popleft()[0].fds)
+        self._drop_fds()
         self.decoder.close()
         self.session.close()
         self.sock.close()

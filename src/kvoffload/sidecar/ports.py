@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         PurgeReport,
         ReadLease,
         Reservation,
+        SealedLease,
         StoreConfig,
         StoreLease,
         Usage,
@@ -178,6 +179,8 @@ class StoreAPI(Protocol):
     def cancel_lease(self, lease: StoreLease) -> None: ...
 
     def lease_load(self, tenant: str, key: bytes) -> ReadLease | None: ...
+
+    def sealed_lease(self, tenant: str, key: bytes) -> SealedLease | None: ...
 
     def check_reported(self, tenant: str, key: bytes) -> bool: ...
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from kvoffload.errors import Reject
 from kvoffload.protocol import (
+    MAX_REPLY_FDS,
     Ack,
     CompleteLoad,
     ErrorCode,
@@ -31,7 +32,11 @@ from kvoffload.protocol import (
     PrepareLoadReply,
     ReadSlot,
     Reply,
+    SealedLoad,
+    SealedLoadReply,
+    SealedSlot,
     align_up,
+    close_fds,
 )
 
 from .handles import LEASE_ENTRY_BYTES, REPLY_ROOM, Access, Handles, LoadHandle
@@ -43,7 +48,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvoffload.server")
 
-_R = TypeVar("_R", LoadSlot, ReadSlot)
+_R = TypeVar("_R", LoadSlot, ReadSlot, SealedSlot)
 _EXTENT_BYTES = 40
 
 #: Sends one interim frame of the request being served (§5.26); False when the
@@ -368,15 +373,71 @@ class Reads:
         handle, stop, slots = self._prepare_read(req, ReadSlot(False), True, fill)
         return LeaseLoadReply(handle, stop, slots)
 
+    def sealed_load(self, req: SealedLoad) -> Reply:
+        """§5.33: the leading objects by descriptor, each with the key of that
+        object alone, pinned; the reply carries the descriptors (the connection
+        passes and closes them). Stops at the first chunk it cannot hand out:
+        a miss (``NOT_FOUND``), an object only the sidecar opens (``UNSUPPORTED``:
+        load it with ``prepare_load``), or a full frame (``BUSY``)."""
+        self.handles.open_slot()
+        store = self.service.store
+        fds: list[int] = []
+
+        def fill(h: LoadHandle, keys: Sequence[bytes]) -> tuple[list[SealedSlot], ErrorCode]:
+            found: list[SealedSlot] = []
+            for key in keys:
+                if len(found) >= MAX_REPLY_FDS:
+                    return found, ErrorCode.BUSY
+                store.pin(h.tenant, [key])  # before the object is opened (eviction)
+                try:
+                    lease = store.sealed_lease(h.tenant, key)
+                except Exception:
+                    store.unpin(h.tenant, [key])
+                    log.exception("%r: sealed_load failed", self)
+                    return found, ErrorCode.INTERNAL
+                if lease is None or lease.fd is None:
+                    store.unpin(h.tenant, [key])
+                    return found, ErrorCode.NOT_FOUND if lease is None else ErrorCode.UNSUPPORTED
+                h.keys.append(key)
+                fds.append(lease.fd)
+                found.append(SealedSlot(True, lease.size, lease.key, lease.namespace))
+            return found, ErrorCode.OK
+
+        try:
+            handle, stop, slots = self._prepare_read(
+                req, SealedSlot(False), True, fill, policy=False
+            )
+        except BaseException:
+            close_fds(fds)
+            raise
+        if handle and not self.access.may_use(req.tenant):
+            # Revoked while the objects were opened: nothing leaves (§6.1).
+            held = self.handles.take_any(handle)  # None: the revocation released it
+            if held is not None:
+                self.handles.release(held)
+            handle, stop, slots = 0, ErrorCode.NOT_FOUND, (SealedSlot(False),) * len(req.keys)
+        if handle == 0:  # nothing handed out (a forbidden tenant does the decoy's work)
+            close_fds(fds)
+            fds = []
+        return SealedLoadReply(handle, stop, slots, tuple(fds))
+
     def _prepare_read(
-        self, req: PrepareLoad, miss: _R, direct: bool, fill: FillFn[_R]
+        self,
+        req: PrepareLoad | SealedLoad,
+        miss: _R,
+        direct: bool,
+        fill: FillFn[_R],
+        *,
+        policy: bool = True,
     ) -> tuple[int, ErrorCode, tuple[_R, ...]]:
-        """§5.7, §5.15, §6: the flow of both read verbs. ``fill`` records in the handle
-        what it pins and allocates, and leaves there exactly the found prefix."""
+        """§5.7, §5.15, §5.32, §6: the flow of the read verbs. ``fill`` records in the
+        handle what it pins and allocates, and leaves there exactly the found prefix.
+        ``direct``: the client reads the bytes itself; ``policy``: and that needs
+        the tenant's direct-path policy (a lease's path does, a descriptor not)."""
         self.access.listed(req.tenant)
         misses = [miss] * len(req.keys)
         allowed = self.access.may_use(req.tenant)
-        if allowed and direct and not self.access.direct_ok(req.tenant):
+        if allowed and direct and policy and not self.access.direct_ok(req.tenant):
             raise Reject(
                 ErrorCode.FORBIDDEN,
                 f"this connection may not use the direct path for tenant {req.tenant!r}",

@@ -65,6 +65,7 @@ from kvoffload.protocol import (
     RegisterStaging,
     Reply,
     Request,
+    SealedLoad,
     Stats,
     StatsReply,
     StoreBatch,
@@ -160,6 +161,7 @@ class Session:
             complete_in_order=True,  # connection.py answers it on the loop (§5.29)
             chunkwise=True,
             lookup_load=True,  # §5.32: connection.py completes a request's handles first
+            sealed_load=True,
         )
 
     def register_staging(self, req: RegisterStaging, fds: list[int]) -> Reply:
@@ -521,6 +523,7 @@ _VERBS: dict[type[Request], Callable[[Session, Any, EmitFn | None], Reply]] = {
     CompleteStore: lambda s, r, _: s.writes.complete_store(r),
     PrepareLoad: lambda s, r, emit: s.reads.prepare_load(r, emit),
     LeaseLoad: lambda s, r, _: s.reads.lease_load(r),
+    SealedLoad: lambda s, r, _: s.reads.sealed_load(r),
     CompleteLoad: lambda s, r, _: s.reads.complete_load(r),
     Abort: lambda s, r, _: s.abort(r),
     Stats: lambda s, r, _: s.stats(),

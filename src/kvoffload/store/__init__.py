@@ -54,6 +54,7 @@ from .api import (
     ReadLease,
     Reservation,
     RetentionSettings,
+    SealedLease,
     StoreLease,
     Usage,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "ReadLease",
     "Reservation",
     "RetentionSettings",
+    "SealedLease",
     "Store",
     "StoreConfig",
     "StoreError",

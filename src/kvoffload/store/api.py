@@ -205,6 +205,22 @@ class ReadLease:
 
 
 @dataclass(frozen=True)
+class SealedLease:
+    """One object handed to a worker to verify and decrypt itself (protocol §5.33).
+
+    ``fd``: a read-only descriptor of the object, the caller's to pass on and
+    close; None where the object is stored but only the store may open it (sealed
+    under the tenant's DEK itself, before per-object keys: layout-v1.md §3.3).
+    ``key``: the object's own key (keys-v1.md §14); empty for a plaintext object.
+    """
+
+    fd: int | None
+    size: int
+    key: bytes
+    namespace: bytes
+
+
+@dataclass(frozen=True)
 class LoadPlan:
     """The chunks one load will read (store/reads.py ``plan_load``): its cancel
     check (``guard``), taken before the records were looked up, so that a purge
@@ -338,6 +354,7 @@ __all__ = [
     "ReadLease",
     "Reservation",
     "RetentionSettings",
+    "SealedLease",
     "StoreLease",
     "Usage",
 ]

@@ -68,6 +68,11 @@ class StoreConfig:
     #: The audit log (docs/spec/audit-v1.md): rotate past this size, keep this many files.
     audit_max_bytes: int = 16 << 20
     audit_keep: int = 8
+    #: Seal each new object under its own key derived from the DEK (layout-v1.md
+    #: §3.3), so that a worker can be handed that object alone (protocol §5.33).
+    #: False: seal under the DEK itself, as builds before it did (a shared root
+    #: with nodes that do not read such objects yet).
+    object_keys: bool = True
 
     def resolved_index_dir(self) -> Path:
         if self.index_dir is not None:

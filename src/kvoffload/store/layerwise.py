@@ -316,7 +316,11 @@ class Layerwise:
             aead: v1.Aead | None = None
             if h.sealed:
                 tk = st.keyring.get(tenant)
-                aead = st.keyring.aead_for(tenant, tk)(h.key_epoch)
+                aead = (
+                    st.keyring.object_aead_for(tenant, tk)(h)
+                    if h.flags & v1.FLAG_OBJECT_KEY
+                    else st.keyring.aead_for(tenant, tk)(h.key_epoch)
+                )
                 if aead is None:
                     raise UnknownKeyEpoch(
                         f"no key for epoch {h.key_epoch} (purged, unknown or newer)"

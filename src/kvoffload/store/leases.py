@@ -16,7 +16,7 @@ from ..errors import LeaseInvalid
 from ..layouts import CorruptObject, LayoutError, v1
 from . import files as fileio
 from . import leasefiles
-from .api import ChunkRecord, ReadLease, StoreLease
+from .api import ChunkRecord, ReadLease, SealedLease, StoreLease
 from .cancel import PutCancelled
 from .capacity import Capacity
 from .config import MAX_OBJECT_BYTES
@@ -201,6 +201,56 @@ class Leases:
         self._reads.hit(tenant, key, h.payload_size)
         return ReadLease(path, size, h)
 
+    def sealed_lease(self, tenant: str, key: bytes) -> SealedLease | None:
+        """An open descriptor of a stored chunk and the key of that object alone,
+        for a worker to verify and decrypt it itself (protocol-v1.md §5.32).
+
+        None (a miss; the entry dropped where the file is bad) if it is absent,
+        expired, its header, identity or size fail, or its tenant has no key
+        (purged). A lease with ``fd`` None: stored, but sealed under the DEK
+        itself (an older object), so only the store opens it. The caller pins
+        the key first, and owns (closes) the descriptor.
+        """
+        # Read before the record: a purge or revocation that begins after this
+        # line (it bumps the generation first) hands nothing out.
+        gen = self._state.load_gens.current(tenant)
+        rec = self._reads.record(tenant, key)
+        if rec is None:
+            self._state.counters.miss()
+            return None
+        path = self._state.path(tenant, key)
+        fd = -1
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            size = os.fstat(fd).st_size
+            h = v1.decode_header(os.pread(fd, v1.header_length(rec.num_layers), 0))
+            if h.chunk_key != key or h.tenant != tenant or h.namespace != rec.namespace:
+                raise CorruptObject("object belongs to another chunk key, tenant or namespace")
+            if (size, len(h.layers), h.payload_size, h.key_epoch) != (
+                rec.size, rec.num_layers, rec.payload, rec.key_epoch,
+            ):  # fmt: skip
+                raise CorruptObject("object differs from its index record (size or layers)")
+            if h.sealed and not h.flags & v1.FLAG_OBJECT_KEY:
+                os.close(fd)
+                return SealedLease(None, size, b"", rec.namespace)
+            okey = b""
+            if h.sealed:
+                got = self._state.keyring.object_key(tenant, self._state.keyring.get(tenant), h)
+                if got is None:  # purged (or an unknown epoch): nothing to hand out
+                    os.close(fd)
+                    return None
+                okey = got
+        except Exception as exc:  # every failure of a damaged file is a miss
+            if fd >= 0:
+                os.close(fd)
+            self._removal.read_failed(tenant, key, exc)
+            return None
+        if not self._state.load_gens.unchanged(tenant, gen)():
+            os.close(fd)  # purged or revoked while it was opened: nothing handed out
+            return None
+        self._reads.hit(tenant, key, h.payload_size)
+        return SealedLease(fd, size, okey, rec.namespace)
+
     def check_reported(self, tenant: str, key: bytes) -> bool:
         """A reader says the chunk failed its checksums: verify it fully here.
 
@@ -208,13 +258,26 @@ class Leases:
         so a confused or hostile reader cannot make the store delete good data.
         """
         rec = self._reads.record(tenant, key)
-        if rec is None or rec.key_epoch:
-            return False  # sealed chunks are read by the sidecar only: nothing to re-check
+        if rec is None:
+            return False
         try:
             buf = self._state.io.read_object(
                 self._state.path(tenant, key), self._state.scratch.get, MAX_OBJECT_BYTES
             )
-            v1.verify_plain(buf, tenant=tenant, namespace=rec.namespace, chunk_key=key)
+            if rec.key_epoch:  # handed by descriptor (§5.33): open it as a load would
+                keyring = self._state.keyring
+                tk = keyring.get(tenant)
+                v1.open_into(
+                    buf,
+                    memoryview(bytearray(rec.payload)),
+                    tenant=tenant,
+                    namespace=rec.namespace,
+                    chunk_key=key,
+                    aead_for_epoch=keyring.aead_for(tenant, tk),
+                    object_aead=keyring.object_aead_for(tenant, tk),
+                )
+            else:
+                v1.verify_plain(buf, tenant=tenant, namespace=rec.namespace, chunk_key=key)
         except Exception as exc:
             self._removal.read_failed(tenant, key, exc)
             return True

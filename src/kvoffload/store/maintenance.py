@@ -181,6 +181,7 @@ class Maintenance:
                 namespace=h.namespace,
                 chunk_key=h.chunk_key,
                 aead_for_epoch=st.keyring.aead_for(h.tenant, tk),
+                object_aead=st.keyring.object_aead_for(h.tenant, tk),
             )
         return record_from_header(h, size, retention)
 

@@ -586,6 +586,7 @@ class Reads:
                     namespace=rec.namespace,
                     chunk_key=key,
                     aead_for_epoch=st.keyring.aead_for(tenant, tk),
+                    object_aead=st.keyring.object_aead_for(tenant, tk),
                     before_layer=guard,
                 )
             else:
@@ -596,6 +597,7 @@ class Reads:
                     namespace=rec.namespace,
                     chunk_key=key,
                     aead_for_epoch=st.keyring.aead_for(tenant, tk),
+                    object_aead=st.keyring.object_aead_for(tenant, tk),
                     before_layer=guard,
                 )
             if (h.total_size, len(h.layers), h.payload_size, h.key_epoch) != (
@@ -645,6 +647,7 @@ class Reads:
                 namespace=h.namespace,  # a damaged record may be what is wrong
                 chunk_key=key,
                 aead_for_epoch=st.keyring.aead_for(tenant, tk),
+                object_aead=st.keyring.object_aead_for(tenant, tk),
             )
             return True
         except Exception:

@@ -26,6 +26,7 @@ from .api import (
     PurgeReport,
     ReadLease,
     Reservation,
+    SealedLease,
     StoreLease,
     Usage,
 )
@@ -366,6 +367,10 @@ class Store:
     @boundary
     def lease_load(self, tenant: str, key: bytes) -> ReadLease | None:
         return self._leases.lease_load(tenant, key)
+
+    @boundary
+    def sealed_lease(self, tenant: str, key: bytes) -> SealedLease | None:
+        return self._leases.sealed_lease(tenant, key)
 
     @boundary
     def check_reported(self, tenant: str, key: bytes) -> bool:

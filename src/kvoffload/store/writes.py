@@ -31,6 +31,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..errors import StoreError, StoreIOError
 from ..layouts import v1
+from ..layouts.objkey import derive_object_key
 from . import files as fileio
 from .api import ChunkRecord, Reservation
 from .cancel import PutCancelled
@@ -79,6 +80,8 @@ class _PutJob:
     #: The tenant's generation (cancel.py) when the put began: a purge or
     #: revocation before the index insert discards the write.
     generation: int = 0
+    #: The epoch's DEK where the object is sealed under its own key (§3.3).
+    dek: bytes | None = None
 
 
 class _Batch(NamedTuple):
@@ -90,6 +93,11 @@ class _Batch(NamedTuple):
     ttl_s: float | None
     #: The tenant's load generation when the put or batch began (cancel.py).
     generation: int
+
+
+def _object_aead(dek: bytes) -> v1.ObjectAead:
+    """Seal under the object's own key (layout-v1.md §3.3), derived from ``dek``."""
+    return lambda h: AESGCM(derive_object_key(dek, h))
 
 
 class Writes:
@@ -378,20 +386,20 @@ class Writes:
                 res.release()
             res = self._capacity.reserve(tenant, size)
         try:
-            aead, epoch = self._data_key(tenant, len(layers)) if encrypt else (None, 0)
+            aead, epoch, dek = self._data_key(tenant, len(layers)) if encrypt else (None, 0, None)
             res.intend(chunk_key)  # a shared root's restart finds it if we crash
         except BaseException:
             res.release()
             raise
         return _PutJob(
             tenant, namespace, chunk_key, layers, lengths, size, res, aead, epoch, batch.ttl_s,
-            time.time_ns(), batch.generation,
+            time.time_ns(), batch.generation, dek if st.config.object_keys else None,
         )  # fmt: skip
 
-    def _data_key(self, tenant: str, segments: int) -> tuple[AESGCM, int]:
-        """The tenant's data key to seal ``segments`` layer segments under, and its
-        epoch (the tenant's keys made on its first save; the DEK rotated where
-        the epoch's nonce budget is spent)."""
+    def _data_key(self, tenant: str, segments: int) -> tuple[AESGCM, int, bytes]:
+        """The tenant's data key to seal ``segments`` layer segments under, its
+        epoch and its bytes (for per-object keys): the tenant's keys made on its
+        first save, the DEK rotated where the epoch's nonce budget is spent."""
         keyring = self._state.keyring
         tk = keyring.ensure_tenant(tenant)
         epoch = self._budget.draw(tenant, tk.current_epoch, segments)
@@ -400,7 +408,7 @@ class Writes:
         aead = tk.aead(epoch)
         if aead is None:
             raise StoreError(f"tenant {tenant}: no data key for epoch {epoch}")
-        return aead, epoch
+        return aead, epoch, tk.deks[epoch]
 
     @staticmethod
     def _seal(job: _PutJob, buf: memoryview) -> None:
@@ -413,6 +421,7 @@ class Writes:
             aead=job.aead,
             key_epoch=job.epoch,
             created_ns=job.now,
+            object_aead=None if job.dek is None else _object_aead(job.dek),
         )
 
     def _write_verified(self, job: _PutJob, buf: memoryview) -> bool:
@@ -450,6 +459,7 @@ class Writes:
                 namespace=job.namespace,
                 chunk_key=job.chunk_key,
                 aead_for_epoch=st.keyring.aead_for(job.tenant, tk),
+                object_aead=st.keyring.object_aead_for(job.tenant, tk),
             )
             return [le.length for le in h.layers] == job.lengths
         except FileNotFoundError:

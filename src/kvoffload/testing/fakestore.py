@@ -30,7 +30,15 @@ from kvoffload.errors import StoreFull, StoreIOError
 
 from ..layouts import v1
 from ..sidecar.ports import StoreAPI
-from ..store import ChunkRecord, FsckReport, ReadLease, StoreConfig, StoreLease, Usage
+from ..store import (
+    ChunkRecord,
+    FsckReport,
+    ReadLease,
+    SealedLease,
+    StoreConfig,
+    StoreLease,
+    Usage,
+)
 from ..store.api import TIER_INDEX, TIER_KEYS, TIER_OBJECTS, PurgeReport, RetentionSettings
 
 ALIGN = 4096
@@ -324,6 +332,9 @@ class FakeStore:
         pass
 
     def lease_load(self, tenant: str, key: bytes) -> ReadLease | None:
+        return None
+
+    def sealed_lease(self, tenant: str, key: bytes) -> SealedLease | None:
         return None
 
     def check_reported(self, tenant: str, key: bytes) -> bool:

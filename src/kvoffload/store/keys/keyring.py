@@ -38,10 +38,12 @@ from kvoffload.contract import TENANT_RE
 from kvoffload.errors import KeyringError
 
 from ...errors import StoreError
+from ...layouts.objkey import derive_object_key
 from ...posix import atomic_create, pwrite_all
 
 if TYPE_CHECKING:
     from ...layouts.store_root import LayoutInfo
+    from ...layouts.v1 import ObjectHeader
 
 from .kek import KEK_SIZE, Kek, _fsync_dir
 from .kek import NONCE_SIZE as NONCE_SIZE  # unused here, re-exported
@@ -236,23 +238,45 @@ class Keyring:
         per tenant, rather than make a valid object look corrupt."""
 
         def lookup(epoch: int) -> AESGCM | None:
-            if tk is None:
-                return None
-            aead = tk.aead(epoch)
-            if aead is not None or epoch <= tk.current_epoch:
-                return aead
-            now = self._clock()
-            with self._lock:
-                last = self._rereads.get(tenant, float("-inf"))
-                reread = now - last >= KEY_REREAD_INTERVAL_S
-                if reread:
-                    self._rereads[tenant] = now
-            if reread:
-                self.forget(tenant)
-            fresh = self.get(tenant)  # re-read, or what another thread just read
-            return fresh.aead(epoch) if fresh is not None else None
+            keys = self._keys_with(tenant, tk, epoch)
+            return keys.aead(epoch) if keys is not None else None
 
         return lookup
+
+    def object_aead_for(
+        self, tenant: str, tk: TenantKeys | None
+    ) -> Callable[[ObjectHeader], AESGCM | None]:
+        """The AEAD of each object sealed under its own key (keys-v1.md §14), derived
+        from the DEK of its epoch as :meth:`aead_for` finds it; None without one."""
+
+        def lookup(h: ObjectHeader) -> AESGCM | None:
+            key = self.object_key(tenant, tk, h)
+            return AESGCM(key) if key is not None else None
+
+        return lookup
+
+    def object_key(self, tenant: str, tk: TenantKeys | None, h: ObjectHeader) -> bytes | None:
+        """``K_obj`` of the object ``h`` describes (keys-v1.md §14), or None where the
+        tenant has no DEK of its epoch (purged, never created, unknown epoch)."""
+        keys = self._keys_with(tenant, tk, h.key_epoch)
+        dek = keys.deks.get(h.key_epoch) if keys is not None else None
+        return derive_object_key(dek, h) if dek is not None else None
+
+    def _keys_with(self, tenant: str, tk: TenantKeys | None, epoch: int) -> TenantKeys | None:
+        """``tk``, or the key file re-read where ``epoch`` is newer than ``tk`` knows."""
+        if tk is None:
+            return None
+        if epoch in tk.deks or epoch <= tk.current_epoch:
+            return tk
+        now = self._clock()
+        with self._lock:
+            last = self._rereads.get(tenant, float("-inf"))
+            reread = now - last >= KEY_REREAD_INTERVAL_S
+            if reread:
+                self._rereads[tenant] = now
+        if reread:
+            self.forget(tenant)
+        return self.get(tenant)  # re-read, or what another thread just read
 
     def forget(self, tenant: str) -> None:
         """Drop the tenant's cached keys: the next use reads its key file again
