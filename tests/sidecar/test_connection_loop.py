@@ -172,7 +172,7 @@ def test_a_reply_larger_than_the_socket_buffer_stays_whole_and_ahead_of_later_re
     conn = the_connection(server)
     w.s.sendall(w.frame(2, p.Stats()))
     # The client reads nothing yet: the rest of the reply waits in the server's queue.
-    wait_until(lambda: conn._wqueued > 0, "stats reply partly written")
+    wait_until(lambda: conn.out.queued > 0, "stats reply partly written")
     # Then it reads slowly, a lookup after each small read: each lookup's reply
     # must wait behind the rest of the stats reply, even when the socket has
     # room for it at that moment.
@@ -222,7 +222,7 @@ def test_a_client_that_vanishes_mid_reply_leaves_the_daemon_serving_others(
         hello(w)
         the_connection(server)
         w.s.sendall(w.frame(2, p.Stats()) + w.frame(3, p.Stats()))
-        wait_until(lambda: the_connection(server)._wqueued > 0, "reply partly written")
+        wait_until(lambda: the_connection(server).out.queued > 0, "reply partly written")
         w.s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
         w.close()
         wait_until(lambda: not server.server.connections, "connection torn down")

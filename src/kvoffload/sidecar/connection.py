@@ -75,6 +75,7 @@ from kvoffload.protocol import (
 )
 
 from .access.padding import Pad
+from .outbox import Outbox
 from .peer import Peer
 from .releasetimer import Cancellable, ReleaseTimer
 from .service import Service
@@ -159,17 +160,8 @@ class Connection:
         self._reading = False
         self._step: asyncio.Task[None] | None = None
         self._end: asyncio.Future[None] | None = None
-        # The write side: bytes not yet taken by the kernel, in order.
-        self._wbuf: collections.deque[memoryview] = collections.deque()
-        self._wqueued = 0  # bytes in _wbuf
-        self._wtotal = 0  # bytes ever accepted by _write
-        self._wdone = 0  # bytes ever written to the socket
-        self._wwaiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
-        self._wfailed: OSError | None = None
-        #: Descriptors to pass with the frame that starts at a byte count (a
-        #: sealed_load reply, §5.33): sent with that frame's first byte, then closed.
-        self._wfds: dict[int, list[int]] = {}
-        self._writing = False
+        # The write side: replies in order, as the socket takes them (outbox.py).
+        self.out = Outbox(sock, WRITE_HIGH, WRITE_LOW, self._update_reading)
         # Pool completions, drained on the loop with one wake-up per batch.
         self._completions: collections.deque[tuple[_InFlight, _Outcome]] = collections.deque()
         self._drain_scheduled = False
@@ -179,122 +171,12 @@ class Connection:
     def __repr__(self) -> str:
         return repr(self.session)
 
-    # -- the write side ----------------------------------------------------------
-
-    def _write(self, data: bytes) -> None:
-        """Queue ``data`` behind every earlier frame; written at once when nothing
-        waits before it. A broken socket drops it (the reader sees the end)."""
-        if self._wfailed is not None:
-            return
-        n = len(data)
-        self._wtotal += n
-        if not self._wbuf:
-            try:
-                sent = self._send(data) if self._wfds else self.sock.send(data)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError as exc:
-                self._write_failed(exc)
-                return
-            self._wdone += sent
-            if sent == n:
-                return
-            self._wbuf.append(memoryview(data)[sent:])
-            self._wqueued += n - sent
-            self._set_writing(True)
-        else:
-            self._wbuf.append(memoryview(data))
-            self._wqueued += n
-        if self._wqueued > WRITE_HIGH:
-            self._update_reading()
-
-    def _on_writable(self) -> None:
-        while self._wbuf:
-            head = self._wbuf[0]
-            try:
-                sent = self._send(head) if self._wfds else self.sock.send(head)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as exc:
-                self._write_failed(exc)
-                return
-            self._wdone += sent
-            self._wqueued -= sent
-            if sent < len(head):
-                self._wbuf[0] = head[sent:]
-                break
-            self._wbuf.popleft()
-        if not self._wbuf:
-            self._set_writing(False)
-        while self._wwaiters and self._wwaiters[0][0] <= self._wdone:
-            fut = self._wwaiters.popleft()[1]
-            if not fut.done():
-                fut.set_result(None)
-        if self._wqueued <= WRITE_LOW:
-            self._update_reading()
-
-    def _send(self, data: bytes | memoryview) -> int:
-        """``send``, or ``sendmsg`` with the descriptors of the frame starting here."""
-        fds = self._wfds.get(self._wdone)
-        if fds is None:
-            return self.sock.send(data)
-        sent = self.sock.sendmsg(
-            [data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-        )
-        del self._wfds[self._wdone]  # in the peer now (they travel with the first byte)
-        close_fds(fds)
-        return sent
-
-    def _write_with_fds(self, data: bytes, fds: list[int]) -> None:
-        """:meth:`_write` of a frame whose first byte carries ``fds`` (owned from now on)."""
-        if self._wfailed is not None:
-            close_fds(fds)
-            return
-        self._wfds[self._wtotal] = fds
-        self._write(data)
-
-    def _drop_fds(self) -> None:
-        for fds in self._wfds.values():
-            close_fds(fds)
-        self._wfds.clear()
-
-    def _write_failed(self, exc: OSError) -> None:
-        self._drop_fds()
-        self._wfailed = exc
-        self._wbuf.clear()
-        self._wqueued = 0
-        self._set_writing(False)
-        while self._wwaiters:
-            fut = self._wwaiters.popleft()[1]
-            if not fut.done():
-                fut.set_exception(exc)
-        self._update_reading()
-
-    def _set_writing(self, on: bool) -> None:
-        if on == self._writing or self._loop is None:
-            return
-        self._writing = on
-        if on:
-            self._loop.add_writer(self._fd, self._on_writable)
-        else:
-            self._loop.remove_writer(self._fd)
-
     async def send(self, data: bytes) -> None:
         """Queue ``data`` in order and return once the kernel has all of it;
         OSError if the socket broke first."""
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
-        self._write(data)
-        await self._flushed(self._wtotal)
-
-    async def _flushed(self, mark: int) -> None:
-        if self._wfailed is not None:
-            raise self._wfailed
-        if self._wdone >= mark:
-            return
-        fut = asyncio.get_running_loop().create_future()
-        self._wwaiters.append((mark, fut))
-        await fut
+        if self.out.loop is None:
+            self.out.loop = self._loop or asyncio.get_running_loop()
+        await self.out.send(data)
 
     def _reply(self, rid: int, reply: Reply) -> None:
         failed = self._complete_failed.pop(rid, None) if self._complete_failed else None
@@ -316,9 +198,9 @@ class Connection:
                 reply_message(rid, ErrorReply(str(op), ErrorCode.INTERNAL, "reply too large"))
             )
         if fds:
-            self._write_with_fds(data, fds)
+            self.out.write_with_fds(data, fds)
         else:
-            self._write(data)
+            self.out.write(data)
 
     async def _run(self, fn: Callable[..., _T], *args: object) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -333,7 +215,7 @@ class Connection:
             and self._end is not None
             and not self._end.done()
             and self._step is None
-            and self._wqueued <= (WRITE_LOW if not self._reading else WRITE_HIGH)
+            and self.out.queued <= (WRITE_LOW if not self._reading else WRITE_HIGH)
         )
         if want == self._reading or self._loop is None:
             return
@@ -435,7 +317,7 @@ class Connection:
     # -- main loop -----------------------------------------------------------
 
     async def run(self) -> None:
-        loop = self._loop = asyncio.get_running_loop()
+        loop = self._loop = self.out.loop = asyncio.get_running_loop()
         self._end = loop.create_future()
         try:
             await self.send(SERVER_MAGIC)
@@ -446,7 +328,7 @@ class Connection:
                 self.service.metrics.error(exc.code.name)
             if exc.code is not ErrorCode.BAD_MAGIC:
                 log.warning("%r: protocol error, closing: %s", self, exc)
-                self._write(encode_frame(error_message(exc.code, exc.message)))
+                self.out.write(encode_frame(error_message(exc.code, exc.message)))
         except (_Closed, ConnectionError):
             pass
         except OSError as exc:
@@ -699,17 +581,18 @@ class Connection:
         if self.session.open_handles():
             await self._run(self.session.release_all)
         with contextlib.suppress(OSError):
-            await self._flushed(self._wtotal)  # the last replies, then close
+            await self.out.flushed(self.out.total)  # the last replies, then close
         # Unregistered before the close, whatever the state: a descriptor
         # closed while registered stays in the loop's table under a number
         # that the next accepted socket reuses.
         if self._loop is not None:
             self._loop.remove_reader(self._fd)
             self._loop.remove_writer(self._fd)
-        self._reading = self._writing = False
+        self._reading = False
+        self.out.forget_writer()
         while self._inbox:
             close_fds(self._inbox.popleft()[0].fds)
-        self._drop_fds()
+        self.out.drop_fds()
         self.decoder.close()
         self.session.close()
         self.sock.close()
