@@ -150,7 +150,9 @@ class Router:
         self.block_tokens = block_tokens
         self.on_deadline_miss = on_deadline_miss
         self.work_weight = work_weight
-        self.loads: dict[str, WorkerLoad] = {w.name: WorkerLoad() for w in topology.workers}
+        self.loads: dict[str, WorkerLoad] = {
+            w.name: self.model.new_load() for w in topology.workers
+        }
         self.healthy: dict[str, bool] = {w.name: True for w in topology.workers}
         self._locs = {w.name: topology.locations(w) for w in topology.workers}
         for gpu, cpu, local, remote in self._locs.values():
