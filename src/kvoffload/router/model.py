@@ -417,6 +417,7 @@ class TTFTModel:
         if booked is None:
             return False
         self._drain_to(load, now)
+        was_head = next(iter(load.pending)) == ticket_id
         del load.pending[ticket_id]
         m, attn = booked
         load.pending_tokens = max(0, load.pending_tokens - m)
@@ -424,8 +425,14 @@ class TTFTModel:
         if not load.pending:
             load.pending_tokens, load.pending_attn, load.drained = 0, 0.0, 0.0
         else:
-            # Its tokens were part of what drained; what is left over belongs to the rest.
-            load.drained = min(max(0.0, load.drained - m), float(load.pending_tokens))
+            # Its tokens were part of what drained; what is left over belongs to the
+            # rest. The oldest request answering says more: the worker has just run
+            # its last chunk, and the step's budget left over is all the next ones got.
+            left = max(0.0, load.drained - m)
+            if was_head:
+                per = max(1, load.budget - load.decoding)
+                left = min(left, float(per - (m % per or per)))
+            load.drained = min(left, float(load.pending_tokens))
         return True
 
     def first_token(
