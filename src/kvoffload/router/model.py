@@ -57,9 +57,9 @@ _READ_TIERS = (Tier.CPU, Tier.STORAGE_LOCAL, Tier.STORAGE_REMOTE)
 #: Features: steps, tokens, attention work, decode-steps, KV overflow tokens.
 _NF = 5
 _CLAMP = 16.0
-_FORGET = 0.99
+_FORGET = 0.998
 _HUBER = 2.0
-_SPREAD = 16.0  # prior variance of each θ: the priors may be several times off
+_SPREAD = 4.0  # prior variance of each θ: the priors may be several times off
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class Priors:
     prefill_a_s: float = 0.015  # seconds per engine step (overhead)
     prefill_b_s: float = 1.0 / 12_000  # seconds per prefilled token
     prefill_c_s: float = 0.0  # seconds per token² (attention on long prompts)
-    decode_slowdown: float = 0.01  # a full step's share per decoding request
+    decode_slowdown: float = 0.0005  # a full step's share per decoding request
     bytes_per_token: int = 131_072  # KV bytes per token (all layers of a shard)
     cpu_bandwidth: float = 20e9
     storage_local_bandwidth: float = 5e9
@@ -218,20 +218,27 @@ class WorkerLoad:
         return self.fit.theta[1]
 
     def _rate(self) -> float:
-        """Prefill tokens a second, modelled: ``B − D`` per step."""
-        per = max(1, self.budget - self.decoding)
-        th, b = self.fit.theta, self.basis
-        step = th[0] * b[0] + th[1] * b[1] * per + th[3] * b[3] * self.decoding
-        return per / max(step, 1e-6)
+        """Prefill tokens a second of the queued mix, modelled (attention included)."""
+        q = float(self.pending_tokens)
+        if q <= 0:
+            return 1.0
+        return q / max(self.fit.predict(self.features(q, self.pending_attn, 0.0, 0)), 1e-6)
+
+    def _done(self, now: float) -> float:
+        """Queued tokens computed by ``now``: at the modelled rate, and no further than
+        the oldest request and one step's budget past it (the ones behind it only get
+        what its last chunk leaves of a step until it answers)."""
+        head = next(iter(self.pending.values()))[0]
+        done = self.drained + max(0.0, now - self.anchor) * self._rate()
+        return min(done, float(head + max(1, self.budget - self.decoding)))
 
     def queued(self, now: float) -> tuple[float, float]:
         """(prefill tokens, attention work) still ahead of a request sent ``now``."""
         ext = self.external_tokens
         if not self.pending:
             return ext, 0.0
-        done = self.drained + max(0.0, now - self.anchor) * self._rate()
         # Each unanswered request has at least its last token left.
-        left = max(float(len(self.pending)), self.pending_tokens - done)
+        left = max(float(len(self.pending)), self.pending_tokens - self._done(now))
         share = left / self.pending_tokens if self.pending_tokens else 0.0
         return left + ext, self.pending_attn * share
 
@@ -239,7 +246,9 @@ class WorkerLoad:
         self, tokens: float, attn: float, kv_need: float, capacity: int
     ) -> tuple[float, ...]:
         per = max(1, self.budget - self.decoding)
-        steps = math.ceil(tokens / per) if tokens > 0 else 0
+        steps = float(math.ceil(tokens / per)) if tokens > 0 else 0.0
+        if self.pending or self.decoding:
+            steps += 0.5  # a step is under way: on average half of it is left
         overflow = 0.0
         if capacity > 0:
             overflow = max(0.0, self.kv_usage * capacity + kv_need - capacity)
@@ -391,10 +400,7 @@ class TTFTModel:
 
     def _drain_to(self, load: WorkerLoad, now: float) -> None:
         if load.pending:
-            load.drained = min(
-                float(load.pending_tokens),
-                load.drained + max(0.0, now - load.anchor) * load._rate(),
-            )
+            load.drained = min(float(load.pending_tokens), load._done(now))
         else:
             load.drained = 0.0
         load.anchor = now
