@@ -18,6 +18,8 @@ The simulated cluster (every number is in ``params`` of ``--json``):
 - per worker a GPU prefix cache and a CPU offload tier (capacity in blocks,
   LRU; what the GPU evicts goes to the CPU tier); every prefilled block is
   written through to its node's store and to the shared root (LRU each);
+  a prompt hits the GPU up to its first miss, then each read tier from where
+  the better ones stop (the CPU tier holds the evicted middle of a prompt);
 - a prefill runs one request at a time per worker (FIFO) and takes
   ``(a + b·m + c·m²)·(1 + d·decoding)`` for ``m`` missing tokens, after reading
   the cached ones at each tier's bandwidth; decode runs beside it (continuous
@@ -220,6 +222,14 @@ class LRU:
         return stored, evicted
 
 
+def run_from(blocks: Sequence[int], start: int, tiers: Sequence[LRU]) -> int:
+    """How far from ``start`` every block is in one of ``tiers``."""
+    k = start
+    while k < len(blocks) and any(blocks[k] in t.d for t in tiers):
+        k += 1
+    return k
+
+
 @dataclass
 class SimWorker:
     name: str
@@ -343,10 +353,13 @@ def simulate(
         del arrived_seq
         w.busy = True
         blocks = r.blocks
+        # The GPU hits up to its first miss; each read tier continues from there
+        # with the blocks it (or a read tier before it) holds: the CPU tier holds
+        # what the GPU evicted, the prompt's middle, not its first block.
         g = w.gpu.prefix(blocks)
-        c = max(g, w.cpu.prefix(blocks))
-        s_local = max(c, stores[w.node].prefix(blocks))
-        s_remote = max(s_local, shared.prefix(blocks))
+        c = run_from(blocks, g, (w.cpu,))
+        s_local = run_from(blocks, c, (w.cpu, stores[w.node]))
+        s_remote = run_from(blocks, s_local, (w.cpu, stores[w.node], shared))
         per = {
             "gpu": g,
             "cpu": c - g,

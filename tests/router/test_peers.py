@@ -72,11 +72,13 @@ def test_dynamo_counts_the_workers_queued_prefill() -> None:
 
 def test_production_stack_routes_to_the_match_or_by_qps() -> None:
     rule = make_peer("production-stack", block_tokens=512)
-    holder = view("a", TierMatch(storage_remote=10))  # 5,120 of the prompt's tokens
+    holder = view("a", TierMatch(gpu=4, cpu=6))  # 5,120 of the prompt's tokens
     fresh = PeerView("b", NONE, WorkerLoad(), 0, 0.0, 0, 0, recent_requests=0)
     busy = PeerView("a", holder.match, holder.load, 50, 0.9, 999, 0, recent_requests=40)
     assert rule([busy, fresh], 12) == "a"  # all but 1,024 ≤ 2,000 tokens: no load term
     assert rule([busy, fresh], 20) == "b"  # 10 blocks short: the fewest recent requests
+    shared = PeerView("a", TierMatch(storage_remote=12), WorkerLoad(), 0, 0.0, 0, 0, 40)
+    assert rule([shared, fresh], 12) == "b"  # a shared store names no instance
 
 
 def test_dynamo_credits_tiers_1_075_025() -> None:

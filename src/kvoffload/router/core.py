@@ -206,7 +206,7 @@ class Router:
         out: dict[str, TierMatch] = {}
         for w in workers:
             gpu, cpu, local, remote = self._locs[w]
-            out[w] = PrefixIndex.compose(lengths, gpu, cpu, local, remote)
+            out[w] = self.index.tier_match(hashes, lengths, gpu, cpu, local, remote)
         return out
 
     def candidates(

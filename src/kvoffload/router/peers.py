@@ -27,8 +27,8 @@ default parameters:
   (storage) 0.25; temperature 0 (lowest cost wins).
 - ``production-stack``: vLLM production-stack's ``kvaware`` routing with
   LMCache: the instance the LMCache controller names for the longest prefix
-  (here: the longest match in any tier the instance reads, its GPU, CPU and
-  stores), if it matches all but ``kv_aware_threshold (2000)`` tokens of the
+  (here: the longest match in the instance's own tiers, its GPU and its CPU
+  (LMCache's local backend); a store other instances read names no instance), if it matches all but ``kv_aware_threshold (2000)`` tokens of the
   prompt; otherwise QPS routing (the instance with the fewest requests routed
   in the last 10 s). No load term on a match.
 - ``mooncake``: Mooncake's Conductor: TTFT = queue (prefill time of what the
@@ -137,9 +137,14 @@ def _dynamo(block_tokens: int) -> PeerFn:
 
 def _production_stack(block_tokens: int, threshold_tokens: int = 2000) -> PeerFn:
     def choose(views: Sequence[PeerView], n_blocks: int) -> str:
-        best = max(views, key=lambda v: v.match.longest)
-        matched = best.match.longest * block_tokens
-        if best.match.longest and matched >= max(n_blocks * block_tokens - threshold_tokens, 0):
+        def own(v: PeerView) -> int:
+            m = v.match
+            return m.gpu + m.cpu
+
+        # Ties go to the fewer QPS.
+        best = max(views, key=lambda v: (own(v), -v.recent_requests))
+        matched = own(best) * block_tokens
+        if own(best) and matched >= max(n_blocks * block_tokens - threshold_tokens, 0):
             return best.worker
         return min(views, key=lambda v: v.recent_requests).worker
 
