@@ -312,7 +312,16 @@ _PRIOR_KEYS: dict[str, tuple[str, Any]] = {
     "cpu_bandwidth": ("cpu_bandwidth", _bandwidth),
     "storage_local_bandwidth": ("storage_local_bandwidth", _bandwidth),
     "storage_remote_bandwidth": ("storage_remote_bandwidth", _bandwidth),
+    # The workers' vLLM settings (not coefficients: the model learns those).
+    "prefill_budget_tokens": ("prefill_budget_tokens", lambda v: _count(v, 16)),
+    "kv_capacity_tokens": ("kv_capacity_tokens", lambda v: _count(v, 0)),
 }
+
+
+def _count(v: object, low: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"must be an integer >= {low}")
+    return v
 
 
 def _positive(x: float) -> float:

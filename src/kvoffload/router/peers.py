@@ -28,7 +28,8 @@ default parameters:
 - ``production-stack``: vLLM production-stack's ``kvaware`` routing with
   LMCache: the instance the LMCache controller names for the longest prefix
   (here: the longest match in the instance's own tiers, its GPU and its CPU
-  (LMCache's local backend); a store other instances read names no instance), if it matches all but ``kv_aware_threshold (2000)`` tokens of the
+  (LMCache's local backend); a store other instances read names no
+  instance), if it matches all but ``kv_aware_threshold (2000)`` tokens of the
   prompt; otherwise QPS routing (the instance with the fewest requests routed
   in the last 10 s). No load term on a match.
 - ``mooncake``: Mooncake's Conductor: TTFT = queue (prefill time of what the
