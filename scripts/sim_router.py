@@ -673,6 +673,12 @@ def run_vllm(
             for policy in policies:
                 m = sim_vllm.simulate_vllm(trace, vp, n, policy, args.seed)
                 results.append(vllm_result(m, n, load, policy, len(reqs), inf_hit))
+                row = results[-1]
+                print(
+                    f"  {n} workers, {load}, {policy}: p90 {row.ttft_p90_s:.2f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
     params = {**asdict(vp), "engine": "vllm", "router_priors": asdict(sim_vllm.router_priors(vp))}
     return params, results
 

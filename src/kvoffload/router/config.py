@@ -26,10 +26,12 @@ errors that name the file and the key, like the sidecar's config::
     hash_seed = "vllm-none-hash"     # the engine's PYTHONHASHSEED, if it sets one
 
     [priors]                         # the TTFT model's starting point (model.Priors)
-    prefill_overhead = "15ms"
+    prefill_overhead = "15ms"        # per engine step
     prefill_tokens_per_s = 12000
-    prefill_quadratic = 0.0          # seconds per token²
-    decode_slowdown = 0.01           # per decoding request
+    prefill_quadratic = 0.0          # seconds per token² (attention)
+    decode_slowdown = 0.0005         # a full step's share per decoding request
+    prefill_budget_tokens = 8192     # the workers' max_num_batched_tokens
+    kv_capacity_tokens = 0           # the workers' KV cache in tokens (0: unknown)
     bytes_per_token = "128KiB"
     cpu_bandwidth = "20GB"           # per second
     storage_local_bandwidth = "5GB"
