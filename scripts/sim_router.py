@@ -18,6 +18,8 @@ The simulated cluster (every number is in ``params`` of ``--json``):
 - per worker a GPU prefix cache and a CPU offload tier (capacity in blocks,
   LRU; what the GPU evicts goes to the CPU tier); every prefilled block is
   written through to its node's store and to the shared root (LRU each);
+  a prompt hits the GPU up to its first miss, then each read tier from where
+  the better ones stop (the CPU tier holds the evicted middle of a prompt);
 - a prefill runs one request at a time per worker (FIFO) and takes
   ``(a + b·m + c·m²)·(1 + d·decoding)`` for ``m`` missing tokens, after reading
   the cached ones at each tier's bandwidth; decode runs beside it (continuous
@@ -220,6 +222,14 @@ class LRU:
         return stored, evicted
 
 
+def run_from(blocks: Sequence[int], start: int, tiers: Sequence[LRU]) -> int:
+    """How far from ``start`` every block is in one of ``tiers``."""
+    k = start
+    while k < len(blocks) and any(blocks[k] in t.d for t in tiers):
+        k += 1
+    return k
+
+
 @dataclass
 class SimWorker:
     name: str
@@ -256,6 +266,7 @@ class Result:
     decisions_per_s: float
     estimate_error_abs_p50: float | None = None
     estimate_error_abs_p90: float | None = None
+    preemptions: int = 0
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -342,10 +353,13 @@ def simulate(
         del arrived_seq
         w.busy = True
         blocks = r.blocks
+        # The GPU hits up to its first miss; each read tier continues from there
+        # with the blocks it (or a read tier before it) holds: the CPU tier holds
+        # what the GPU evicted, the prompt's middle, not its first block.
         g = w.gpu.prefix(blocks)
-        c = max(g, w.cpu.prefix(blocks))
-        s_local = max(c, stores[w.node].prefix(blocks))
-        s_remote = max(s_local, shared.prefix(blocks))
+        c = run_from(blocks, g, (w.cpu,))
+        s_local = run_from(blocks, c, (w.cpu, stores[w.node]))
+        s_remote = run_from(blocks, s_local, (w.cpu, stores[w.node], shared))
         per = {
             "gpu": g,
             "cpu": c - g,
@@ -582,11 +596,13 @@ def ttft_floor(reqs: Sequence[Req], params: Params) -> tuple[float, float, float
 def print_table(results: Sequence[Result], floor: tuple[float, float, float]) -> None:
     for (n, load), group in itertools.groupby(results, key=lambda r: (r.workers, r.load)):
         rows = list(group)
-        print(
-            f"\n{n} workers, load {load} (infinite-cache bound: "
-            f"{rows[0].infinite_cache_hit_rate:.1%} of input tokens; TTFT floor with it on "
-            f"idle workers: p50 {floor[0]:.2f} s, p90 {floor[1]:.2f} s, p99 {floor[2]:.2f} s)"
-        )
+        bound = f"infinite-cache bound: {rows[0].infinite_cache_hit_rate:.1%} of input tokens"
+        if not math.isnan(floor[0]):
+            bound += (
+                f"; TTFT floor with it on idle workers: p50 {floor[0]:.2f} s, "
+                f"p90 {floor[1]:.2f} s, p99 {floor[2]:.2f} s"
+            )
+        print(f"\n{n} workers, load {load} ({bound})")
         cells = [[fmt(getattr(r, key)) for key, _, fmt in COLUMNS] for r in rows]
         heads = [h for _, h, _ in COLUMNS]
         widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
@@ -603,6 +619,70 @@ def print_table(results: Sequence[Result], floor: tuple[float, float, float]) ->
         print(f"  lowest p90 TTFT: {best.policy}")
 
 
+def vllm_result(
+    m: Any, n_workers: int, load: str, policy: str, n_reqs: int, inf_hit: float
+) -> Result:
+    """One ``--engine vllm`` run as a row (hits: vLLM's own prefix-cache count)."""
+    served = len(m.ttfts)
+    return Result(
+        workers=n_workers,
+        load=load,
+        policy=policy,
+        requests=n_reqs,
+        served=served,
+        shed=m.shed,
+        ttft_p50_s=pct(m.ttfts, 0.5),
+        ttft_p90_s=pct(m.ttfts, 0.9),
+        ttft_p99_s=pct(m.ttfts, 0.99),
+        mean_queue_s=statistics.fmean(m.queues) if m.queues else math.nan,
+        throughput_rps=served / m.span_s,
+        throughput_tok_s=m.tokens_total / m.span_s,
+        slo_attainment=m.slo_ok / n_reqs,
+        hit_rate=m.gpu_hit_tokens / max(1, m.tokens_total),
+        hit_rate_gpu=m.gpu_hit_tokens / max(1, m.tokens_total),
+        hit_rate_cpu=0.0,
+        hit_rate_storage_local=0.0,
+        hit_rate_storage_remote=0.0,
+        infinite_cache_hit_rate=inf_hit,
+        decisions_per_s=m.decisions / m.decide_s if m.decide_s else math.inf,
+        estimate_error_abs_p50=None if m.error is None else float(m.error["abs_p50"]),
+        estimate_error_abs_p90=None if m.error is None else float(m.error["abs_p90"]),
+        preemptions=m.preemptions,
+    )
+
+
+def run_vllm(
+    args: argparse.Namespace, reqs: list[Req], inf_hit: float
+) -> tuple[dict[str, Any], list[Result]]:
+    """``--engine vllm``: every (workers, load, policy) on vLLM-scheduler workers."""
+    try:
+        import sim_vllm
+    except ImportError as exc:
+        raise SystemExit(f"sim_router: --engine vllm needs vLLM 0.33 importable ({exc})") from None
+    vp = sim_vllm.VllmParams(
+        noise=args.noise,
+        budget=args.budget or 8192,
+        work_weight=1.0 if args.work_weight is None else args.work_weight,
+    )
+    missing, _ = infinite_cache_missing(reqs)
+    policies = [p for p in (args.policy or POLICIES)]
+    results: list[Result] = []
+    for n in args.workers or ([2] if args.quick else [4, 8]):
+        for load in args.load or (["saturation"] if args.quick else list(LOADS)):
+            trace = sim_vllm.scaled(reqs, missing, vp, n, LOADS[load])
+            for policy in policies:
+                m = sim_vllm.simulate_vllm(trace, vp, n, policy, args.seed)
+                results.append(vllm_result(m, n, load, policy, len(reqs), inf_hit))
+                row = results[-1]
+                print(
+                    f"  {n} workers, {load}, {policy}: p90 {row.ttft_p90_s:.2f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    params = {**asdict(vp), "engine": "vllm", "router_priors": asdict(sim_vllm.router_priors(vp))}
+    return params, results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", type=Path, required=True)
@@ -615,21 +695,47 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", help="a local tokenizer directory: time tokenizing 32k tokens")
     ap.add_argument("--no-microbench", action="store_true")
     ap.add_argument("--work-weight", type=float, help="the router's work_weight (default 1.0)")
+    ap.add_argument(
+        "--engine",
+        choices=("simple", "vllm"),
+        default="simple",
+        help="simple: the formula workers; vllm: vLLM 0.33's real scheduler (needs vLLM)",
+    )
+    ap.add_argument(
+        "--noise", type=float, default=0.0, help="σ of each prefill's time (--engine vllm)"
+    )
+    ap.add_argument(
+        "--budget", type=int, help="max_num_batched_tokens (--engine vllm; default 8192)"
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a bounded run for tests: 300 requests, 2 workers, saturation",
+    )
     args = ap.parse_args(argv)
     if not args.trace.is_file():
         print(f"sim_router: no trace file {args.trace}", file=sys.stderr)
         return 2
-    params = Params() if args.work_weight is None else Params(work_weight=args.work_weight)
-    reqs = load_trace(args.trace, args.limit)
+    if args.noise < 0 or (args.budget is not None and args.budget < 16):
+        print("sim_router: --noise must be >= 0 and --budget >= 16", file=sys.stderr)
+        return 2
+    limit = args.limit if args.limit is not None else (300 if args.quick else None)
+    reqs = load_trace(args.trace, limit)
     _, inf_hit = infinite_cache_missing(reqs)
     results: list[Result] = []
-    for n in args.workers or [4, 8]:
-        for load in args.load or list(LOADS):
-            trace = scaled(reqs, params, n, LOADS[load])
-            for policy in args.policy or POLICIES:
-                results.append(simulate(trace, params, n, policy, load, inf_hit, args.seed))
-    print(f"trace {args.trace.name}: {len(reqs)} requests; params: {json.dumps(asdict(params))}")
-    floor = ttft_floor(reqs, params)
+    if args.engine == "vllm":
+        pdict, results = run_vllm(args, reqs, inf_hit)
+        floor = (math.nan, math.nan, math.nan)
+    else:
+        params = Params() if args.work_weight is None else Params(work_weight=args.work_weight)
+        for n in args.workers or ([2] if args.quick else [4, 8]):
+            for load in args.load or (["saturation"] if args.quick else list(LOADS)):
+                trace = scaled(reqs, params, n, LOADS[load])
+                for policy in args.policy or POLICIES:
+                    results.append(simulate(trace, params, n, policy, load, inf_hit, args.seed))
+        pdict = {**asdict(params), "engine": "simple"}
+        floor = ttft_floor(reqs, params)
+    print(f"trace {args.trace.name}: {len(reqs)} requests; params: {json.dumps(pdict)}")
     print_table(results, floor)
     micro: dict[str, float] = {}
     if not args.no_microbench:
@@ -647,12 +753,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tokenizing a {n_tok}-token prompt ({args.tokenizer}): {ms:.1f} ms")
     if args.json:
         out = {
-            "params": {
-                **asdict(params),
-                "loads": LOADS,
-                "seed": args.seed,
-                "trace": str(args.trace),
-            },
+            "params": {**pdict, "loads": LOADS, "seed": args.seed, "trace": str(args.trace)},
             "ttft_floor_s": {"p50": floor[0], "p90": floor[1], "p99": floor[2]},
             "results": [asdict(r) for r in results],
             "microbench": micro,

@@ -44,7 +44,9 @@ def test_estimate_terms_follow_the_formula() -> None:
     est = m.estimate(160, TierMatch(gpu=2, cpu=1, storage_local=1, storage_remote=1), load, now=0)
     assert est.cached_tokens == {"gpu": 32, "cpu": 16, "storage_local": 16, "storage_remote": 16}
     assert est.missing_tokens == 80
-    assert est.prefill_s == pytest.approx(80 * 1e-4 * (1 + 0.1 * 5))
+    # One step of the budget, after half of the one under way (the worker decodes):
+    # 80 tokens, and 5 decodes each 10 % of a full step in each of those 1.5 steps.
+    assert est.prefill_s == pytest.approx(80 * 1e-4 + 1.5 * 5 * 0.1 * 8192 * 1e-4)
     assert est.read_s["cpu"] == pytest.approx(16 * 1000 / 1e9)
     assert est.read_s["storage_remote"] == pytest.approx(16 * 1000 / 1e7)
     assert est.ttft_s == pytest.approx(est.prefill_s + sum(est.read_s.values()))
@@ -66,7 +68,9 @@ def test_queue_is_the_booked_service_and_follows_the_first_tokens() -> None:
     t2 = r.dispatch(d2, 0.0)
     assert r.loads["w0"].queue_s(0.5) == pytest.approx(1.5)
     r.first_token(t1, 1.0)
-    assert r.loads["w0"].queue_s(1.0) == pytest.approx(1.0)
+    # t1 now decodes: one token in each of the 2.5 steps t2's prefill still needs
+    # (half of the step under way, then two).
+    assert r.loads["w0"].queue_s(1.0) == pytest.approx(1.0 + 2.5 * 0.1 * 8192 * 1e-4, rel=1e-3)
     r.first_token(t2, 2.0)
     assert r.loads["w0"].queue_s(2.0) == 0.0
 
@@ -190,5 +194,5 @@ def test_an_answer_seen_whole_settles_without_calibrating() -> None:
     t = r.dispatch(r.decide([], 10_000, now=0.0), 0.0)
     r.first_token(t, 30.0, observed=False)  # 30 s: the whole answer, decode included
     assert r.loads["w0"].inflight == 0
-    assert r.loads["w0"].prefill_scale == 1.0 and r.loads["w0"].service_ratio == 1.0
+    assert r.loads["w0"].prefill_scale == 1.0 and r.loads["w0"].fit.count == 0
     assert r.model.error_summary()["count"] == 0

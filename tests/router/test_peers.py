@@ -23,20 +23,21 @@ def view(
 ) -> PeerView:
     load = WorkerLoad()
     for i in range(inflight):
-        load.pending[i] = 0.1
+        load.pending[i] = (0, 0.0)
     return PeerView(name, match, load, waiting, kv, active, tree)
 
 
 def test_sglang_goes_least_loaded_only_past_its_imbalance_threshold() -> None:
     rule = make_peer("sglang")
-    cached = view("a", TierMatch(gpu=8), inflight=40)
+    cached = view("a", TierMatch(gpu=8), inflight=70)
     idle = view("b", inflight=0)
-    assert rule([cached, idle], 10) == "b"  # 40 − 0 > 32: least loaded
-    cached = view("a", TierMatch(gpu=8), inflight=30)
-    assert rule([cached, idle], 10) == "a"  # balanced enough: match rate 0.8 > 0.5
-    low = view("a", TierMatch(gpu=4), tree=100)
+    assert rule([cached, idle], 10) == "b"  # 70 − 0 > 64: least loaded
+    cached = view("a", TierMatch(gpu=8), inflight=60)
+    assert rule([cached, idle], 10) == "a"  # balanced enough: match rate 0.8 > 0.3
+    low = view("a", TierMatch(gpu=3), tree=100)
     small = view("b", tree=5)
-    assert rule([low, small], 10) == "b"  # match rate 0.4 ≤ 0.5: the smallest tree
+    assert rule([low, small], 10) == "b"  # match rate 0.3 ≤ 0.3: the smallest tree
+    assert rule([view("a", TierMatch(gpu=4), tree=100), small], 10) == "a"
 
 
 def test_llmd_weighs_prefix_queue_and_kv_usage_3_2_2() -> None:
@@ -49,6 +50,35 @@ def test_llmd_weighs_prefix_queue_and_kv_usage_3_2_2() -> None:
     # CPU blocks count 0.8: 3·0.8 + 2·1 + 2·0.5 = 5.4 beats 0 + 2·1 + 2·1 = 4.
     cpu = view("a", TierMatch(cpu=10), kv=0.5)
     assert rule([cpu, view("b")], 10) == "a"
+
+
+def test_llmd_normalises_prefix_scores_across_pods() -> None:
+    """Min-max across pods: 9 of 10 blocks against 8 of 10 is 1 against 0, not 0.9 against 0.8."""
+    rule = make_peer("llm-d")
+    better = view("a", TierMatch(gpu=9), waiting=5)  # 3·1 + 2·0 + 2 = 5
+    queued_less = view("b", TierMatch(gpu=8), waiting=0)  # 3·0 + 2·1 + 2 = 4
+    assert rule([better, queued_less], 10) == "a"
+
+
+def test_dynamo_counts_the_workers_queued_prefill() -> None:
+    rule = make_peer("dynamo", block_tokens=16)
+    holder = view("a", TierMatch(gpu=10))
+    holder.load.pending_tokens = 16 * 20  # 20 blocks of prefill queued there
+    other = view("b")  # 10 blocks to prefill, nothing queued
+    assert rule([holder, other], 10) == "b"
+    holder.load.pending_tokens = 16 * 5
+    assert rule([holder, other], 10) == "a"
+
+
+def test_production_stack_routes_to_the_match_or_by_qps() -> None:
+    rule = make_peer("production-stack", block_tokens=512)
+    holder = view("a", TierMatch(gpu=4, cpu=6))  # 5,120 of the prompt's tokens
+    fresh = PeerView("b", NONE, WorkerLoad(), 0, 0.0, 0, 0, recent_requests=0)
+    busy = PeerView("a", holder.match, holder.load, 50, 0.9, 999, 0, recent_requests=40)
+    assert rule([busy, fresh], 12) == "a"  # all but 1,024 ≤ 2,000 tokens: no load term
+    assert rule([busy, fresh], 20) == "b"  # 10 blocks short: the fewest recent requests
+    shared = PeerView("a", TierMatch(storage_remote=12), WorkerLoad(), 0, 0.0, 0, 0, 40)
+    assert rule([shared, fresh], 12) == "b"  # a shared store names no instance
 
 
 def test_dynamo_credits_tiers_1_075_025() -> None:

@@ -28,10 +28,12 @@ errors that name the file and the key, like the sidecar's config::
     hash_seed = "vllm-none-hash"     # the engine's PYTHONHASHSEED, if it sets one
 
     [priors]                         # the TTFT model's starting point (model.Priors)
-    prefill_overhead = "15ms"
+    prefill_overhead = "15ms"        # per engine step
     prefill_tokens_per_s = 12000
-    prefill_quadratic = 0.0          # seconds per token²
-    decode_slowdown = 0.01           # per decoding request
+    prefill_quadratic = 0.0          # seconds per token² (attention)
+    decode_slowdown = 0.0005         # a full step's share per decoding request
+    prefill_budget_tokens = 8192     # the workers' max_num_batched_tokens
+    kv_capacity_tokens = 0           # the workers' KV cache in tokens (0: unknown)
     bytes_per_token = "128KiB"
     cpu_bandwidth = "20GB"           # per second
     storage_local_bandwidth = "5GB"
@@ -332,7 +334,16 @@ _PRIOR_KEYS: dict[str, tuple[str, Any]] = {
     "cpu_bandwidth": ("cpu_bandwidth", _bandwidth),
     "storage_local_bandwidth": ("storage_local_bandwidth", _bandwidth),
     "storage_remote_bandwidth": ("storage_remote_bandwidth", _bandwidth),
+    # The workers' vLLM settings (not coefficients: the model learns those).
+    "prefill_budget_tokens": ("prefill_budget_tokens", lambda v: _count(v, 16)),
+    "kv_capacity_tokens": ("kv_capacity_tokens", lambda v: _count(v, 0)),
 }
+
+
+def _count(v: object, low: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"must be an integer >= {low}")
+    return v
 
 
 def _positive(x: float) -> float:

@@ -150,7 +150,9 @@ class Router:
         self.block_tokens = block_tokens
         self.on_deadline_miss = on_deadline_miss
         self.work_weight = work_weight
-        self.loads: dict[str, WorkerLoad] = {w.name: WorkerLoad() for w in topology.workers}
+        self.loads: dict[str, WorkerLoad] = {
+            w.name: self.model.new_load() for w in topology.workers
+        }
         self.healthy: dict[str, bool] = {w.name: True for w in topology.workers}
         self._locs = {w.name: topology.locations(w) for w in topology.workers}
         for gpu, cpu, local, remote in self._locs.values():
@@ -204,7 +206,7 @@ class Router:
         out: dict[str, TierMatch] = {}
         for w in workers:
             gpu, cpu, local, remote = self._locs[w]
-            out[w] = PrefixIndex.compose(lengths, gpu, cpu, local, remote)
+            out[w] = self.index.tier_match(hashes, lengths, gpu, cpu, local, remote)
         return out
 
     def candidates(

@@ -351,3 +351,63 @@ class PrefixIndex:
         for loc in remote:
             n_remote = max(n_remote, get(loc, 0))
         return TierMatch(g, c - g, n_local - c, n_remote - n_local)
+
+    def _mask(self, h: int) -> int:
+        """The locations that hold block ``h`` in the view each one is read from."""
+        live = self._live_bits
+        return (
+            (self._events.get(h, 0) & live)
+            | (self._history.get(h, 0) & ~live)
+            | self._inflight.get(h, 0)
+        )
+
+    def _extend(self, hashes: Sequence[int], start: int, bits: int) -> int:
+        """How far from ``start`` each block is held by one of ``bits`` (galloping)."""
+        n = len(hashes)
+        mask = self._mask
+        if start >= n or not mask(hashes[start]) & bits:
+            return start
+        lo, step = start, 1
+        while lo + step < n and mask(hashes[lo + step]) & bits:
+            lo += step
+            step *= 2
+        hi = min(n, lo + step)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if mask(hashes[mid]) & bits:
+                lo = mid
+            else:
+                hi = mid
+        return self._extend(hashes, hi, bits) if hi < n else hi
+
+    def tier_match(
+        self,
+        hashes: Sequence[int],
+        lengths: dict[Location, int],
+        gpu: Location,
+        cpu: Location,
+        local: Sequence[Location],
+        remote: Sequence[Location],
+    ) -> TierMatch:
+        """A worker's :class:`TierMatch`, each tier continuing where the better ones stop.
+
+        A tier need not hold the prompt from its first block: blocks the GPU
+        evicted to the CPU tier are the prompt's middle (its prefix is still in
+        the GPU), and the engine reads them there. Each tier is credited the
+        consecutive blocks past the previous reach that it, or a better read tier,
+        holds; what it holds from the first block on (:meth:`compose`) counts too.
+        """
+        base = self.compose(lengths, gpu, cpu, local, remote)
+        bit = self._bits.get
+        g = base.gpu
+        # The GPU's own hits end at its first miss (the engine's prefix match): past
+        # it only the read tiers count, each with the ones before it.
+        bits = bit(cpu, 0)
+        c = max(g + base.cpu, self._extend(hashes, g, bits))
+        for loc in local:
+            bits |= bit(loc, 0)
+        n_local = max(g + base.cpu + base.storage_local, self._extend(hashes, c, bits))
+        for loc in remote:
+            bits |= bit(loc, 0)
+        n_remote = max(base.longest, self._extend(hashes, n_local, bits))
+        return TierMatch(g, c - g, n_local - c, n_remote - n_local)

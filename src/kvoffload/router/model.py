@@ -1,32 +1,46 @@
 """The time-to-first-token model: what each worker would take to answer a prompt.
 
-For a worker ``w`` and a prompt of ``n`` tokens of which ``k_t`` are reachable
-in tier ``t`` (:class:`~kvoffload.router.index.TierMatch`, disjoint)::
+A worker is modelled as vLLM's v1 scheduler runs it: every engine step carries
+one token of each decoding request and fills the rest of its token budget
+(``max_num_batched_tokens``, ``B``) with prefill chunks, first come first
+served, several prompts per step when they fit. A prompt's first token comes
+at the end of the step that computes its last prefill token, so for a worker
+``w`` with ``Q`` prefill tokens queued ahead (the router's own requests not yet
+answered, less what the worker has worked off since, plus what ``/metrics``
+says waits there that the router did not send), ``D`` decoding requests, and
+a prompt of ``n`` tokens of which ``k_t`` are reachable in tier ``t``
+(:class:`~kvoffload.router.index.TierMatch`, disjoint), ``m = n − Σ k_t``::
 
-    TTFT(w) = queue(w) + slowdown(w) · s_w · prefill(n − Σ k_t) + Σ_t read_t(k_t)
+    steps    = ⌈(Q + m) / (B − D)⌉                     steps until its last chunk runs
+    TTFT(w)  = θ_step · steps                          per-step overhead (launch, sampling)
+             + θ_tok  · (Q + m)                        linear compute of every queued token
+             + θ_attn · (A_Q + m · (2·(n − m) + m))    attention over each chunk's context
+             + θ_dec  · steps · D                      the decode tokens sharing those steps
+             + θ_kv   · overflow                       tokens past the free KV (preemption:
+                                                       recompute, or a wait for decodes)
+             + Σ_t read_t(k_t)                         read_t(k) = latency_t + k·bpt/bandwidth_t
 
-    prefill(m)  = a + b·m + c·m²                      (priors; s_w calibrated per worker)
-    slowdown(w) = 1 + d · decoding requests on w       (decode steps share the GPU)
-    read_t(k)   = latency_t + k · bytes_per_token / bandwidth_t   (0 for the GPU tier)
-    queue(w)    = what is left of the oldest pending request's service
-                  + the service of every other pending request
-                  (both × r_w, observed/booked service of the worker's recent requests)
-                  + the mean service × requests waiting that the router did not send
+``queue_s`` is the same sum for the queue alone (``m = 0``); ``prefill_s`` is
+the rest. The coefficients ``θ`` are per worker and learned online, never
+given: each first token the router sees is an observation ``(features at
+dispatch, measured TTFT − reads)``, fed to a recursive least-squares fit in
+relative terms (each observation scaled by its prediction, so a 10 s answer
+weighs as much as a 0.1 s one), with Huber weights (a residual beyond two
+running mean absolute residuals counts proportionally less: noisy prefill
+times, a preempted request, cannot drag the fit) and slow forgetting (a
+worker that changes is followed). The priors (the config's ``[priors]``) are
+the fit's starting point and its regularisation; every coefficient stays
+within [1/16, 16]× its prior. Read bandwidths are learned from the sidecars'
+read figures (:meth:`TTFTModel.observe_read`), clamped to [¼, 4]×.
 
-The pending requests are the router's own accounting: each request it sends
-books its estimated service time (prefill plus reads) and is settled when its
-first token comes back, so an underestimate shows up as the oldest request
-overstaying and the queue follows what the worker really does. The worker's
-``/metrics`` (requests waiting that the router did not send, requests running,
-KV usage) refreshes it.
-
-Calibration: ``s_w`` is an exponentially weighted mean of observed/estimated
-prefill time, learned from each request that was the oldest pending one when
-its first token came (its service is the span since the one before it
-answered, or since it was sent); each tier's bandwidth is learned the same way from the
-sidecars' read figures (bytes, seconds). Both are clamped to [¼, 4]× the priors
-so one outlier cannot derail routing. The estimate-vs-observed error of every
-request is kept (:attr:`TTFTModel.errors`).
+The queue: each request the router sends books its prefill tokens on the
+worker; between answers the queue drains at the modelled rate (``B − D``
+tokens a step, at the modelled step time), and each first token re-anchors
+it: what the answered request did not account for carries over (a worker
+slower than modelled keeps its queue). ``B`` and the worker's KV capacity
+are deployment settings (vLLM's ``max_num_batched_tokens`` and the KV blocks
+it logs), not coefficients. The estimate-vs-observed error of every request
+is kept (:attr:`TTFTModel.errors`).
 """
 
 from __future__ import annotations
@@ -40,16 +54,22 @@ from .index import Tier, TierMatch
 __all__ = ["Estimate", "Priors", "TTFTModel", "WorkerLoad"]
 
 _READ_TIERS = (Tier.CPU, Tier.STORAGE_LOCAL, Tier.STORAGE_REMOTE)
+#: Features: steps, tokens, attention work, decode-steps, KV overflow tokens.
+_NF = 5
+_CLAMP = 16.0
+_FORGET = 0.998
+_HUBER = 2.0
+_SPREAD = 4.0  # prior variance of each θ: the priors may be several times off
 
 
 @dataclass(frozen=True)
 class Priors:
     """Starting values of the model, per deployment (the config's ``[model]``)."""
 
-    prefill_a_s: float = 0.015
+    prefill_a_s: float = 0.015  # seconds per engine step (overhead)
     prefill_b_s: float = 1.0 / 12_000  # seconds per prefilled token
     prefill_c_s: float = 0.0  # seconds per token² (attention on long prompts)
-    decode_slowdown: float = 0.01  # per decoding request
+    decode_slowdown: float = 0.0005  # a full step's share per decoding request
     bytes_per_token: int = 131_072  # KV bytes per token (all layers of a shard)
     cpu_bandwidth: float = 20e9
     storage_local_bandwidth: float = 5e9
@@ -57,7 +77,9 @@ class Priors:
     cpu_latency_s: float = 0.0005
     storage_local_latency_s: float = 0.002
     storage_remote_latency_s: float = 0.005
-    ewma: float = 0.2  # weight of a new observation
+    ewma: float = 0.2  # weight of a new observation (bandwidths, mean service)
+    prefill_budget_tokens: int = 8192  # vLLM's max_num_batched_tokens (H100/H200 default)
+    kv_capacity_tokens: int = 0  # the worker's KV cache in tokens; 0: unknown (no term)
 
     def bandwidth(self, tier: Tier) -> float:
         return {
@@ -74,54 +96,190 @@ class Priors:
         }[tier]
 
     def prefill_s(self, m: int) -> float:
+        """An idle worker's prefill of ``m`` uncached tokens, chunked by the budget."""
         if m <= 0:
             return 0.0
-        return self.prefill_a_s + self.prefill_b_s * m + self.prefill_c_s * m * m
+        steps = math.ceil(m / max(1, self.prefill_budget_tokens))
+        return self.prefill_a_s * steps + self.prefill_b_s * m + self.prefill_c_s * m * m
+
+    def basis(self) -> tuple[float, ...]:
+        """The unit of each feature's coefficient (θ = 1 stands for it)."""
+        b = max(self.prefill_b_s, 1e-9)
+        step_full = self.prefill_a_s + b * self.prefill_budget_tokens
+        # A term with no prior gets a unit of its kind: a step overhead of 256
+        # tokens, attention matching the linear term at 100k tokens of context,
+        # a decode costing 1 % of a full step.
+        return (
+            self.prefill_a_s or b * 256,
+            b,
+            self.prefill_c_s or b / 100_000,
+            (self.decode_slowdown or 0.01) * step_full,
+            b,
+        )
+
+    def start(self) -> tuple[float, ...]:
+        """The fit's starting θ: the priors over :meth:`basis` (0 where no prior)."""
+        return (
+            1.0 if self.prefill_a_s else 0.0,
+            1.0,
+            1.0 if self.prefill_c_s else 0.0,
+            1.0 if self.decode_slowdown else 0.0,
+            1.0,
+        )
+
+
+def _clamp(t: float, low: float) -> float:
+    return min(_CLAMP, max(low, t))
+
+
+class _Fit:
+    """Recursive least squares over θ (multipliers of the priors), relative and robust."""
+
+    __slots__ = ("count", "low", "p", "scale", "theta")
+
+    def __init__(self, start: tuple[float, ...] = (1.0,) * _NF) -> None:
+        # θ stays within [1/16, 16] of its prior; a term whose prior is 0 starts
+        # at 0 and may stay there (nothing said it exists; the data may).
+        self.low = [1.0 / _CLAMP if t > 0 else 0.0 for t in start]
+        self.theta = [_clamp(t, lo) for t, lo in zip(start, self.low, strict=True)]
+        # Prior covariance: a wide spread (the priors may be off several times).
+        self.p = [[_SPREAD if i == j else 0.0 for j in range(_NF)] for i in range(_NF)]
+        self.scale = 0.3  # running mean |relative residual|
+        self.count = 0
+
+    def predict(self, z: tuple[float, ...]) -> float:
+        return sum(t * x for t, x in zip(self.theta, z, strict=True))
+
+    def update(self, z: tuple[float, ...], y: float) -> None:
+        pred = self.predict(z)
+        if pred <= 0 or y <= 0:
+            return
+        zz = [x / pred for x in z]  # relative: the prediction scales to 1
+        e = y / pred - 1.0
+        lim = _HUBER * self.scale
+        w = 1.0 if abs(e) <= lim or self.count < 8 else lim / abs(e)
+        self.scale = 0.9 * self.scale + 0.1 * min(abs(e), 4.0)
+        p = self.p
+        pz = [sum(p[i][j] * zz[j] for j in range(_NF)) for i in range(_NF)]
+        denom = _FORGET + w * sum(zz[i] * pz[i] for i in range(_NF))
+        if denom <= 0:
+            return
+        k = [w * x / denom for x in pz]
+        self.theta = [
+            _clamp(t + ki * e, lo) for t, ki, lo in zip(self.theta, k, self.low, strict=True)
+        ]
+        self.p = [[(p[i][j] - k[i] * pz[j]) / _FORGET for j in range(_NF)] for i in range(_NF)]
+        # Forgetting inflates unexcited directions without bound: keep them sane.
+        for i in range(_NF):
+            if self.p[i][i] > _SPREAD:
+                f = math.sqrt(_SPREAD / self.p[i][i])
+                for j in range(_NF):
+                    self.p[i][j] *= f
+                    self.p[j][i] *= f
+        self.count += 1
 
 
 @dataclass
 class WorkerLoad:
     """What the router knows of one worker's load.
 
-    ``pending`` holds the estimated service time of each request sent and not
-    yet answered, in the order sent (the engine serves prefills first come,
-    first served); the oldest has been in service since ``head_since``.
+    ``pending`` holds, per request sent and not yet answered (in the order
+    sent), its prefill tokens and attention work; ``drained`` is how many of
+    the queued tokens the worker is modelled to have computed by ``anchor``.
     """
 
-    pending: dict[int, float] = field(default_factory=dict)
-    pending_s: float = 0.0
-    head_since: float = 0.0
-    decoding: int = 0  # requests past their first token, not finished
+    pending: dict[int, tuple[int, float]] = field(default_factory=dict)
     pending_tokens: int = 0  # prefill tokens sent, first token not yet back
+    pending_attn: float = 0.0
+    drained: float = 0.0
+    anchor: float = 0.0
+    decoding: int = 0  # requests past their first token, not finished
     waiting_external: int = 0  # /metrics waiting beyond what the router sent
-    external_s: float = 0.0
+    external_tokens: float = 0.0
     running_reported: int = 0
     kv_usage: float = 0.0
-    prefill_scale: float = 1.0
-    service_ratio: float = 1.0  # observed / booked service of recent requests
+    fit: _Fit = field(default_factory=_Fit)
+    basis: tuple[float, ...] = (0.0,) * _NF
+    budget: int = 8192
 
     @property
     def inflight(self) -> int:
         return len(self.pending)
 
-    def queue_s(self, now: float) -> float:
+    @property
+    def coefficients(self) -> dict[str, float]:
+        """The learned coefficients in seconds (per step, token, attention unit, …)."""
+        names = ("step_s", "token_s", "attention_s", "decode_step_s", "kv_overflow_s")
+        return {n: t * b for n, t, b in zip(names, self.fit.theta, self.basis, strict=True)}
+
+    @property
+    def prefill_scale(self) -> float:
+        """The learned per-token prefill cost as a multiple of the prior."""
+        return self.fit.theta[1]
+
+    def _rate(self) -> float:
+        """Prefill tokens a second of the queued mix, modelled (attention included)."""
+        q = float(self.pending_tokens)
+        if q <= 0:
+            return 1.0
+        return q / max(self.fit.predict(self.features(q, self.pending_attn, 0.0, 0)), 1e-6)
+
+    def _done(self, now: float) -> float:
+        """Queued tokens computed by ``now``: at the modelled rate, and no further than
+        the oldest request and one step's budget past it (the ones behind it only get
+        what its last chunk leaves of a step until it answers)."""
+        head = next(iter(self.pending.values()))[0]
+        done = self.drained + max(0.0, now - self.anchor) * self._rate()
+        return min(done, float(head + max(1, self.budget - self.decoding)))
+
+    def queued(self, now: float) -> tuple[float, float]:
+        """(prefill tokens, attention work) still ahead of a request sent ``now``."""
+        ext = self.external_tokens
         if not self.pending:
-            return self.external_s
-        head = next(iter(self.pending.values())) * self.service_ratio
-        head_left = max(0.0, head - (now - self.head_since))
-        rest = self.pending_s * self.service_ratio - head
-        return max(0.0, rest + head_left) + self.external_s
+            return ext, 0.0
+        # Each unanswered request has at least its last token left.
+        left = max(float(len(self.pending)), self.pending_tokens - self._done(now))
+        share = left / self.pending_tokens if self.pending_tokens else 0.0
+        return left + ext, self.pending_attn * share
+
+    def features(
+        self, tokens: float, attn: float, kv_need: float, capacity: int
+    ) -> tuple[float, ...]:
+        per = max(1, self.budget - self.decoding)
+        steps = float(math.ceil(tokens / per)) if tokens > 0 else 0.0
+        if self.pending or self.decoding:
+            steps += 0.5  # a step is under way: on average half of it is left
+        overflow = 0.0
+        if capacity > 0:
+            overflow = max(0.0, self.kv_usage * capacity + kv_need - capacity)
+        b = self.basis
+        return (
+            steps * b[0],
+            tokens * b[1],
+            attn * b[2],
+            steps * self.decoding * b[3],
+            overflow * b[4],
+        )
+
+    def queue_s(self, now: float) -> float:
+        q, a = self.queued(now)
+        if q <= 0:
+            return 0.0
+        return self.fit.predict(self.features(q, a, 0.0, 0))
 
 
 class Estimate:
     """One worker's estimated TTFT and its terms (seconds); immutable by convention.
 
     ``reads`` are the CPU, local-store and shared-store read times; ``cached``
-    the tokens credited to GPU, CPU, local store and shared store.
+    the tokens credited to GPU, CPU, local store and shared store;
+    ``features`` what the fit learns from when its first token comes.
     """
 
     __slots__ = (
+        "attn",
         "cached",
+        "features",
         "missing_tokens",
         "prefill_s",
         "queue_s",
@@ -138,12 +296,16 @@ class Estimate:
         reads: tuple[float, float, float],
         missing_tokens: int,
         cached: tuple[int, int, int, int],
+        features: tuple[float, ...] = (),
+        attn: float = 0.0,
     ) -> None:
         self.queue_s = queue_s
         self.prefill_s = prefill_s
         self.reads = reads
         self.missing_tokens = missing_tokens
         self.cached = cached
+        self.features = features
+        self.attn = attn
         self.read_total_s = reads[0] + reads[1] + reads[2]
         self.service_s = prefill_s + self.read_total_s
         self.ttft_s = queue_s + self.service_s
@@ -176,7 +338,20 @@ class TTFTModel:
     errors: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     _bandwidth_scale: dict[Tier, float] = field(default_factory=dict)
     mean_service_s: float = 0.1
+    mean_tokens: float = 2048.0
     _costs: tuple[tuple[float, float], ...] | None = None
+
+    def new_load(self) -> WorkerLoad:
+        load = WorkerLoad()
+        self._ready(load)
+        return load
+
+    def _ready(self, load: WorkerLoad) -> None:
+        if not load.basis[0]:
+            pri = self.priors
+            load.basis = pri.basis()
+            load.budget = pri.prefill_budget_tokens
+            load.fit = _Fit(pri.start())
 
     def bandwidth(self, tier: Tier) -> float:
         return self.priors.bandwidth(tier) * self._bandwidth_scale.get(tier, 1.0)
@@ -192,6 +367,7 @@ class TTFTModel:
         return costs
 
     def estimate(self, n_tokens: int, match: TierMatch, load: WorkerLoad, now: float) -> Estimate:
+        self._ready(load)
         bt = self.block_tokens
         (lc, pc), (ll, pl), (lr, pr) = self._read_costs()
         gpu, cpu, local, remote = match
@@ -201,47 +377,69 @@ class TTFTModel:
         sr = min(remote * bt, n_tokens - g - c - sl)
         # The engine always computes the prompt's last token, even on a full hit.
         missing = max(1, n_tokens - g - c - sl - sr)
-        pri = self.priors
-        prefill = (
-            (pri.prefill_a_s + pri.prefill_b_s * missing + pri.prefill_c_s * missing * missing)
-            * load.prefill_scale
-            * (1.0 + pri.decode_slowdown * load.decoding)
+        cached = n_tokens - missing
+        attn = float(missing) * (2.0 * cached + missing)
+        q, qa = load.queued(now)
+        fit = load.fit
+        queue_s = fit.predict(load.features(q, qa, 0.0, 0)) if q > 0 else 0.0
+        feats = load.features(
+            q + missing, qa + attn, float(n_tokens), self.priors.kv_capacity_tokens
         )
+        total = fit.predict(feats)
         return Estimate(
-            load.queue_s(now),
-            prefill,
+            queue_s,
+            max(0.0, total - queue_s),
             (lc + c * pc if c else 0.0, ll + sl * pl if sl else 0.0, lr + sr * pr if sr else 0.0),
             missing,
             (g, c, sl, sr),
+            feats,
+            attn,
         )
 
     # -- accounting -----------------------------------------------------------------
 
+    def _drain_to(self, load: WorkerLoad, now: float) -> None:
+        if load.pending:
+            load.drained = min(float(load.pending_tokens), load._done(now))
+        else:
+            load.drained = 0.0
+        load.anchor = now
+
     def dispatched(self, load: WorkerLoad, ticket_id: int, est: Estimate, now: float) -> float:
-        """Book the request's service on the worker; returns its expected first-token time."""
-        if not load.pending:
-            load.head_since = now
-        expected = now + load.queue_s(now) + est.service_s
-        load.pending[ticket_id] = est.service_s
-        load.pending_s += est.service_s
+        """Book the request's prefill on the worker; returns its expected first-token time."""
+        self._ready(load)
+        self._drain_to(load, now)
+        load.pending[ticket_id] = (est.missing_tokens, est.attn)
         load.pending_tokens += est.missing_tokens
+        load.pending_attn += est.attn
         a = self.priors.ewma
         self.mean_service_s = (1 - a) * self.mean_service_s + a * est.service_s
-        return expected
+        self.mean_tokens = (1 - a) * self.mean_tokens + a * est.missing_tokens
+        return now + est.ttft_s
 
-    def _unbook(self, load: WorkerLoad, ticket_id: int, est: Estimate, now: float) -> float | None:
-        """Settle a booking; the observed service time when it was the oldest pending one."""
-        was_head = bool(load.pending) and next(iter(load.pending)) == ticket_id
-        service = load.pending.pop(ticket_id, None)
-        if service is None:
-            return None
-        load.pending_s = max(0.0, load.pending_s - service) if load.pending else 0.0
-        load.pending_tokens = max(0, load.pending_tokens - est.missing_tokens)
-        if not was_head:
-            return None
-        observed = now - load.head_since
-        load.head_since = now
-        return observed
+    def _unbook(self, load: WorkerLoad, ticket_id: int, now: float) -> bool:
+        """Settle a booking: what the worker computed for it leaves the queue."""
+        booked = load.pending.get(ticket_id)
+        if booked is None:
+            return False
+        self._drain_to(load, now)
+        was_head = next(iter(load.pending)) == ticket_id
+        del load.pending[ticket_id]
+        m, attn = booked
+        load.pending_tokens = max(0, load.pending_tokens - m)
+        load.pending_attn = max(0.0, load.pending_attn - attn)
+        if not load.pending:
+            load.pending_tokens, load.pending_attn, load.drained = 0, 0.0, 0.0
+        else:
+            # Its tokens were part of what drained; what is left over belongs to the
+            # rest. The oldest request answering says more: the worker has just run
+            # its last chunk, and the step's budget left over is all the next ones got.
+            left = max(0.0, load.drained - m)
+            if was_head:
+                per = max(1, load.budget - load.decoding)
+                left = min(left, float(per - (m % per or per)))
+            load.drained = min(left, float(load.pending_tokens))
+        return True
 
     def first_token(
         self,
@@ -253,42 +451,25 @@ class TTFTModel:
         *,
         observed: bool = True,
     ) -> None:
-        """The first token came back: settle the booking and calibrate.
+        """The first token came back: settle the booking and learn from it.
 
         ``observed=False`` when ``now`` is not the first token's time (a
         non-streamed answer, seen whole): settle, learn nothing.
         """
-        service = self._unbook(load, ticket_id, est, now)
+        self._ready(load)
+        booked = self._unbook(load, ticket_id, now)
         load.decoding += 1
         if not observed:
             return
         took = now - sent_at
         if took > 0:
             self.errors.append((est.ttft_s - took) / took)
-        if service is None:
-            return
-        a = self.priors.ewma
-        # The oldest request was served alone since the one before it answered (or
-        # since it was sent): that span is its service. Its ratio to the booked
-        # estimate scales the rest of the queue (cache contents change while requests
-        # wait, which no per-request estimate sees).
-        if est.service_s > 0:
-            r = math.exp(
-                (1 - a) * math.log(load.service_ratio)
-                + a * math.log(max(service, 1e-6) / est.service_s)
-            )
-            load.service_ratio = min(4.0, max(0.25, r))
-        # The prefill speed, only from requests that waited less than their own service:
-        # their estimated cache hits were still there when they ran.
-        if est.queue_s <= est.service_s and est.prefill_s > 0:
-            ratio = (service - est.read_total_s) / (est.prefill_s / load.prefill_scale)
-            if ratio > 0:
-                log_s = (1 - a) * math.log(load.prefill_scale) + a * math.log(ratio)
-                load.prefill_scale = min(4.0, max(0.25, math.exp(log_s)))
+        if booked and est.features and took > est.read_total_s:
+            load.fit.update(est.features, took - est.read_total_s)
 
     def failed(self, load: WorkerLoad, ticket_id: int, est: Estimate, now: float) -> None:
         """The request failed before its first token: unbook it."""
-        self._unbook(load, ticket_id, est, now)
+        self._unbook(load, ticket_id, now)
 
     def finished(self, load: WorkerLoad) -> None:
         load.decoding = max(0, load.decoding - 1)
@@ -299,7 +480,7 @@ class TTFTModel:
         """A worker's ``/metrics``: waiting requests the router did not send add to its queue."""
         extra = max(0, waiting - load.inflight)
         load.waiting_external = extra
-        load.external_s = extra * self.mean_service_s
+        load.external_tokens = extra * self.mean_tokens
         load.running_reported = running
         load.kv_usage = kv_usage
         load.decoding = max(load.decoding, running - load.inflight)

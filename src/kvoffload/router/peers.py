@@ -5,20 +5,33 @@ the same information as the peer it stands for, with the peer's published
 default parameters:
 
 - ``random``, ``round-robin``, ``least-loaded`` (fewest requests in flight).
-- ``sglang``: SGLang's cache-aware router. When the load is imbalanced
-  (``max − min > balance_abs_threshold (32)`` and ``max > balance_rel_threshold
-  (1.0001) · min``, in requests) it goes to the least loaded; else to the best
-  prefix match if its match rate exceeds ``cache_threshold (0.5)``, else to the
-  worker with the smallest tree. SGLang's tree is its own routing history
-  (no events), as here.
+- ``sglang``: SGLang's cache-aware router, sgl-router's current defaults.
+  When the load is imbalanced (``max − min > balance_abs_threshold (64)`` and
+  ``max > balance_rel_threshold (1.5) · min``, in requests the router has in
+  flight) it goes to the least loaded; else to the best prefix match if its
+  match rate exceeds ``cache_threshold (0.3)``, else to the worker with the
+  smallest tree. SGLang's tree is its own routing history (no events), as here.
 - ``llm-d``: the precise prefix-cache scorer (longest consecutive prefix,
-  tier-weighted gpu 1.0, cpu 0.8, normalized by prompt blocks), the queue
-  scorer and the KV-cache-utilization scorer, weights 3 : 2 : 2 (the precise
-  prefix-cache guide's), highest sum wins. llm-d does not see storage tiers.
-- ``dynamo``: Dynamo's KV router cost
-  ``overlap_score_weight (1.0) · max(0, prefill_blocks − credit) + decode_blocks``
-  with tier credits gpu 1, host (cpu) 0.75, disk (storage) 0.25 per matched
-  block, temperature 0 (lowest cost wins).
+  tier-weighted gpu 1.0, cpu 0.8), min-max normalised across the pods as the
+  scheduler's ``indexedScoresToNormalizedScoredPods`` does (the best match
+  scores 1, the worst 0; all equal: all 1), the queue scorer (min-max of
+  waiting requests, fewest 1) and the KV-cache-utilization scorer
+  (1 − usage), weights 3 : 2 : 2 (the precise prefix-cache guide's), highest
+  sum wins. llm-d does not see storage tiers.
+- ``dynamo``: Dynamo's KV router cost ``overlap_score_weight (1.0) ·
+  potential_prefill_blocks + potential_active_blocks``, where the prefill
+  blocks are the worker's queued prefill tokens (its requests routed and not
+  yet past prefill) plus this request's uncached ones, over the block size,
+  and the active blocks are the blocks of every request it holds plus this
+  one's; overlap credited per matched block gpu 1, host (cpu) 0.75, disk
+  (storage) 0.25; temperature 0 (lowest cost wins).
+- ``production-stack``: vLLM production-stack's ``kvaware`` routing with
+  LMCache: the instance the LMCache controller names for the longest prefix
+  (here: the longest match in the instance's own tiers, its GPU and its CPU
+  (LMCache's local backend); a store other instances read names no
+  instance), if it matches all but ``kv_aware_threshold (2000)`` tokens of the
+  prompt; otherwise QPS routing (the instance with the fewest requests routed
+  in the last 10 s). No load term on a match.
 - ``mooncake``: Mooncake's Conductor: TTFT = queue (prefill time of what the
   instance already has queued) + prefill of the tokens its local (GPU/CPU)
   cache misses, or, when a longer prefix is elsewhere (any store), its
@@ -49,6 +62,7 @@ class PeerView:
     kv_usage: float  # 0..1
     active_blocks: int  # KV blocks of the requests it holds (Dynamo's decode_blocks)
     tree_size: int  # blocks in its routing history (SGLang)
+    recent_requests: int = 0  # requests routed to it in the last 10 s (production-stack QPS)
 
 
 PeerFn = Callable[[Sequence[PeerView], int], str]
@@ -81,34 +95,61 @@ def _least_loaded(views: Sequence[PeerView], n_blocks: int) -> str:
 def _sglang(views: Sequence[PeerView], n_blocks: int) -> str:
     loads = [v.load.inflight + v.load.decoding for v in views]
     hi, lo = max(loads), min(loads)
-    if hi - lo > 32 and hi > 1.0001 * lo:
+    if hi - lo > 64 and hi > 1.5 * lo:
         return min(views, key=lambda v: v.load.inflight + v.load.decoding).worker
     best = max(views, key=lambda v: v.match.longest)
-    if n_blocks and best.match.longest / n_blocks > 0.5:
+    if n_blocks and best.match.longest / n_blocks > 0.3:
         return best.worker
     return min(views, key=lambda v: v.tree_size).worker
 
 
+def _minmax(values: Sequence[float], *, higher_is_better: bool = True) -> list[float]:
+    """llm-d's normalisation across pods: best 1, worst 0, all equal all 1."""
+    lo, hi = min(values), max(values)
+    if hi == lo:
+        return [1.0] * len(values)
+    if higher_is_better:
+        return [(v - lo) / (hi - lo) for v in values]
+    return [(hi - v) / (hi - lo) for v in values]
+
+
 def _llmd(views: Sequence[PeerView], n_blocks: int) -> str:
-    def prefix(v: PeerView) -> float:
-        return (v.match.gpu * 1.0 + v.match.cpu * 0.8) / n_blocks if n_blocks else 0.0
-
-    qs = [v.waiting for v in views]
-    qmax, qmin = max(qs), min(qs)
-
-    def queue(v: PeerView) -> float:
-        return 1.0 if qmax == qmin else (qmax - v.waiting) / (qmax - qmin)
-
-    return max(views, key=lambda v: 3 * prefix(v) + 2 * queue(v) + 2 * (1.0 - v.kv_usage)).worker
+    prefix = _minmax([v.match.gpu * 1.0 + v.match.cpu * 0.8 for v in views])
+    queue = _minmax([float(v.waiting) for v in views], higher_is_better=False)
+    total = [
+        3 * p + 2 * q + 2 * (1.0 - v.kv_usage) for p, q, v in zip(prefix, queue, views, strict=True)
+    ]
+    return views[max(range(len(views)), key=total.__getitem__)].worker
 
 
-def _dynamo(views: Sequence[PeerView], n_blocks: int) -> str:
-    def cost(v: PeerView) -> float:
-        m = v.match
-        credit = 1.0 * m.gpu + 0.75 * m.cpu + 0.25 * (m.storage_local + m.storage_remote)
-        return 1.0 * max(0.0, n_blocks - credit) + v.active_blocks
+def _dynamo(block_tokens: int) -> PeerFn:
+    def choose(views: Sequence[PeerView], n_blocks: int) -> str:
+        def cost(v: PeerView) -> float:
+            m = v.match
+            credit = 1.0 * m.gpu + 0.75 * m.cpu + 0.25 * (m.storage_local + m.storage_remote)
+            queued = v.load.pending_tokens / block_tokens
+            prefill = queued + max(0.0, n_blocks - credit)
+            return 1.0 * prefill + v.active_blocks + n_blocks
 
-    return min(views, key=cost).worker
+        return min(views, key=cost).worker
+
+    return choose
+
+
+def _production_stack(block_tokens: int, threshold_tokens: int = 2000) -> PeerFn:
+    def choose(views: Sequence[PeerView], n_blocks: int) -> str:
+        def own(v: PeerView) -> int:
+            m = v.match
+            return m.gpu + m.cpu
+
+        # Ties go to the fewer QPS.
+        best = max(views, key=lambda v: (own(v), -v.recent_requests))
+        matched = own(best) * block_tokens
+        if own(best) and matched >= max(n_blocks * block_tokens - threshold_tokens, 0):
+            return best.worker
+        return min(views, key=lambda v: v.recent_requests).worker
+
+    return choose
 
 
 def _mooncake(priors: Priors, block_tokens: int) -> PeerFn:
@@ -133,7 +174,16 @@ def _mooncake(priors: Priors, block_tokens: int) -> PeerFn:
     return choose
 
 
-PEERS = ("random", "round-robin", "least-loaded", "sglang", "llm-d", "dynamo", "mooncake")
+PEERS = (
+    "random",
+    "round-robin",
+    "least-loaded",
+    "sglang",
+    "llm-d",
+    "dynamo",
+    "production-stack",
+    "mooncake",
+)
 
 
 def make_peer(
@@ -151,7 +201,9 @@ def make_peer(
     if name == "llm-d":
         return _llmd
     if name == "dynamo":
-        return _dynamo
+        return _dynamo(block_tokens)
+    if name == "production-stack":
+        return _production_stack(block_tokens)
     if name == "mooncake":
         return _mooncake(priors or Priors(), block_tokens)
     raise ValueError(f"unknown policy {name!r} (one of {', '.join(PEERS)})")
