@@ -249,7 +249,15 @@ def test_worker_metadata_aggregates_across_workers() -> None:
     a = KVOffloadWorkerMetadata({1: 1, 2: 1})
     b = KVOffloadWorkerMetadata({2: 1, 3: 1})
     assert a.aggregate(b).completed_saves == {1: 1, 2: 2, 3: 1}
-    assert dataclasses.asdict(a) == {"completed_saves": {1: 1, 2: 1}, "stored_chunks": {}}
+    assert dataclasses.asdict(a) == {
+        "completed_saves": {1: 1, 2: 1},
+        "stored_chunks": {},
+        "load_samples": [],
+    }
+    # Load timings (the recompute guard's samples) from every worker reach the scheduler.
+    e = KVOffloadWorkerMetadata({}, {}, [(4, 0.01)])
+    f = KVOffloadWorkerMetadata({}, {}, [(2, 0.02)])
+    assert e.aggregate(f).load_samples == [(4, 0.01), (2, 0.02)]
     # Chunks the sidecar acknowledged, counted per worker (KV events need all of them).
     c = KVOffloadWorkerMetadata({2: 1}, {2: {0: 1, 1: 1}})
     d = KVOffloadWorkerMetadata({2: 1}, {2: {1: 1}})

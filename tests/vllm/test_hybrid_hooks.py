@@ -214,7 +214,9 @@ def test_a_hit_vllm_did_not_allocate_in_full_is_failed_whole(
         assert sched.get_num_new_matched_tokens(req, 0) == (96, False)
         full = list(range(10, 17))
         sched.update_state_after_alloc(req, _Blocks((full, [0] * 7)), 96)
-        meta = sched.build_connector_meta(mock.Mock(preempted_req_ids=(), num_scheduled_tokens={}))
+        meta = sched.build_connector_meta(
+            mock.Mock(preempted_req_ids=(), num_scheduled_tokens={}, total_num_scheduled_tokens=0)
+        )
         (job,) = meta.loads
         assert job.fail
         worker = b.worker_side
