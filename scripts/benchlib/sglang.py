@@ -18,11 +18,20 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 import types
 import warnings
 from queue import Queue
 from typing import Any
+
+
+def _stand_in_attr(attr: str) -> type:
+    # Dunder names stay absent: tools that walk sys.modules (hypothesis, coverage)
+    # read __file__ and friends and must not be handed a class.
+    if attr.startswith("__") and attr.endswith("__"):
+        raise AttributeError(attr)
+    return type(attr, (), {})
 
 
 class _EmptyTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -34,7 +43,7 @@ class _EmptyTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec: Any) -> types.ModuleType:
         m = types.ModuleType(spec.name)
         m.__path__ = []
-        m.__getattr__ = lambda attr: type(attr, (), {})  # type: ignore[method-assign]
+        m.__getattr__ = _stand_in_attr  # type: ignore[method-assign]
         return m
 
     def exec_module(self, module: types.ModuleType) -> None:
@@ -43,6 +52,9 @@ class _EmptyTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def import_sglang() -> None:
     """Import the SGLang modules the backend and these tests use (raises ImportError)."""
+    if importlib.util.find_spec("sglang") is None:
+        # Where SGLang is absent, leave no stand-in behind in this interpreter.
+        raise ImportError("No module named 'sglang'")
     with warnings.catch_warnings():
         # Import-time notices of SGLang and its dependencies ("only CUDA supports ...").
         warnings.simplefilter("ignore")
