@@ -190,9 +190,7 @@ class Writes:
         h.blocks = {i: c.blocks for i, c in enumerate(req.chunks) if c.blocks is not None}
         # A chunk present already may still lack its hashes (saved without them).
         exists = [sl.status is StoreStatus.EXISTS for sl in slots]
-        self.record_blocks(
-            h, exists, {i: c.key for i, c in enumerate(req.chunks)}, completed=False
-        )
+        self.record_blocks(h, exists, {i: c.key for i, c in enumerate(req.chunks)}, completed=False)
         return h, tuple(slots)
 
     def _reserve(
