@@ -574,7 +574,7 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc]
         rows: list[int],
     ) -> list[bool]:
         blocks = [self._blocks(k) for k in keys]
-        if self._region is not None:
+        if self._in_place(client):
             spans = [(0, r * self.block_size_bytes, self._layers) for r in rows]
             done = client.save_in_place(
                 self.namespace,
@@ -598,8 +598,13 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc]
                 for v in views:
                     v.release()
 
+    def _in_place(self, client: SidecarClient) -> bool:
+        """In place (§5.34) where the region is reachable, unless the direct path
+        serves the tenant (which writes and reads the row with one copy fewer)."""
+        return self._region is not None and not client.uses_direct()
+
     def _load(self, client: SidecarClient, kkeys: list[bytes], rows: list[int]) -> list[bool]:
-        if self._region is not None:
+        if self._in_place(client):
             # Verified by the sidecar, then written into the rows; an object of
             # another shape than the row's layers is a miss (§5.34).
             spans = [(0, r * self.block_size_bytes, self._layers) for r in rows]
