@@ -82,6 +82,13 @@ from .limits import (
     StoreStatus,
 )
 from .packing import align_up, fake_salt, packed_layout, region_size
+from .region_requests import (
+    RegionChunk,
+    RegionDest,
+    RegionLoad,
+    RegionStore,
+    RegisterRegion,
+)
 from .replies import (
     REPLY_TYPES,
     Ack,
@@ -119,8 +126,8 @@ from .replies import (
     StoreReply,
     StoreSlot,
 )
+from .request_table import REQUEST_TYPES, Request
 from .requests import (
-    REQUEST_TYPES,
     Abort,
     Bye,
     ChunkSpec,
@@ -142,13 +149,7 @@ from .requests import (
     PrepareStore,
     Purge,
     PurgeOlder,
-    RegionChunk,
-    RegionDest,
-    RegionLoad,
-    RegionStore,
-    RegisterRegion,
     RegisterStaging,
-    Request,
     SealedLoad,
     Stats,
     StoreBatch,
