@@ -12,7 +12,10 @@ and loaded back into the rows (``submit_load``), with the same durability:
 no fsync on either side (the fs tier never syncs; the sidecar runs with
 ``durability = none``). Loads are timed warm (files in the page cache) and
 cold (pages dropped with fadvise DONTNEED first). The kvoffload rows are the
-sealed tenant (AES-256-GCM) and the plaintext tenant with the direct path.
+sealed tenant (AES-256-GCM) through staging (``inplace = "off"``), the same
+tenant in place (protocol-v1 §5.34: the sidecar reads and writes the
+primary region's file itself) and the plaintext tenant with the direct path.
+``--quick``: 16 chunks, one repeat.
 
 The machine's ceilings of the same run: memcpy of the rows, and a buffered
 write and read of the same bytes as plain files (benchlib.ceilings).
@@ -51,6 +54,12 @@ COPIES = {
     "kvoffload sealed": (
         "row->staging memcpy + AES-GCM seal pass + write(2)",
         "read(2) + AES-GCM open pass in staging + staging->row memcpy",
+    ),
+    "kvoffload in place": (
+        "sidecar preadv(2) of the row (kernel copy) + AES-GCM seal pass + write(2); "
+        "the worker copies nothing",
+        "read(2) + AES-GCM open pass in sidecar scratch + pwritev(2) into the row "
+        "(kernel copy) after verify; the worker copies nothing",
     ),
     "kvoffload direct": (
         "write(2) from the row into the leased file: 1 kernel copy",
@@ -143,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="I/O threads per tier (default 2)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=None, help="where files go (default: cwd)")
+    ap.add_argument("--quick", action="store_true", help="16 chunks, one repeat")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.chunks, args.repeats = min(args.chunks, 16), 1
     if min(args.chunks, args.chunk_mib, args.job_chunks, args.threads, args.repeats) < 1:
         print("bench_vllm_tier: every count must be at least 1", file=sys.stderr)
         return 2
@@ -176,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                     "n_read_threads": args.threads,
                     "n_write_threads": args.threads,
                 },
-                {**common, "tenant": SEALED_TENANT},
-                {**common, "tenant": DIRECT_TENANT, "direct": True},
+                {**common, "tenant": SEALED_TENANT, "inplace": "off"},
+                {**common, "tenant": SEALED_TENANT, "inplace": "auto"},
+                {**common, "tenant": DIRECT_TENANT, "direct": True, "inplace": "off"},
             ]
             spec = _spec(tiers, args.chunks, block)
             mgr = spec.get_manager()
@@ -233,7 +246,7 @@ def _measure(
     from vllm.v1.kv_offload.base import make_offload_key
 
     out: dict[str, tuple[float, float, float]] = {}
-    names = ["fs", "kvoffload sealed", "kvoffload direct"]
+    names = ["fs", "kvoffload sealed", "kvoffload in place", "kvoffload direct"]
     for name, tier in zip(names, mgr.secondary_tiers, strict=True):
         # Untimed warm-up: connections, staging registration, the tenant's keys.
         warm_keys = [make_offload_key(os.urandom(32), 0)]
@@ -257,6 +270,8 @@ def _measure(
             if not np.array_equal(rows, want):
                 raise RuntimeError(f"{name}: cold-loaded rows differ from the stored ones")
             rows[:] = want
+        if name == "kvoffload in place" and getattr(tier, "_region", None) is None:
+            raise RuntimeError("kvoffload in place: the primary region was not reachable")
         out[name] = (statistics.median(stores), statistics.median(warm), statistics.median(cold))
     return out
 

@@ -415,6 +415,60 @@ CATALOGUE: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
         "reply",
         _rep(1, p.HelloReply(1, "srv", "store", {"acme": SALT}, lookup_load=True)),
     ),
+    # revision 17 (§5.34): in-place transfers
+    "hello_revision": ("request", _req(1, p.Hello(1, 1, "vllm", ("acme",), revision=17))),
+    "hello_reply_max_region": (
+        "reply",
+        _rep(1, p.HelloReply(1, "srv", "store", {"acme": SALT}, max_region=1 << 40)),
+    ),
+    "register_region_fds": (
+        "request",
+        lambda: dict(p.with_fds(p.request_message(3, p.RegisterRegion(1 << 30)), 1)),
+    ),
+    "register_region_reply": ("reply", _rep(3, p.RegisterRegionReply(1))),
+    "region_store": (
+        "request",
+        _req(
+            22,
+            p.RegionStore(
+                "acme",
+                NS,
+                (
+                    p.RegionChunk(K[0], (4096, 4096), region=1, offset=0),
+                    p.RegionChunk(K[1], (8192,), region=1, offset=8192),
+                ),
+                30.0,
+            ),
+        ),
+    ),
+    "region_store_contract": (
+        "request",
+        _req(
+            22,
+            p.RegionStore(
+                "acme", NS, (p.RegionChunk(K[2], (1,), region=2, offset=7),), None, {"a": 1}
+            ),
+        ),
+    ),
+    "region_store_reply": (
+        "reply",
+        _rep(22, p.RegionStoreReply((True, False), (0, int(ErrorCode.NO_SPACE)))),
+    ),
+    "region_load": (
+        "request",
+        _req(
+            23,
+            p.RegionLoad(
+                "acme",
+                (K[0], K[1]),
+                (p.RegionDest(1, 0, (4096, 4096)), p.RegionDest(1, 1 << 33, (8192,))),
+            ),
+        ),
+    ),
+    "region_load_reply": (
+        "reply",
+        _rep(23, p.RegionLoadReply(1, int(ErrorCode.NOT_FOUND))),
+    ),
 }
 
 

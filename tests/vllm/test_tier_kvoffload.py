@@ -285,3 +285,61 @@ def test_drain_jobs_leaves_every_result_ready(sidecar: DevSidecar, tenant: str) 
         assert not t.has_pending_work()
     finally:
         mgr.shutdown()
+
+
+# -- in place (protocol-v1 §5.34): the sidecar reads and writes the primary region ---------
+
+
+def test_in_place_store_evict_and_load_back_bit_exact(sidecar: DevSidecar, tenant: str) -> None:
+    mgr, keys, want = _stored_then_evicted(sidecar, tenant)
+    try:
+        t = d.tier(mgr)
+        assert t._region is not None  # vLLM's primary region file was reachable
+        ctx = ReqContext("reader")
+        with mgr.lock:
+            mgr.on_new_request(ctx)
+        assert d.resolve(mgr, ctx, keys) == [LookupResult.HIT] * 2
+        assert np.array_equal(d.primary_rows(mgr, ctx, keys), want)
+        stats = mgr.get_stats()
+        assert stats is not None
+        flat = stats.reduce()
+        # Every chunk of both ways moved in place: 6 stored, 2 loaded.
+        assert flat["vllm:kv_offload_kvoffload_inplace_chunks"] == 8
+        assert flat["vllm:kv_offload_kvoffload_loaded_chunks"] == 2
+        # ... and no client's staging buffer ever held a byte of a row.
+        for c in t._all_clients:
+            assert c.staging is None or not any(c.staging.view)
+        counts = t._all_clients[0].stats()["inplace"]
+        assert counts["loaded_chunks"] >= 2 and counts["stored_chunks"] >= 6
+    finally:
+        mgr.shutdown()
+
+
+def test_in_place_off_uses_staging_and_loads_the_same(sidecar: DevSidecar, tenant: str) -> None:
+    spec = d.make_spec(
+        [d.kvoffload_tier(str(sidecar.socket_path), tenant, inplace="off")], num_chunks=4
+    )
+    mgr = spec.get_manager()
+    try:
+        keys = d.offload_keys(f"prompt-{uuid.uuid4().hex}", 2)
+        ids = d.store(mgr, "writer", keys, "A")
+        want = d.rows_of(mgr)[ids].copy()
+        d.evict_primary(mgr, 4)
+        ctx = ReqContext("reader")
+        with mgr.lock:
+            mgr.on_new_request(ctx)
+        assert d.resolve(mgr, ctx, keys) == [LookupResult.HIT] * 2
+        assert np.array_equal(d.primary_rows(mgr, ctx, keys), want)
+        stats = mgr.get_stats()
+        assert stats is not None
+        assert "vllm:kv_offload_kvoffload_inplace_chunks" not in stats.reduce()
+        assert d.tier(mgr)._region is None
+    finally:
+        mgr.shutdown()
+
+
+def test_in_place_bad_setting_one_clear_error(sidecar: DevSidecar, tenant: str) -> None:
+    with pytest.raises(KVOffloadConfigError, match="inplace must be one of auto, off"):
+        d.make_spec(
+            [d.kvoffload_tier(str(sidecar.socket_path), tenant, inplace="yes")], num_chunks=4
+        ).get_manager()

@@ -54,6 +54,7 @@ from ..protocol import (
     MAX_LAYERS,
     MAX_PROTOCOL_VERSION,
     MIN_PROTOCOL_VERSION,
+    PROTOCOL_REVISION,
     Ack,
     EngineBlocks,
     ErrorCode,
@@ -73,6 +74,7 @@ from ..protocol import (
 from ..staging import StagingBuffer
 from ..transport import DEFAULT_TIMEOUT_S, Transport, UnixTransport
 from . import direct as direct_io
+from . import inplace
 from .buffers import (
     BufferLike,
     DestCallback,
@@ -177,6 +179,8 @@ class SidecarClient:
         self._sealed_direct = sealed_direct
         #: Contracts of the namespaces this client derived keys for (§5.19).
         self._contracts: dict[bytes, dict[str, Any]] = {}
+        #: Region files for in-place transfers (§5.34).
+        self._regions = inplace.RegionTable()
 
     # -- public API ----------------------------------------------------------
 
@@ -374,6 +378,64 @@ class SidecarClient:
                 s.lose(exc)
             return results
 
+    def register_region(self, fd: int, size: int) -> int:
+        """Keep a file of this process (a duplicate of ``fd``: a regular file, owned
+        by this uid, open read-write, at least ``size`` bytes, ``size`` a multiple of
+        4096) for in-place transfers (protocol-v1 §5.34); its id for
+        :meth:`save_in_place` and :meth:`load_in_place`. Registered with the
+        sidecar on each connection's first use; never mapped by the sidecar."""
+        with self._lock:
+            return self._regions.add(fd, size)
+
+    def save_in_place(
+        self,
+        namespace: bytes,
+        chunks: Sequence[tuple[bytes, inplace.Span]],
+        *,
+        ttl_s: float | None = None,
+        blocks: Sequence[EngineBlocks | None] | None = None,
+    ) -> list[bool] | None:
+        """Store chunks whose packed layers lie in a registered region, at
+        ``(region, offset, layer sizes)``: the sidecar reads them from the file
+        itself. True per stored chunk; None where the sidecar cannot (older than
+        revision 17, region refused): then :meth:`save` them through staging."""
+        keys = check_keys([k for k, _ in chunks])
+        if blocks is not None and len(blocks) != len(keys):
+            raise ValueError("blocks: one entry (or None) per chunk expected")
+        return self._in_place(
+            keys,
+            lambda s, ids: inplace.save(
+                s, ids, namespace, keys, [c[1] for c in chunks], ttl_s, blocks
+            ),
+        )
+
+    def load_in_place(
+        self, keys: Sequence[bytes], spans: Sequence[inplace.Span]
+    ) -> list[bool] | None:
+        """Load chunks straight into registered regions, each verified by the sidecar
+        before any byte of it is written; True per loaded key (a prefix). None where
+        the sidecar cannot (then :meth:`load_to` them through staging)."""
+        keys = check_keys(keys)
+        if len(spans) != len(keys):
+            raise ValueError("one span per key expected")
+        return self._in_place(keys, lambda s, ids: inplace.load(s, ids, keys, spans))
+
+    def _in_place(
+        self, keys: list[bytes], run: Callable[[Session, dict[int, int]], list[bool] | None]
+    ) -> list[bool] | None:
+        if not keys:
+            return []
+        with self._lock:
+            s = self._ensure_session()
+            if s is None:
+                return [False] * len(keys)
+            try:
+                ids = self._regions.server_ids(s)
+                return None if ids is None else run(s, ids)
+            except CONNECTION_ERRORS as exc:
+                s.lose(exc)
+                return [False] * len(keys)
+
     def load(self, keys: Sequence[bytes], into: LoadCallback | None = None) -> list[LoadedChunk]:
         """Load chunks; the ``ok`` ones form a prefix of ``keys``.
 
@@ -497,6 +559,7 @@ class SidecarClient:
             if self._staging is not None:
                 self._staging.close()
                 self._staging = None
+            self._regions.close()
 
     def __enter__(self) -> SidecarClient:
         return self
@@ -558,7 +621,13 @@ class SidecarClient:
         return StagedPath(staging, copy)
 
     def _handshake(self, transport: Transport) -> Session:
-        hello_req = Hello(MIN_PROTOCOL_VERSION, MAX_PROTOCOL_VERSION, self._name, (self._tenant,))
+        hello_req = Hello(
+            MIN_PROTOCOL_VERSION,
+            MAX_PROTOCOL_VERSION,
+            self._name,
+            (self._tenant,),
+            revision=PROTOCOL_REVISION,
+        )
         transport.send(request_message(1, hello_req))
         _, reply = read_reply(transport, 1, hello_req)
         if isinstance(reply, ErrorReply):

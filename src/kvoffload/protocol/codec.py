@@ -21,7 +21,8 @@ from .fields import code as wire_code
 from .framing import bad
 from .limits import MAX_BATCH, MAX_MESSAGE, MAX_REQUEST_ID, Op
 from .replies import REPLY_TYPES, Ack, ErrorReply, LookupReply, Reply
-from .requests import REQUEST_TYPES, Lookup, Request
+from .request_table import REQUEST_TYPES, Request
+from .requests import Lookup
 
 ACK_OPS = frozenset({Op.REGISTER_STAGING, Op.ABORT, Op.COMPLETE_LOAD, Op.TOUCH, Op.BYE})
 

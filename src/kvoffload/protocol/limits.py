@@ -33,6 +33,11 @@ MAX_REPLY_FDS = 32
 MAX_PATH = 4096
 #: Largest region alignment a server may announce.
 MAX_ALIGNMENT = 1 << 30
+#: The revision of protocol 1 this code speaks (docs/spec/protocol-v1.md §10);
+#: a client names it in ``hello`` (§5.1, ``revision``).
+PROTOCOL_REVISION = 17
+#: Region files one connection may register (§5.34).
+MAX_REGIONS = 4
 #: Most load handles one request may complete on the way (``complete``, §5.32).
 MAX_PIGGYBACK = 64
 
@@ -69,6 +74,10 @@ class Op(StrEnum):
     LOOKUP_LOAD = "lookup_load"
     #: Revision 16 (§5.33): objects handed by descriptor with their own keys.
     SEALED_LOAD = "sealed_load"
+    #: Revision 17 (§5.34): a peer's region file, addressed in place.
+    REGISTER_REGION = "register_region"
+    REGION_STORE = "region_store"
+    REGION_LOAD = "region_load"
     #: Server-initiated fatal error frame (id 0).
     ERROR = "error"
 

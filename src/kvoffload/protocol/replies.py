@@ -58,6 +58,7 @@ from .limits import (
 from .load_replies import LoadSlot, LookupLoadReply, PrepareLoadReply
 from .prefix import Found as _Found
 from .prefix import prefix_reply as _prefix_reply
+from .region_replies import RegionLoadReply, RegionStoreReply, RegisterRegionReply
 from .sealed_replies import SealedLoadReply, SealedSlot
 
 Ident = Annotated[str, Meta(max_length=256)]
@@ -104,6 +105,10 @@ class HelloReply(ReplyMessage, frozen=True):
     lookup_load: bool = False
     #: Optional (revision 16, §5.33): the server answers ``sealed_load``. Absent: false.
     sealed_load: bool = False
+    #: Optional (revision 17, §5.34): the server serves ``register_region``,
+    #: ``region_store`` and ``region_load`` for a client of revision 17; the
+    #: largest region it registers. Absent (0): none.
+    max_region: UInt = 0
 
     def validate_wire(self, where: str) -> None:
         if self.alignment & (self.alignment - 1):
@@ -130,6 +135,7 @@ class HelloReply(ReplyMessage, frozen=True):
             | ({"chunkwise": True} if self.chunkwise else {})
             | ({"lookup_load": True} if self.lookup_load else {})
             | ({"sealed_load": True} if self.sealed_load else {})
+            | ({"max_region": self.max_region} if self.max_region else {})
         )
 
 
@@ -488,6 +494,9 @@ ResultReply = (
     | DropCacheReply
     | LookupLoadReply
     | SealedLoadReply
+    | RegisterRegionReply
+    | RegionStoreReply
+    | RegionLoadReply
 )
 Reply = ResultReply | Ack | ErrorReply
 
@@ -521,6 +530,9 @@ __all__ = [
     "PurgeOlderReply",
     "PurgeReply",
     "ReadSlot",
+    "RegionLoadReply",
+    "RegionStoreReply",
+    "RegisterRegionReply",
     "Reply",
     "ReplyMessage",
     "ResultReply",

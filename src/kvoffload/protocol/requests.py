@@ -24,7 +24,6 @@ from .fields import (
     UInt,
     decode,
     distinct,
-    op_table,
     plain,
 )
 from .framing import bad
@@ -59,6 +58,15 @@ class Hello(RequestMessage, frozen=True):
     max_version: Version = MAX_PROTOCOL_VERSION
     client: Annotated[str, Meta(max_length=MAX_CLIENT_NAME)] = ""
     tenants: Annotated[tuple[Tenant, ...], Meta(max_length=MAX_TENANTS)] = ()
+    #: Optional (revision 17, §5.1): the revision of version 1 the client
+    #: speaks; absent (0): older than 17. Sent only when non-zero.
+    revision: UInt = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        d = super().to_wire()
+        if not self.revision:
+            del d["revision"]
+        return d
 
     def validate_wire(self, where: str) -> None:
         if self.min_version > self.max_version:
@@ -445,38 +453,7 @@ class Namespaces(RequestMessage, frozen=True):
         return d
 
 
-Request = (
-    Hello
-    | RegisterStaging
-    | Lookup
-    | PrepareStore
-    | CompleteStore
-    | Abort
-    | PrepareLoad
-    | CompleteLoad
-    | Touch
-    | Stats
-    | Purge
-    | Fsck
-    | Bye
-    | LeaseStore
-    | LeaseLoad
-    | Inspect
-    | Ls
-    | PurgeOlder
-    | Invalidate
-    | Namespaces
-    | StoreBatch
-    | DropCache
-    | LookupLoad
-    | SealedLoad
-)
-
-#: op → request class, made from :data:`Request`.
-REQUEST_TYPES: dict[Op, type[Request]] = op_table(Request)
-
 __all__ = [
-    "REQUEST_TYPES",
     "Abort",
     "Bye",
     "ChunkSpec",
@@ -498,7 +475,6 @@ __all__ = [
     "Purge",
     "PurgeOlder",
     "RegisterStaging",
-    "Request",
     "RequestMessage",
     "SealedLoad",
     "Stats",

@@ -63,6 +63,7 @@ from kvoffload.protocol import (
     PrepareLoad,
     PrepareLoadReply,
     ProtocolError,
+    RegisterRegion,
     RegisterStaging,
     Reply,
     Request,
@@ -352,7 +353,7 @@ class Connection:
         if rid in self.tasks:
             close_fds(frame.fds)
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"request id {rid} is already in use")
-        if frame.fds and not isinstance(req, RegisterStaging):
+        if frame.fds and not isinstance(req, RegisterStaging | RegisterRegion):
             close_fds(frame.fds)
             self._reply(rid, ErrorReply(op, ErrorCode.BAD_REQUEST, f"{op} takes no fds"))
             if session.version is None and not isinstance(req, Hello):
@@ -376,6 +377,8 @@ class Connection:
             self._reply(rid, ErrorReply(op, ErrorCode.BAD_REQUEST, "second hello"))
         elif isinstance(req, RegisterStaging):
             self._reply(rid, session.register_staging(req, frame.fds))
+        elif isinstance(req, RegisterRegion):  # §5.34: an fstat, on the loop
+            self._reply(rid, session.register_region(req, frame.fds))
         elif isinstance(req, Bye):
             return self._bye(rid)
         elif not room:

@@ -74,6 +74,23 @@ class ByteBudget:
                 self._cv.notify_all()
 
 
+class InplaceCounts:
+    """Chunks and bytes the in-place verbs moved (protocol-v1 §5.34), for ``stats``."""
+
+    def __init__(self) -> None:
+        self._mu = threading.Lock()
+        self.counts: dict[str, int] = {}
+
+    def add(self, **n: int) -> None:
+        with self._mu:
+            for k, v in n.items():
+                self.counts[k] = self.counts.get(k, 0) + v
+
+    def snapshot(self) -> dict[str, int]:
+        with self._mu:
+            return dict(self.counts)
+
+
 class EventsAPI(Protocol):
     """The KV-event feed as the verbs use it (kvoffload.sidecar.events.SidecarEvents)."""
 
@@ -146,6 +163,8 @@ class Service:
         self.events = events
         #: Padded lookups (a tenant's lookup_floor): delays drawn, overruns counted.
         self.padding = LookupPadding(metrics)
+        #: What the in-place verbs moved (§5.34): ``stats`` reports it.
+        self.inplace = InplaceCounts()
         self._mu = threading.Lock()
         self._sessions: set[LiveSession] = set()
         # Read through self.policy on every call: a reload applies at once.

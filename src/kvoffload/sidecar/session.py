@@ -62,6 +62,9 @@ from kvoffload.protocol import (
     ProtocolError,
     Purge,
     PurgeOlder,
+    RegionLoad,
+    RegionStore,
+    RegisterRegion,
     RegisterStaging,
     Reply,
     Request,
@@ -79,6 +82,7 @@ from kvoffload.staging import StagingBuffer, StagingError
 from .access.padding import Pad
 from .admin import Admin
 from .handles import Handle, Handles, WriteHandle
+from .inplace import MAX_REGION_BYTES, Regions
 from .peer import Peer
 from .reads import EmitFn, Reads
 from .service import DECOY_TENANT, Reject, Service, plainify
@@ -99,6 +103,8 @@ class Session:
         self.service = service
         self.peer = peer
         self.version: int | None = None
+        #: The revision of version 1 the client named in ``hello`` (0: none, §5.1).
+        self.client_revision = 0
         self.tenants: frozenset[str] = frozenset()
         #: (tenant, namespace) whose contract this connection registered (§5.19).
         self.contracts_seen: set[tuple[str, bytes]] = set()
@@ -109,6 +115,8 @@ class Session:
         self.writes = Writes(service, self.handles, self)
         self.reads = Reads(service, self.handles, self)
         self.admin = Admin(service, self.is_admin, self.peer_details)
+        #: Region files addressed in place (§5.34), closed with the connection.
+        self.regions = Regions(service, self)
         service.enter(self)
 
     def __repr__(self) -> str:
@@ -141,6 +149,7 @@ class Session:
             log.exception("%r: hello failed", self)
             return ErrorReply("hello", ErrorCode.INTERNAL, "keyring failure")
         self.version = version
+        self.client_revision = req.revision
         self.tenants = frozenset(req.tenants)
         log.info("%r: hello from %r, tenants %s", self, req.client, sorted(req.tenants))
         cfg = self.service.config
@@ -162,6 +171,7 @@ class Session:
             chunkwise=True,
             lookup_load=True,  # §5.32: connection.py completes a request's handles first
             sealed_load=True,
+            max_region=MAX_REGION_BYTES,  # §5.34, for a client of revision 17
         )
 
     def register_staging(self, req: RegisterStaging, fds: list[int]) -> Reply:
@@ -185,6 +195,10 @@ class Session:
         self.handles.register(staging, self.service.config.alignment)
         return Ack(Op.REGISTER_STAGING)
 
+    def register_region(self, req: RegisterRegion, fds: list[int]) -> Reply:
+        """§5.34: keep the peer's region file for positional I/O (inplace.py)."""
+        return self.regions.register(req, fds)
+
     def bye(self) -> Reply:
         """§5.13: the reply; the connection sends it after every earlier reply, then closes."""
         return Ack(Op.BYE)
@@ -206,6 +220,7 @@ class Session:
     def close(self) -> None:
         """§7: unmap the staging buffer (after :meth:`release_all`) and leave the service."""
         self.handles.close()
+        self.regions.close()
         self.service.forget(self)
 
     # -- isolation (§6) ----------------------------------------------------------
@@ -470,6 +485,8 @@ class Session:
             stats["events"] = {"enabled": False}
         else:
             stats["events"] = svc.events.stats() if admin else {"enabled": True}
+        # §5.34: what the in-place verbs moved (every tenant's: counts only).
+        stats["inplace"] = svc.inplace.snapshot()
         if svc.metrics is not None:
             stats.update(svc.metrics.summary())
         return StatsReply(plainify(stats))
@@ -535,6 +552,8 @@ _VERBS: dict[type[Request], Callable[[Session, Any, EmitFn | None], Reply]] = {
     Invalidate: lambda s, r, _: s.admin.invalidate(r),
     Namespaces: lambda s, r, _: s.admin.namespaces(r),
     DropCache: lambda s, r, _: s.admin.drop_cache(r),
+    RegionStore: lambda s, r, _: s.regions.store(r),
+    RegionLoad: lambda s, r, _: s.regions.load(r),
 }
 
 

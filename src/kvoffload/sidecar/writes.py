@@ -190,9 +190,7 @@ class Writes:
         h.blocks = {i: c.blocks for i, c in enumerate(req.chunks) if c.blocks is not None}
         # A chunk present already may still lack its hashes (saved without them).
         exists = [sl.status is StoreStatus.EXISTS for sl in slots]
-        self._record_blocks(
-            h, exists, {i: c.key for i, c in enumerate(req.chunks)}, completed=False
-        )
+        self.record_blocks(h, exists, {i: c.key for i, c in enumerate(req.chunks)}, completed=False)
         return h, tuple(slots)
 
     def _reserve(
@@ -242,7 +240,7 @@ class Writes:
         ]
         keys = {sw.index: sw.key for sw in h.staged}
         written = [stored[i] and i in keys for i in range(len(stored))]
-        self._record_blocks(h, written, keys, completed=True)
+        self.record_blocks(h, written, keys, completed=True)
         return StoreReply(tuple(stored), tuple(codes))
 
     def _store_regions(self, req: StoreBatch, size: int) -> None:
@@ -298,10 +296,10 @@ class Writes:
             lw.index: lw.lease.chunk_key for lw in h.leased
         }
         written = [stored[i] and i in keys for i in range(len(stored))]
-        self._record_blocks(h, written, keys, completed=True)
+        self.record_blocks(h, written, keys, completed=True)
         return CompleteStoreReply(tuple(stored))
 
-    def _record_blocks(
+    def record_blocks(
         self, h: WriteHandle, which: list[bool], keys: dict[int, bytes], *, completed: bool
     ) -> None:
         """Hand the engine hashes of stored chunks to the KV-event feed, before

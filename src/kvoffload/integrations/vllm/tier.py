@@ -29,18 +29,25 @@ with backoff on its own. Every byte of a load is verified by the sidecar
 before the job succeeds; a failed load marks its keys a miss so the
 scheduler does not ask again for the same doomed promotion.
 
-Bytes move through each I/O thread's :class:`~kvoffload.client.SidecarClient`
-and its sealed staging memfd (protocol-v1 §5.2): one copy between the
-primary row and staging in this process (on the I/O thread), the sidecar
-seals from staging and decrypts into it. With ``direct`` (a plaintext tenant
-the policy gives the direct path) a load reads the object straight into the
-primary row and a save writes from it.
+Bytes move in place where they can (``inplace``, default ``"auto"``;
+protocol-v1 §5.34): each I/O thread's :class:`~kvoffload.client.SidecarClient`
+hands the primary region's descriptor (vLLM's ``SharedOffloadRegion`` file)
+to the sidecar, which reads a stored row from that file itself and writes a
+load's verified plaintext straight into the row; this process copies
+nothing. Where the region's descriptor is not reachable (a multi-segment
+region, another vLLM), ``inplace`` is ``"off"`` or the sidecar is older than
+revision 17, bytes go through the client's sealed staging memfd (§5.2): one
+copy between the primary row and staging on the I/O thread. With ``direct``
+(a plaintext tenant the policy gives the direct path) a load reads the
+object straight into the primary row and a save writes from it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -111,6 +118,9 @@ SHARED_FIELDS = (
     "direct",
 )
 DEFAULT_IO_THREADS = 2
+#: Options of the tier itself (besides the connector's SHARED_FIELDS).
+_TIER_FIELDS = ("io_threads", "enable_kv_events", "locality", "inplace")
+INPLACE_MODES = ("auto", "off")
 
 
 class TierMetrics:
@@ -121,6 +131,7 @@ class TierMetrics:
     FAILED_STORES = "vllm:kv_offload_kvoffload_failed_store_chunks"
     FAILED_LOADS = "vllm:kv_offload_kvoffload_failed_load_chunks"
     LOOKUP_ERRORS = "vllm:kv_offload_kvoffload_unanswered_lookups"
+    INPLACE_CHUNKS = "vllm:kv_offload_kvoffload_inplace_chunks"
 
 
 @dataclass(frozen=True)
@@ -137,7 +148,7 @@ def _tier_settings(options: Mapping[str, Any]) -> KVOffloadSettings:
     if unknown:
         raise KVOffloadConfigError(
             f"kvoffload tier: unknown option(s) {', '.join(unknown)}; known options: "
-            f"{', '.join(sorted((*SHARED_FIELDS, 'io_threads', 'enable_kv_events', 'locality')))}"
+            f"{', '.join(sorted((*SHARED_FIELDS, *_TIER_FIELDS)))}"
         )
     return KVOffloadSettings.from_extra_config(dict(options))
 
@@ -232,6 +243,35 @@ def tier_contract(
         raise KVOffloadConfigError(f"kvoffload tier: cannot build the contract: {exc}") from exc
 
 
+def _address(buf: Any) -> int:
+    """The address of a writable buffer's first byte."""
+    c = ctypes.c_char.from_buffer(buf)
+    try:
+        return ctypes.addressof(c)
+    finally:
+        del c
+
+
+def primary_region(spec: Any, view: memoryview) -> tuple[int, int] | None:
+    """The descriptor and size of vLLM's primary ``SharedOffloadRegion`` file, when
+    ``view`` is exactly its one-file mapping (so an offset into the file is the
+    same byte of ``view``); None otherwise (the tier then uses staging)."""
+    region = getattr(spec, "_scheduler_mmap", None)
+    fd = getattr(region, "fd", None)
+    mm = getattr(region, "mmap_obj", None)
+    size = getattr(region, "total_size_bytes", None)
+    if not isinstance(fd, int) or fd < 0 or mm is None or not isinstance(size, int):
+        return None
+    if len(getattr(region, "_segments", ())) != 1 or view.nbytes != size or size % 4096:
+        return None
+    try:
+        if os.fstat(fd).st_size < size or _address(view) != _address(mm):
+            return None
+    except (OSError, TypeError, ValueError, BufferError):
+        return None
+    return fd, size
+
+
 def tier_key(root: bytes, salt: bytes, key: bytes) -> bytes:
     """The kvoffload chunk key of vLLM's ``OffloadKey`` (contract-v1 §8)."""
     return next_key(root, salt, (), (OFFLOAD_KEY_PERSON, bytes(key)))
@@ -262,6 +302,7 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc]
         io_threads: int = DEFAULT_IO_THREADS,
         enable_kv_events: bool = False,
         locality: str | None = None,
+        inplace: str = "auto",
         **options: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -276,6 +317,11 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc]
             raise KVOffloadConfigError(
                 f"kvoffload tier: locality must be LOCAL or REMOTE, got {locality!r}"
             ) from None
+        if inplace not in INPLACE_MODES:
+            raise KVOffloadConfigError(
+                f"kvoffload tier: inplace must be one of {', '.join(INPLACE_MODES)}, "
+                f"got {inplace!r}"
+            )
         row = self.block_size_bytes
         page = int(getattr(offloading_spec, "cpu_page_size_per_worker", 0) or row)
         # One layer per worker slot of the row (vLLM's SharedOffloadRegion layout).
@@ -290,6 +336,10 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc]
         #: The primary region as bytes: chunk c is [c * row, (c + 1) * row). Taken
         #: after every check, so that a refused start exports no buffer of it.
         self._flat = primary_kv_view.cast("B")
+        #: The primary region's file, for in-place transfers (§5.34); None: staging.
+        self._region = primary_region(offloading_spec, self._flat) if inplace == "auto" else None
+        if inplace == "auto" and self._region is None:
+            log.info("kvoffload tier: the primary region's file is not reachable; using staging")
         self._roots: dict[bytes, bytes] = {}  # salt -> root key
         self._tokens_per_chunk = self.contract.chunk_tokens
         self.events: list[OffloadingEvent] | None = None
@@ -333,6 +383,10 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc]
             ),
             TierMetrics.LOOKUP_ERRORS: OffloadingCounterMetadata(
                 "Lookups the sidecar could not answer; each counted as a miss."
+            ),
+            TierMetrics.INPLACE_CHUNKS: OffloadingCounterMetadata(
+                "Chunks stored or loaded in place: the sidecar read or wrote the primary "
+                "region's file itself, no copy through staging."
             ),
         }
 
@@ -447,6 +501,8 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc]
         )
         with self._clients_mu:
             self._all_clients.append(c)
+        if self._region is not None:
+            c.register_region(*self._region)  # region 0 of this client
         return c
 
     def _keys(self, client: SidecarClient, keys: Sequence[OffloadKey]) -> list[bytes] | None:
@@ -517,20 +573,45 @@ class KVOffloadTier(SecondaryTierManager):  # type: ignore[misc]
         keys: list[OffloadKey],
         rows: list[int],
     ) -> list[bool]:
+        blocks = [self._blocks(k) for k in keys]
+        if self._in_place(client):
+            spans = [(0, r * self.block_size_bytes, self._layers) for r in rows]
+            done = client.save_in_place(
+                self.namespace,
+                list(zip(kkeys, spans, strict=True)),
+                ttl_s=self.settings.ttl_s,
+                blocks=blocks,
+            )
+            if done is not None:
+                self._count(TierMetrics.INPLACE_CHUNKS, sum(done))
+                return done
         chunks = [(k, self._row(r)) for k, r in zip(kkeys, rows, strict=True)]
         try:
             return client.save(
                 self.namespace,
                 chunks,
                 ttl_s=self.settings.ttl_s,
-                blocks=[self._blocks(k) for k in keys],
+                blocks=blocks,
             )
         finally:
             for _, views in chunks:
                 for v in views:
                     v.release()
 
+    def _in_place(self, client: SidecarClient) -> bool:
+        """In place (§5.34) where the region is reachable, unless the direct path
+        serves the tenant (which writes and reads the row with one copy fewer)."""
+        return self._region is not None and not client.uses_direct()
+
     def _load(self, client: SidecarClient, kkeys: list[bytes], rows: list[int]) -> list[bool]:
+        if self._in_place(client):
+            # Verified by the sidecar, then written into the rows; an object of
+            # another shape than the row's layers is a miss (§5.34).
+            spans = [(0, r * self.block_size_bytes, self._layers) for r in rows]
+            done = client.load_in_place(kkeys, spans)
+            if done is not None:
+                self._count(TierMetrics.INPLACE_CHUNKS, sum(done))
+                return done
         held: list[memoryview] = []
         wrong: set[int] = set()
 
