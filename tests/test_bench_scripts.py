@@ -402,7 +402,9 @@ def test_bench_sidecar_quick_compares_every_sealed_row_with_lmcache(tmp_path: Pa
         assert s["batch"] == doc["config"]["batch"]
     lm_name = {"save": {"none": "put", "object": "put+fsync"}}
     for t in targets.values():
-        want = lm_name.get(t["op"], {}).get(t["durability"]) or f"get {t['op'].split()[0]}"
+        # A load row's peer is LMCache's get at the same temperature ("direct cold
+        # load" too: LMCache has no direct path, its cold get is the peer).
+        want = lm_name.get(t["op"], {}).get(t["durability"]) or f"get {t['op'].split()[-2]}"
         variant, name = t["lmcache"].split(" ", 1)
         assert name == want, t["id"]
         best = max(

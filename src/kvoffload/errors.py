@@ -7,7 +7,7 @@
     ├── KeyDerivationError    (ValueError)  invalid input to the chunk-key derivation
     ├── ConfigError           (ValueError)  a bad sidecar setting; the message names source and key
     ├── PolicyError           (ValueError)  a bad policy file; reads ``<file>:<line>: <reason>``
-    ├── ConnectorConfigError  (ValueError)  a bad vLLM connector config (KVOffloadConfigError)
+    ├── ConnectorConfigError  (ValueError)  a bad engine integration config: vLLM, SGLang, LMCache
     ├── ProtocolError                       peer input that breaks protocol v1
     ├── EventDecodeError      (ValueError)  a KV-event frame or batch that breaks events-v1
     ├── Reject                              a verb the sidecar refuses as a whole (an error reply)
@@ -15,6 +15,7 @@
     │   ├── TransportClosed                 the peer closed or reset it, or this end did
     │   └── TransportTimeout                no frame, or no send, within the timeout
     ├── StagingError                        a staging buffer cannot be created or mapped
+    │   └── RegionError                     a peer's region file refused, or one access to it
     ├── ChunkTooLarge         (ValueError)  a chunk can never fit the staging buffer
     ├── DirectIOError         (OSError)     a direct-path read or write failed: a miss / not saved
     ├── LayoutError                         the on-disk layout layer
@@ -81,6 +82,7 @@ __all__ = [
     "PolicyError",
     "ProtocolError",
     "QuotaExceeded",
+    "RegionError",
     "Reject",
     "SidecarStartError",
     "StagingError",
@@ -145,7 +147,8 @@ class PolicyError(KVOffloadError, ValueError):
 
 
 class ConnectorConfigError(KVOffloadError, ValueError):
-    """The connector's configuration is invalid or describes an unsupported engine."""
+    """An engine integration's configuration (vLLM's connector or tier, SGLang's
+    HiCache backend, LMCache's L2 adapter) is invalid or describes an unsupported engine."""
 
 
 #: The name the vLLM integration has always exported.
@@ -239,6 +242,10 @@ class TransportTimeout(TransportError):
 
 class StagingError(KVOffloadError):
     """A staging buffer cannot be created or mapped as asked."""
+
+
+class RegionError(StagingError):
+    """A peer's region file (protocol §5.34) refused, or one access to it that cannot be done."""
 
 
 class ChunkTooLarge(KVOffloadError, ValueError):

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.sidecar.region import RegionError, RegionFile
+from kvoffload.errors import RegionError
+from kvoffload.sidecar.region import RegionFile
 
 SIZE = 64 * 1024
 MAX = 1 << 30

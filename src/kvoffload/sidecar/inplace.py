@@ -45,9 +45,10 @@ from kvoffload.protocol import (
     packed_layout,
 )
 
+from ..errors import RegionError
 from .handles import Access, WriteHandle
 from .ports import Guard
-from .region import RegionError, RegionFile
+from .region import RegionFile
 from .service import DECOY_TENANT, Service
 
 if TYPE_CHECKING:

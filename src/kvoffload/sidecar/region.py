@@ -33,13 +33,9 @@ import os
 import stat
 from collections.abc import Sequence
 
-from kvoffload.errors import StagingError
+from kvoffload.errors import RegionError
 
 PAGE = 4096
-
-
-class RegionError(StagingError):
-    """A region descriptor refused, or one access to it that cannot be done."""
 
 
 def _check_fd(fd: int, size: int, peer_uid: int, max_size: int) -> None:

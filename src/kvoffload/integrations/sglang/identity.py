@@ -23,6 +23,7 @@ from typing import Any
 
 from ...client import DEFAULT_SOCKET_PATH
 from ...contract import CompatContract, LayerLayout, Shard, validate_tenant
+from ...errors import ConnectorConfigError
 from ...keys import KEY_SIZE, root_key
 
 #: Keys of ``--hicache-storage-backend-extra-config`` that SGLang itself reads.
@@ -47,8 +48,9 @@ DEFAULT_STAGING_BYTES = 64 << 20
 _PERSON = b"kvo-sglang-v1"
 
 
-class SettingsError(ValueError):
-    """A bad ``extra_config``: the message is one line naming the key."""
+#: A bad ``extra_config``: the message is one line naming the key. The package's
+#: one error for an engine integration's config (kvoffload.errors), under SGLang's name.
+SettingsError = ConnectorConfigError
 
 
 @dataclass(frozen=True)
