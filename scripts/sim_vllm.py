@@ -486,7 +486,7 @@ def simulate_vllm(
                 router.first_token(ticket, t)
             for rid in res.done:
                 ticket, r, _ = tickets.pop(rid)
-                router.finished(ticket)
+                router.finished(ticket, t)
             kick(name, t)
         elif kind == "events":
             name, batch = payload
