@@ -479,8 +479,10 @@ class TTFTModel:
             # its last chunk, and the step's budget left over is all the next ones got.
             left = max(0.0, load.drained - m)
             if was_head:
+                # Whatever the drain had modelled: the step that ran its last chunk
+                # gave the ones behind it what that chunk left of the budget.
                 per = max(1, load.budget - load.decoding)
-                left = min(left, float(per - (m % per or per)))
+                left = float(per - (m % per or per))
             load.drained = min(left, float(load.pending_tokens))
         return True
 
