@@ -59,8 +59,8 @@ _NF = 4
 _CLAMP = 16.0
 _FORGET = 0.998
 _HUBER = 2.0
-_SPREAD = 4.0
-_GATE = 4.0  # an answer teaches the fit by (its own prefill's share of the estimate)^_GATE  # prior variance of each θ: the priors may be several times off
+_SPREAD = 4.0  # prior variance of each θ: the priors may be several times off
+_GATE = 4.0  # an answer teaches the fit by (its own prefill's share of its estimate)^_GATE
 
 
 @dataclass(frozen=True)
@@ -306,6 +306,7 @@ class Estimate:
         "attn",
         "cached",
         "features",
+        "fit_weight",
         "missing_tokens",
         "prefill_s",
         "queue_s",
@@ -314,7 +315,6 @@ class Estimate:
         "service_s",
         "ttft_s",
         "wait_s",
-        "fit_weight",
     )
 
     def __init__(
