@@ -109,3 +109,30 @@ def test_an_unanswered_head_keeps_the_queue_open() -> None:
     assert d.chosen is not None
     # At least half a step of its tokens (4,096 × 1e-4 s) is still ahead.
     assert d.chosen.estimate.queue_s >= 0.4
+
+
+def test_what_one_worker_teaches_the_others_know_and_each_keeps_its_speed() -> None:
+    """One deployment, one fit: a worker never answered yet is estimated at what the
+    others taught, and a worker 1.5× slower than the rest is learned as such."""
+    r = workers(3)
+    rng = random.Random(5)
+    now = 0.0
+
+    def serve(worker: str, slow: float, n: int) -> None:
+        nonlocal now
+        others = [w for w in ("w0", "w1", "w2") if w != worker]
+        for _ in range(n):
+            m = int(math.exp(rng.uniform(math.log(500), math.log(30_000))))
+            t = r.dispatch(r.decide([], m, now=now, exclude=others), now)
+            took = true_ttft(m) * slow
+            r.first_token(t, now + took)
+            r.finished(t, now + took)
+            now += took + 5.0
+
+    serve("w0", 1.0, 200)
+    serve("w1", 1.5, 80)
+    for m in (2_000, 20_000):
+        est = {c.worker: c.estimate.ttft_s for c in r.decide([], m, now=now).candidates}
+        assert est["w2"] == pytest.approx(true_ttft(m), rel=0.15), m
+        assert est["w0"] == pytest.approx(true_ttft(m), rel=0.15), m
+        assert est["w1"] == pytest.approx(1.5 * true_ttft(m), rel=0.2), m

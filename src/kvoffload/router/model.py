@@ -60,6 +60,7 @@ _CLAMP = 16.0
 _FORGET = 0.998
 _HUBER = 2.0
 _SPREAD = 4.0  # prior variance of each θ: the priors may be several times off
+_SPEED_RATE = 0.05  # weight of one answer in a worker's speed factor
 _GATE = 4.0  # an answer teaches the fit by (its own prefill's share of its estimate)^_GATE
 
 
@@ -205,7 +206,8 @@ class WorkerLoad:
     held_tokens: int = 0
     since: dict[int, float] = field(default_factory=dict)  # decoding: first-token time
     decode_s: float = 10.0  # learned: a request's first token to its end
-    fit: _Fit = field(default_factory=_Fit)
+    fit: _Fit = field(default_factory=_Fit)  # shared by the deployment's workers
+    speed: float = 1.0  # learned: this worker's time over the shared fit's
     basis: tuple[float, ...] = (0.0,) * _NF
     budget: int = 8192
 
@@ -217,19 +219,23 @@ class WorkerLoad:
     def coefficients(self) -> dict[str, float]:
         """The learned coefficients in seconds (per step, token, attention unit, …)."""
         names = ("step_s", "token_s", "attention_s", "decode_step_s")
-        return {n: t * b for n, t, b in zip(names, self.fit.theta, self.basis, strict=True)}
+        th, sp = self.fit.theta, self.speed
+        return {n: t * b * sp for n, t, b in zip(names, th, self.basis, strict=True)}
 
     @property
     def prefill_scale(self) -> float:
         """The learned per-token prefill cost as a multiple of the prior."""
-        return self.fit.theta[1]
+        return self.fit.theta[1] * self.speed
+
+    def predict(self, z: tuple[float, ...]) -> float:
+        return self.speed * self.fit.predict(z)
 
     def _rate(self) -> float:
         """Prefill tokens a second of the queued mix, modelled (attention included)."""
         q = float(self.pending_tokens)
         if q <= 0:
             return 1.0
-        return q / max(self.fit.predict(self.features(q, self.pending_attn)), 1e-6)
+        return q / max(self.predict(self.features(q, self.pending_attn)), 1e-6)
 
     def _done(self, now: float) -> float:
         """Queued tokens computed by ``now``: at the modelled rate, and never past the
@@ -262,7 +268,7 @@ class WorkerLoad:
         q, a = self.queued(now)
         if q <= 0:
             return 0.0
-        return self.fit.predict(self.features(q, a))
+        return self.predict(self.features(q, a))
 
     def kv_wait(self, need: int, capacity: int, now: float, queue_s: float) -> float:
         """Seconds until a prompt of ``need`` tokens can be admitted (0: it fits now).
@@ -375,6 +381,9 @@ class TTFTModel:
     mean_service_s: float = 0.1
     mean_tokens: float = 2048.0
     _costs: tuple[tuple[float, float], ...] | None = None
+    # One fit for the deployment's workers (one model, one GPU kind: one [priors]):
+    # each answer teaches it, and each worker's own speed is one learned factor.
+    _fit: _Fit | None = None
 
     def new_load(self) -> WorkerLoad:
         load = WorkerLoad()
@@ -387,7 +396,9 @@ class TTFTModel:
             load.basis = pri.basis()
             load.budget = pri.prefill_budget_tokens
             load.decode_s = pri.decode_s
-            load.fit = _Fit(pri.start())
+            if self._fit is None:
+                self._fit = _Fit(pri.start())
+            load.fit = self._fit
 
     def bandwidth(self, tier: Tier) -> float:
         return self.priors.bandwidth(tier) * self._bandwidth_scale.get(tier, 1.0)
@@ -416,10 +427,9 @@ class TTFTModel:
         cached = n_tokens - missing
         attn = float(missing) * (2.0 * cached + missing)
         q, qa = load.queued(now)
-        fit = load.fit
-        queue_s = fit.predict(load.features(q, qa)) if q > 0 else 0.0
+        queue_s = load.predict(load.features(q, qa)) if q > 0 else 0.0
         feats = load.features(q + missing, qa + attn)
-        total = fit.predict(feats)
+        total = load.predict(feats)
         wait = load.kv_wait(n_tokens, self.priors.kv_capacity_tokens, now, queue_s)
         extra = max(0.0, wait - queue_s)
         own = max(0.0, total - queue_s)
@@ -514,8 +524,15 @@ class TTFTModel:
         # What the fit learns from is the compute the features describe: the
         # modelled wait for free KV is not the worker's speed and is taken off.
         y = took - est.read_total_s - est.wait_s
-        if booked and est.features and y > 0:
-            load.fit.update(est.features, y, est.fit_weight)
+        if booked and est.features and y > 0 and est.fit_weight > 0:
+            pred = load.fit.predict(est.features)
+            if pred > 0:
+                # Slowly, and each answer by at most 2× either way: noise averages out.
+                a = _SPEED_RATE * est.fit_weight
+                ratio = min(2.0, max(0.5, y / pred))
+                sp = math.exp((1 - a) * math.log(load.speed) + a * math.log(ratio))
+                load.speed = min(4.0, max(0.25, sp))
+            load.fit.update(est.features, y / load.speed, est.fit_weight)
 
     def _release(self, load: WorkerLoad, ticket_id: int) -> float | None:
         """The request's blocks are free again; returns when it started decoding."""
