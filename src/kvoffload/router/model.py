@@ -12,26 +12,30 @@ a prompt of ``n`` tokens of which ``k_t`` are reachable in tier ``t``
 (:class:`~kvoffload.router.index.TierMatch`, disjoint), ``m = n − Σ k_t``::
 
     steps    = ⌈(Q + m) / (B − D)⌉                     steps until its last chunk runs
-    TTFT(w)  = θ_step · steps                          per-step overhead (launch, sampling)
+    compute  = θ_step · steps                          per-step overhead (launch, sampling)
              + θ_tok  · (Q + m)                        linear compute of every queued token
              + θ_attn · (A_Q + m · (2·(n − m) + m))    attention over each chunk's context
              + θ_dec  · steps · D                      the decode tokens sharing those steps
-             + θ_kv   · overflow                       tokens past the free KV (preemption:
-                                                       recompute, or a wait for decodes)
+    TTFT(w)  = s_w · compute                           the worker's own speed factor
+             + max(0, wait_kv − queue_s)               free KV: vLLM admits a prompt only
+                                                       when all of it fits (``kv_wait``)
              + Σ_t read_t(k_t)                         read_t(k) = latency_t + k·bpt/bandwidth_t
 
 ``queue_s`` is the same sum for the queue alone (``m = 0``); ``prefill_s`` is
-the rest. The coefficients ``θ`` are per worker and learned online, never
-given: each first token the router sees is an observation ``(features at
-dispatch, measured TTFT − reads)``, fed to a recursive least-squares fit in
-relative terms (each observation scaled by its prediction, so a 10 s answer
-weighs as much as a 0.1 s one), with Huber weights (a residual beyond two
-running mean absolute residuals counts proportionally less: noisy prefill
-times, a preempted request, cannot drag the fit) and slow forgetting (a
-worker that changes is followed). The priors (the config's ``[priors]``) are
-the fit's starting point and its regularisation; every coefficient stays
-within [1/16, 16]× its prior. Read bandwidths are learned from the sidecars'
-read figures (:meth:`TTFTModel.observe_read`), clamped to [¼, 4]×.
+the rest. The coefficients ``θ`` are one fit for the deployment's workers (one
+model on one GPU kind) and learned online, never given; each worker has its own
+speed factor ``s_w``. Each first token the router sees is an observation
+``(features at dispatch, measured TTFT − reads − modelled KV wait)``, fed to a
+recursive least-squares fit in relative terms (each observation scaled by its
+prediction, so a 10 s answer weighs as much as a 0.1 s one), with Huber
+weights (a residual beyond two running mean absolute residuals counts
+proportionally less: noisy prefill times, a preempted request, cannot drag
+the fit), each weighted by its own prefill's share of its estimate to the 4th
+power (a TTFT that is mostly a queue the router only models teaches little),
+and slow forgetting (a worker that changes is followed). The priors (the
+config's ``[priors]``) are the fit's starting point and its regularisation;
+every coefficient stays within [1/16, 16]× its prior. Read bandwidths are
+learned from the sidecars' read figures (:meth:`TTFTModel.observe_read`), clamped to [¼, 4]×.
 
 The queue: each request the router sends books its prefill tokens on the
 worker; between answers the queue drains at the modelled rate (``B − D``
