@@ -282,8 +282,8 @@ class WorkerLoad:
         are the larger of what the router booked (every request sent and not
         finished: the ones still waiting are admitted first) and what ``/metrics``
         reported; decoding requests free theirs when their decode is expected to
-        end (the learned mean, at least a quarter of it left), the ones not yet
-        answered a decode after the queue.
+        end (the learned mean, at least a quarter of it left); what the ones not
+        yet answered hold turns over about once a decode after the queue.
         """
         if capacity <= 0:
             return 0.0
@@ -297,11 +297,15 @@ class WorkerLoad:
             for t, n in self.held.items()
             if t in self.since
         )
+        at = 0.0
         for at, n in frees:
             free += n
             if free >= need:
                 return at
-        return max(queue_s, frees[-1][0] if frees else 0.0) + dec
+        # The rest is held by requests not answered yet: from then on the KV turns
+        # over about once a decode (each admitted request frees its blocks a decode
+        # after its first token).
+        return max(queue_s, at) + (need - free) * dec / capacity
 
 
 class Estimate:
