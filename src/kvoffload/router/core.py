@@ -277,7 +277,7 @@ class Router:
         loads = self.loads
 
         def key(c: Candidate) -> tuple[float, int]:
-            return (c.estimate.ttft_s + weight * c.estimate.service_s, loads[c.worker].inflight)
+            return (c.estimate.ttft_s + weight * c.estimate.work_s, loads[c.worker].inflight)
 
         return key
 

@@ -329,6 +329,7 @@ class Estimate:
         "service_s",
         "ttft_s",
         "wait_s",
+        "work_s",
     )
 
     def __init__(
@@ -342,6 +343,7 @@ class Estimate:
         attn: float = 0.0,
         wait_s: float = 0.0,
         fit_weight: float = 1.0,
+        speed: float = 1.0,
     ) -> None:
         # ``fit_weight``: how much of the answer's time the fit may attribute to the
         # features (1: nothing queued ahead; less the more a queue it cannot see into).
@@ -357,6 +359,9 @@ class Estimate:
         self.attn = attn
         self.read_total_s = reads[0] + reads[1] + reads[2]
         self.service_s = prefill_s + self.read_total_s
+        # The work the request brings, at the deployment's speed (not the worker's:
+        # what its cache saves, not a noisy speed factor, is what the choice weighs).
+        self.work_s = prefill_s / speed + self.read_total_s
         self.ttft_s = queue_s + self.service_s
 
     @property
@@ -452,6 +457,7 @@ class TTFTModel:
             attn,
             extra,
             share**_GATE,
+            load.speed,
         )
 
     # -- accounting -----------------------------------------------------------------
