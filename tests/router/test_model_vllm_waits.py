@@ -136,3 +136,28 @@ def test_what_one_worker_teaches_the_others_know_and_each_keeps_its_speed() -> N
         assert est["w2"] == pytest.approx(true_ttft(m), rel=0.15), m
         assert est["w0"] == pytest.approx(true_ttft(m), rel=0.15), m
         assert est["w1"] == pytest.approx(1.5 * true_ttft(m), rel=0.2), m
+
+
+def test_under_load_a_slightly_slower_worker_still_gets_the_shorter_queues_work() -> None:
+    """Under load the choice weighs the work a request brings (up to 64× its
+    service); a worker learned 25 % slower must not lose a request to a deeper
+    queue elsewhere that answers later: only what a cache saves is work saved."""
+    r = workers(2)
+    rng = random.Random(9)
+    now = 0.0
+    for i in range(300):
+        w, slow = ("w0", 1.25) if i % 2 else ("w1", 1.0)
+        m = int(math.exp(rng.uniform(math.log(500), math.log(30_000))))
+        t = r.dispatch(r.decide([], m, now=now, exclude=["w1" if w == "w0" else "w0"]), now)
+        took = true_ttft(m) * slow
+        r.first_token(t, now + took)
+        r.finished(t, now + took)
+        now += took + 5.0
+    for w, k in (("w0", 50), ("w1", 65)):  # both busy, w1 deeper
+        other = "w1" if w == "w0" else "w0"
+        for _ in range(k):
+            r.dispatch(r.decide([], 10_000, now=now, exclude=[other]), now)
+    d = r.decide([], 10_000, now=now)
+    est = {c.worker: c.estimate.ttft_s for c in d.candidates}
+    assert est["w0"] < est["w1"]
+    assert d.worker == "w0"
