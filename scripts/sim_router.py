@@ -470,7 +470,7 @@ def simulate(
         elif kind == "decoded":
             w, ticket = payload
             w.decoding -= 1
-            router.finished(ticket)
+            router.finished(ticket, t)
         elif kind == "index":
             loc, stored, removed, chain = payload
             router.index.apply_stored(loc, stored, chain=chain)

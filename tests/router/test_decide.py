@@ -68,9 +68,13 @@ def test_queue_is_the_booked_service_and_follows_the_first_tokens() -> None:
     t2 = r.dispatch(d2, 0.0)
     assert r.loads["w0"].queue_s(0.5) == pytest.approx(1.5)
     r.first_token(t1, 1.0)
-    # t1 now decodes: one token in each of the 2.5 steps t2's prefill still needs
-    # (half of the step under way, then two).
-    assert r.loads["w0"].queue_s(1.0) == pytest.approx(1.0 + 2.5 * 0.1 * 8192 * 1e-4, rel=1e-3)
+    # t1's last chunk (1,808 tokens) shared its step with t2's first 6,383 (t1 now
+    # decodes: 8,191 a step); until t2 answers, at least half a step of it is left
+    # (4,095.5 tokens), in the step under way and its half-step: 1.5 steps of one decode.
+    left = 8_191 / 2
+    assert r.loads["w0"].queue_s(1.0) == pytest.approx(
+        left * 1e-4 + 1.5 * 0.1 * 8192 * 1e-4, rel=1e-3
+    )
     r.first_token(t2, 2.0)
     assert r.loads["w0"].queue_s(2.0) == 0.0
 

@@ -277,7 +277,7 @@ class Router:
         loads = self.loads
 
         def key(c: Candidate) -> tuple[float, int]:
-            return (c.estimate.ttft_s + weight * c.estimate.service_s, loads[c.worker].inflight)
+            return (c.estimate.ttft_s + weight * c.estimate.work_s, loads[c.worker].inflight)
 
         return key
 
@@ -311,18 +311,18 @@ class Router:
             observed=observed,
         )
 
-    def finished(self, ticket: Ticket) -> None:
-        """The request is done (or abandoned after its first token)."""
+    def finished(self, ticket: Ticket, now: float | None = None) -> None:
+        """The request is done (or abandoned after its first token) at ``now``."""
         if ticket.done:
             return
         ticket.done = True
         self.index.drop_inflight(self._locs[ticket.worker][0], ticket.hashes)
-        self.model.finished(self.loads[ticket.worker])
+        self.model.finished(self.loads[ticket.worker], ticket.id, now)
 
     def failed(self, ticket: Ticket, now: float) -> None:
         """The request failed: before its first token, unbook it; after, it stops decoding."""
         if ticket.settled:
-            self.finished(ticket)
+            self.finished(ticket, now)
             return
         ticket.settled = True
         ticket.done = True

@@ -12,26 +12,30 @@ a prompt of ``n`` tokens of which ``k_t`` are reachable in tier ``t``
 (:class:`~kvoffload.router.index.TierMatch`, disjoint), ``m = n − Σ k_t``::
 
     steps    = ⌈(Q + m) / (B − D)⌉                     steps until its last chunk runs
-    TTFT(w)  = θ_step · steps                          per-step overhead (launch, sampling)
+    compute  = θ_step · steps                          per-step overhead (launch, sampling)
              + θ_tok  · (Q + m)                        linear compute of every queued token
              + θ_attn · (A_Q + m · (2·(n − m) + m))    attention over each chunk's context
              + θ_dec  · steps · D                      the decode tokens sharing those steps
-             + θ_kv   · overflow                       tokens past the free KV (preemption:
-                                                       recompute, or a wait for decodes)
+    TTFT(w)  = s_w · compute                           the worker's own speed factor
+             + max(0, wait_kv − queue_s)               free KV: vLLM admits a prompt only
+                                                       when all of it fits (``kv_wait``)
              + Σ_t read_t(k_t)                         read_t(k) = latency_t + k·bpt/bandwidth_t
 
 ``queue_s`` is the same sum for the queue alone (``m = 0``); ``prefill_s`` is
-the rest. The coefficients ``θ`` are per worker and learned online, never
-given: each first token the router sees is an observation ``(features at
-dispatch, measured TTFT − reads)``, fed to a recursive least-squares fit in
-relative terms (each observation scaled by its prediction, so a 10 s answer
-weighs as much as a 0.1 s one), with Huber weights (a residual beyond two
-running mean absolute residuals counts proportionally less: noisy prefill
-times, a preempted request, cannot drag the fit) and slow forgetting (a
-worker that changes is followed). The priors (the config's ``[priors]``) are
-the fit's starting point and its regularisation; every coefficient stays
-within [1/16, 16]× its prior. Read bandwidths are learned from the sidecars'
-read figures (:meth:`TTFTModel.observe_read`), clamped to [¼, 4]×.
+the rest. The coefficients ``θ`` are one fit for the deployment's workers (one
+model on one GPU kind) and learned online, never given; each worker has its own
+speed factor ``s_w``. Each first token the router sees is an observation
+``(features at dispatch, measured TTFT − reads − modelled KV wait)``, fed to a
+recursive least-squares fit in relative terms (each observation scaled by its
+prediction, so a 10 s answer weighs as much as a 0.1 s one), with Huber
+weights (a residual beyond two running mean absolute residuals counts
+proportionally less: noisy prefill times, a preempted request, cannot drag
+the fit), each weighted by its own prefill's share of its estimate to the 4th
+power (a TTFT that is mostly a queue the router only models teaches little),
+and slow forgetting (a worker that changes is followed). The priors (the
+config's ``[priors]``) are the fit's starting point and its regularisation;
+every coefficient stays within [1/16, 16]× its prior. Read bandwidths are
+learned from the sidecars' read figures (:meth:`TTFTModel.observe_read`), clamped to [¼, 4]×.
 
 The queue: each request the router sends books its prefill tokens on the
 worker; between answers the queue drains at the modelled rate (``B − D``
@@ -54,12 +58,14 @@ from .index import Tier, TierMatch
 __all__ = ["Estimate", "Priors", "TTFTModel", "WorkerLoad"]
 
 _READ_TIERS = (Tier.CPU, Tier.STORAGE_LOCAL, Tier.STORAGE_REMOTE)
-#: Features: steps, tokens, attention work, decode-steps, KV overflow tokens.
-_NF = 5
+#: Features: steps, tokens, attention work, decode-steps.
+_NF = 4
 _CLAMP = 16.0
 _FORGET = 0.998
 _HUBER = 2.0
 _SPREAD = 4.0  # prior variance of each θ: the priors may be several times off
+_SPEED_RATE = 0.05  # weight of one answer in a worker's speed factor
+_GATE = 4.0  # an answer teaches the fit by (its own prefill's share of its estimate)^_GATE
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,7 @@ class Priors:
     ewma: float = 0.2  # weight of a new observation (bandwidths, mean service)
     prefill_budget_tokens: int = 8192  # vLLM's max_num_batched_tokens (H100/H200 default)
     kv_capacity_tokens: int = 0  # the worker's KV cache in tokens; 0: unknown (no term)
+    decode_s: float = 10.0  # a request's decode (first token to end): the start of its fit
 
     def bandwidth(self, tier: Tier) -> float:
         return {
@@ -114,7 +121,6 @@ class Priors:
             b,
             self.prefill_c_s or b / 100_000,
             (self.decode_slowdown or 0.01) * step_full,
-            b,
         )
 
     def start(self) -> tuple[float, ...]:
@@ -124,7 +130,6 @@ class Priors:
             1.0,
             1.0 if self.prefill_c_s else 0.0,
             1.0 if self.decode_slowdown else 0.0,
-            1.0,
         )
 
 
@@ -150,14 +155,14 @@ class _Fit:
     def predict(self, z: tuple[float, ...]) -> float:
         return sum(t * x for t, x in zip(self.theta, z, strict=True))
 
-    def update(self, z: tuple[float, ...], y: float) -> None:
+    def update(self, z: tuple[float, ...], y: float, weight: float = 1.0) -> None:
         pred = self.predict(z)
-        if pred <= 0 or y <= 0:
+        if pred <= 0 or y <= 0 or weight <= 0:
             return
         zz = [x / pred for x in z]  # relative: the prediction scales to 1
         e = y / pred - 1.0
         lim = _HUBER * self.scale
-        w = 1.0 if abs(e) <= lim or self.count < 8 else lim / abs(e)
+        w = weight * (1.0 if abs(e) <= lim or self.count < 8 else lim / abs(e))
         self.scale = 0.9 * self.scale + 0.1 * min(abs(e), 4.0)
         p = self.p
         pz = [sum(p[i][j] * zz[j] for j in range(_NF)) for i in range(_NF)]
@@ -198,7 +203,15 @@ class WorkerLoad:
     external_tokens: float = 0.0
     running_reported: int = 0
     kv_usage: float = 0.0
-    fit: _Fit = field(default_factory=_Fit)
+    # KV held: per request sent and not finished, the prompt tokens its blocks hold
+    # (vLLM admits a waiting prompt only when its whole prompt fits in the free blocks,
+    # and a running request holds its blocks until it finishes).
+    held: dict[int, int] = field(default_factory=dict)
+    held_tokens: int = 0
+    since: dict[int, float] = field(default_factory=dict)  # decoding: first-token time
+    decode_s: float = 10.0  # learned: a request's first token to its end
+    fit: _Fit = field(default_factory=_Fit)  # shared by the deployment's workers
+    speed: float = 1.0  # learned: this worker's time over the shared fit's
     basis: tuple[float, ...] = (0.0,) * _NF
     budget: int = 8192
 
@@ -209,28 +222,33 @@ class WorkerLoad:
     @property
     def coefficients(self) -> dict[str, float]:
         """The learned coefficients in seconds (per step, token, attention unit, …)."""
-        names = ("step_s", "token_s", "attention_s", "decode_step_s", "kv_overflow_s")
-        return {n: t * b for n, t, b in zip(names, self.fit.theta, self.basis, strict=True)}
+        names = ("step_s", "token_s", "attention_s", "decode_step_s")
+        th, sp = self.fit.theta, self.speed
+        return {n: t * b * sp for n, t, b in zip(names, th, self.basis, strict=True)}
 
     @property
     def prefill_scale(self) -> float:
         """The learned per-token prefill cost as a multiple of the prior."""
-        return self.fit.theta[1]
+        return self.fit.theta[1] * self.speed
+
+    def predict(self, z: tuple[float, ...]) -> float:
+        return self.speed * self.fit.predict(z)
 
     def _rate(self) -> float:
         """Prefill tokens a second of the queued mix, modelled (attention included)."""
         q = float(self.pending_tokens)
         if q <= 0:
             return 1.0
-        return q / max(self.fit.predict(self.features(q, self.pending_attn, 0.0, 0)), 1e-6)
+        return q / max(self.predict(self.features(q, self.pending_attn)), 1e-6)
 
     def _done(self, now: float) -> float:
-        """Queued tokens computed by ``now``: at the modelled rate, and no further than
-        the oldest request and one step's budget past it (the ones behind it only get
-        what its last chunk leaves of a step until it answers)."""
+        """Queued tokens computed by ``now``: at the modelled rate, and never past the
+        oldest request's last step: until it answers it is still running, so (on
+        average) half of that step is left, and the ones behind it wait."""
         head = next(iter(self.pending.values()))[0]
         done = self.drained + max(0.0, now - self.anchor) * self._rate()
-        return min(done, float(head + max(1, self.budget - self.decoding)))
+        last = min(head, max(1, self.budget - self.decoding))
+        return min(done, head - 0.5 * last)
 
     def queued(self, now: float) -> tuple[float, float]:
         """(prefill tokens, attention work) still ahead of a request sent ``now``."""
@@ -242,30 +260,52 @@ class WorkerLoad:
         share = left / self.pending_tokens if self.pending_tokens else 0.0
         return left + ext, self.pending_attn * share
 
-    def features(
-        self, tokens: float, attn: float, kv_need: float, capacity: int
-    ) -> tuple[float, ...]:
+    def features(self, tokens: float, attn: float) -> tuple[float, ...]:
         per = max(1, self.budget - self.decoding)
         steps = float(math.ceil(tokens / per)) if tokens > 0 else 0.0
         if self.pending or self.decoding:
             steps += 0.5  # a step is under way: on average half of it is left
-        overflow = 0.0
-        if capacity > 0:
-            overflow = max(0.0, self.kv_usage * capacity + kv_need - capacity)
         b = self.basis
-        return (
-            steps * b[0],
-            tokens * b[1],
-            attn * b[2],
-            steps * self.decoding * b[3],
-            overflow * b[4],
-        )
+        return (steps * b[0], tokens * b[1], attn * b[2], steps * self.decoding * b[3])
 
     def queue_s(self, now: float) -> float:
         q, a = self.queued(now)
         if q <= 0:
             return 0.0
-        return self.fit.predict(self.features(q, a, 0.0, 0))
+        return self.predict(self.features(q, a))
+
+    def kv_wait(self, need: int, capacity: int, now: float, queue_s: float) -> float:
+        """Seconds until a prompt of ``need`` tokens can be admitted (0: it fits now).
+
+        vLLM admits the head of its waiting queue only when the whole prompt fits
+        in the free blocks; what frees them is requests finishing. The blocks held
+        are the larger of what the router booked (every request sent and not
+        finished: the ones still waiting are admitted first) and what ``/metrics``
+        reported; decoding requests free theirs when their decode is expected to
+        end (the learned mean, at least a quarter of it left); what the ones not
+        yet answered hold turns over about once a decode after the queue.
+        """
+        if capacity <= 0:
+            return 0.0
+        need = min(need, capacity)
+        free = capacity - max(self.held_tokens, int(self.kv_usage * capacity))
+        if free >= need:
+            return 0.0
+        dec = self.decode_s
+        frees = sorted(
+            (max(dec - (now - self.since[t]), 0.25 * dec), n)
+            for t, n in self.held.items()
+            if t in self.since
+        )
+        at = 0.0
+        for at, n in frees:
+            free += n
+            if free >= need:
+                return at
+        # The rest is held by requests not answered yet: from then on the KV turns
+        # over about once a decode (each admitted request frees its blocks a decode
+        # after its first token).
+        return max(queue_s, at) + (need - free) * dec / capacity
 
 
 class Estimate:
@@ -280,6 +320,7 @@ class Estimate:
         "attn",
         "cached",
         "features",
+        "fit_weight",
         "missing_tokens",
         "prefill_s",
         "queue_s",
@@ -287,6 +328,8 @@ class Estimate:
         "reads",
         "service_s",
         "ttft_s",
+        "wait_s",
+        "work_s",
     )
 
     def __init__(
@@ -298,7 +341,15 @@ class Estimate:
         cached: tuple[int, int, int, int],
         features: tuple[float, ...] = (),
         attn: float = 0.0,
+        wait_s: float = 0.0,
+        fit_weight: float = 1.0,
+        speed: float = 1.0,
     ) -> None:
+        # ``fit_weight``: how much of the answer's time the fit may attribute to the
+        # features (1: nothing queued ahead; less the more a queue it cannot see into).
+        self.fit_weight = fit_weight
+        # ``wait_s``: the wait for free KV beyond the prefill queue (in ``queue_s``).
+        self.wait_s = wait_s
         self.queue_s = queue_s
         self.prefill_s = prefill_s
         self.reads = reads
@@ -308,6 +359,9 @@ class Estimate:
         self.attn = attn
         self.read_total_s = reads[0] + reads[1] + reads[2]
         self.service_s = prefill_s + self.read_total_s
+        # The work the request brings, at the deployment's speed (not the worker's:
+        # what its cache saves, not a noisy speed factor, is what the choice weighs).
+        self.work_s = prefill_s / speed + self.read_total_s
         self.ttft_s = queue_s + self.service_s
 
     @property
@@ -340,6 +394,9 @@ class TTFTModel:
     mean_service_s: float = 0.1
     mean_tokens: float = 2048.0
     _costs: tuple[tuple[float, float], ...] | None = None
+    # One fit for the deployment's workers (one model, one GPU kind: one [priors]):
+    # each answer teaches it, and each worker's own speed is one learned factor.
+    _fit: _Fit | None = None
 
     def new_load(self) -> WorkerLoad:
         load = WorkerLoad()
@@ -351,7 +408,10 @@ class TTFTModel:
             pri = self.priors
             load.basis = pri.basis()
             load.budget = pri.prefill_budget_tokens
-            load.fit = _Fit(pri.start())
+            load.decode_s = pri.decode_s
+            if self._fit is None:
+                self._fit = _Fit(pri.start())
+            load.fit = self._fit
 
     def bandwidth(self, tier: Tier) -> float:
         return self.priors.bandwidth(tier) * self._bandwidth_scale.get(tier, 1.0)
@@ -380,20 +440,24 @@ class TTFTModel:
         cached = n_tokens - missing
         attn = float(missing) * (2.0 * cached + missing)
         q, qa = load.queued(now)
-        fit = load.fit
-        queue_s = fit.predict(load.features(q, qa, 0.0, 0)) if q > 0 else 0.0
-        feats = load.features(
-            q + missing, qa + attn, float(n_tokens), self.priors.kv_capacity_tokens
-        )
-        total = fit.predict(feats)
+        queue_s = load.predict(load.features(q, qa)) if q > 0 else 0.0
+        feats = load.features(q + missing, qa + attn)
+        total = load.predict(feats)
+        wait = load.kv_wait(n_tokens, self.priors.kv_capacity_tokens, now, queue_s)
+        extra = max(0.0, wait - queue_s)
+        own = max(0.0, total - queue_s)
+        share = own / (own + queue_s + extra) if own > 0 else 0.0
         return Estimate(
-            queue_s,
-            max(0.0, total - queue_s),
+            queue_s + extra,
+            own,
             (lc + c * pc if c else 0.0, ll + sl * pl if sl else 0.0, lr + sr * pr if sr else 0.0),
             missing,
             (g, c, sl, sr),
             feats,
             attn,
+            extra,
+            share**_GATE,
+            load.speed,
         )
 
     # -- accounting -----------------------------------------------------------------
@@ -410,6 +474,9 @@ class TTFTModel:
         self._ready(load)
         self._drain_to(load, now)
         load.pending[ticket_id] = (est.missing_tokens, est.attn)
+        n = est.missing_tokens + sum(est.cached)
+        load.held[ticket_id] = n
+        load.held_tokens += n
         load.pending_tokens += est.missing_tokens
         load.pending_attn += est.attn
         a = self.priors.ewma
@@ -436,8 +503,10 @@ class TTFTModel:
             # its last chunk, and the step's budget left over is all the next ones got.
             left = max(0.0, load.drained - m)
             if was_head:
+                # Whatever the drain had modelled: the step that ran its last chunk
+                # gave the ones behind it what that chunk left of the budget.
                 per = max(1, load.budget - load.decoding)
-                left = min(left, float(per - (m % per or per)))
+                left = float(per - (m % per or per))
             load.drained = min(left, float(load.pending_tokens))
         return True
 
@@ -459,20 +528,49 @@ class TTFTModel:
         self._ready(load)
         booked = self._unbook(load, ticket_id, now)
         load.decoding += 1
+        if ticket_id in load.held:
+            load.since[ticket_id] = now
         if not observed:
             return
         took = now - sent_at
         if took > 0:
             self.errors.append((est.ttft_s - took) / took)
-        if booked and est.features and took > est.read_total_s:
-            load.fit.update(est.features, took - est.read_total_s)
+        # What the fit learns from is the compute the features describe: the
+        # modelled wait for free KV is not the worker's speed and is taken off.
+        y = took - est.read_total_s - est.wait_s
+        if booked and est.features and y > 0 and est.fit_weight > 0:
+            pred = load.fit.predict(est.features)
+            if pred > 0:
+                # Slowly, and each answer by at most 2× either way: noise averages out.
+                a = _SPEED_RATE * est.fit_weight
+                ratio = min(2.0, max(0.5, y / pred))
+                sp = math.exp((1 - a) * math.log(load.speed) + a * math.log(ratio))
+                load.speed = min(4.0, max(0.25, sp))
+            load.fit.update(est.features, y / load.speed, est.fit_weight)
+
+    def _release(self, load: WorkerLoad, ticket_id: int) -> float | None:
+        """The request's blocks are free again; returns when it started decoding."""
+        n = load.held.pop(ticket_id, None)
+        if n is not None:
+            load.held_tokens = max(0, load.held_tokens - n)
+        return load.since.pop(ticket_id, None)
 
     def failed(self, load: WorkerLoad, ticket_id: int, est: Estimate, now: float) -> None:
         """The request failed before its first token: unbook it."""
         self._unbook(load, ticket_id, now)
+        self._release(load, ticket_id)
 
-    def finished(self, load: WorkerLoad) -> None:
+    def finished(
+        self, load: WorkerLoad, ticket_id: int | None = None, now: float | None = None
+    ) -> None:
+        """The request ended: its blocks are free, and its decode teaches the mean."""
         load.decoding = max(0, load.decoding - 1)
+        if ticket_id is None:
+            return
+        since = self._release(load, ticket_id)
+        if since is not None and now is not None and now >= since:
+            a = self.priors.ewma
+            load.decode_s = (1 - a) * load.decode_s + a * (now - since)
 
     def refresh(
         self, load: WorkerLoad, *, waiting: int, running: int, kv_usage: float, now: float

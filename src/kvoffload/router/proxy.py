@@ -489,7 +489,7 @@ class RouterService:
             if not ticket.settled:
                 self.router.failed(ticket, self.clock())
             else:
-                self.router.finished(ticket)
+                self.router.finished(ticket, self.clock())
         if broke is not None:
             outcome = "broken"
             log.warning("worker %s: the response broke off (%s)", name, broke or type(broke))
@@ -653,6 +653,6 @@ class RouterService:
             del self.reservations[rid]  # type: ignore[arg-type]
         else:
             self.router.first_token(res.ticket, now)
-            self.router.finished(res.ticket)
+            self.router.finished(res.ticket, now)
             del self.reservations[rid]  # type: ignore[arg-type]
         return web.json_response({"reservation": rid, "outcome": outcome})
