@@ -126,7 +126,7 @@ from benchlib.chunks import (
     touched,
 )
 from benchlib.chunks import FORMATS as STORE_FORMATS
-from benchlib.cpu import Profile, RowCpu, find_py_spy, leaf_frames, spied
+from benchlib.cpu import Profile, RowCpu, find_py_spy, leaf_frames, process_cpu_seconds, spied
 from benchlib.events import bench_publisher, bench_saves, events_table
 from benchlib.facts import git_state, machine_facts
 from benchlib.lmcache import LMCACHE_HOWTO, LMCACHE_VENV, best_lmcache, run_lmcache_peer
@@ -740,6 +740,14 @@ class Bench:
             # A loop of their own: a load's work (and its deferred complete)
             # must not land in the lookup rows above.
             interleaved([then_load, folded], n=self.lookups, budget_s=1e9, min_ops=self.lookups)
+        # Issue 30: the sidecar's CPU (every thread) per 1-key lookup, over a loop of
+        # nothing else (the interleaved rows above mix in the other ops' CPU).
+        one = keys[:1]
+        cpu0 = process_cpu_seconds(sc.proc.pid)
+        for _ in range(self.lookups):
+            client.lookup(one)
+        cpu_us = (process_cpu_seconds(sc.proc.pid) - cpu0) / self.lookups * 1e6
+        self.progress(f"  {dur}/sidecar CPU per 1-key lookup {cpu_us:7.1f} us (goal <= 25)")
         # interleaved() ran one untimed warm-up op of each: drop it.
         ceil = Latency.of("ceiling", f"unix socket round trip {req}+{rep} B", dur, lat["echo"][1:])
         rows = [
