@@ -135,7 +135,7 @@ def simulate_vllm(
         push(r.arrival, "arrive", (i, r))
     push(0.0, "metrics", None)
     stepping: dict[str, bool] = dict.fromkeys(workers, False)
-    tickets: dict[str, tuple[Any, Any]] = {}
+    tickets: dict[str, tuple[Any, Any, float]] = {}
     routed: dict[str, list[float]] = {n: [] for n in workers}
     tree: dict[str, set[int]] = {n: set() for n in workers}
     m = Measured([], [], 0, 0, 0, 0, 0.0, 0, 0.0, 0, None)
