@@ -51,7 +51,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -408,6 +408,8 @@ def idle_ttft(engines: list[Engine], prompt: str, out: int) -> float:
 def build_requests(args: argparse.Namespace, trace: list[Req]) -> tuple[list[Any], dict[str, Any]]:
     from benchlib.vllm_engine import StepModel, scaled
 
+    t0 = trace[0].arrival  # the slice's own clock: it starts at 0, as the load scaling assumes
+    trace = [replace(r, arrival=r.arrival - t0) for r in trace]
     missing, inf_hit = infinite_cache_missing(trace)
     step = StepModel()
     at = scaled(trace, missing, step, args.budget, args.engines, args.load)
