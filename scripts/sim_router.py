@@ -59,6 +59,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from benchlib.trace import Req, infinite_cache_missing, load_trace
 from kvoffload.router.core import Router, Ticket, Topology, WorkerInfo
 from kvoffload.router.hashing import BlockHasher
 from kvoffload.router.index import Location, SourceState, Tier, TierMatch
@@ -123,59 +124,6 @@ class Params:
 
     def slo_s(self, n: int) -> float:
         return self.slo_base_s + self.slo_factor * self.truth().prefill_s(n)
-
-
-@dataclass(frozen=True)
-class Req:
-    arrival: float
-    n: int
-    out: int
-    blocks: tuple[int, ...]
-
-
-def load_trace(path: Path, limit: int | None) -> list[Req]:
-    reqs: list[Req] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                reqs.append(
-                    Req(
-                        obj["timestamp"] / 1000.0,
-                        int(obj["input_length"]),
-                        int(obj["output_length"]),
-                        tuple(int(h) for h in obj["hash_ids"]),
-                    )
-                )
-            except (ValueError, KeyError, TypeError) as exc:
-                raise SystemExit(f"{path}:{lineno}: not a trace record ({exc})") from None
-            if limit is not None and len(reqs) >= limit:
-                break
-    if not reqs:
-        raise SystemExit(f"{path}: no requests")
-    return reqs
-
-
-def infinite_cache_missing(reqs: Sequence[Req]) -> tuple[list[int], float]:
-    """Per request the tokens an infinite shared cache would miss; the bound's hit rate."""
-    seen: set[int] = set()
-    missing: list[int] = []
-    hit_tokens = 0
-    total = 0
-    for r in reqs:
-        k = 0
-        for h in r.blocks:
-            if h not in seen:
-                break
-            k += 1
-        cached = min(r.n, k * BLOCK)
-        hit_tokens += cached
-        total += r.n
-        missing.append(max(1, r.n - cached))
-        seen.update(r.blocks)
-    return missing, hit_tokens / total
 
 
 def scaled(reqs: Sequence[Req], params: Params, workers: int, target: float) -> list[Req]:
@@ -657,6 +605,7 @@ def run_vllm(
     """``--engine vllm``: every (workers, load, policy) on vLLM-scheduler workers."""
     try:
         import sim_vllm
+        from benchlib.vllm_engine import scaled as scaled_vllm
     except ImportError as exc:
         raise SystemExit(f"sim_router: --engine vllm needs vLLM 0.33 importable ({exc})") from None
     vp = sim_vllm.VllmParams(
@@ -669,7 +618,7 @@ def run_vllm(
     results: list[Result] = []
     for n in args.workers or ([2] if args.quick else [4, 8]):
         for load in args.load or (["saturation"] if args.quick else list(LOADS)):
-            trace = sim_vllm.scaled(reqs, missing, vp, n, LOADS[load])
+            trace = scaled_vllm(reqs, missing, vp.step, vp.budget, n, LOADS[load])
             for policy in policies:
                 m = sim_vllm.simulate_vllm(trace, vp, n, policy, args.seed)
                 results.append(vllm_result(m, n, load, policy, len(reqs), inf_hit))

@@ -23,5 +23,8 @@ sglang      SGLang's code on CPU (its venv): import, a real host pool, the contr
 targets     the printed targets (a row against a ceiling or the peer), verdicts
 events      the KV-event rows (events on vs off, publisher rate)
 tables      consoles, the machine table, cells, the not-cold warning
+trace       Mooncake FAST'25 traces: loading, the infinite-cache bound
+vllm_engine vLLM's real v1 scheduler over a stand-in runner, its step model (vLLM venv)
+live_engine that engine behind HTTP/SSE, /metrics and vLLM's ZMQ KV events (a process)
 ==========  ==================================================================
 """
