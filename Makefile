@@ -108,8 +108,17 @@ pytest: $(STAMP)
 	@$(BIN)/coverage report --format=total --fail-under=$(COVERAGE_FLOOR) >/dev/null || \
 	  { echo "coverage is below its floor of $(COVERAGE_FLOOR)%"; exit 1; }
 
+# sglang-router (the Rust peer router from PyPI) for the live router benchmark's
+# test, which runs in the vLLM tier: a venv of its own (it needs orjson, uvicorn).
+SRVENV := .venv-sglang-router
+SRSTAMP := $(SRVENV)/.installed
+$(SRSTAMP): requirements/sglang-router.txt
+	test -x $(SRVENV)/bin/python || $(PY) -m venv $(SRVENV)
+	$(SRVENV)/bin/pip install -q -r requirements/sglang-router.txt
+	touch $(SRSTAMP)
+
 # The vLLM tier: vLLM's real scheduler and transformers models, in their own venv.
-pytest-vllm: $(VSTAMP)
+pytest-vllm: $(VSTAMP) $(SRSTAMP)
 	$(VVENV)/bin/python -m pytest tests/vllm tests/e2e $(PYTEST_ARGS)
 
 # The LMCache tier: LMCache's real MP server with kvoffload's L2 plugin, its own venv.
@@ -123,4 +132,4 @@ pytest-sglang: $(SSTAMP)
 test: lint typecheck pytest pytest-vllm pytest-lmcache pytest-sglang
 
 clean:
-	rm -rf $(VENV) $(VVENV) $(LVENV) $(SVENV) .mypy_cache .ruff_cache .pytest_cache .coverage .coverage.*
+	rm -rf $(VENV) $(VVENV) $(LVENV) $(SVENV) $(SRVENV) .mypy_cache .ruff_cache .pytest_cache .coverage .coverage.*

@@ -2,7 +2,7 @@
 
 N stand-in engines (:mod:`benchlib.live_engine`: an OpenAI-compatible HTTP
 server over vLLM 0.33's real v1 scheduler and KV-cache manager, stepping in
-compressed real time with the step-time model of ``scripts/sim_vllm.py``,
+compressed real time with the step-time model of ``scripts/benchlib/sim_vllm.py``,
 publishing vLLM's KV events over ZMQ with vLLM's own publisher) serve, one
 router after another, the same slice of a Mooncake trace replayed by one
 client that measures TTFT at the first byte of each SSE body. Between two

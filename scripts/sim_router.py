@@ -604,7 +604,7 @@ def run_vllm(
 ) -> tuple[dict[str, Any], list[Result]]:
     """``--engine vllm``: every (workers, load, policy) on vLLM-scheduler workers."""
     try:
-        import sim_vllm
+        from benchlib import sim_vllm
         from benchlib.vllm_engine import scaled as scaled_vllm
     except ImportError as exc:
         raise SystemExit(f"sim_router: --engine vllm needs vLLM 0.33 importable ({exc})") from None

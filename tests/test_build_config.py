@@ -84,6 +84,7 @@ def test_make_serve_sets_up_the_package_alone(tmp_path: Path) -> None:
     (tmp_path / "requirements/vllm-cpu.txt").write_text("")
     (tmp_path / "requirements/lmcache-cpu.txt").write_text("")
     (tmp_path / "requirements/sglang-cpu.txt").write_text("")
+    (tmp_path / "requirements/sglang-router.txt").write_text("")
     serve = _make_n(tmp_path, "serve")
     assert "pip install -q -e .\n" in serve and ".venv/bin/kvoffload --dev serve" in serve
     for heavy in ("torch", "transformers", "[test", "apt-get", "juicefs", "py-spy"):
@@ -131,9 +132,11 @@ def test_the_lmcache_tier_is_pinned_and_runs_in_make_test(tmp_path: Path) -> Non
     for name in ("Makefile", "pyproject.toml"):
         (tmp_path / name).write_bytes((ROOT / name).read_bytes())
     (tmp_path / "requirements").mkdir()
-    for req in ("vllm-cpu.txt", "lmcache-cpu.txt", "sglang-cpu.txt"):
+    for req in ("vllm-cpu.txt", "lmcache-cpu.txt", "sglang-cpu.txt", "sglang-router.txt"):
         (tmp_path / "requirements" / req).write_text("")
     test = _make_n(tmp_path, "test")
+    # The peer router for the live benchmark's test, in a venv of its own.
+    assert ".venv-sglang-router/bin/pip install -q -r requirements/sglang-router.txt" in test
     assert ".venv-lmcache/bin/pip install -q torch==2.13.0" in test
     assert ".venv-lmcache/bin/pip install -q --no-deps -r requirements/lmcache-cpu.txt" in test
     assert ".venv-lmcache/bin/python -m pytest tests/lmcache" in test

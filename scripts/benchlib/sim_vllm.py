@@ -1,4 +1,6 @@
-"""Workers for ``scripts/sim_router.py --engine vllm``: vLLM 0.33's real v1 scheduler in the loop.
+"""Workers for ``scripts/sim_router.py --engine vllm``: vLLM 0.33's real v1 scheduler.
+
+A library of the benchmarks (``benchlib``), not a script of its own.
 
 Each simulated worker owns a real ``vllm.v1.core.sched.scheduler.Scheduler``
 with its real KV-cache manager (prefix caching, chunked prefill under a token
