@@ -19,9 +19,11 @@ TORCH_PIP := torch==$(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
 .PHONY: serve demo test lint typecheck pytest pytest-vllm pytest-lmcache pytest-sglang clean
 VVENV := .venv-vllm
-# The least coverage of the package CI accepts: the figure of the stop that set
-# it (86.1 %), less a point for run-to-run noise. Raise it as coverage grows.
-COVERAGE_FLOOR ?= 85
+# The least coverage of the package CI accepts, as `make pytest` measures it (the
+# main tier only): 86.1 % when it was set; 83.0 % once the SGLang, LMCache and
+# vLLM-tier integrations landed, whose tests run in their engines' venvs, outside
+# this measure. Less a point for run-to-run noise. Raise it as coverage grows.
+COVERAGE_FLOOR ?= 82
 VSTAMP := $(VVENV)/.installed
 LVENV := .venv-lmcache
 LSTAMP := $(LVENV)/.installed
