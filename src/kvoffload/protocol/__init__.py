@@ -81,6 +81,7 @@ from .limits import (
     Op,
     StoreStatus,
 )
+from .lookup_frames import lookup_reply_frame, read_lookup
 from .packing import align_up, fake_salt, packed_layout, region_size
 from .region_requests import (
     RegionChunk,
@@ -158,6 +159,8 @@ from .requests import (
 )
 
 __all__ = [
+    "lookup_reply_frame",
+    "read_lookup",
     "ACK_OPS",
     "ALIGNMENT",
     "CLIENT_MAGIC",

@@ -44,7 +44,9 @@ from typing import Any, TypeVar
 import msgspec
 
 from kvoffload.protocol import (
+    _LENGTH,
     CLIENT_MAGIC,
+    LENGTH_SIZE,
     MAX_FDS,
     MAX_FRAME,
     SERVER_MAGIC,
@@ -71,7 +73,9 @@ from kvoffload.protocol import (
     close_fds,
     encode_frame,
     error_message,
+    lookup_reply_frame,
     parse_request,
+    read_lookup,
     reply_message,
 )
 
@@ -100,6 +104,8 @@ WRITE_LOW = 1 << 20
 
 #: What a pool thread hands back: the verb's reply, or the exception it raised.
 _Outcome = tuple[Reply | None, BaseException | None]
+
+_LOOKUP = Op.LOOKUP.value
 
 #: Verbs Session.execute_inline may answer on the loop (the rest go to the pool).
 _INLINE_VERBS = (PrepareLoad, CompleteLoad)
@@ -264,8 +270,13 @@ class Connection:
             close_fds(fds)
             self._finish(_Closed())
             return
+        start = 0
+        if not fds and not self._inbox and self._step is None and self.decoder.idle:
+            start = self._lookups(n)
+            if start == n:
+                return
         try:
-            frames = self.decoder.feed(memoryview(self._rbuf)[:n], fds)
+            frames = self.decoder.feed(memoryview(self._rbuf)[start:n], fds)
         except ProtocolError as exc:
             self._finish(exc)
             return
@@ -274,6 +285,39 @@ class Connection:
             arrived = self._loop.time()  # what a lookup's floor counts from (§5.28)
             self._inbox.extend((f, arrived) for f in frames)
             self._pump()
+
+    def _lookups(self, n: int) -> int:
+        """§5.3 on the scheduler's path: answer the lookups at the start of the
+        ``n`` bytes read that the index answers, each read, decided and replied
+        to without the generic decode, dispatch or encode (the decoder is idle,
+        so these bytes begin a frame, and nothing read before waits). How many
+        bytes they took: from the first frame that is anything else (another
+        verb, a lookup of an unlisted or padded tenant, one the index cannot
+        answer, a malformed or incomplete frame) the generic path reads on, so
+        it decides, orders and names faults as ever."""
+        buf, pos = self._rbuf, 0
+        session, tasks = self.session, self.tasks
+        tenants, room = session.tenants, self.service.config.max_inflight
+        metrics = self.service.metrics
+        with memoryview(buf) as view:
+            while n - pos > LENGTH_SIZE and not self.closing:
+                started = time.perf_counter()
+                end = pos + LENGTH_SIZE + _LENGTH.unpack_from(buf, pos)[0]
+                if end > n:
+                    break
+                with view[pos + LENGTH_SIZE : end] as body:
+                    req = read_lookup(body, tenants)
+                if req is None or req[0] in tasks or len(tasks) >= room:
+                    break
+                rid, tenant, keys = req
+                found = session.lookup_fast(tenant, keys)
+                if found is None:
+                    break
+                self.out.write(lookup_reply_frame(rid, found))
+                if metrics is not None:
+                    metrics.observe(_LOOKUP, time.perf_counter() - started)
+                pos = end
+        return pos
 
     def _pump(self) -> None:
         """Dispatch the frames read, in order, until one needs a step of its own."""
