@@ -22,7 +22,7 @@ import pytest
 
 from kvoffload import protocol as p
 from kvoffload.protocol import ErrorCode
-from kvoffload.sidecar.access.policy import Grant, Policy, TenantPolicy
+from kvoffload.sidecar.access.policy import Policy, TenantPolicy
 from kvoffload.sidecar.metrics import Metrics
 from kvoffload.store import Store
 from tests.sidecar.inthread import Raw, ServerThread, grants
@@ -91,9 +91,7 @@ def test_a_new_max_age_expires_chunks_for_the_very_next_lookup(
     assert _found(raw) == 0
 
 
-def test_every_lookup_is_counted_in_the_histogram_and_in_stats(
-    raw: Raw, metrics: Metrics
-) -> None:
+def test_every_lookup_is_counted_in_the_histogram_and_in_stats(raw: Raw, metrics: Metrics) -> None:
     for n in range(1, 6):
         assert _found(raw, n) == n
     # A request is counted once its reply is out: the stats request, read after

@@ -159,8 +159,6 @@ from .requests import (
 )
 
 __all__ = [
-    "lookup_reply_frame",
-    "read_lookup",
     "ACK_OPS",
     "ALIGNMENT",
     "CLIENT_MAGIC",
@@ -269,10 +267,12 @@ __all__ = [
     "encode_frame",
     "error_message",
     "fake_salt",
+    "lookup_reply_frame",
     "negotiate_version",
     "packed_layout",
     "parse_reply",
     "parse_request",
+    "read_lookup",
     "region_size",
     "reply_message",
     "request_message",
