@@ -74,9 +74,13 @@ def run_one(root: Path, python: str, args: Sequence[str], out: Path) -> dict[str
         raise SystemExit(f"ab_sidecar: bench_sidecar in {root} failed ({proc.returncode}):\n{tail}")
     doc: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
     if "lookup_cpu_us" not in doc:
-        text = f"{proc.stdout}\n{proc.stderr}"
-        doc["lookup_cpu_us"] = {d: float(v) for d, v in _CPU_LINE.findall(text)}
+        doc["lookup_cpu_us"] = dict(cpu_lines(f"{proc.stdout}\n{proc.stderr}"))
     return doc
+
+
+def cpu_lines(text: str) -> list[tuple[str, float]]:
+    """(durability, µs) of each line of the sidecar's CPU per 1-key lookup in ``text``."""
+    return [(d, float(v)) for d, v in _CPU_LINE.findall(text)]
 
 
 def collect(doc: dict[str, Any], tree: str, into: dict[str, Samples]) -> None:

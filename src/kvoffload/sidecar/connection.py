@@ -6,6 +6,9 @@
        │  the socket stays registered with the loop for the connection's life:
        │  each readable event reads once, decodes every whole frame and
        │  dispatches them in order, from the loop's callback itself
+       │  lookups that begin a read, of a listed unpadded tenant, that the
+       │  index answers, are read, answered and counted there without the
+       │  generic decode, dispatch or encode (_lookups; issue 30)
        │  hello, register_staging, bye and a lookup the index answers run
        │  inline; every other request goes to the thread pool, and its
        │  completion comes back through the connection's completion queue,
