@@ -109,6 +109,10 @@ WRITE_LOW = 1 << 20
 _Outcome = tuple[Reply | None, BaseException | None]
 
 _LOOKUP = Op.LOOKUP.value
+# Tuples, not ``A | B``: a union is built anew on every evaluation, per request.
+_TAKE_FDS = (RegisterStaging, RegisterRegion)
+_COMPLETES = (PrepareLoad, LookupLoad)
+_LOOKUPS = (Lookup, LookupLoad)
 
 #: Verbs Session.execute_inline may answer on the loop (the rest go to the pool).
 _INLINE_VERBS = (PrepareLoad, CompleteLoad)
@@ -400,7 +404,7 @@ class Connection:
         if rid in self.tasks:
             close_fds(frame.fds)
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"request id {rid} is already in use")
-        if frame.fds and not isinstance(req, RegisterStaging | RegisterRegion):
+        if frame.fds and not isinstance(req, _TAKE_FDS):
             close_fds(frame.fds)
             self._reply(rid, ErrorReply(op, ErrorCode.BAD_REQUEST, f"{op} takes no fds"))
             if session.version is None and not isinstance(req, Hello):
@@ -413,12 +417,12 @@ class Connection:
                 self.closing = True
                 return None
             return self._hello(rid, req)
-        if isinstance(req, PrepareLoad | LookupLoad) and req.complete:
+        if isinstance(req, _COMPLETES) and req.complete:
             # §5.32: completed before anything else of the request, on the loop
             # (as an inline complete_load), whatever the request's own answer.
             self._complete_failed[rid] = session.complete_piggyback(req.complete)
         room = len(self.tasks) < self.service.config.max_inflight
-        if isinstance(req, Lookup | LookupLoad) and room:
+        if isinstance(req, _LOOKUPS) and room:
             self._lookup(rid, req, arrived)
         elif isinstance(req, Hello):
             self._reply(rid, ErrorReply(op, ErrorCode.BAD_REQUEST, "second hello"))
