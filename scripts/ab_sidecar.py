@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -59,6 +60,11 @@ def parse_trees(specs: Sequence[str]) -> list[tuple[str, Path]]:
     return trees
 
 
+#: bench_sidecar's line of the sidecar's CPU per 1-key lookup (a tree from before
+#: its JSON held it prints it too).
+_CPU_LINE = re.compile(r"(\w+)/sidecar CPU per 1-key lookup\s+([\d.]+) us")
+
+
 def run_one(root: Path, python: str, args: Sequence[str], out: Path) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": f"{root / 'src'}{os.pathsep}{root / 'scripts'}"}
     cmd = [python, str(root / "scripts" / "bench_sidecar.py"), *args, "--json", str(out)]
@@ -67,12 +73,22 @@ def run_one(root: Path, python: str, args: Sequence[str], out: Path) -> dict[str
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
         raise SystemExit(f"ab_sidecar: bench_sidecar in {root} failed ({proc.returncode}):\n{tail}")
     doc: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
+    if "lookup_cpu_us" not in doc:
+        doc["lookup_cpu_us"] = dict(cpu_lines(f"{proc.stdout}\n{proc.stderr}"))
     return doc
+
+
+def cpu_lines(text: str) -> list[tuple[str, float]]:
+    """(durability, µs) of each line of the sidecar's CPU per 1-key lookup in ``text``."""
+    return [(d, float(v)) for d, v in _CPU_LINE.findall(text)]
 
 
 def collect(doc: dict[str, Any], tree: str, into: dict[str, Samples]) -> None:
     for t in doc.get("targets", []):
         into.setdefault(f"{t['id']} GB/s", Samples("GB/s", True)).add(tree, t.get("ours_gbps"))
+    for dur, us in doc.get("lookup_cpu_us", {}).items():
+        name = f"{dur}/sidecar CPU per 1-key lookup µs"
+        into.setdefault(name, Samples("µs", False)).add(tree, us)
     for lt in doc.get("latency", []):
         for q in ("p50_us", "p99_us"):
             name = f"{lt['kind']} {lt['id']} {q[:3]}"

@@ -291,6 +291,8 @@ class Bench:
     streams: int = 1
     results: list[Result] = field(default_factory=list)
     latencies: list[Latency] = field(default_factory=list)
+    #: Issue 30: the sidecar's CPU µs per 1-key lookup, per durability.
+    lookup_cpu_us: dict[str, float] = field(default_factory=dict)
     mincore: Mincore = field(default_factory=Mincore)
     progress: Callable[[str], None] = lambda _m: None
     #: --spy: py-spy's path and the directory of its recordings (sealed rows).
@@ -747,6 +749,7 @@ class Bench:
         for _ in range(self.lookups):
             client.lookup(one)
         cpu_us = (process_cpu_seconds(sc.proc.pid) - cpu0) / self.lookups * 1e6
+        self.lookup_cpu_us[dur] = cpu_us
         self.progress(f"  {dur}/sidecar CPU per 1-key lookup {cpu_us:7.1f} us (goal <= 25)")
         # interleaved() ran one untimed warm-up op of each: drop it.
         ceil = Latency.of("ceiling", f"unix socket round trip {req}+{rep} B", dur, lat["echo"][1:])
@@ -1525,6 +1528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "ceilings": [r.to_json() for r in bench.results if r.kind == "ceiling"],
             "rows": [r.to_json() for r in bench.results if r.kind == "kvoffload"],
             "latency": [lt.to_json() for lt in bench.latencies],
+            "lookup_cpu_us": bench.lookup_cpu_us,
             "targets": [r.to_json() for r in final],
             "lookup_targets": [lk.to_json() for lk in lookup_targets],
             "lmcache": {

@@ -32,6 +32,16 @@ def test_collect_reads_the_target_and_latency_rows() -> None:
     assert got["kvoffload object/lookup-64 p99"].values == {"after": [140]}
 
 
+def test_the_sidecar_cpu_per_lookup_is_read_from_the_json_or_the_printed_line() -> None:
+    got: dict[str, ab.Samples] = {}
+    ab.collect({"lookup_cpu_us": {"object": 31.5}}, "after", got)
+    line = "  none/sidecar CPU per 1-key lookup    72.4 us (goal <= 25)"
+    ab.collect({"lookup_cpu_us": dict(ab.cpu_lines(line))}, "before", got)
+    assert got["object/sidecar CPU per 1-key lookup µs"].values == {"after": [31.5]}
+    assert got["none/sidecar CPU per 1-key lookup µs"].values == {"before": [72.4]}
+    assert not got["none/sidecar CPU per 1-key lookup µs"].higher_is_better
+
+
 def test_bad_trees_get_one_line(tmp_path: Path) -> None:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

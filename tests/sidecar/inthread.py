@@ -17,6 +17,7 @@ from typing import Any
 from kvoffload import protocol as p
 from kvoffload.sidecar.access.policy import Grant, Policy
 from kvoffload.sidecar.config import ServerConfig
+from kvoffload.sidecar.metrics import Metrics
 from kvoffload.sidecar.server import Server
 from kvoffload.staging import PAGE, StagingBuffer
 from kvoffload.transport import UnixTransport
@@ -31,10 +32,12 @@ def grants(*tenants: str) -> Policy:
 class ServerThread:
     """A Server on its own event loop in a background thread; ``stop()`` drains it."""
 
-    def __init__(self, sock_dir: Path, store: Any, policy: Policy, **cfg: Any) -> None:
+    def __init__(
+        self, sock_dir: Path, store: Any, policy: Policy, metrics: Metrics | None = None, **cfg: Any
+    ) -> None:
         cfg = {"secret": SECRET, "workers": 4, **cfg}
         self.path = sock_dir / "kvo.sock"
-        self.server = Server(store, policy, ServerConfig(socket_path=self.path, **cfg))
+        self.server = Server(store, policy, ServerConfig(socket_path=self.path, **cfg), metrics)
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._error: BaseException | None = None

@@ -235,3 +235,32 @@ def test_capacity_alerts_fire_when_an_operator_must_act(tmp_path: Path) -> None:
     for cmd in (["check", "rules", str(rules)], ["test", "rules", str(spec)]):
         proc = subprocess.run(["promtool", *cmd], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_request_latency_is_a_histogram_with_inclusive_buckets(store: Store) -> None:
+    """Counted in plain numbers, exported as Prometheus' histogram: a bucket ``le``
+    counts every observation <= its bound; count and +Inf agree."""
+    m = _metrics(store)
+    for seconds in (0.00005, 0.0001, 0.0003, 0.0025, 5.0):
+        m.observe("lookup", seconds)
+    m.observe("stats", 0.01)
+    text = m.render().decode()
+
+    def bucket(verb: str, le: str) -> float:
+        found = re.search(
+            rf'^kvoffload_request_seconds_bucket\{{le="{re.escape(le)}",verb="{verb}"\}} (\S+)$',
+            text,
+            re.M,
+        )
+        assert found is not None, (verb, le)
+        return float(found.group(1))
+
+    assert [bucket("lookup", le) for le in ("0.0001", "0.00025", "0.0005", "0.0025", "2.5")] == [
+        2.0, 2.0, 3.0, 4.0, 4.0,
+    ]  # fmt: skip
+    assert bucket("lookup", "+Inf") == 5.0 and bucket("stats", "0.005") == 0.0
+    assert bucket("stats", "0.01") == 1.0
+    assert re.search(r'^kvoffload_request_seconds_count\{verb="lookup"\} 5\.0$', text, re.M)
+    total = re.search(r'^kvoffload_request_seconds_sum\{verb="lookup"\} (\S+)$', text, re.M)
+    assert total is not None and float(total.group(1)) == pytest.approx(5.00295)
+    assert m.summary()["requests"]["lookup"]["count"] == 5

@@ -16,8 +16,11 @@ place a map becomes a typed message), :mod:`.requests` and :mod:`.replies`
 (the messages, frozen ``msgspec.Struct`` classes, each naming its verb in
 ``OP``; the op → class tables ``REQUEST_TYPES`` and ``REPLY_TYPES`` are made
 from the unions ``Request`` and ``ResultReply`` by ``fields.op_table``), :mod:`.codec`
-(envelopes), :mod:`.packing` (staging layout, fake salt). The bytes are packed by the
-``msgpack`` library exactly as before the messages were typed;
+(envelopes), :mod:`.lookup_frames` (a lookup's body read and its OK reply's
+frame made in one C call each, for the sidecar's lookups, exactly as the
+generic path reads and makes them), :mod:`.packing` (staging layout, fake
+salt). The bytes are packed by the ``msgpack`` library exactly as before the
+messages were typed;
 ``tests/data/frames`` holds golden frames that prove it.
 
 Anything malformed raises :class:`ProtocolError` with an :class:`ErrorCode`
@@ -81,6 +84,7 @@ from .limits import (
     Op,
     StoreStatus,
 )
+from .lookup_frames import lookup_reply_frame, read_lookup
 from .packing import align_up, fake_salt, packed_layout, region_size
 from .region_requests import (
     RegionChunk,
@@ -266,10 +270,12 @@ __all__ = [
     "encode_frame",
     "error_message",
     "fake_salt",
+    "lookup_reply_frame",
     "negotiate_version",
     "packed_layout",
     "parse_reply",
     "parse_request",
+    "read_lookup",
     "region_size",
     "reply_message",
     "request_message",

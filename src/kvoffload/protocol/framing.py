@@ -121,6 +121,13 @@ class FrameDecoder:
         return len(self._buf)
 
     @property
+    def idle(self) -> bool:
+        """In sync between frames: the magic read, nothing buffered, no descriptor
+        waiting for its frame, no error. The next bytes begin a frame, so a
+        caller may read whole frames of them itself (connection.py's lookups)."""
+        return self._magic is None and not self._buf and not self._fds and self._error is None
+
+    @property
     def pending_fds(self) -> int:
         """Descriptors received and not yet claimed by a frame."""
         return len(self._fds)

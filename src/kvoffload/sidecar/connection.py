@@ -6,6 +6,9 @@
        │  the socket stays registered with the loop for the connection's life:
        │  each readable event reads once, decodes every whole frame and
        │  dispatches them in order, from the loop's callback itself
+       │  lookups that begin a read, of a listed unpadded tenant, that the
+       │  index answers, are read, answered and counted there without the
+       │  generic decode, dispatch or encode (_lookups; issue 30)
        │  hello, register_staging, bye and a lookup the index answers run
        │  inline; every other request goes to the thread pool, and its
        │  completion comes back through the connection's completion queue,
@@ -44,7 +47,9 @@ from typing import Any, TypeVar
 import msgspec
 
 from kvoffload.protocol import (
+    _LENGTH,
     CLIENT_MAGIC,
+    LENGTH_SIZE,
     MAX_FDS,
     MAX_FRAME,
     SERVER_MAGIC,
@@ -71,7 +76,9 @@ from kvoffload.protocol import (
     close_fds,
     encode_frame,
     error_message,
+    lookup_reply_frame,
     parse_request,
+    read_lookup,
     reply_message,
 )
 
@@ -100,6 +107,12 @@ WRITE_LOW = 1 << 20
 
 #: What a pool thread hands back: the verb's reply, or the exception it raised.
 _Outcome = tuple[Reply | None, BaseException | None]
+
+_LOOKUP = Op.LOOKUP.value
+# Tuples, not ``A | B``: a union is built anew on every evaluation, per request.
+_TAKE_FDS = (RegisterStaging, RegisterRegion)
+_COMPLETES = (PrepareLoad, LookupLoad)
+_LOOKUPS = (Lookup, LookupLoad)
 
 #: Verbs Session.execute_inline may answer on the loop (the rest go to the pool).
 _INLINE_VERBS = (PrepareLoad, CompleteLoad)
@@ -264,8 +277,13 @@ class Connection:
             close_fds(fds)
             self._finish(_Closed())
             return
+        start = 0
+        if not fds and not self._inbox and self._step is None and self.decoder.idle:
+            start = self._lookups(n)
+            if start == n:
+                return
         try:
-            frames = self.decoder.feed(memoryview(self._rbuf)[:n], fds)
+            frames = self.decoder.feed(memoryview(self._rbuf)[start:n], fds)
         except ProtocolError as exc:
             self._finish(exc)
             return
@@ -274,6 +292,39 @@ class Connection:
             arrived = self._loop.time()  # what a lookup's floor counts from (§5.28)
             self._inbox.extend((f, arrived) for f in frames)
             self._pump()
+
+    def _lookups(self, n: int) -> int:
+        """§5.3 on the scheduler's path: answer the lookups at the start of the
+        ``n`` bytes read that the index answers, each read, decided and replied
+        to without the generic decode, dispatch or encode (the decoder is idle,
+        so these bytes begin a frame, and nothing read before waits). How many
+        bytes they took: from the first frame that is anything else (another
+        verb, a lookup of an unlisted or padded tenant, one the index cannot
+        answer, a malformed or incomplete frame) the generic path reads on, so
+        it decides, orders and names faults as ever."""
+        buf, pos = self._rbuf, 0
+        session, tasks = self.session, self.tasks
+        tenants, room = session.tenants, self.service.config.max_inflight
+        metrics = self.service.metrics
+        with memoryview(buf) as view:
+            while n - pos > LENGTH_SIZE and not self.closing:
+                started = time.perf_counter()
+                end = pos + LENGTH_SIZE + _LENGTH.unpack_from(buf, pos)[0]
+                if end > n:
+                    break
+                with view[pos + LENGTH_SIZE : end] as body:
+                    req = read_lookup(body, tenants)
+                if req is None or req[0] in tasks or len(tasks) >= room:
+                    break
+                rid, tenant, keys = req
+                found = session.lookup_fast(tenant, keys)
+                if found is None:
+                    break
+                self.out.write(lookup_reply_frame(rid, found))
+                if metrics is not None:
+                    metrics.observe(_LOOKUP, time.perf_counter() - started)
+                pos = end
+        return pos
 
     def _pump(self) -> None:
         """Dispatch the frames read, in order, until one needs a step of its own."""
@@ -353,7 +404,7 @@ class Connection:
         if rid in self.tasks:
             close_fds(frame.fds)
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"request id {rid} is already in use")
-        if frame.fds and not isinstance(req, RegisterStaging | RegisterRegion):
+        if frame.fds and not isinstance(req, _TAKE_FDS):
             close_fds(frame.fds)
             self._reply(rid, ErrorReply(op, ErrorCode.BAD_REQUEST, f"{op} takes no fds"))
             if session.version is None and not isinstance(req, Hello):
@@ -366,12 +417,12 @@ class Connection:
                 self.closing = True
                 return None
             return self._hello(rid, req)
-        if isinstance(req, PrepareLoad | LookupLoad) and req.complete:
+        if isinstance(req, _COMPLETES) and req.complete:
             # §5.32: completed before anything else of the request, on the loop
             # (as an inline complete_load), whatever the request's own answer.
             self._complete_failed[rid] = session.complete_piggyback(req.complete)
         room = len(self.tasks) < self.service.config.max_inflight
-        if isinstance(req, Lookup | LookupLoad) and room:
+        if isinstance(req, _LOOKUPS) and room:
             self._lookup(rid, req, arrived)
         elif isinstance(req, Hello):
             self._reply(rid, ErrorReply(op, ErrorCode.BAD_REQUEST, "second hello"))

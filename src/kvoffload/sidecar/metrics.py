@@ -1,9 +1,12 @@
 """Prometheus metrics of one sidecar.
 
-Request-path numbers (latency per verb, errors by code) are recorded as they
-happen; store numbers (hits, misses, bytes, evictions, usage) are read from
-the store's counters at scrape time by a custom collector, so the hot path
-pays for one histogram observation per request and nothing else.
+Request-path numbers are recorded as they happen: errors by code in a
+Prometheus counter (an error is rare), the latency of every request in plain
+numbers (one list item and one float added, no lock: the event loop alone
+records them), folded into the ``kvoffload_request_seconds`` histogram at
+scrape time. Store numbers (hits, misses, bytes, evictions, usage) are read
+from the store's counters at scrape time too, by a custom collector, so the
+hot path pays for one bucket count per request and nothing else.
 
 The HTTP endpoint is optional and binds to 127.0.0.1 unless told otherwise:
 metrics name tenants' usage and must not leak off the node by default. It
@@ -23,7 +26,10 @@ collector adds ``process_*`` (CPU, memory, open fds).
 from __future__ import annotations
 
 import threading
+import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
+from itertools import accumulate
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -32,14 +38,19 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
-    Histogram,
     Info,
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 #: tenant → (chunks, bytes, quota bytes or None)
 TenantUsage = Callable[[], Mapping[str, tuple[int, int, int | None]]]
@@ -120,6 +131,43 @@ class _StoreCollector(Collector):
         return out
 
 
+class _Latency(Collector):
+    """``kvoffload_request_seconds``: per verb, a count per bucket and the sum, kept
+    as plain numbers by :meth:`observe` and made a histogram at scrape time.
+
+    Written by one thread (the event loop's, where every request is answered),
+    read by the scrape's: a count is a list item, copied whole (one C call,
+    under the GIL) before it is summed, so a scrape sees a consistent count."""
+
+    NAME = "kvoffload_request_seconds"
+    HELP = "Time from a request's arrival to its reply, per verb"
+
+    def __init__(self) -> None:
+        #: verb → [count of bucket 0, ..., of +Inf, sum of seconds]
+        self._verbs: dict[str, list[float]] = {}
+        #: verb → when it was first observed (the histogram's ``_created``)
+        self._created: dict[str, float] = {}
+        self._bounds = (*map(floatToGoString, _BUCKETS), "+Inf")
+
+    def observe(self, verb: str, seconds: float) -> None:
+        counts = self._verbs.get(verb)
+        if counts is None:
+            self._created.setdefault(verb, time.time())
+            counts = self._verbs.setdefault(verb, [0] * (len(_BUCKETS) + 1) + [0.0])
+        counts[bisect_left(_BUCKETS, seconds)] += 1  # bucket le=b counts x <= b
+        counts[-1] += seconds
+
+    def collect(self) -> Iterable[Metric]:
+        hist = HistogramMetricFamily(self.NAME, self.HELP, labels=["verb"])
+        created = GaugeMetricFamily(f"{self.NAME}_created", self.HELP, labels=["verb"])
+        for verb, counts in list(self._verbs.items()):
+            snap = list(counts)
+            hist.add_metric([verb], list(zip(self._bounds, accumulate(snap[:-1]), strict=True)),
+                            snap[-1])  # fmt: skip
+            created.add_metric([verb], self._created[verb])
+        return [hist, created]
+
+
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
@@ -144,14 +192,10 @@ class Metrics:
             {"version": __version__}
         )
         ProcessCollector(registry=self.registry)
-        self._latency_of: dict[str, Histogram] = {}
-        self.latency = Histogram(
-            "kvoffload_request_seconds",
-            "Time from a request's arrival to its reply, per verb",
-            ["verb"],
-            buckets=_BUCKETS,
-            registry=self.registry,
-        )
+        self._latency = _Latency()
+        self.registry.register(self._latency)
+        #: Record one request's latency: ``observe(verb, seconds)``, on the event loop.
+        self.observe: Callable[[str, float], None] = self._latency.observe
         self.errors = Counter(
             "kvoffload_errors",
             "Error replies and dropped connections, by protocol error code",
@@ -200,14 +244,6 @@ class Metrics:
         )
         self._http: WSGIServer | None = None
         self._thread: threading.Thread | None = None
-
-    def observe(self, verb: str, seconds: float) -> None:
-        # The labelled child is looked up once per verb: labels() takes a lock
-        # and builds its key on every call, a cost on the lookup's hot path.
-        child = self._latency_of.get(verb)
-        if child is None:
-            child = self._latency_of.setdefault(verb, self.latency.labels(verb=verb))
-        child.observe(seconds)
 
     def error(self, code: str) -> None:
         self.errors.labels(code=code).inc()

@@ -44,6 +44,12 @@ log = logging.getLogger("kvoffload.server")
 DECOY_TENANT: Final = "~forbidden"
 
 
+#: A table's mark for "not decided yet" (None is an answer).
+_UNKNOWN: Final = object()
+#: Decisions kept per policy generation; beyond it, each is made afresh.
+_MAX_DECIDED: Final = 4096
+
+
 class ByteBudget:
     """Payload bytes the pool may be sealing, writing, reading or opening at once.
 
@@ -167,12 +173,33 @@ class Service:
         self.inplace = InplaceCounts()
         self._mu = threading.Lock()
         self._sessions: set[LiveSession] = set()
-        # Read through self.policy on every call: a reload applies at once.
+        #: retention_of's answers: (the generation they were read in, tenant → settings).
+        self._retention: tuple[int, dict[str, object]] = (-1, {})
+        # Read through self.policy (per generation): a reload applies at once.
         store.set_retention(self.retention_of)
 
     def retention_of(self, tenant: str) -> RetentionSettings | None:
-        """The tenant's retention limits under the *current* policy."""
-        return self.policy.tenant(tenant)
+        """The tenant's retention limits under the *current* policy; None for what
+        is no tenant id (the decoy of §6: nothing of it is stored).
+
+        The store asks on every lookup and read: answered from a table of the
+        current policy generation (the generation read before the policy, so
+        an answer taken while a swap runs is kept only in a table the swap has
+        superseded)."""
+        gen = self.generation
+        seen, table = self._retention
+        if seen != gen:
+            table = {}
+            self._retention = (gen, table)
+        settings = table.get(tenant, _UNKNOWN)
+        if settings is _UNKNOWN:
+            try:
+                settings = self.policy.tenant(tenant)
+            except ValueError:
+                settings = None
+            if len(table) < _MAX_DECIDED:
+                table[tenant] = settings
+        return settings  # type: ignore[return-value]
 
     def audit(self, event: str, details: dict[str, Any]) -> None:
         """One audit record (docs/spec/audit-v1.md) through the store; a failure

@@ -79,16 +79,21 @@ from kvoffload.protocol import (
 )
 from kvoffload.staging import StagingBuffer, StagingError
 
-from .access.padding import Pad
+from .access.padding import Pad, pads
 from .admin import Admin
 from .handles import Handle, Handles, WriteHandle
 from .inplace import MAX_REGION_BYTES, Regions
 from .peer import Peer
+from .ports import TenantSettings
 from .reads import EmitFn, Reads
 from .service import DECOY_TENANT, Reject, Service, plainify
 from .writes import Writes
 
 log = logging.getLogger("kvoffload.server")
+
+#: §6.1, §5.28: whether the peer may use a tenant, and the settings of its
+#: lookup padding (None: its lookups are not padded).
+_Decision = tuple[bool, "TenantSettings | None"]
 
 #: The admin verbs (§6): each leaves an "admin" audit record, allowed or not.
 _ADMIN_REQUESTS = (Purge, Fsck, Inspect, Ls, PurgeOlder, Invalidate, Namespaces, DropCache)
@@ -108,9 +113,9 @@ class Session:
         self.tenants: frozenset[str] = frozenset()
         #: (tenant, namespace) whose contract this connection registered (§5.19).
         self.contracts_seen: set[tuple[str, bytes]] = set()
-        # §6.1: decisions of may_use, valid while the service's generation is _gen.
-        self._gen = -1
-        self._allowed: dict[str, bool] = {}
+        # §6.1, §5.28: per tenant, whether the peer may use it and its lookup
+        # padding, decided once per policy generation: (generation, decisions).
+        self._decided: tuple[int, dict[str, _Decision]] = (-1, {})
         self.handles = Handles(service.store, service.config.max_handles, lambda: service.draining)
         self.writes = Writes(service, self.handles, self)
         self.reads = Reads(service, self.handles, self)
@@ -237,19 +242,37 @@ class Session:
         §6.1: decided once per policy generation (one integer compared per
         request); a revoked tenant is usable by no one.
         """
+        return self._decide(tenant)[0]
+
+    def _decide(self, tenant: str) -> _Decision:
+        """``tenant``'s decisions under the current policy: taken from the table
+        of the current generation, or made now and kept there.
+
+        The generation is read before the policy, and a decision is kept only
+        in the table of the generation read: a decision made while a swap runs
+        (from the old policy or the new) lands in a table the swap's new
+        generation has already superseded, never in the new one.
+        """
         svc = self.service
         gen = svc.generation
-        if gen != self._gen:
-            self._allowed = {}
-            self._gen = gen
-        ok = self._allowed.get(tenant)
-        if ok is None:
-            ok = tenant not in svc.revoked and svc.policy.may_use(
+        seen, table = self._decided
+        if seen != gen:
+            table = {}
+            self._decided = (gen, table)
+        d = table.get(tenant)
+        if d is None:
+            policy = svc.policy
+            allowed = tenant not in svc.revoked and policy.may_use(
                 self.peer.uid, self.peer.gids, tenant
             )
-            if len(self._allowed) < 1024:
-                self._allowed[tenant] = ok
-        return ok
+            try:
+                settings: TenantSettings | None = policy.tenant(tenant)
+            except ValueError:  # not a tenant id: nothing to pad (§5.28 pads listed tenants)
+                settings = None
+            d = (allowed, settings if settings is not None and pads(settings) else None)
+            if len(table) < 1024:
+                table[tenant] = d
+        return d
 
     def revoke_tenants(self, tenants: frozenset[str], namespace: bytes | None = None) -> int:
         """§6.1: release every handle of ``tenants`` now (pending stores aborted with
@@ -444,7 +467,21 @@ class Session:
         for a permitted and a forbidden tenant alike; None for none or an unlisted one."""
         if tenant not in self.tenants:
             return None
-        return self.service.padding.pad(tenant, self.service.policy.tenant(tenant))
+        settings = self._decide(tenant)[1]
+        return None if settings is None else self.service.padding.pad(tenant, settings)
+
+    def lookup_fast(self, tenant: str, keys: Sequence[bytes]) -> int | None:
+        """§5.3 as :meth:`lookup_inline` answers it, for a tenant named in ``hello``
+        (the caller checked): the ``found`` of the reply, or None when the
+        generic path must answer (a padded tenant, §5.28; an answer that needs
+        the disk). Nothing is done before a None."""
+        allowed, padding = self._decide(tenant)
+        if padding is not None:
+            return None
+        found = self.service.store.lookup_cached(tenant if allowed else DECOY_TENANT, keys)
+        if found is None:
+            return None
+        return found if allowed else 0
 
     def touch(self, req: Touch) -> Reply:
         """§5.9; for a forbidden tenant it succeeds, touching nothing (§6)."""

@@ -38,6 +38,11 @@ class Pad:
     delay: float
 
 
+def pads(settings: TenantSettings) -> bool:
+    """Whether ``settings`` pad a tenant's lookups (a ``lookup_floor`` or a jitter)."""
+    return settings.lookup_floor_s > 0.0 or settings.lookup_jitter_s > 0.0
+
+
 class LookupPadding:
     """Draws each padded lookup's delay and counts padded replies and overruns per tenant."""
 
@@ -50,9 +55,9 @@ class LookupPadding:
     @staticmethod
     def pad(tenant: str, settings: TenantSettings) -> Pad | None:
         """The padding of one lookup of ``tenant``, or None if its policy sets none."""
-        floor, jitter = settings.lookup_floor_s, settings.lookup_jitter_s
-        if floor <= 0.0 and jitter <= 0.0:
+        if not pads(settings):
             return None
+        floor, jitter = settings.lookup_floor_s, settings.lookup_jitter_s
         return Pad(tenant, floor, floor + (_RNG.uniform(0.0, jitter) if jitter > 0.0 else 0.0))
 
     def count(self, pad: Pad, overrun: bool) -> None:
@@ -73,4 +78,4 @@ class LookupPadding:
         }
 
 
-__all__ = ["LookupPadding", "Pad"]
+__all__ = ["LookupPadding", "Pad", "pads"]

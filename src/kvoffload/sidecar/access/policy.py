@@ -181,8 +181,11 @@ class TenantPolicy:
 
     def age_limit_s(self) -> float | None:
         """The limit on age from creation enforced on read: the lesser of ttl and max_age."""
-        limits = [x for x in (self.ttl_s, self.max_age_s) if x is not None]
-        return min(limits) if limits else None
+        # Asked on every lookup and read (store cutoffs): no list, no generator.
+        ttl, age = self.ttl_s, self.max_age_s
+        if ttl is None or age is None:
+            return age if ttl is None else ttl
+        return min(ttl, age)
 
 
 @dataclass(frozen=True, slots=True)
