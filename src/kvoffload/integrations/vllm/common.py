@@ -600,6 +600,9 @@ class KVOffloadMetadata(KVConnectorMetadata):  # type: ignore[misc]
     # Requests preempted this step: their blocks are free again, so saves
     # still reading them must finish before the step's forward writes there.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Probes of the recompute guard (payoff.py): per probe, one stored chunk's
+    # key per shard, read by each worker in the background to time the tier.
+    probes: list[tuple[bytes, ...]] = field(default_factory=list)
 
 
 @dataclass

@@ -62,6 +62,7 @@ from .common import (
 )
 from .paged import PagedCache, StatePages, _BadChunk, build_paged_cache, build_state_pages
 from .pinned import PinnedStaging
+from .probe import TierProbe
 from .stats import FIELDS as STATS_FIELDS
 
 log = logging.getLogger(__name__)
@@ -218,6 +219,13 @@ class KVOffloadWorker:
         self._stats: dict[str, int] = dict.fromkeys(STATS_FIELDS, 0)
         # Loads since the last worker metadata: (chunks, seconds), for the recompute guard.
         self._load_samples: list[tuple[int, float]] = []
+        # The guard's probes (probe.py): never on a load's or a request's path.
+        self._probe = TierProbe(
+            lambda size: common.make_client(
+                settings, name=f"kvoffload-vllm-{rank}-probe", staging_bytes=size
+            ),
+            self._sample_load,
+        )
 
     # -- registration ----------------------------------------------------------
 
@@ -247,6 +255,7 @@ class KVOffloadWorker:
             )
         self._cache = cache
         self._caches = {0: cache}
+        self._probe.chunk_bytes = packed
         self._layer_of = {name: i for i, name in enumerate(cache.layer_names)}
         self._load_stream = _Stream(cache.device)
         self._save_stream = _Stream(cache.device)
@@ -281,6 +290,7 @@ class KVOffloadWorker:
                     f"is smaller than one chunk of KV-cache group {g.index} ({packed} bytes)"
                 )
             caches[g.index] = cache
+            self._probe.chunk_bytes = max(self._probe.chunk_bytes, packed)
         attn = [c for c in caches.values() if isinstance(c, PagedCache)]
         names = [n for c in attn for n in c.layer_names]
         expected = self._contracts.base.attention_backend
@@ -335,6 +345,8 @@ class KVOffloadWorker:
 
     def start_load_kv(self, meta: KVOffloadMetadata) -> None:
         self._finish_step()
+        for keys in meta.probes:
+            self._probe.start(keys[self._shard])
         # Async loads (and layer-wise sync ones) write on a side stream: order
         # them after what this step queued on the main one (vLLM zeroes newly
         # allocated blocks there).
@@ -670,6 +682,7 @@ class KVOffloadWorker:
         self._save_pool.shutdown(wait=True)
         self._load_pool.shutdown(wait=True)
         self._step_pool.shutdown(wait=True)
+        self._probe.close()
         self._pinned.unpin()
         self._load_client.close()
         self._save_client.close()
