@@ -72,6 +72,7 @@ from kvoffload.client import SidecarClient
 from kvoffload.integrations import demo_model as kd
 from kvoffload.integrations.demo_run import dev_sidecar
 from kvoffload.integrations.payoff import Offer, RecomputeGuard
+from kvoffload.integrations.sealed_loads import SealedLoader
 from kvoffload.keys import chunk_keys
 from kvoffload.layouts import v1
 
@@ -182,6 +183,38 @@ class SlowTier:
         return self._client.load_layerwise(keys, throttled)
 
 
+class WorkerSealed:
+    """The client as the vLLM connector's worker loads with ``sealed_direct``
+    (``kvoffload.integrations.sealed_loads``): each handed object decrypted
+    in this process into a reused scratch buffer, then copied into place."""
+
+    def __init__(self, client: SidecarClient, chunk_bytes: int, capacity: int) -> None:
+        self._client = client
+        self._loader = SealedLoader(chunk_bytes, capacity)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def load(self, keys: Sequence[bytes], into: Callable[..., None]) -> list[bool]:
+        def place(i: int, layers: Sequence[memoryview]) -> bool:
+            into(i, keys[i], layers)
+            return True
+
+        done = self._loader.load(self._client, keys, place)
+        return [i < done for i in range(len(keys))]
+
+
+def _proc_cpu(pid: int) -> float:
+    """user + system CPU seconds of process ``pid`` (0: none), from /proc/PID/stat."""
+    if pid <= 0:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Capped:
     """The client as the connector presents it once the guard chose to load the
     first ``chunks`` chunks only: the lookup answers no more than those."""
@@ -245,6 +278,10 @@ class Bench:
     moderate_factor: float = 0.9
     #: A second connection, for the guards' background probes (set by main).
     probe_client: Any = None
+    #: The vLLM worker's sealed direct loads (set by main where the sidecar offers them).
+    sealed: Any = None
+    #: The sidecar's pid: its CPU time per operation (set by main).
+    sidecar_pid: int = 0
     _ref_logits: torch.Tensor | None = None
     _reuse_logits: dict[tuple[str, bool], torch.Tensor] = field(default_factory=dict)
 
@@ -276,6 +313,8 @@ class Bench:
         self.reference_s = 0.0
         #: CPU time (this process, every thread) of each timed operation, by op name.
         self.cpu: dict[str, list[float]] = {}
+        #: The sidecar process's CPU time of each timed operation (clock-tick resolution).
+        self.sidecar_cpu: dict[str, list[float]] = {}
         self.probes: dict[str, Probes] = {}
 
     def row(self, kind: str, name: str, nbytes: int = 0, note: str = "") -> Row:
@@ -317,7 +356,9 @@ class Bench:
                 probe_tier.bytes_per_s = getattr(self, tier).bytes_per_s
                 self.probes[tier] = Probes(probe_tier, key, self.contract.chunk_tokens)
 
-    def reuse(self, cache_state: str, timed: bool, layerwise: bool = False) -> float:
+    def reuse(
+        self, cache_state: str, timed: bool, layerwise: bool = False, sealed: bool = False
+    ) -> float:
         cached = None
         if cache_state == "cold":
             drop_cache(self.obj_paths)
@@ -325,8 +366,9 @@ class Bench:
         if timed:
             cached = self.mincore.resident(self.obj_paths)
         fn = kd.reuse_prefill_layerwise if layerwise else kd.reuse_prefill
-        r = fn(self.model, self.client, self.contract, self.prompt)
-        if cache_state == "cold" and not layerwise:
+        client = self.sealed if sealed and self.sealed is not None else self.client
+        r = fn(self.model, client, self.contract, self.prompt)
+        if cache_state == "cold" and not layerwise and not sealed:
             self.guards["normal"].observe_load(self.prefix_len, r.load_s)
         if r.reused_chunks != self.reused_chunks:
             raise AssertionError(
@@ -335,6 +377,7 @@ class Bench:
             )
         if timed:
             name = f"reuse{' layer-wise' if layerwise else ''}, {cache_state} load"
+            name += ", sealed direct" if sealed else ""
             self.row("ttft", name).runs.append(r.total_s)
             self.row("ttft", name).cached.append(cached)
             stages = (
@@ -353,7 +396,7 @@ class Bench:
                     ("suffix prefill", r.compute_s),
                 )
             )
-            tag = "lw-" if layerwise else ""
+            tag = "lw-" if layerwise else "sd-" if sealed else ""
             for stage, s in stages:
                 self.row("stage", f"{tag}{cache_state}/{stage}").runs.append(s)
             self._check_reuse(r, cache_state, layerwise)
@@ -521,6 +564,8 @@ class Bench:
             ("reuse cold layer-wise", lambda t: self.reuse("cold", t, True)),
             ("reuse warm", lambda t: self.reuse("warm", t)),
             ("reuse warm layer-wise", lambda t: self.reuse("warm", t, True)),
+            ("reuse cold sealed", lambda t: self.reuse("cold", t, sealed=True)),
+            ("reuse warm sealed", lambda t: self.reuse("warm", t, sealed=True)),
             ("raw read cold", lambda t: self.raw_read("cold", t)),
             ("raw read warm", lambda t: self.raw_read("warm", t)),
             ("memcpy", self.memcpy),
@@ -547,9 +592,10 @@ class Bench:
             if i % 2:  # B/A: layer-wise first in every other round
                 ops[1], ops[2], ops[3], ops[4] = ops[2], ops[1], ops[4], ops[3]
             for name, op in ops:
-                c0 = time.process_time()
+                c0, s0 = time.process_time(), _proc_cpu(self.sidecar_pid)
                 dt = op(True)
                 self.cpu.setdefault(name, []).append(time.process_time() - c0)
+                self.sidecar_cpu.setdefault(name, []).append(_proc_cpu(self.sidecar_pid) - s0)
                 self.progress(f"  {name:<22} {dt * 1e3:10.1f} ms")
 
     def _ttft(self, name: str, dt: float, timed: bool) -> float:
@@ -876,6 +922,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     staging_bytes=kd.staging_bytes_for(contract.layer_layout, args.chunk_tokens, 1),
                     name="bench_ttft-probe",
                 ) as probe_client,
+                SidecarClient(
+                    sc.socket_path,
+                    TENANT,
+                    staging_bytes=staging,
+                    name="bench_ttft-sealed",
+                    sealed_direct=True,
+                ) as sealed_client,
             ):
                 sidecar_pid = sc.pid
                 progress(f"sidecar pid {sc.pid} on {sc.socket_path}")
@@ -903,6 +956,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     raise RuntimeError(f"saved objects not found: {missing[:2]}")
                 bench = Bench(model, contract, client, prompt, len(prefix), obj_paths, pre)
                 bench.probe_client = probe_client
+                bench.sidecar_pid = sc.pid
+                if not sealed_client.uses_sealed_direct():
+                    raise RuntimeError("the sidecar offers no sealed direct reads (revision 16)")
+                bench.sealed = WorkerSealed(
+                    sealed_client, bench.kv_bytes // bench.reused_chunks, staging
+                )
                 bench.drop_ram_tier = SidecarTarget(Path(sc.socket_path)).drop_cache
                 bench.progress = progress
                 bench.run(args.rounds)

@@ -27,6 +27,7 @@ from kvoffload.client.sealed import SealedPath
 from kvoffload.client.staged import StagedPath
 from kvoffload.keys import chunk_keys
 from kvoffload.layouts import v1
+from kvoffload.protocol import region_size
 from tests.vllm.scheduling import CT, assert_kv, prompt_of, rewound_to, settings
 
 from ..sidecar_proc import DevSidecar
@@ -102,11 +103,15 @@ def _flip(path: Path) -> None:
         f.write(bytes([b[0] ^ 0x01]))
 
 
-@pytest.mark.parametrize("load_mode", ["sync", "async"])
+@pytest.mark.parametrize("load_mode", ["sync", "async", "async-2-per-batch"])
 def test_whole_chunk_loads_are_sealed_direct_reads_and_exact(
     engines: Any, sidecar: DevSidecar, tenant: str, load_mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    extra = settings(sidecar, tenant, load_mode=load_mode, layerwise=False, sealed_direct=True)
+    mode, _, small = load_mode.partition("-")
+    extra = settings(sidecar, tenant, load_mode=mode, layerwise=False, sealed_direct=True)
+    if small:  # a scratch (staging's size) of two chunks: the load runs in two batches
+        layer = CT * 2 * 2 * 16 * 4  # tokens x heads x K|V x head dim x fp32 bytes
+        extra["staging_bytes"] = 2 * region_size([layer, layer]) + 1024
     shared = prompt_of(4 * CT, seed=61)
     _store(engines, extra, shared)
     b = engines(extra)
@@ -117,7 +122,8 @@ def test_whole_chunk_loads_are_sealed_direct_reads_and_exact(
     assert b.schedules("b")[0] == (4 * CT, 20)  # the prefix came from the store
     assert b.worker_side._load_client.uses_sealed_direct()
     assert sum(spy.sealed) == 4 and spy.staged == []  # no chunk through staging
-    assert spy.calls == ["load_to"]  # decrypted into the worker's own scratch
+    # Decrypted into the worker's own scratch, a batch at a time.
+    assert spy.calls == ["load_to"] * (2 if small else 1)
     assert not b.invalid_block_ids
     assert_kv(b, "b", prompt, len(prompt))  # bit-identical to a recompute's KV
     b.run_to_completion([rb])

@@ -49,6 +49,7 @@ import torch
 
 from ...client import ChunkTooLarge
 from ...protocol import region_size
+from ..sealed_loads import SealedLoader, sealed_loader
 from . import common
 from .common import (
     EngineContracts,
@@ -63,7 +64,6 @@ from .common import (
 from .paged import PagedCache, StatePages, _BadChunk, build_paged_cache, build_state_pages
 from .pinned import PinnedStaging
 from .probe import TierProbe
-from .sealed_loads import SealedLoader, sealed_loader
 from .stats import FIELDS as STATS_FIELDS
 
 log = logging.getLogger(__name__)

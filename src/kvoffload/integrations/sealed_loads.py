@@ -1,4 +1,6 @@
-"""Whole-chunk loads as sealed direct reads (protocol-v1.md §5.33), worker side.
+"""Whole-chunk loads as sealed direct reads (protocol-v1.md §5.33), engine side.
+
+Engine-agnostic (the vLLM connector's worker uses it, ``bench_ttft`` measures it).
 
 With ``sealed_direct`` the sidecar hands the worker each object's descriptor
 and the key of that object alone (keys-v1.md §14); the client verifies and
