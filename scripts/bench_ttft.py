@@ -670,6 +670,25 @@ def summary(bench: Bench) -> dict[str, Any]:
     ]
     slow["guarded_slow_vs_peer_per_round"] = pairs
     out["never_slower_than_recompute"] = slow
+    out["sealed_direct"] = {
+        f"{state}_{path}_{what}": val
+        for state in ("cold", "warm")
+        for path, row, op, stage in (
+            ("staging", f"reuse, {state} load", f"reuse {state}", f"{state}/load"),
+            (
+                "sealed",
+                f"reuse, {state} load, sealed direct",
+                f"reuse {state} sealed",
+                f"sd-{state}/load",
+            ),
+        )
+        for what, val in (
+            ("ttft_s", rows[row].median),
+            ("load_s", rows[stage].median),
+            ("cpu_s", statistics.median(bench.cpu[op])),
+            ("sidecar_cpu_s", statistics.median(bench.sidecar_cpu[op])),
+        )
+    }
     return out
 
 
@@ -797,8 +816,41 @@ def render(console: Console, facts: dict[str, str], bench: Bench, summ: dict[str
     t.add_row("recompute run-to-run max |diff|", f"{e.recompute_run_to_run:.3g}")
     console.print(t)
     render_guard(console, bench, summ)
+    render_sealed(console, summ)
     console.print(f"[bold]method[/bold]: {METHOD}")
     console.print(f"[bold]cold[/bold]: {COLD_METHOD}")
+
+
+def render_sealed(console: Console, summ: dict[str, Any]) -> None:
+    """Sealed direct reads (the vLLM worker's ``sealed_direct`` loads) against the
+    staging path, same chunks, same run, interleaved in every round."""
+    s = summ["sealed_direct"]
+    t = Table(title="whole-chunk loads: staging vs sealed direct reads (median ms)")
+    for col in ("load", "path", "TTFT", "load stage", "x staging", "this CPU", "sidecar CPU"):
+        t.add_column(col, justify="left" if col in ("load", "path") else "right")
+    for state in ("cold", "warm"):
+        base = s[f"{state}_staging_load_s"]
+        for path, label in (
+            ("staging", "staging: the sidecar opens, the client copies out"),
+            ("sealed", "sealed direct: the client opens into its scratch, copies out"),
+        ):
+            load = s[f"{state}_{path}_load_s"]
+            t.add_row(
+                state,
+                label,
+                _ms(s[f"{state}_{path}_ttft_s"]),
+                _ms(load),
+                f"{load / base:.2f}" if base > 0 else "-",
+                _ms(s[f"{state}_{path}_cpu_s"]),
+                _ms(s[f"{state}_{path}_sidecar_cpu_s"]),
+            )
+    console.print(t)
+    console.print(
+        "this CPU: process time of the bench process (every thread) per reuse; sidecar "
+        "CPU: the sidecar's utime + stime over the same reuse (/proc, clock-tick "
+        "resolution). Sealed direct: SidecarClient(sealed_direct=True) through "
+        "kvoffload.integrations.sealed_loads.SealedLoader, as the vLLM worker loads."
+    )
 
 
 def render_guard(console: Console, bench: Bench, summ: dict[str, Any]) -> None:

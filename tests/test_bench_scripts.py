@@ -474,6 +474,11 @@ def test_bench_ttft_quick_reports_every_row_and_stops_its_sidecar(tmp_path: Path
     }
     # Probes run in the background and every one of them ended.
     assert all(p["started"] == p["done"] for p in guard["probes"].values())
+    # Sealed direct reads: their rows, loaded in full and exact (checked with the others).
+    assert "staging vs sealed direct reads" in stdout
+    for state in ("cold", "warm"):
+        assert rows[f"reuse, {state} load, sealed direct"]["runs"], state
+        assert summary["sealed_direct"][f"{state}_sealed_load_s"] > 0
     assert doc["config"]["torch_threads"] == 2
     assert doc["machine"]["load average 1/5/15 min (start)"]
     assert not Path(f"/proc/{doc['config']['sidecar_pid']}").exists(), "sidecar still running"
