@@ -335,20 +335,10 @@ class Bench:
         return dt
 
     def set_tiers(self, recompute_s: float) -> None:
-        """Throttle the slow tiers against ``recompute_s`` (a warm-up recompute). The
-        moderate tier's guard is given the engine's prefill rate from the same
-        reference (as the connector's ``prefill_tokens_per_s`` does): on a machine
-        shared with other work, its own measurement would compare the throttle
-        with whichever recompute ran fastest."""
+        """Throttle the slow tiers against ``recompute_s`` (a warm-up recompute)."""
         self.reference_s = recompute_s
         self.slow.bytes_per_s = self.file_bytes / (self.slow_factor * recompute_s)
         self.moderate.bytes_per_s = self.kv_bytes / (self.moderate_factor * recompute_s)
-        self.guards["moderate"] = RecomputeGuard(
-            min_loads=1,
-            reprobe_s=1.0,
-            stale_s=60.0,
-            prefill_tokens_per_s=len(self.prompt) / recompute_s,
-        )
         if self.probe_client is not None:
             key = chunk_keys(self.contract, self.client.salt, self.prompt)[0]
             for tier in ("slow", "moderate"):
@@ -899,8 +889,7 @@ def render_guard(console: Console, bench: Bench, summ: dict[str, Any]) -> None:
         f"recomputes, {bench.reference_s * 1e3:.1f} ms); moderate "
         f"tier: {mib[1]:.1f} MiB/s of KV streamed layer by layer "
         f"({bench.moderate_factor:g}x), loaded layer-wise while the suffix computes. The "
-        "guards decide from this run's recompute and load times only (the moderate one from "
-        "the reference's prefill rate and its own load times). Guard decision "
+        "guards decide from this run's recompute and load times only. Guard decision "
         f"(decide + claim_probe) CPU time at most {s['decide_cpu_s_max'] * 1e6:.0f} us. "
         f"Guarded slow tier / the recompute right after it, per round: {pairs}. Background "
         f"probes (one chunk, own connection, nothing waits on them): {probes}. CPU p50: "
