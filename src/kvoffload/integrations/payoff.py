@@ -54,8 +54,10 @@ then, and the request that triggered the probe recomputes as decided.
 
 Engine-agnostic: the vLLM connector feeds it from its worker metadata and its
 scheduler's steps and runs probes on a worker thread of their own; other
-engines' adapters (and the router's estimate of a worker's time to first
-token, through :func:`best_plan`) use the same arithmetic.
+engines' adapters can feed it the same way, or use :func:`best_plan` alone. The
+router's estimate of a worker's time to first token (``router/model.py``) does
+not call it: it prices loading every matched chunk, which is never below what
+the plan the guard picks costs (recompute, a part, or all), so it errs high.
 """
 
 from __future__ import annotations
