@@ -50,6 +50,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -70,7 +71,8 @@ from kvoffload.cli.admin import SidecarTarget
 from kvoffload.client import SidecarClient
 from kvoffload.integrations import demo_model as kd
 from kvoffload.integrations.demo_run import dev_sidecar
-from kvoffload.integrations.payoff import RecomputeGuard
+from kvoffload.integrations.payoff import Offer, RecomputeGuard
+from kvoffload.integrations.sealed_loads import SealedLoader
 from kvoffload.keys import chunk_keys
 from kvoffload.layouts import v1
 
@@ -151,8 +153,10 @@ class Exactness:
 
 
 class SlowTier:
-    """A deliberately slow tier: the real client, with an injected delay of
-    ``bytes / rate`` before every load (the stand-in of a throttled file system)."""
+    """A deliberately slow tier: the real client, throttled to ``bytes_per_s`` of KV
+    (the stand-in of a throttled file system). A whole-chunk load waits
+    ``bytes / rate`` before it runs; a layer-wise load streams: each layer is
+    handed on no earlier than the rate allows for the bytes handed on so far."""
 
     def __init__(self, client: Any, chunk_bytes: int) -> None:
         self._client, self._chunk_bytes = client, chunk_bytes
@@ -165,6 +169,91 @@ class SlowTier:
         if self.bytes_per_s > 0:
             time.sleep(len(keys) * self._chunk_bytes / self.bytes_per_s)
         return self._client.load(keys, *args, **kw)
+
+    def load_layerwise(self, keys: Sequence[bytes], on_layer: Callable[..., None]) -> Any:
+        start, sent = time.perf_counter(), 0
+
+        def throttled(layer: int, first: int, views: Sequence[memoryview]) -> None:
+            nonlocal sent
+            sent += sum(v.nbytes for v in views)
+            if self.bytes_per_s > 0:
+                time.sleep(max(0.0, start + sent / self.bytes_per_s - time.perf_counter()))
+            on_layer(layer, first, views)
+
+        return self._client.load_layerwise(keys, throttled)
+
+
+class WorkerSealed:
+    """The client as the vLLM connector's worker loads with ``sealed_direct``
+    (``kvoffload.integrations.sealed_loads``): each handed object decrypted
+    in this process into a reused scratch buffer, then copied into place."""
+
+    def __init__(self, client: SidecarClient, chunk_bytes: int, capacity: int) -> None:
+        self._client = client
+        self._loader = SealedLoader(chunk_bytes, capacity)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def load(self, keys: Sequence[bytes], into: Callable[..., None]) -> list[bool]:
+        def place(i: int, layers: Sequence[memoryview]) -> bool:
+            into(i, keys[i], layers)
+            return True
+
+        done = self._loader.load(self._client, keys, place)
+        return [i < done for i in range(len(keys))]
+
+
+def _proc_cpu(pid: int) -> float:
+    """user + system CPU seconds of process ``pid`` (0: none), from /proc/PID/stat."""
+    if pid <= 0:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Capped:
+    """The client as the connector presents it once the guard chose to load the
+    first ``chunks`` chunks only: the lookup answers no more than those."""
+
+    def __init__(self, client: Any, chunks: int) -> None:
+        self._client, self._chunks = client, chunks
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        return min(self._chunks, int(self._client.lookup(keys)))
+
+
+class Probes:
+    """The guard's probes: one chunk read in the background on a connection of its
+    own, through the same throttle; no request ever joins one."""
+
+    def __init__(self, tier: SlowTier, key: bytes, chunk_tokens: int) -> None:
+        self._tier, self._key, self._ct = tier, key, chunk_tokens
+        self.started = self.done = 0
+        self._threads: list[threading.Thread] = []
+
+    def start(self, guard: RecomputeGuard) -> None:
+        def run() -> None:
+            t0 = time.perf_counter()
+            ok = self._tier.load([self._key], lambda *_a: None)
+            if ok and ok[0].ok:
+                guard.observe_load(self._ct, time.perf_counter() - t0)
+            self.done += 1
+
+        self.started += 1
+        t = threading.Thread(target=run, name="bench-probe", daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def join(self) -> None:
+        for t in self._threads:
+            t.join()
 
 
 @dataclass
@@ -184,6 +273,15 @@ class Bench:
     drop_ram_tier: Callable[[], object] = lambda: None
     #: How much slower than recompute the slow tier's load of the prefix is made.
     slow_factor: float = 2.0
+    #: The moderate tier (layer-wise): its throttle alone takes 0.9x recompute's time,
+    #: so that with the load's own work a whole load takes about as long as recompute.
+    moderate_factor: float = 0.9
+    #: A second connection, for the guards' background probes (set by main).
+    probe_client: Any = None
+    #: The vLLM worker's sealed direct loads (set by main where the sidecar offers them).
+    sealed: Any = None
+    #: The sidecar's pid: its CPU time per operation (set by main).
+    sidecar_pid: int = 0
     _ref_logits: torch.Tensor | None = None
     _reuse_logits: dict[tuple[str, bool], torch.Tensor] = field(default_factory=dict)
 
@@ -200,11 +298,24 @@ class Bench:
         self.dst = touched(self.kv_bytes)
         # Never slower than recompute (kvoffload.integrations.payoff): one guard per
         # tier, fed with this run's own measurements (recompute times, load times).
-        self.slow = SlowTier(self.client, max(1, self.file_bytes // max(1, self.reused_chunks)))
+        chunk_file_bytes = max(1, self.file_bytes // max(1, self.reused_chunks))
+        self.slow = SlowTier(self.client, chunk_file_bytes)
+        self.moderate = SlowTier(self.client, chunk_file_bytes)
+        # Probes re-measure a refusing guard's tier every second (30 s in the
+        # connector), so that this short run has some, all in the background; an
+        # estimate is stale (read 1.5x dearer) after 60 s, as in the connector.
         self.guards = {
-            tier: RecomputeGuard(min_loads=1, min_steps=1) for tier in ("normal", "slow")
+            tier: RecomputeGuard(min_loads=1, min_steps=1, reprobe_s=1.0, stale_s=60.0)
+            for tier in ("normal", "slow", "moderate")
         }
-        self.decisions: dict[str, list[str]] = {"normal": [], "slow": []}
+        self.decisions: dict[str, list[str]] = {"normal": [], "slow": [], "moderate": []}
+        self.decide_s: list[float] = []
+        self.reference_s = 0.0
+        #: CPU time (this process, every thread) of each timed operation, by op name.
+        self.cpu: dict[str, list[float]] = {}
+        #: The sidecar process's CPU time of each timed operation (clock-tick resolution).
+        self.sidecar_cpu: dict[str, list[float]] = {}
+        self.probes: dict[str, Probes] = {}
 
     def row(self, kind: str, name: str, nbytes: int = 0, note: str = "") -> Row:
         if name not in self.rows:
@@ -219,13 +330,25 @@ class Bench:
         dt = time.perf_counter() - t0
         for guard in self.guards.values():
             guard.observe_step(len(self.prompt), dt)
-        if self.slow.bytes_per_s == 0:  # the slow tier: its prefix load takes slow_factor x this
-            self.slow.bytes_per_s = self.file_bytes / (self.slow_factor * dt)
         if timed:
             self._check_recompute(full)
         return dt
 
-    def reuse(self, cache_state: str, timed: bool, layerwise: bool = False) -> float:
+    def set_tiers(self, recompute_s: float) -> None:
+        """Throttle the slow tiers against ``recompute_s`` (a warm-up recompute)."""
+        self.reference_s = recompute_s
+        self.slow.bytes_per_s = self.file_bytes / (self.slow_factor * recompute_s)
+        self.moderate.bytes_per_s = self.kv_bytes / (self.moderate_factor * recompute_s)
+        if self.probe_client is not None:
+            key = chunk_keys(self.contract, self.client.salt, self.prompt)[0]
+            for tier in ("slow", "moderate"):
+                probe_tier = SlowTier(self.probe_client, self.slow._chunk_bytes)
+                probe_tier.bytes_per_s = getattr(self, tier).bytes_per_s
+                self.probes[tier] = Probes(probe_tier, key, self.contract.chunk_tokens)
+
+    def reuse(
+        self, cache_state: str, timed: bool, layerwise: bool = False, sealed: bool = False
+    ) -> float:
         cached = None
         if cache_state == "cold":
             drop_cache(self.obj_paths)
@@ -233,8 +356,9 @@ class Bench:
         if timed:
             cached = self.mincore.resident(self.obj_paths)
         fn = kd.reuse_prefill_layerwise if layerwise else kd.reuse_prefill
-        r = fn(self.model, self.client, self.contract, self.prompt)
-        if cache_state == "cold" and not layerwise:
+        client = self.sealed if sealed and self.sealed is not None else self.client
+        r = fn(self.model, client, self.contract, self.prompt)
+        if cache_state == "cold" and not layerwise and not sealed:
             self.guards["normal"].observe_load(self.prefix_len, r.load_s)
         if r.reused_chunks != self.reused_chunks:
             raise AssertionError(
@@ -243,6 +367,7 @@ class Bench:
             )
         if timed:
             name = f"reuse{' layer-wise' if layerwise else ''}, {cache_state} load"
+            name += ", sealed direct" if sealed else ""
             self.row("ttft", name).runs.append(r.total_s)
             self.row("ttft", name).cached.append(cached)
             stages = (
@@ -261,7 +386,7 @@ class Bench:
                     ("suffix prefill", r.compute_s),
                 )
             )
-            tag = "lw-" if layerwise else ""
+            tag = "lw-" if layerwise else "sd-" if sealed else ""
             for stage, s in stages:
                 self.row("stage", f"{tag}{cache_state}/{stage}").runs.append(s)
             self._check_reuse(r, cache_state, layerwise)
@@ -272,28 +397,66 @@ class Bench:
         drop_cache(self.obj_paths)
         self.drop_ram_tier()
         r = kd.reuse_prefill(self.model, self.slow, self.contract, self.prompt)
-        self.guards["slow"].observe_load(self.prefix_len, r.load_s)
+        if not timed:  # the guard's first measurement; later ones are its probes
+            self.guards["slow"].observe_load(self.prefix_len, r.load_s)
         if timed:
             self.row("ttft", "reuse, slow tier (no guard)").runs.append(r.total_s)
         return r.total_s
 
+    def reuse_moderate(self, timed: bool) -> float:
+        """Layer-wise reuse of the whole prefix through the moderate tier, unguarded."""
+        drop_cache(self.obj_paths)
+        self.drop_ram_tier()
+        r = kd.reuse_prefill_layerwise(self.model, self.moderate, self.contract, self.prompt)
+        if not timed:  # the guard's first measurement; later ones: its loads and probes
+            self.guards["moderate"].observe_load(self.prefix_len, r.load_s)
+        if timed:
+            self.row("ttft", "reuse layer-wise, moderate tier (no guard)").runs.append(r.total_s)
+        return r.total_s
+
+    def offer(self, tier: str) -> Offer:
+        """What the connector offers the guard: sync layer-wise loads for the
+        moderate tier (compute runs alongside, layer by layer), serial otherwise."""
+        layerwise = tier == "moderate"
+        return Offer(
+            self.prefix_len,
+            tail=len(self.prompt) - self.prefix_len,
+            granule=self.contract.chunk_tokens,
+            overlap=len(self.prompt) if layerwise else 0,
+            stages=self.contract.layer_layout.num_layers,
+        )
+
     def guarded(self, tier: str, timed: bool) -> float:
         """The connector's choice: the guard decides from this run's rates, then
-        the prefix is loaded from ``tier`` or recomputed."""
+        the prefix (or its leading chunks) is loaded from ``tier``, the rest
+        recomputed. A due probe starts in the background; nothing waits for it."""
+        guard = self.guards[tier]
         t0 = time.perf_counter()
-        load = self.guards[tier].decide(self.prefix_len).tokens >= self.prefix_len
-        if load:
+        c0 = time.thread_time()
+        decision = guard.decide(self.offer(tier))
+        tokens = decision.tokens
+        due = guard.claim_probe()
+        decide_cpu = time.thread_time() - c0
+        if due and tier in self.probes:
+            self.probes[tier].start(guard)  # a thread: this request does not wait for it
+        chunks = tokens // self.contract.chunk_tokens
+        if chunks:
             drop_cache(self.obj_paths)
             self.drop_ram_tier()
-            client = self.slow if tier == "slow" else self.client
-            r = kd.reuse_prefill(self.model, client, self.contract, self.prompt)
-            self.guards[tier].observe_load(self.prefix_len, r.load_s)
+            client = Capped(getattr(self, tier) if tier != "normal" else self.client, chunks)
+            fn = kd.reuse_prefill_layerwise if tier == "moderate" else kd.reuse_prefill
+            r = fn(self.model, client, self.contract, self.prompt)
+            guard.observe_load(r.reused_tokens, r.load_s)
         else:
             kd.prefill(self.model, self.prompt)
         dt = time.perf_counter() - t0
         if timed:
             self.row("ttft", f"guarded, {tier} tier (cold)").runs.append(dt)
-            self.decisions[tier].append("load" if load else "recompute")
+            n = self.reused_chunks
+            what = "load" if chunks == n else f"load {chunks}/{n}" if chunks else "recompute"
+            self.decisions[tier].append(what)
+            self.decide_s.append(decide_cpu)
+            self.progress(f"    guard, {tier} tier: {decision.reason}")
         return dt
 
     def raw_read(self, cache_state: str, timed: bool) -> float:
@@ -391,6 +554,8 @@ class Bench:
             ("reuse cold layer-wise", lambda t: self.reuse("cold", t, True)),
             ("reuse warm", lambda t: self.reuse("warm", t)),
             ("reuse warm layer-wise", lambda t: self.reuse("warm", t, True)),
+            ("reuse cold sealed", lambda t: self.reuse("cold", t, sealed=True)),
+            ("reuse warm sealed", lambda t: self.reuse("warm", t, sealed=True)),
             ("raw read cold", lambda t: self.raw_read("cold", t)),
             ("raw read warm", lambda t: self.raw_read("warm", t)),
             ("memcpy", self.memcpy),
@@ -398,8 +563,17 @@ class Bench:
             ("reuse, slow tier", self.reuse_slow),
             ("guarded, normal tier", lambda t: self.guarded("normal", t)),
             ("guarded, slow tier", lambda t: self.guarded("slow", t)),
+            (
+                "recompute, peer",
+                lambda t: self._ttft("recompute, peer", self.recompute(t), t),
+            ),
+            ("reuse, moderate tier", self.reuse_moderate),
+            ("guarded, moderate tier", lambda t: self.guarded("moderate", t)),
         ]
-        self.progress("warm-up: every operation once, untimed")
+        self.progress("warm-up: 1 + 3 recomputes (the slow tiers' reference), every operation once")
+        self.recompute(False)  # the first call of each GEMM shape pays one-off costs
+        self.set_tiers(statistics.median(self.recompute(False) for _ in range(3)))
+        self.progress(f"  reference recompute            {self.reference_s * 1e3:10.1f} ms")
         for name, op in ops:
             dt = op(False)
             self.progress(f"  {name:<22} {dt * 1e3:10.1f} ms (untimed)")
@@ -408,7 +582,10 @@ class Bench:
             if i % 2:  # B/A: layer-wise first in every other round
                 ops[1], ops[2], ops[3], ops[4] = ops[2], ops[1], ops[4], ops[3]
             for name, op in ops:
+                c0, s0 = time.process_time(), _proc_cpu(self.sidecar_pid)
                 dt = op(True)
+                self.cpu.setdefault(name, []).append(time.process_time() - c0)
+                self.sidecar_cpu.setdefault(name, []).append(_proc_cpu(self.sidecar_pid) - s0)
                 self.progress(f"  {name:<22} {dt * 1e3:10.1f} ms")
 
     def _ttft(self, name: str, dt: float, timed: bool) -> float:
@@ -457,16 +634,51 @@ def summary(bench: Bench) -> dict[str, Any]:
     out["bound_cold_s"] = raw_cold + suffix
     out["bound_ratio_cold"] = (raw_cold + suffix) / recompute if recompute > 0 else None
     out["load_cold_x_raw_read_cold"] = rows["cold/load"].median / raw_cold if raw_cold > 0 else None
-    slow = {
+    peer = rows["recompute, peer"].median
+    slow: dict[str, Any] = {
         "slow_tier_bytes_per_s": bench.slow.bytes_per_s,
+        "moderate_tier_bytes_per_s": bench.moderate.bytes_per_s,
         "reuse_slow_s": rows["reuse, slow tier (no guard)"].median,
+        "reuse_moderate_s": rows["reuse layer-wise, moderate tier (no guard)"].median,
+        "recompute_peer_s": peer,
         "decisions": bench.decisions,
+        "decide_cpu_s_max": max(bench.decide_s, default=0.0),
+        "probes": {t: {"started": p.started, "done": p.done} for t, p in bench.probes.items()},
     }
-    for tier in ("normal", "slow"):
-        g = rows[f"guarded, {tier} tier (cold)"].median
-        slow[f"guarded_{tier}_s"] = g
-        slow[f"guarded_{tier}_vs_recompute"] = g / recompute if recompute > 0 else None
+    for tier in ("normal", "slow", "moderate"):
+        r = rows[f"guarded, {tier} tier (cold)"]
+        slow[f"guarded_{tier}_s"] = r.median
+        slow[f"guarded_{tier}_max_s"] = max(r.runs)
+        slow[f"guarded_{tier}_vs_recompute"] = r.median / recompute if recompute > 0 else None
+        slow[f"guarded_{tier}_vs_peer"] = r.median / peer if peer > 0 else None
+    pairs = [
+        g / p
+        for g, p in zip(
+            rows["guarded, slow tier (cold)"].runs, rows["recompute, peer"].runs, strict=True
+        )
+        if p > 0
+    ]
+    slow["guarded_slow_vs_peer_per_round"] = pairs
     out["never_slower_than_recompute"] = slow
+    out["sealed_direct"] = {
+        f"{state}_{path}_{what}": val
+        for state in ("cold", "warm")
+        for path, row, op, stage in (
+            ("staging", f"reuse, {state} load", f"reuse {state}", f"{state}/load"),
+            (
+                "sealed",
+                f"reuse, {state} load, sealed direct",
+                f"reuse {state} sealed",
+                f"sd-{state}/load",
+            ),
+        )
+        for what, val in (
+            ("ttft_s", rows[row].median),
+            ("load_s", rows[stage].median),
+            ("cpu_s", statistics.median(bench.cpu[op])),
+            ("sidecar_cpu_s", statistics.median(bench.sidecar_cpu[op])),
+        )
+    }
     return out
 
 
@@ -593,35 +805,95 @@ def render(console: Console, facts: dict[str, str], bench: Bench, summ: dict[str
     t.add_row("prefix KV max |loaded - recomputed|", f"{e.prefix_kv_max_abs_diff:.3g}")
     t.add_row("recompute run-to-run max |diff|", f"{e.recompute_run_to_run:.3g}")
     console.print(t)
-    render_guard(console, summ)
+    render_guard(console, bench, summ)
+    render_sealed(console, summ)
     console.print(f"[bold]method[/bold]: {METHOD}")
     console.print(f"[bold]cold[/bold]: {COLD_METHOD}")
 
 
-def render_guard(console: Console, summ: dict[str, Any]) -> None:
-    """Never slower than recompute: the guarded rows against recompute, same run."""
-    s = summ["never_slower_than_recompute"]
-    t = Table(title="never slower than recompute (the recompute guard, cold loads)")
-    for col in ("path", "TTFT p50", "x recompute", "guard chose"):
-        t.add_column(col)
-    t.add_row("recompute", _ms(summ["recompute_s"]), "1.00", "")
-    rc = summ["recompute_s"]
-    t.add_row(
-        "reuse, slow tier (no guard)", _ms(s["reuse_slow_s"]), f"{s['reuse_slow_s'] / rc:.2f}", ""
-    )
-    for tier in ("normal", "slow"):
-        chose = s["decisions"][tier]
-        t.add_row(
-            f"guarded, {tier} tier",
-            _ms(s[f"guarded_{tier}_s"]),
-            f"{s[f'guarded_{tier}_vs_recompute']:.2f}",
-            ", ".join(f"{chose.count(c)} {c}" for c in ("load", "recompute") if c in chose),
-        )
+def render_sealed(console: Console, summ: dict[str, Any]) -> None:
+    """Sealed direct reads (the vLLM worker's ``sealed_direct`` loads) against the
+    staging path, same chunks, same run, interleaved in every round."""
+    s = summ["sealed_direct"]
+    t = Table(title="whole-chunk loads: staging vs sealed direct reads (median ms)")
+    for col in ("load", "path", "TTFT", "load stage", "x staging", "this CPU", "sidecar CPU"):
+        t.add_column(col, justify="left" if col in ("load", "path") else "right")
+    for state in ("cold", "warm"):
+        base = s[f"{state}_staging_load_s"]
+        for path, label in (
+            ("staging", "staging: the sidecar opens, the client copies out"),
+            ("sealed", "sealed direct: the client opens into its scratch, copies out"),
+        ):
+            load = s[f"{state}_{path}_load_s"]
+            t.add_row(
+                state,
+                label,
+                _ms(s[f"{state}_{path}_ttft_s"]),
+                _ms(load),
+                f"{load / base:.2f}" if base > 0 else "-",
+                _ms(s[f"{state}_{path}_cpu_s"]),
+                _ms(s[f"{state}_{path}_sidecar_cpu_s"]),
+            )
     console.print(t)
     console.print(
-        f"slow tier: an injected delay before each load, {s['slow_tier_bytes_per_s'] / MiB:.1f} "
-        "MiB/s (its prefix load set to 2x the first recompute); the guards decide from this "
-        "run's recompute times and load times only"
+        "this CPU: process time of the bench process (every thread) per reuse; sidecar "
+        "CPU: the sidecar's utime + stime over the same reuse (/proc, clock-tick "
+        "resolution). Sealed direct: SidecarClient(sealed_direct=True) through "
+        "kvoffload.integrations.sealed_loads.SealedLoader, as the vLLM worker loads."
+    )
+
+
+def render_guard(console: Console, bench: Bench, summ: dict[str, Any]) -> None:
+    """Never slower than recompute: every guarded row against recompute (the
+    ceiling), same run, and against the recompute run right after it (the peer)."""
+    s = summ["never_slower_than_recompute"]
+    rows = bench.rows
+    t = Table(title="never slower than recompute (the recompute guard, cold loads, ms)")
+    for col in ("path", "p50", "min", "max", "x recompute", "x peer", "CPU p50", "guard chose"):
+        t.add_column(col, justify="left" if col in ("path", "guard chose") else "right")
+    rc, peer = summ["recompute_s"], s["recompute_peer_s"]
+
+    def add(label: str, name: str, op: str, chose: str = "") -> None:
+        r = rows[name]
+        x = f"{r.median / rc:.2f}" if rc > 0 else "-"
+        xp = f"{r.median / peer:.2f}" if peer > 0 and "guarded" in label else ""
+        cpu = bench.cpu.get(op)
+        c = _ms(statistics.median(cpu)) if cpu else "-"
+        t.add_row(label, _ms(r.median), _ms(min(r.runs)), _ms(max(r.runs)), x, xp, c, chose)
+
+    add("recompute (the ceiling)", "recompute", "recompute")
+    add("recompute, peer (run after the guarded slow tier)", "recompute, peer", "recompute, peer")
+    add("reuse, slow tier (no guard)", "reuse, slow tier (no guard)", "reuse, slow tier")
+    add(
+        "reuse layer-wise, moderate tier (no guard)",
+        "reuse layer-wise, moderate tier (no guard)",
+        "reuse, moderate tier",
+    )
+    for tier in ("normal", "slow", "moderate"):
+        chose = s["decisions"][tier]
+        add(
+            f"guarded, {tier} tier",
+            f"guarded, {tier} tier (cold)",
+            f"guarded, {tier} tier",
+            ", ".join(f"{chose.count(c)}x {c}" for c in dict.fromkeys(chose)),
+        )
+    console.print(t)
+    mib = s["slow_tier_bytes_per_s"] / MiB, s["moderate_tier_bytes_per_s"] / MiB
+    pairs = ", ".join(f"{x:.3f}" for x in s["guarded_slow_vs_peer_per_round"])
+    probes = ", ".join(
+        f"{tier}: {p['started']} started, {p['done']} done" for tier, p in s["probes"].items()
+    )
+    console.print(
+        f"slow tier: throttled to {mib[0]:.1f} MiB/s of files (a whole-chunk load of the "
+        f"prefix set to {bench.slow_factor:g}x the reference: the median of 3 warm-up "
+        f"recomputes, {bench.reference_s * 1e3:.1f} ms); moderate "
+        f"tier: {mib[1]:.1f} MiB/s of KV streamed layer by layer "
+        f"({bench.moderate_factor:g}x), loaded layer-wise while the suffix computes. The "
+        "guards decide from this run's recompute and load times only. Guard decision "
+        f"(decide + claim_probe) CPU time at most {s['decide_cpu_s_max'] * 1e6:.0f} us. "
+        f"Guarded slow tier / the recompute right after it, per round: {pairs}. Background "
+        f"probes (one chunk, own connection, nothing waits on them): {probes}. CPU p50: "
+        "process time of this process (every thread; not the sidecar's, not sleeps)."
     )
 
 
@@ -633,15 +905,16 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dir", type=Path, default=None, help="where the store lives (default: cwd)")
     p.add_argument("--quick", action="store_true", help="tiny model and prompt: a smoke run")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
-    p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 3; quick 1)")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 3)")
     p.add_argument("--prefix-tokens", type=int, default=None, help="default 4096 (quick 512)")
     p.add_argument("--suffix-tokens", type=int, default=None, help="default 32 (quick 16)")
-    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--chunk-tokens", type=int, default=None, help="default 256 (quick 64)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     a = p.parse_args(argv)
-    a.rounds = a.rounds or (1 if a.quick else 3)
+    a.rounds = a.rounds or 3
     a.prefix_tokens = a.prefix_tokens or (512 if a.quick else 4096)
     a.suffix_tokens = a.suffix_tokens or (16 if a.quick else 32)
+    a.chunk_tokens = a.chunk_tokens or (64 if a.quick else 256)
     if a.rounds < 1 or a.threads < 1 or a.suffix_tokens < 1:
         p.error("--rounds, --threads and --suffix-tokens must be at least 1")
     if a.prefix_tokens < a.chunk_tokens or a.prefix_tokens % a.chunk_tokens:
@@ -684,6 +957,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 SidecarClient(
                     sc.socket_path, TENANT, staging_bytes=staging, name="bench_ttft"
                 ) as client,
+                SidecarClient(
+                    sc.socket_path,
+                    TENANT,
+                    staging_bytes=kd.staging_bytes_for(contract.layer_layout, args.chunk_tokens, 1),
+                    name="bench_ttft-probe",
+                ) as probe_client,
+                SidecarClient(
+                    sc.socket_path,
+                    TENANT,
+                    staging_bytes=staging,
+                    name="bench_ttft-sealed",
+                    sealed_direct=True,
+                ) as sealed_client,
             ):
                 sidecar_pid = sc.pid
                 progress(f"sidecar pid {sc.pid} on {sc.socket_path}")
@@ -710,9 +996,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if missing:
                     raise RuntimeError(f"saved objects not found: {missing[:2]}")
                 bench = Bench(model, contract, client, prompt, len(prefix), obj_paths, pre)
+                bench.probe_client = probe_client
+                bench.sidecar_pid = sc.pid
+                if not sealed_client.uses_sealed_direct():
+                    raise RuntimeError("the sidecar offers no sealed direct reads (revision 16)")
+                bench.sealed = WorkerSealed(
+                    sealed_client, bench.kv_bytes // bench.reused_chunks, staging
+                )
                 bench.drop_ram_tier = SidecarTarget(Path(sc.socket_path)).drop_cache
                 bench.progress = progress
                 bench.run(args.rounds)
+                for probes in bench.probes.values():
+                    probes.join()
                 sidecar_stats = dict(sc.stats)
             elapsed = time.perf_counter() - t_start
             facts["load average 1/5/15 min (end)"] = loadavg()

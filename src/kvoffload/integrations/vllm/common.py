@@ -97,6 +97,10 @@ class KVOffloadSettings:
     model_revision: str | None = None
     attention_backend: str | None = None
     direct: bool = False
+    #: Whole-chunk loads as sealed direct reads where the sidecar offers them
+    #: (protocol-v1.md §5.33): the worker verifies and decrypts each handed
+    #: object itself; older sidecars and older objects load through staging.
+    sealed_direct: bool = False
     #: KV events (docs/spec/events-v1.md §3.2): publish the token ids of stored
     #: blocks too. Off by default: events are request-derived data.
     events_token_ids: bool = False
@@ -208,6 +212,7 @@ _CHECKS: dict[str, Callable[[str, object], Any]] = {
     "recompute_guard": _check_bool,
     "prefill_tokens_per_s": _check_opt_pos_float,
     "direct": _check_bool,
+    "sealed_direct": _check_bool,
     "events_token_ids": _check_bool,
     "events_locality": _check_locality,
     "layerwise": _check_bool,
@@ -600,6 +605,9 @@ class KVOffloadMetadata(KVConnectorMetadata):  # type: ignore[misc]
     # Requests preempted this step: their blocks are free again, so saves
     # still reading them must finish before the step's forward writes there.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Probes of the recompute guard (payoff.py): per probe, one stored chunk's
+    # key per shard, read by each worker in the background to time the tier.
+    probes: list[tuple[bytes, ...]] = field(default_factory=list)
 
 
 @dataclass
@@ -636,6 +644,7 @@ def make_client(settings: KVOffloadSettings, *, name: str, staging_bytes: int) -
         timeout_s=settings.timeout_s,
         name=name,
         direct=settings.direct,
+        sealed_direct=settings.sealed_direct,
     )
 
 

@@ -31,7 +31,7 @@ from vllm.v1.request import RequestStatus
 
 from ...keys import next_key, root_key
 from ...protocol import ALIGNMENT
-from ..payoff import RecomputeGuard
+from ..payoff import Offer, RecomputeGuard
 from . import common
 from .common import (
     ChunkRef,
@@ -165,17 +165,24 @@ class KVOffloadScheduler:
         self._pending_saves: list[SaveJob] = []
         self._saves: dict[int, _SaveStatus] = {}
         self._next_job_id = 1
-        # Never slower than recompute: loads only where the tier's measured rate
-        # beats the engine's (payoff.py); each worker's loads measure the tier.
+        # Never slower than recompute: loads only the part of a hit that beats
+        # recomputing it, from the tier's measured rate and the engine's
+        # (payoff.py); each worker's loads, and its background probes, measure the tier.
         self._guard = (
             RecomputeGuard(
                 prefill_tokens_per_s=settings.prefill_tokens_per_s,
-                probe_tokens=self._ct,
                 min_step_tokens=self._ct,
             )
             if settings.recompute_guard
             else None
         )
+        # A sync layer-wise load streams while the step's forward computes the
+        # rest of the prompt (up to one step's budget), layer by layer.
+        overlapped = not self._async_load and settings.layerwise and not contracts.hybrid
+        budget = getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0
+        self._overlap_tokens = int(budget) if overlapped else 0
+        self._stages = min(contracts.layers_per_stage)
+        self._pending_probes: list[tuple[bytes, ...]] = []
         self._last_step: tuple[float, int] | None = None
         self._newly_held: set[str] = set()
         self._held: set[str] = set()
@@ -344,15 +351,38 @@ class KVOffloadScheduler:
         offered = found * self._ct - st.query_start
         if self._guard is None or offered <= 0:
             return found
-        decision = self._guard.decide(offered)
+        decision = self._guard.decide(
+            Offer(
+                offered,
+                tail=request.num_tokens - found * self._ct,
+                start=st.query_start,
+                # A hybrid hit is whole or nothing: a shorter boundary needs
+                # other windows and states than the ones the lookup found.
+                granule=0 if self._groups else self._ct,
+                overlap=self._overlap_tokens,
+                stages=self._stages,
+            )
+        )
         if decision.tokens >= offered:
             return found
         log.debug("kvoffload: %s: %s", request.request_id, decision.reason)
-        if self._groups:
-            # A hybrid hit is whole or nothing: a shorter boundary needs other
-            # windows and states than the ones the lookup found.
+        if self._guard.claim_probe():
+            # The tier is measured again by a worker's background read of a
+            # chunk the store holds; this request does not wait for it.
+            self._queue_probe(st, found - 1)
+        if decision.tokens <= 0:
             return 0
         return min(found, (st.query_start + decision.tokens) // self._ct)
+
+    def _queue_probe(self, st: _RequestState, chunk: int) -> None:
+        """Ask the workers to time one read of stored chunk ``chunk`` (a full-attention
+        group's: every group of a hybrid model keeps its chunks, only those always)."""
+        group = next((g.index for g in self._groups if g.kind == FULL), None)
+        if self._groups and group is None:
+            return
+        shards = self._contracts.num_shards
+        lo = (group or 0) * shards
+        self._pending_probes.append(tuple(k[chunk] for k in st.keys[lo : lo + shards]))
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -462,8 +492,10 @@ class KVOffloadScheduler:
             saves=self._pending_saves,
             held_req_ids=self._newly_held,
             preempted_req_ids=set(scheduler_output.preempted_req_ids or ()),
+            probes=self._pending_probes,
         )
         self._pending_loads, self._pending_saves, self._newly_held = [], [], set()
+        self._pending_probes = []
         for load in meta.loads:
             st = self._requests.get(load.req_id)
             if st is not None:

@@ -49,6 +49,7 @@ import torch
 
 from ...client import ChunkTooLarge
 from ...protocol import region_size
+from ..sealed_loads import SealedLoader, sealed_loader
 from . import common
 from .common import (
     EngineContracts,
@@ -62,6 +63,7 @@ from .common import (
 )
 from .paged import PagedCache, StatePages, _BadChunk, build_paged_cache, build_state_pages
 from .pinned import PinnedStaging
+from .probe import TierProbe
 from .stats import FIELDS as STATS_FIELDS
 
 log = logging.getLogger(__name__)
@@ -218,6 +220,13 @@ class KVOffloadWorker:
         self._stats: dict[str, int] = dict.fromkeys(STATS_FIELDS, 0)
         # Loads since the last worker metadata: (chunks, seconds), for the recompute guard.
         self._load_samples: list[tuple[int, float]] = []
+        self._sealed: SealedLoader | None = None
+        self._probe = TierProbe(
+            lambda size: common.make_client(
+                settings, name=f"kvoffload-vllm-{rank}-probe", staging_bytes=size
+            ),
+            self._sample_load,
+        )
 
     # -- registration ----------------------------------------------------------
 
@@ -247,6 +256,8 @@ class KVOffloadWorker:
             )
         self._cache = cache
         self._caches = {0: cache}
+        self._probe.chunk_bytes = packed
+        self._sealed = sealed_loader(self._settings, packed)
         self._layer_of = {name: i for i, name in enumerate(cache.layer_names)}
         self._load_stream = _Stream(cache.device)
         self._save_stream = _Stream(cache.device)
@@ -281,6 +292,7 @@ class KVOffloadWorker:
                     f"is smaller than one chunk of KV-cache group {g.index} ({packed} bytes)"
                 )
             caches[g.index] = cache
+            self._probe.chunk_bytes = max(self._probe.chunk_bytes, packed)
         attn = [c for c in caches.values() if isinstance(c, PagedCache)]
         names = [n for c in attn for n in c.layer_names]
         expected = self._contracts.base.attention_backend
@@ -292,6 +304,7 @@ class KVOffloadWorker:
             )
         self._caches = caches
         self._cache = attn[0]
+        self._sealed = sealed_loader(self._settings, self._probe.chunk_bytes)
         self._load_stream = _Stream(attn[0].device)
         self._save_stream = _Stream(attn[0].device)
         log.info(
@@ -335,6 +348,8 @@ class KVOffloadWorker:
 
     def start_load_kv(self, meta: KVOffloadMetadata) -> None:
         self._finish_step()
+        for keys in meta.probes:
+            self._probe.start(keys[self._shard])
         # Async loads (and layer-wise sync ones) write on a side stream: order
         # them after what this step queued on the main one (vLLM zeroes newly
         # allocated blocks there).
@@ -477,23 +492,32 @@ class KVOffloadWorker:
         done = 0  # chunks [0, done) are in their blocks
         stop = False
 
-        def into(i: int, key: bytes, layers: Sequence[memoryview]) -> None:
-            nonlocal done, stop
-            if stop or i != done:
-                return  # nothing after a failure counts as loaded
+        def place(i: int, layers: Sequence[memoryview]) -> bool:
             try:
                 self._group_cache(chunks[i].group).scatter(chunks[i], self._ct, layers)
             except _BadChunk as exc:
                 log.warning("kvoffload: chunk %d of %s unusable: %s", i, job.req_id, exc)
+                return False
+            return True
+
+        def into(i: int, key: bytes, layers: Sequence[memoryview]) -> None:
+            nonlocal done, stop
+            if stop or i != done:
+                return  # nothing after a failure counts as loaded
+            if not place(i, layers):
                 stop = True
                 return
             done = i + 1
 
+        keys = [c.keys[self._shard] for c in chunks]
         try:
             with self._background(self._load_stream if background else None, after):
-                results = self._load_client.load([c.keys[self._shard] for c in chunks], into)
-            verified = next((i for i, r in enumerate(results) if not r.ok), len(results))
-            done = min(done, verified)
+                if self._sealed is not None and self._load_client.uses_sealed_direct():
+                    done = self._sealed.load(self._load_client, keys, place)
+                else:
+                    results = self._load_client.load(keys, into)
+                    verified = next((i for i, r in enumerate(results) if not r.ok), len(results))
+                    done = min(done, verified)
         except Exception:
             log.exception("kvoffload: load for %s failed", job.req_id)
         self._sample_load(len(chunks), time.monotonic() - started)
@@ -670,6 +694,7 @@ class KVOffloadWorker:
         self._save_pool.shutdown(wait=True)
         self._load_pool.shutdown(wait=True)
         self._step_pool.shutdown(wait=True)
+        self._probe.close()
         self._pinned.unpin()
         self._load_client.close()
         self._save_client.close()
