@@ -471,7 +471,7 @@ CATALOGUE: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
     ),
     # -- revision 19: a tenant's delete (§5.35) --------------------------------
     "delete": ("request", _req(25, p.Delete("acme", (K[0], K[2])))),
-    "delete_reply": ("reply", _rep(25, p.DeleteReply(1))),
+    "delete_reply": ("reply", _rep(25, p.DeleteReply((True, False)))),
 }
 
 

@@ -531,14 +531,14 @@ class SidecarClient:
             except CONNECTION_ERRORS as exc:
                 s.lose(exc)
 
-    def delete(self, keys: Sequence[bytes]) -> int | None:
-        """Remove chunks of the tenant (protocol-v1 §5.35): how many the sidecar held,
-        or None where it cannot (older than revision 19, unavailable, refused)."""
-        keys = list(dict.fromkeys(check_keys(keys)))
+    def delete(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """Remove chunks of the tenant (protocol-v1 §5.35): per key, whether the sidecar
+        held it; None where it cannot (older than revision 19, unavailable, refused)."""
+        keys = check_keys(keys)
         with self._lock:
             s = self._ensure_session() if keys else None
             if s is None:
-                return None if keys else 0
+                return None if keys else []
             try:
                 return removal.delete(s, self._tenant, keys)
             except CONNECTION_ERRORS as exc:

@@ -159,10 +159,10 @@ class LookupReply(ReplyMessage, frozen=True):
 
 
 class DeleteReply(ReplyMessage, frozen=True):
-    """§5.35: how many of the keys the tenant held on this node and no longer does."""
+    """§5.35: per key, whether the tenant held it on this node and no longer does."""
 
     OP: ClassVar[Op] = Op.DELETE
-    removed: Annotated[int, Meta(ge=0, le=MAX_BATCH)]
+    removed: Annotated[tuple[bool, ...], Meta(min_length=1, max_length=MAX_BATCH)]
 
 
 class CompleteStoreReply(ReplyMessage, frozen=True):

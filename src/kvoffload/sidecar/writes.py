@@ -279,7 +279,7 @@ class Writes:
         would (RAM image, file, index entry with its ``BlockRemoved``, accounting,
         a shared root's journal); how many it held. A write right is needed, as
         for ``store``; another tenant's chunk of the same key is never reached
-        (the store is keyed by tenant)."""
+        (the store is keyed by tenant). Per key, whether it was held."""
         if self.service.draining:
             raise Reject(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down")
         self.access.listed(req.tenant)
@@ -288,8 +288,7 @@ class Writes:
                 ErrorCode.FORBIDDEN, f"this connection may not write tenant {req.tenant!r}"
             )
         store = self.service.store
-        removed = sum(1 for k in dict.fromkeys(req.keys) if store.delete(req.tenant, k))
-        return DeleteReply(removed)
+        return DeleteReply(tuple(store.delete(req.tenant, k) for k in req.keys))
 
     # -- completing (§5.5, §8) ----------------------------------------------------------
 
