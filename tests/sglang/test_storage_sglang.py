@@ -351,7 +351,10 @@ def test_in_place_another_tenant_or_salt_never_hits_and_a_purge_is_misses(
     tokens = _tokens(3, seed=14)
     hashes = _hashes(tokens, cache_salt="alice")
     src = _fill(pool, 3, seed=14)
+    stored0, _ = _moved(sidecar)
     assert mine.batch_set_v1(hashes, src) == [True] * 3
+    assert _moved(sidecar)[0] == stored0 + 6  # in place: the path under test
+    assert mine.batch_exists(hashes) == 3
     dst = _fill(pool, 3, seed=15)
     before = _pages(pool, dst)
     assert other.batch_exists(hashes) == 0
@@ -372,7 +375,9 @@ def test_in_place_a_damaged_page_is_a_miss_and_leaves_the_pool_as_it_was(
     pool = host_pool(page_size=PAGE, allocator="shm")
     b = _backend(sidecar, tenant, pool)
     hashes = _hashes(_tokens(1, seed=16))
+    stored0, _ = _moved(sidecar)
     assert b.batch_set_v1(hashes, _fill(pool, 1, seed=16)) == [True]
+    assert _moved(sidecar)[0] == stored0 + 2
     for obj in sidecar.objects(tenant):
         raw = bytearray(obj.read_bytes())
         raw[-100] ^= 0xFF
