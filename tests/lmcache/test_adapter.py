@@ -8,6 +8,7 @@ touches (``byte_array``); test_mp_server.py runs the real ones through the real 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
 import subprocess
@@ -22,7 +23,7 @@ from lmcache.v1.distributed.api import ObjectKey
 from kvoffload.integrations.lmcache.adapter import KVOffloadL2Adapter
 from kvoffload.testing import cli_argv
 
-from ..sidecar_proc import DevSidecar
+from ..sidecar_proc import DevSidecar, clean_env, dev_sidecar
 
 
 class MemoryObjStandIn:
@@ -205,3 +206,32 @@ def test_delete_removes_the_chunk_from_the_sidecar_and_only_that_salts(
     b.register_listener(heard)
     b.delete([mine[0]])
     assert heard.deleted == []
+
+
+def test_the_sidecars_feed_names_objects_by_lmcaches_chunk_hash(tmp_path: Path) -> None:
+    """What LMCache's vLLM connector announces for a chunk in CPU memory (its
+    ``chunk_hash``) is what the sidecar's KV-event feed announces for the chunk in
+    storage, once per chunk (rank 0, group 0), and retracts when LMCache deletes it."""
+    with dev_sidecar(env={"KVOFFLOAD_EVENTS_ENABLED": "1"}) as sc:
+        a = KVOffloadL2Adapter({"socket": str(sc.socket_path), "tenants": {"ev": "ev-t"}})
+        try:
+            (k0,) = _keys("ev", 1, "E")
+            other_group = ObjectKey(k0.chunk_hash, "m", k0.kv_rank, 1, "ev")
+            rank1 = ObjectKey(b"R".ljust(32, b"."), "m", 0x02010200, 0, "ev")
+            objs = [MemoryObjStandIn(os.urandom(4096)) for _ in range(3)]
+            assert store(a, [k0, other_group, rank1], objs).is_successful()
+            a.delete([k0])
+        finally:
+            a.close()
+        r = subprocess.run(
+            cli_argv("--dev", "events", "tail", "--from", "0", "--count", "2", "--json",
+                     "--timeout", "30"),
+            cwd=sc.workdir, env=clean_env(), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        events = [json.loads(line) for line in r.stdout.splitlines()]
+        assert [(e["type"], e["block_hashes"], e["medium"]) for e in events] == [
+            ("BlockStored", [k0.chunk_hash.hex()], "STORAGE"),
+            ("BlockRemoved", [k0.chunk_hash.hex()], "STORAGE"),
+        ]
+        assert events[0]["block_size"] == 256

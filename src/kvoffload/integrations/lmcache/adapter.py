@@ -43,7 +43,8 @@ from lmcache.v1.platform import create_event_notifier
 from ...client import ChunkTooLarge, SidecarClient, fetch_stats
 from ...contract import CompatContract
 from ...errors import ConnectorConfigError
-from .policy import Settings, object_chunk_key
+from ...protocol import EngineBlocks
+from .policy import Settings, announces, object_chunk_key
 
 log = logging.getLogger("kvoffload.lmcache")
 
@@ -291,8 +292,13 @@ class KVOffloadL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         ok = True
         for ns, batch in by_ns.items():
             views = [objects[i].byte_array for i, _ in batch]
+            blocks = [self._blocks(keys[i]) for i, _ in batch]
             try:
-                res = client.save(ns, [(ck, [v]) for (_, ck), v in zip(batch, views, strict=True)])
+                res = client.save(
+                    ns,
+                    [(ck, [v]) for (_, ck), v in zip(batch, views, strict=True)],
+                    blocks=blocks,
+                )
             except ChunkTooLarge as exc:
                 log.warning("kvoffload L2 store: %s (adapter_params.staging_bytes)", exc)
                 res = [False] * len(batch)
@@ -303,6 +309,16 @@ class KVOffloadL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                 else:
                     ok = False
         return ok
+
+    def _blocks(self, key: ObjectKey) -> EngineBlocks | None:
+        """The object in LMCache's own event terms (its vLLM connector announces the
+        same ``chunk_hash`` for the chunk in CPU memory): published by the sidecar on
+        its KV-event feed with ``medium`` STORAGE. One writer per chunk hash (rank
+        0, group 0), so that another rank's copy going does not retract it."""
+        h = bytes(key.chunk_hash)
+        if not announces(key.kv_rank, key.object_group_id) or not 1 <= len(h) <= 64:
+            return None
+        return EngineBlocks(hashes=(h,), block_size=self._settings.chunk_tokens)
 
     def _run_lookup(self, tid: int, keys: list[ObjectKey]) -> None:
         bitmap = Bitmap(len(keys))
