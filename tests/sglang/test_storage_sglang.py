@@ -410,3 +410,32 @@ def test_layer_first_and_inplace_off_stage_even_in_shared_memory(
         b.close()
     with pytest.raises(SettingsError, match="'inplace' must be one of auto, off"):
         _backend(sidecar, tenant, host_pool(page_size=PAGE), extra={"inplace": "yes"})
+
+
+def test_a_sidecar_before_revision_17_gets_the_pages_through_staging(
+    sock_dir: Any, store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that announces no ``max_region`` (older than revision 17): the
+    shared-memory pool's pages go through staging, whole, and nothing in place."""
+    from kvoffload.sidecar import session as session_mod
+    from tests.sidecar.inthread import ServerThread, grants
+
+    monkeypatch.setattr(session_mod, "MAX_REGION_BYTES", 0)
+    st = ServerThread(sock_dir, store, grants("old-sidecar"))
+    try:
+        pool = host_pool(page_size=PAGE, allocator="shm")
+        extra = dynamic_extra(str(st.path), "old-sidecar")
+        b = StorageBackendFactory.create_backend("dynamic", storage_config(extra), pool)
+        b.register_mem_pool_host(pool)
+        hashes = _hashes(_tokens(2, seed=19))
+        src = _fill(pool, 2, seed=19)
+        assert b.batch_set_v1(hashes, src) == [True, True]
+        dst = pool.alloc(2 * PAGE)
+        assert b.batch_get_v1(hashes, dst) == [True, True]
+        assert all(
+            torch.equal(x, y) for x, y in zip(_pages(pool, dst), _pages(pool, src), strict=True)
+        )
+        assert st.server.service.inplace.snapshot() == {}
+        b.close()
+    finally:
+        st.stop()
