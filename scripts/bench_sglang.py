@@ -1,11 +1,14 @@
 """kvoffload as SGLang's HiCache L3 beside SGLang's own HiCacheFile, in one run.
 
-Both backends get the same pages of SGLang's real host pool
-(``MHATokenToKVPoolHost``, CPU) through SGLang's own cache-controller methods
+HiCacheFile and kvoffload get the same pages of SGLang's real host pool
+(``MHATokenToKVPoolHost``, CPU, in SGLang's shared-memory allocator: a memfd)
+through SGLang's own cache-controller methods
 (the controller stand-in of benchlib.sglang): a backup is ``_page_backup``
 (HiCacheFile: ``batch_set`` of flat pages; kvoffload: ``batch_set_v1`` over
 host indices, ``interface_v1``), a prefetch is ``_page_transfer`` of pages the
-hit query found. Rows are interleaved (benchlib.method), so load on the
+hit query found. kvoffload runs twice: staged (``"inplace": "off"``) and in
+place (the pool's memfd handed to the sidecar, protocol-v1 §5.34, which reads
+and writes the pages itself). Rows are interleaved (benchlib.method), so load on the
 machine falls on every row alike.
 
 HiCacheFile writes raw bytes to files without fsync or checksum; kvoffload's
@@ -37,6 +40,9 @@ from benchlib.sidecar import run_sidecar
 from benchlib.tables import begin, cell, machine_table
 
 GB = 1e9
+STAGED = "kvoffload staged"
+#: The host pool's memfd handed to the sidecar (protocol-v1 §5.34).
+IN_PLACE = "kvoffload in place"
 
 
 def _pages_of(pool: Any, idx: Any, page: int) -> list[int]:
@@ -73,9 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     n_ops = 6 if a.quick else 40
     budget = 0.5 if a.quick else 5.0
     rounds = n_ops + 1
+    # SGLang's shared-memory host allocator ("allocator": "shm"): a memfd, which the
+    # in-place row hands to the sidecar; the other rows use the pool as any memory.
     pool = host_pool(
         "page_first", layers=a.layers, heads=8, head_dim=128, page_size=ps,
-        tokens=ps * batch * 2,
+        tokens=ps * batch * 2, allocator="shm",
     )  # fmt: skip
     page_bytes = pool.get_dummy_flat_data_page().numel() * 2
     src = pool.alloc(ps * batch)
@@ -97,20 +105,29 @@ def main(argv: list[str] | None = None) -> int:
         cfg_file = storage_config({"file_storage_path": str(file_dir)}, model_name="bench/model")
         hf = HiCacheFile(cfg_file, file_path=str(file_dir))
         hf.register_mem_pool_host(pool)
-        kvo = StorageBackendFactory.create_backend(
-            "dynamic",
-            storage_config(
-                dynamic_extra(str(sc.socket), "bench", staging_bytes=2 * batch_bytes + (1 << 20)),
-                model_name="bench/model",
-            ),
-            pool,
-        )
-        kvo.register_mem_pool_host(pool)
-        stack.callback(kvo.close)
+
+        def kvoffload(tenant: str, inplace: str) -> Any:
+            b = StorageBackendFactory.create_backend(
+                "dynamic",
+                storage_config(
+                    dynamic_extra(
+                        str(sc.socket), tenant, staging_bytes=2 * batch_bytes + (1 << 20),
+                        allocator="shm", inplace=inplace,
+                    ),
+                    model_name="bench/model",
+                ),
+                pool,
+            )  # fmt: skip
+            b.register_mem_pool_host(pool)
+            stack.callback(b.close)
+            return b
+
         # HiCacheFile is not a v1 backend: the controller uses its generic calls.
+        # The two kvoffload rows are two tenants, so neither finds the other's pages.
         ctrls = {
             "HiCacheFile": controller_stand_in(hf, pool, v1=False),
-            "kvoffload": controller_stand_in(kvo, pool),
+            STAGED: controller_stand_in(kvoffload("bench", "off"), pool),
+            IN_PLACE: controller_stand_in(kvoffload("bench-ip", "auto"), pool),
         }
 
         def backup(name: str) -> Callable[[int], None]:
@@ -165,9 +182,11 @@ def main(argv: list[str] | None = None) -> int:
             ("ceiling", "raw write (files, no fsync)", raw_write, None),
             ("ceiling", "raw read (page cache)", raw_read, None),
             ("backup", "HiCacheFile", backup("HiCacheFile"), "raw write (files, no fsync)"),
-            ("backup", "kvoffload", backup("kvoffload"), "raw write (files, no fsync)"),
+            ("backup", STAGED, backup(STAGED), "raw write (files, no fsync)"),
+            ("backup", IN_PLACE, backup(IN_PLACE), "raw write (files, no fsync)"),
             ("prefetch", "HiCacheFile", prefetch("HiCacheFile"), "raw read (page cache)"),
-            ("prefetch", "kvoffload", prefetch("kvoffload"), "raw read (page cache)"),
+            ("prefetch", STAGED, prefetch(STAGED), "raw read (page cache)"),
+            ("prefetch", IN_PLACE, prefetch(IN_PLACE), "raw read (page cache)"),
         ]
         err.print(f"{len(rows)} rows, {batch} pages of {page_bytes / 1e6:.2f} MB per op ...")
         timings = interleaved([r[2] for r in rows], n=rounds, budget_s=budget, min_ops=n_ops // 2)
@@ -208,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
                 p for p in sc.describe().split("; ") if p.startswith(("durability", "ram_tier"))
             ),
         }
+        from kvoffload.client import fetch_stats
+
+        st = fetch_stats(sc.socket).get("inplace", {})
+        facts["moved in place"] = (
+            f"{st.get('stored_chunks', 0)} chunks stored, {st.get('loaded_chunks', 0)} loaded"
+        )
         console.print(machine_table(facts))
         console.print(t)
     return 0

@@ -83,9 +83,11 @@ def host_pool(
     head_dim: int = 16,
     page_size: int = 4,
     tokens: int = 64,
+    allocator: str = "default",
 ) -> Any:
     """SGLang's real ``MHATokenToKVPoolHost`` (host size 2x the device's), over CPU
-    tensors standing in for the device KV buffers it is built from."""
+    tensors standing in for the device KV buffers it is built from. ``allocator``:
+    SGLang's host allocator ("shm": its ``ShmHostTensorAllocator``, a memfd)."""
     import torch
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
@@ -115,6 +117,7 @@ def host_pool(
         layout,
         pin_memory=False,
         device="cpu",
+        allocator_type=allocator,
         device_capacity_tokens=tokens,
         start_layer=0,
         end_layer=layers,

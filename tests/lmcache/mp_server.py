@@ -50,6 +50,8 @@ class MPServer:
     l2_adapters: Sequence[str]
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    #: Its metrics port: a free one, so that two servers can run at once.
+    metrics_port: int = field(default_factory=free_port)
 
     @property
     def url(self) -> str:
@@ -63,7 +65,8 @@ class MPServer:
         argv = [sys.executable, "-m", "lmcache.v1.multiprocess.server",
                 "--host", "127.0.0.1", "--port", str(self.port), "--chunk-size", "256",
                 "--l1-size-gb", "0.25", "--eviction-policy", "LRU",
-                "--l2-store-policy", "skip_l1"]  # fmt: skip
+                "--l2-store-policy", "skip_l1",
+                "--prometheus-port", str(self.metrics_port)]  # fmt: skip
         for a in self.l2_adapters:
             argv += ["--l2-adapter", a]
         env = dict(os.environ, LMCACHE_DISABLE_BANNER="1", LMCACHE_LOG_LEVEL="INFO")

@@ -8,6 +8,7 @@ touches (``byte_array``); test_mp_server.py runs the real ones through the real 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
 import subprocess
@@ -22,7 +23,7 @@ from lmcache.v1.distributed.api import ObjectKey
 from kvoffload.integrations.lmcache.adapter import KVOffloadL2Adapter
 from kvoffload.testing import cli_argv
 
-from ..sidecar_proc import DevSidecar
+from ..sidecar_proc import DevSidecar, clean_env, dev_sidecar
 
 
 class MemoryObjStandIn:
@@ -149,7 +150,7 @@ def test_listing_shows_what_the_sidecar_still_holds(
     assert a.list_l2_keys(model_name="other").entries == ()
     with pytest.raises(ValueError, match="malformed cursor"):
         a.list_l2_keys(cursor="x")
-    a.delete(keys[:1])  # forgotten by LMCache's eviction: out of the listing
+    a.delete(keys[:1])  # discarded by LMCache's eviction: out of the listing
     assert len(a.list_l2_keys().entries) == 2
     r = subprocess.run(
         cli_argv("--dev", "purge", "--tenant", "list-t", "--yes"),
@@ -160,3 +161,77 @@ def test_listing_shows_what_the_sidecar_still_holds(
     assert r.returncode == 0, r.stderr
     assert a.list_l2_keys().entries == ()
     assert lookup(a, keys) == []
+
+
+class DeletedListener:
+    """Records what the adapter tells LMCache's listeners it deleted."""
+
+    def __init__(self) -> None:
+        self.deleted: list[ObjectKey] = []
+
+    def on_l2_keys_stored(self, keys: list[ObjectKey], sizes: list[int]) -> None:
+        pass
+
+    def on_l2_keys_accessed(self, keys: list[ObjectKey]) -> None:
+        pass
+
+    def on_l2_keys_deleted(self, keys: list[ObjectKey]) -> None:
+        self.deleted.extend(keys)
+
+
+def test_delete_removes_the_chunk_from_the_sidecar_and_only_that_salts(
+    make: Callable[..., KVOffloadL2Adapter], sidecar: DevSidecar
+) -> None:
+    """LMCache's eviction controller discards an object: the sidecar no longer holds
+    it (a fresh adapter, as after a restart, misses it too, and the tenant's bytes
+    go down), while the same chunk hash under another salt, of the same tenant or
+    of another one, still hits."""
+    a = make(tenants={"da": "del-a", "da2": "del-a", "db": "del-b"})
+    heard = DeletedListener()
+    a.register_listener(heard)
+    mine, same_tenant, other = _keys("da", 2, "D"), _keys("da2", 2, "D"), _keys("db", 2, "D")
+    for ks in (mine, same_tenant, other):
+        assert store(a, ks, [MemoryObjStandIn(os.urandom(6000)) for _ in ks]).is_successful()
+    before = sidecar.stats()["tenant_usage"]["del-a"]["bytes"]
+    a.delete([mine[0]])
+    assert heard.deleted == [mine[0]]
+    assert lookup(a, mine[:1]) == [] and lookup(a, mine[1:]) == [0]
+    assert lookup(a, same_tenant) == [0, 1] and lookup(a, other) == [0, 1]
+    assert load(a, mine[:1], [MemoryObjStandIn(bytes(6000))]) == []
+    assert sidecar.stats()["tenant_usage"]["del-a"]["bytes"] < before
+    b = make(tenants={"da": "del-a", "da2": "del-a", "db": "del-b"})  # LMCache restarted
+    assert lookup(b, mine[:1]) == [] and lookup(b, same_tenant) == [0, 1]
+    # A key the sidecar no longer holds and this server never saw: nothing to tell.
+    heard.deleted.clear()
+    b.register_listener(heard)
+    b.delete([mine[0]])
+    assert heard.deleted == []
+
+
+def test_the_sidecars_feed_names_objects_by_lmcaches_chunk_hash(tmp_path: Path) -> None:
+    """What LMCache's vLLM connector announces for a chunk in CPU memory (its
+    ``chunk_hash``) is what the sidecar's KV-event feed announces for the chunk in
+    storage, once per chunk (rank 0, group 0), and retracts when LMCache deletes it."""
+    with dev_sidecar(env={"KVOFFLOAD_EVENTS_ENABLED": "1"}) as sc:
+        a = KVOffloadL2Adapter({"socket": str(sc.socket_path), "tenants": {"ev": "ev-t"}})
+        try:
+            (k0,) = _keys("ev", 1, "E")
+            other_group = ObjectKey(k0.chunk_hash, "m", k0.kv_rank, 1, "ev")
+            rank1 = ObjectKey(b"R".ljust(32, b"."), "m", 0x02010200, 0, "ev")
+            objs = [MemoryObjStandIn(os.urandom(4096)) for _ in range(3)]
+            assert store(a, [k0, other_group, rank1], objs).is_successful()
+            a.delete([k0])
+        finally:
+            a.close()
+        r = subprocess.run(
+            cli_argv("--dev", "events", "tail", "--from", "0", "--count", "2", "--json",
+                     "--timeout", "30"),
+            cwd=sc.workdir, env=clean_env(), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        events = [json.loads(line) for line in r.stdout.splitlines()]
+        assert [(e["type"], e["block_hashes"], e["medium"]) for e in events] == [
+            ("BlockStored", [k0.chunk_hash.hex()], "STORAGE"),
+            ("BlockRemoved", [k0.chunk_hash.hex()], "STORAGE"),
+        ]
+        assert events[0]["block_size"] == 256

@@ -7,12 +7,14 @@ and the sidecar, since the server runs with ``--l2-store-policy skip_l1``.
 
 from __future__ import annotations
 
+import json
 import subprocess
+from pathlib import Path
 
 from kvoffload.testing import cli_argv
 
 from ..sidecar_proc import DevSidecar, wait_until
-from .mp_server import TOKENS, MPServer, Worker
+from .mp_server import TOKENS, MPServer, Worker, plugin_spec
 
 CHUNKS = TOKENS // 256
 
@@ -83,3 +85,41 @@ def test_a_purge_is_seen_by_lmcache_as_misses(worker: Worker, sidecar: DevSideca
     assert worker.lookup(4, "alice") == 0
     assert worker.lookup(1, "alice") == 0
     assert worker.fetch(5, "bob") == (CHUNKS, True)
+
+
+def test_lmcaches_own_eviction_removes_chunks_from_the_sidecar(
+    sidecar: DevSidecar, tmp_path: Path
+) -> None:
+    """LMCache's L2 eviction controller, over the bounded pool the plugin reports,
+    discards objects with the adapter's ``delete``: the sidecar really drops them
+    (its chunk count and bytes for the tenant go down), not just LMCache's tally."""
+    cap = 6 * CHUNKS * (4 << 20) // 4  # room for 1.5 sequences of 4 MiB objects
+    spec = json.loads(
+        plugin_spec(
+            socket=str(sidecar.socket_path),
+            tenants={"carol": "carol"},
+            default_tenant=None,
+            max_capacity_bytes=cap,
+            usage_refresh_s=0.05,
+        )
+    )
+    spec["eviction"] = {"eviction_policy": "LRU", "trigger_watermark": 0.5, "eviction_ratio": 0.5}
+    srv = MPServer(tmp_path, [json.dumps(spec)]).start()
+    w = Worker(srv.url, instance_base=3000)
+    try:
+        for seq in (20, 21):
+            w.fill(seq, seq)
+            assert w.store(seq, "carol")
+        seen = [0]
+
+        def dropped() -> bool:
+            n = _chunks(sidecar, "carol")
+            seen[0] = max(seen[0], n)
+            return "triggering eviction" in srv.log() and n < seen[0]
+
+        # Over half the reported capacity: LMCache evicts, and the sidecar drops them.
+        wait_until(dropped, "LMCache's L2 eviction to remove chunks from the sidecar", 90)
+        assert sidecar.stats()["tenant_usage"]["carol"]["bytes"] < seen[0] * (4 << 20)
+    finally:
+        w.close()
+        srv.stop()

@@ -32,7 +32,9 @@ def test_bench_sglang_prints_both_backends_beside_the_ceilings(tmp_path: Path) -
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()
     for kind in ("backup", "prefetch"):
-        for backend in ("HiCacheFile", "kvoffload"):
+        for backend in ("HiCacheFile", "kvoffload staged", "kvoffload in place"):
             assert any(kind in ln and backend in ln for ln in lines), (kind, backend, r.stdout)
     assert any("memcpy" in ln for ln in lines)
+    moved = next(ln for ln in lines if "moved in place" in ln)
+    assert " 0 chunks stored" not in moved and " 0 loaded" not in moved, moved
     assert list(tmp_path.iterdir()) == []

@@ -12,6 +12,7 @@ from kvoffload.integrations.sglang.identity import (
     PoolShape,
     Settings,
     SettingsError,
+    chunk_plan,
     make_contract,
 )
 
@@ -113,3 +114,20 @@ def test_the_sglang_requirements_pin_everything_and_name_themselves() -> None:
     reqs = [ln for ln in lines if ln and not ln.startswith("#")]
     assert "sglang==0.5.23" in reqs and all("==" in r for r in reqs)
     assert not any(r.startswith(("torch==", "torchvision")) for r in reqs)
+
+
+def test_a_page_of_two_runs_is_two_chunks_of_their_own_namespace() -> None:
+    """page_first K and V runs are one chunk each (in place needs a chunk packed in
+    one span): two keys per page, none equal to the one-chunk layout's keys, in
+    a namespace that says so; three or more runs stay one chunk."""
+    runs = [(64 * 32 * 8 * 128 * 2,), (64 * 32 * 8 * 128 * 2,)]
+    assert chunk_plan(runs) == tuple(runs)
+    assert chunk_plan(runs[:1]) == () and chunk_plan(runs * 2) == ()
+    split = dataclasses.replace(SHAPE, chunks=chunk_plan(runs))
+    assert split.plan == tuple(runs) and SHAPE.plan == (SHAPE.layer_bytes,)
+    c_one, c_two = make_contract(DEFAULT, COORDS, SHAPE), make_contract(DEFAULT, COORDS, split)
+    assert c_one.fingerprint() != c_two.fingerprint()
+    two = KeyMapper(c_two, "kv", 2).keys(SALT_A, PAGE_KEYS)
+    assert len(two) == 4 and len(set(two) | set(_keys())) == 6
+    # The same namespace and two parts: still apart from the one-part keys.
+    assert not set(KeyMapper(c_one, "kv", 2).keys(SALT_A, PAGE_KEYS)) & set(_keys())

@@ -187,7 +187,9 @@ def test_a_damaged_page_is_a_miss(sidecar: DevSidecar, tenant: str) -> None:
     hashes = _hashes(_tokens(1, seed=5))
     src = _fill(pool, 1, seed=5)
     assert b.batch_set_v1(hashes, src) == [True]
-    (obj,) = sidecar.objects(tenant)
+    objs = sidecar.objects(tenant)
+    assert len(objs) == 2  # a page_first page: its K run and its V run, one chunk each
+    obj = objs[1]
     raw = bytearray(obj.read_bytes())
     raw[-100] ^= 0xFF
     obj.write_bytes(bytes(raw))
@@ -278,3 +280,162 @@ def test_a_tenant_over_its_quota_stores_nothing_and_hits_nothing(tmp_path: Any) 
         assert b.batch_get_v1(hashes, pool.alloc(2 * PAGE)) == [False, False]
         assert sc.objects("full") == [] and sc.tmp_files() == []
         b.close()
+
+
+# -- in place: the host pool in shared memory (extra_config "allocator": "shm") ------
+
+
+def _moved(sc: DevSidecar) -> tuple[int, int]:
+    st = sc.stats()["inplace"]
+    return int(st.get("stored_chunks", 0)), int(st.get("loaded_chunks", 0))
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "page_head"])
+def test_a_shared_memory_pool_moves_pages_in_place(
+    sidecar: DevSidecar, tenant: str, layout: str
+) -> None:
+    """SGLang's ShmHostTensorAllocator puts the pool in a memfd: the backend hands it
+    to the sidecar, which reads a backup from it and writes a prefetch into it (each
+    page's K and V runs one chunk each); the controller's calls are unchanged."""
+    pool = host_pool(layout, page_size=PAGE, allocator="shm")
+    backend = _backend(sidecar, tenant, pool, extra={"allocator": "shm"})
+    ctrl = controller_stand_in(backend, pool)
+    tokens = _tokens(5, seed=11)
+    hashes = _hashes(tokens)
+    src = _fill(pool, 5, seed=11)
+    want = _pages(pool, src)
+    stored0, loaded0 = _moved(sidecar)
+    op = StorageOperation(src, tokens, hash_value=hashes, prefix_keys=[])
+    ctrl._page_backup(op)
+    assert op.completed_tokens == 5 * PAGE
+    pre = PrefetchOperation("req-ip", tokens, prefix_keys=[])
+    assert ctrl._storage_hit_query(pre) == (hashes, 5 * PAGE)
+    dst = pool.alloc(5 * PAGE)
+    pre.hash_value, pre.host_indices = hashes, dst
+    assert ctrl._page_transfer(pre) == 5
+    assert all(torch.equal(a, b) for a, b in zip(_pages(pool, dst), want, strict=True))
+    assert _moved(sidecar) == (stored0 + 10, loaded0 + 10)
+    backend.close()
+
+
+def test_pages_in_place_and_through_staging_are_the_same_chunks(
+    sidecar: DevSidecar, tenant: str
+) -> None:
+    """A page backed up through staging (a pool not in shared memory) loads in place
+    into a shared-memory pool, and the other way round: one identity, two paths."""
+    plain = host_pool(page_size=PAGE)
+    shm = host_pool(page_size=PAGE, allocator="shm")
+    staged, inplace = _backend(sidecar, tenant, plain), _backend(sidecar, tenant, shm)
+    h1, h2 = _hashes(_tokens(2, seed=12)), _hashes(_tokens(2, seed=13))
+    s1, s2 = _fill(plain, 2, seed=12), _fill(shm, 2, seed=13)
+    assert staged.batch_set_v1(h1, s1) == [True, True]
+    assert inplace.batch_set_v1(h2, s2) == [True, True]
+    d1, d2 = shm.alloc(2 * PAGE), plain.alloc(2 * PAGE)
+    stored0, loaded0 = _moved(sidecar)
+    assert inplace.batch_get_v1(h1, d1) == [True, True]
+    assert staged.batch_get_v1(h2, d2) == [True, True]
+    assert all(torch.equal(a, b) for a, b in zip(_pages(shm, d1), _pages(plain, s1), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(_pages(plain, d2), _pages(shm, s2), strict=True))
+    assert _moved(sidecar) == (stored0, loaded0 + 4)  # only the shared pool's load
+    staged.close()
+    inplace.close()
+
+
+def test_in_place_another_tenant_or_salt_never_hits_and_a_purge_is_misses(
+    sidecar: DevSidecar, tenant: str
+) -> None:
+    """Isolation holds on the in-place path: a miss writes nothing into the pool."""
+    pool = host_pool(page_size=PAGE, allocator="shm")
+    mine = _backend(sidecar, tenant, pool)
+    other = _backend(sidecar, tenant + "-other", pool)
+    tokens = _tokens(3, seed=14)
+    hashes = _hashes(tokens, cache_salt="alice")
+    src = _fill(pool, 3, seed=14)
+    stored0, _ = _moved(sidecar)
+    assert mine.batch_set_v1(hashes, src) == [True] * 3
+    assert _moved(sidecar)[0] == stored0 + 6  # in place: the path under test
+    assert mine.batch_exists(hashes) == 3
+    dst = _fill(pool, 3, seed=15)
+    before = _pages(pool, dst)
+    assert other.batch_exists(hashes) == 0
+    assert other.batch_get_v1(hashes, dst) == [False] * 3
+    assert mine.batch_get_v1(_hashes(tokens, cache_salt="mallory"), dst) == [False] * 3
+    assert mine.batch_get_v1(_hashes(tokens), dst) == [False] * 3
+    _purge(sidecar, tenant)
+    assert mine.batch_exists(hashes) == 0
+    assert mine.batch_get_v1(hashes, dst) == [False] * 3
+    assert all(torch.equal(a, b) for a, b in zip(_pages(pool, dst), before, strict=True))
+    mine.close()
+    other.close()
+
+
+def test_in_place_a_damaged_page_is_a_miss_and_leaves_the_pool_as_it_was(
+    sidecar: DevSidecar, tenant: str
+) -> None:
+    pool = host_pool(page_size=PAGE, allocator="shm")
+    b = _backend(sidecar, tenant, pool)
+    hashes = _hashes(_tokens(1, seed=16))
+    stored0, _ = _moved(sidecar)
+    assert b.batch_set_v1(hashes, _fill(pool, 1, seed=16)) == [True]
+    assert _moved(sidecar)[0] == stored0 + 2
+    for obj in sidecar.objects(tenant):
+        raw = bytearray(obj.read_bytes())
+        raw[-100] ^= 0xFF
+        obj.write_bytes(bytes(raw))
+    dst = _fill(pool, 1, seed=17)
+    before = _pages(pool, dst)
+    assert b.batch_get_v1(hashes, dst) == [False]
+    assert torch.equal(_pages(pool, dst)[0], before[0])
+    b.close()
+
+
+def test_layer_first_and_inplace_off_stage_even_in_shared_memory(
+    sidecar: DevSidecar, tenant: str
+) -> None:
+    """A layer_first page is dozens of runs (one chunk through staging), and
+    ``"inplace": "off"`` stages whatever the pool: right bytes, nothing moved in place."""
+    for layout, extra in (("layer_first", {}), ("page_first", {"inplace": "off"})):
+        pool = host_pool(layout, page_size=PAGE, allocator="shm")
+        b = _backend(sidecar, tenant, pool, extra=extra)
+        hashes = _hashes(_tokens(2, seed=18), cache_salt=layout)
+        src = _fill(pool, 2, seed=18)
+        moved = _moved(sidecar)
+        assert b.batch_set_v1(hashes, src) == [True, True]
+        dst = pool.alloc(2 * PAGE)
+        assert b.batch_get_v1(hashes, dst) == [True, True]
+        assert all(
+            torch.equal(x, y) for x, y in zip(_pages(pool, dst), _pages(pool, src), strict=True)
+        )
+        assert _moved(sidecar) == moved
+        b.close()
+    with pytest.raises(SettingsError, match="'inplace' must be one of auto, off"):
+        _backend(sidecar, tenant, host_pool(page_size=PAGE), extra={"inplace": "yes"})
+
+
+def test_a_sidecar_before_revision_17_gets_the_pages_through_staging(
+    sock_dir: Any, store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that announces no ``max_region`` (older than revision 17): the
+    shared-memory pool's pages go through staging, whole, and nothing in place."""
+    from kvoffload.sidecar import session as session_mod
+    from tests.sidecar.inthread import ServerThread, grants
+
+    monkeypatch.setattr(session_mod, "MAX_REGION_BYTES", 0)
+    st = ServerThread(sock_dir, store, grants("old-sidecar"))
+    try:
+        pool = host_pool(page_size=PAGE, allocator="shm")
+        extra = dynamic_extra(str(st.path), "old-sidecar")
+        b = StorageBackendFactory.create_backend("dynamic", storage_config(extra), pool)
+        b.register_mem_pool_host(pool)
+        hashes = _hashes(_tokens(2, seed=19))
+        src = _fill(pool, 2, seed=19)
+        assert b.batch_set_v1(hashes, src) == [True, True]
+        dst = pool.alloc(2 * PAGE)
+        assert b.batch_get_v1(hashes, dst) == [True, True]
+        assert all(
+            torch.equal(x, y) for x, y in zip(_pages(pool, dst), _pages(pool, src), strict=True)
+        )
+        assert st.server.service.inplace.snapshot() == {}
+        b.close()
+    finally:
+        st.stop()

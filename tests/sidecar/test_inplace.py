@@ -159,6 +159,20 @@ def test_an_older_client_is_refused_the_verb(
         r.close()
 
 
+def test_a_client_of_revision_17_keeps_the_verb_under_a_later_server(
+    server: ServerThread, region: tuple[int, bytes]
+) -> None:
+    """The verb came with revision 17: a client that names 17 (not this code's
+    later revision) may register a region."""
+    fd, _ = region
+    r = _raw(server, revision=17)
+    try:
+        reply = r.call(p.RegisterRegion(8 * ROW), [fd])
+        assert isinstance(reply, p.RegisterRegionReply) and reply.region >= 1, reply
+    finally:
+        r.close()
+
+
 def _foreign_file(tmp_path: Path) -> int:
     path = tmp_path / "foreign"
     path.write_bytes(b"\0" * ROW)

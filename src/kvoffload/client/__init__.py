@@ -74,7 +74,7 @@ from ..protocol import (
 from ..staging import StagingBuffer
 from ..transport import DEFAULT_TIMEOUT_S, Transport, UnixTransport
 from . import direct as direct_io
-from . import inplace
+from . import inplace, removal
 from .buffers import (
     BufferLike,
     DestCallback,
@@ -530,6 +530,20 @@ class SidecarClient:
                     expect(reply, Ack)
             except CONNECTION_ERRORS as exc:
                 s.lose(exc)
+
+    def delete(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """Remove chunks of the tenant (protocol-v1 §5.35): per key, whether the sidecar
+        held it; None where it cannot (older than revision 19, unavailable, refused)."""
+        keys = check_keys(keys)
+        with self._lock:
+            s = self._ensure_session() if keys else None
+            if s is None:
+                return None if keys else []
+            try:
+                return removal.delete(s, self._tenant, keys)
+            except CONNECTION_ERRORS as exc:
+                s.lose(exc)
+                return None
 
     def stats(self) -> dict[str, Any]:
         """The sidecar's statistics, or ``{}`` when it is unavailable."""

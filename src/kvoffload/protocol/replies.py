@@ -158,6 +158,13 @@ class LookupReply(ReplyMessage, frozen=True):
         return {"found": self.found}
 
 
+class DeleteReply(ReplyMessage, frozen=True):
+    """§5.35: per key, whether the tenant held it on this node and no longer does."""
+
+    OP: ClassVar[Op] = Op.DELETE
+    removed: Annotated[tuple[bool, ...], Meta(min_length=1, max_length=MAX_BATCH)]
+
+
 class CompleteStoreReply(ReplyMessage, frozen=True):
     OP: ClassVar[Op] = Op.COMPLETE_STORE
     stored: Annotated[tuple[bool, ...], Meta(min_length=1, max_length=MAX_BATCH)]
@@ -497,6 +504,7 @@ ResultReply = (
     | RegisterRegionReply
     | RegionStoreReply
     | RegionLoadReply
+    | DeleteReply
 )
 Reply = ResultReply | Ack | ErrorReply
 
@@ -508,6 +516,7 @@ __all__ = [
     "REPLY_TYPES",
     "Ack",
     "CompleteStoreReply",
+    "DeleteReply",
     "DropCacheReply",
     "ErrorReply",
     "FsckReply",

@@ -14,6 +14,7 @@ from .requests import (
     Bye,
     CompleteLoad,
     CompleteStore,
+    Delete,
     DropCache,
     Fsck,
     Hello,
@@ -64,6 +65,7 @@ Request = (
     | RegisterRegion
     | RegionStore
     | RegionLoad
+    | Delete
 )
 
 #: op → request class, made from :data:`Request`.

@@ -97,6 +97,12 @@ class Touch(_TenantKeys, frozen=True):
     OP: ClassVar[Op] = Op.TOUCH
 
 
+class Delete(_TenantKeys, frozen=True):
+    """§5.35 (revision 19): remove chunks of the tenant from the store."""
+
+    OP: ClassVar[Op] = Op.DELETE
+
+
 #: Revision 15 (§5.32): load handles completed before the request is served.
 Completes = Annotated[tuple[Handle, ...], Meta(max_length=MAX_PIGGYBACK)]
 
@@ -459,6 +465,7 @@ __all__ = [
     "ChunkSpec",
     "CompleteLoad",
     "CompleteStore",
+    "Delete",
     "DropCache",
     "Fsck",
     "Hello",

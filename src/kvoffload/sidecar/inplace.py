@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Protocol
 from kvoffload.errors import Reject, StoreFull, TransferCancelled
 from kvoffload.protocol import (
     MAX_REGIONS,
-    PROTOCOL_REVISION,
     ErrorCode,
     ErrorReply,
     Op,
@@ -55,6 +54,11 @@ if TYPE_CHECKING:
     from ..store import ChunkRecord, Reservation
     from .peer import Peer
     from .writes import Writes
+
+
+#: The revision that brought these verbs (§5.34): a client that names it or a
+#: later one in ``hello`` may register a region.
+REGION_REVISION = 17
 
 
 class RegionAccess(Access, Protocol):
@@ -121,9 +125,9 @@ class Regions:
         closed. Refused for a client that did not say revision 17 in ``hello``."""
         op = Op.REGISTER_REGION.value
         problem = None
-        if self.session.client_revision < PROTOCOL_REVISION:
+        if self.session.client_revision < REGION_REVISION:
             problem = (
-                f"register_region needs a client of revision {PROTOCOL_REVISION} "
+                f"register_region needs a client of revision {REGION_REVISION} "
                 f"(hello said {self.session.client_revision or 'none'})"
             )
         elif len(fds) != 1:

@@ -27,6 +27,8 @@ from kvoffload.protocol import (
     ChunkSpec,
     CompleteStore,
     CompleteStoreReply,
+    Delete,
+    DeleteReply,
     ErrorCode,
     LeaseSlot,
     LeaseStore,
@@ -269,6 +271,24 @@ class Writes:
         ):
             return StoreSlot(StoreStatus.REJECTED, code=ErrorCode.BUSY)
         return self._reserve(h, i, c, settings, c.offset)
+
+    # -- removing (§5.35) ----------------------------------------------------------------
+
+    def delete(self, req: Delete) -> Reply:
+        """§5.35 (revision 19): remove chunks of the tenant, each as an eviction
+        would (RAM image, file, index entry with its ``BlockRemoved``, accounting,
+        a shared root's journal); how many it held. A write right is needed, as
+        for ``store``; another tenant's chunk of the same key is never reached
+        (the store is keyed by tenant). Per key, whether it was held."""
+        if self.service.draining:
+            raise Reject(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down")
+        self.access.listed(req.tenant)
+        if not self.access.may_use(req.tenant):
+            raise Reject(
+                ErrorCode.FORBIDDEN, f"this connection may not write tenant {req.tenant!r}"
+            )
+        store = self.service.store
+        return DeleteReply(tuple(store.delete(req.tenant, k) for k in req.keys))
 
     # -- completing (§5.5, §8) ----------------------------------------------------------
 

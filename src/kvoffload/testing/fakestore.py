@@ -238,6 +238,10 @@ class FakeStore:
         self._saw(tenant)
         self.touched += [(tenant, k) for k in keys]
 
+    def delete(self, tenant: str, key: bytes) -> bool:
+        self._saw(tenant)
+        return self.data.pop((tenant, key), None) is not None
+
     def load_guard(self, tenant: str) -> Callable[[int], None]:
         return lambda _i: None
 

@@ -43,7 +43,8 @@ from lmcache.v1.platform import create_event_notifier
 from ...client import ChunkTooLarge, SidecarClient, fetch_stats
 from ...contract import CompatContract
 from ...errors import ConnectorConfigError
-from .policy import Settings, object_chunk_key
+from ...protocol import EngineBlocks
+from .policy import Settings, announces, object_chunk_key
 
 log = logging.getLogger("kvoffload.lmcache")
 
@@ -128,6 +129,7 @@ class KVOffloadL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         #: Objects this server stored or loaded, with their sizes (list_l2_keys, delete).
         self._known: dict[ObjectKey, int] = {}
         self._unmapped_warned: set[str] = set()
+        self._old_sidecar_warned: set[str] = set()
         self._pools = {
             _STORE: ThreadPoolExecutor(1, thread_name_prefix="kvoffload-l2-store"),
             _LOAD: ThreadPoolExecutor(1, thread_name_prefix="kvoffload-l2-load"),
@@ -290,8 +292,13 @@ class KVOffloadL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         ok = True
         for ns, batch in by_ns.items():
             views = [objects[i].byte_array for i, _ in batch]
+            blocks = [self._blocks(keys[i]) for i, _ in batch]
             try:
-                res = client.save(ns, [(ck, [v]) for (_, ck), v in zip(batch, views, strict=True)])
+                res = client.save(
+                    ns,
+                    [(ck, [v]) for (_, ck), v in zip(batch, views, strict=True)],
+                    blocks=blocks,
+                )
             except ChunkTooLarge as exc:
                 log.warning("kvoffload L2 store: %s (adapter_params.staging_bytes)", exc)
                 res = [False] * len(batch)
@@ -302,6 +309,16 @@ class KVOffloadL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                 else:
                     ok = False
         return ok
+
+    def _blocks(self, key: ObjectKey) -> EngineBlocks | None:
+        """The object in LMCache's own event terms (its vLLM connector announces the
+        same ``chunk_hash`` for the chunk in CPU memory): published by the sidecar on
+        its KV-event feed with ``medium`` STORAGE. One writer per chunk hash (rank
+        0, group 0), so that another rank's copy going does not retract it."""
+        h = bytes(key.chunk_hash)
+        if not announces(key.kv_rank, key.object_group_id) or not 1 <= len(h) <= 64:
+            return None
+        return EngineBlocks(hashes=(h,), block_size=self._settings.chunk_tokens)
 
     def _run_lookup(self, tid: int, keys: list[ObjectKey]) -> None:
         bitmap = Bitmap(len(keys))
@@ -368,23 +385,51 @@ class KVOffloadL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     # -- eviction, listing, usage --------------------------------------------------
 
     def delete(self, keys: list[ObjectKey]) -> None:
-        """LMCache's eviction controller forgets ``keys``.
+        """LMCache's eviction controller discards ``keys``: each is removed from the
+        sidecar (protocol-v1 §5.35, under the tenant its salt maps to, so no other
+        salt's or tenant's chunk is reached), and listeners hear of the ones that
+        were there. Waits for the store worker, so a store submitted before this
+        call is removed too, and a lookup after it misses.
 
-        Protocol v1 gives a tenant no per-chunk delete: the sidecar reclaims the
-        bytes with its own eviction (LRU at its capacity watermarks, tenant
-        quotas), which the usage reported here reflects. The keys leave this
-        adapter's accounting and listing; they may still hit until the sidecar
-        evicts them, which is safe (a hit is the verified chunk)."""
+        Against a sidecar older than revision 19 the keys only leave this
+        adapter's accounting and listing, and the sidecar's own eviction
+        reclaims the bytes (a hit until then is still the verified chunk)."""
+        keys = list(keys)
+        if not keys or self._closed:
+            return
+        try:
+            removed = self._pools[_STORE].submit(self._delete, keys).result()
+        except Exception:
+            log.exception("kvoffload L2 delete of %d object(s) failed", len(keys))
+            removed = [False] * len(keys)
         gone: list[ObjectKey] = []
         sizes: list[int] = []
         with self._lock:
-            for k in keys:
+            for k, held in zip(keys, removed, strict=True):
                 n = self._known.pop(k, None)
-                if n is not None:
+                if held or n is not None:
                     gone.append(k)
-                    sizes.append(n)
+                    sizes.append(n or 0)
         if gone:
             self._notify_keys_deleted(gone, sizes)
+
+    def _delete(self, keys: list[ObjectKey]) -> list[bool]:
+        """Per key, whether the sidecar held it and removed it."""
+        out = [False] * len(keys)
+        groups, _ = self._groups(_STORE, keys)
+        for tenant, items in groups.items():
+            got = self._client(_STORE, tenant).delete([ck for _, ck, _, _ in items])
+            if got is None:
+                if tenant not in self._old_sidecar_warned:
+                    self._old_sidecar_warned.add(tenant)
+                    log.warning(
+                        "kvoffload sidecar has no delete (older than protocol revision 19): "
+                        "objects LMCache evicts stay until the sidecar evicts them"
+                    )
+                continue
+            for (i, _, _, _), held in zip(items, got, strict=True):
+                out[i] = out[i] or held
+        return out
 
     def list_l2_keys(
         self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None

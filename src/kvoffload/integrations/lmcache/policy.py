@@ -180,6 +180,11 @@ class Settings:
             count[t] = count.get(t, 0) + 1
         return {s: t for s, t in self.tenants.items() if count[t] == 1}
 
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens of one LMCache chunk (the contract's ``chunk_tokens``)."""
+        return int({**_CONTRACT_DEFAULTS, **self.contract}["chunk_tokens"])
+
     def contract_for(self, tenant: str, model_name: str, kv_rank: int) -> CompatContract:
         f = {**_CONTRACT_DEFAULTS, **self.contract}
         return CompatContract(
@@ -205,6 +210,12 @@ def shard_of(kv_rank: int) -> Shard:
     if 0 <= rank < world:
         return Shard(tp_rank=rank, tp_size=world)
     return Shard()
+
+
+def announces(kv_rank: int, object_group_id: int) -> bool:
+    """Whether this rank's object of a chunk is the one whose engine hash the
+    sidecar's KV-event feed carries: tensor-parallel rank 0, object group 0."""
+    return shard_of(kv_rank).tp_rank == 0 and object_group_id == 0
 
 
 def object_chunk_key(

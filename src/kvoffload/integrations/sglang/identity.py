@@ -41,8 +41,12 @@ OWN_KEYS = frozenset(
         "staging_bytes",
         "timeout_s",
         "ttl_s",
+        "inplace",
     }
 )
+#: ``inplace``: "auto" moves pages in place where the host pool is shared memory
+#: (``"allocator": "shm"``) and the sidecar serves it; "off" always stages.
+INPLACE_MODES = ("auto", "off")
 DEFAULT_TENANT = "sglang"
 DEFAULT_STAGING_BYTES = 64 << 20
 _PERSON = b"kvo-sglang-v1"
@@ -63,6 +67,7 @@ class Settings:
     staging_bytes: int = DEFAULT_STAGING_BYTES
     timeout_s: float = 10.0
     ttl_s: float | None = None
+    inplace: str = "auto"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> Settings:
@@ -85,6 +90,11 @@ class Settings:
             v = own.get(name)
             if v is not None and (not isinstance(v, int | float) or isinstance(v, bool) or v <= 0):
                 raise SettingsError(f"kvoffload: extra_config {name!r} must be a positive number")
+        if own.get("inplace", "auto") not in INPLACE_MODES:
+            raise SettingsError(
+                f"kvoffload: extra_config 'inplace' must be one of {', '.join(INPLACE_MODES)}, "
+                f"got {own['inplace']!r}"
+            )
         try:
             validate_tenant(own.get("tenant", DEFAULT_TENANT))
         except ValueError as exc:
@@ -108,6 +118,30 @@ class PoolShape:
     #: the chunk's layers (the contiguous runs of one page in the pool).
     page_bytes: int
     layer_bytes: tuple[int, ...]
+    #: How a page splits into chunks, each the layer sizes of one run of
+    #: adjacent memory (K and V of a ``page_first`` page: two chunks), so that
+    #: a chunk can move in place (protocol-v1 §5.34); empty: one chunk of
+    #: ``layer_bytes``. Decided by the layout alone (:func:`chunk_plan`).
+    chunks: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def plan(self) -> tuple[tuple[int, ...], ...]:
+        """The layer sizes of each chunk of a page, in page order."""
+        return self.chunks or (self.layer_bytes,)
+
+
+#: A page that is more runs of adjacent memory than this stays one chunk (of
+#: many layers), moved through staging: ``layer_first`` (two runs per layer)
+#: would otherwise be dozens of small chunks per page.
+MAX_CHUNKS_PER_PAGE = 2
+
+
+def chunk_plan(runs: list[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """:attr:`PoolShape.chunks` from a page's runs of adjacent memory (each the
+    sizes of its contiguous parts): one chunk per run, or one chunk (``()``)."""
+    if 1 < len(runs) <= MAX_CHUNKS_PER_PAGE:
+        return tuple(runs)
+    return ()
 
 
 @dataclass(frozen=True)
@@ -159,6 +193,8 @@ def make_contract(s: Settings, c: Coordinates, p: PoolShape) -> CompatContract:
         f";cp={c.cp_rank}/{c.cp_size};dcp={c.dcp_rank}/{c.dcp_size}"
         f";page_bytes={p.page_bytes};layers={len(p.layer_bytes)}"
     )
+    if len(p.plan) > 1:
+        backend += f";chunks={len(p.plan)}"
     return CompatContract(
         model_revision=model,
         tokenizer_hash=s.tokenizer_hash,
@@ -177,11 +213,13 @@ def make_contract(s: Settings, c: Coordinates, p: PoolShape) -> CompatContract:
 
 
 class KeyMapper:
-    """SGLang page keys → kvoffload chunk keys of one namespace and pool."""
+    """SGLang page keys → kvoffload chunk keys of one namespace and pool: ``parts``
+    per page (its chunks, :attr:`PoolShape.plan`), page by page."""
 
-    def __init__(self, contract: CompatContract, pool: str) -> None:
+    def __init__(self, contract: CompatContract, pool: str, parts: int = 1) -> None:
         self.contract = contract
         self.namespace = contract.fingerprint()
+        self.parts = parts
         self._pool = pool.encode()
         self._salt: bytes | None = None
         self._root = b""
@@ -191,13 +229,16 @@ class KeyMapper:
             self._root = root_key(self.namespace, salt)
             self._salt = salt
         prefix = self._root + len(self._pool).to_bytes(2, "little") + self._pool
+        # A page key is hex: a part's suffix (after a NUL) never makes another page's key.
+        suffixes = [b""] if self.parts == 1 else [b"\0" + bytes([j]) for j in range(self.parts)]
         out = []
         for k in page_keys:
             if not isinstance(k, str):
                 raise TypeError(f"SGLang page key must be str, got {type(k).__name__}")
-            out.append(
-                hashlib.blake2b(
-                    prefix + k.encode(), digest_size=KEY_SIZE, key=salt, person=_PERSON
-                ).digest()
-            )
+            for sfx in suffixes:
+                out.append(
+                    hashlib.blake2b(
+                        prefix + k.encode() + sfx, digest_size=KEY_SIZE, key=salt, person=_PERSON
+                    ).digest()
+                )
         return out

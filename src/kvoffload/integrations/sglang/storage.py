@@ -34,7 +34,16 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from ...client import SidecarClient
 from ...protocol import ALIGNMENT
-from .identity import Coordinates, KeyMapper, PoolShape, Settings, make_contract
+from .identity import (
+    Coordinates,
+    KeyMapper,
+    PoolShape,
+    Settings,
+    SettingsError,
+    chunk_plan,
+    make_contract,
+)
+from .inplace import PoolRegions, Span, adjacent_runs
 from .pages import byte_view, page_regions
 
 log = logging.getLogger("kvoffload.sglang")
@@ -44,12 +53,29 @@ KV_POOL = "kv"
 
 @dataclass
 class _Pool:
-    """One registered host pool: its namespace, key mapper and page geometry."""
+    """One registered host pool: its namespace, key mapper and page geometry, and
+    its files where it is in shared memory (in-place transfers; None: staging)."""
 
     name: str
     host: Any
     shape: PoolShape
     keys: KeyMapper
+    regions: PoolRegions | None = None
+
+    @property
+    def parts(self) -> int:
+        return len(self.shape.plan)
+
+    def runs(self, index: int) -> list[list[torch.Tensor]] | None:
+        """The page at ``index`` as views of the pool, one list per chunk; None where
+        it does not split as the plan says (the caller copies through a flat page)."""
+        regions = page_regions(self.host, index)
+        if regions is None:
+            return None
+        plan = self.shape.plan
+        runs = [regions] if len(plan) == 1 else adjacent_runs(regions)
+        sizes = [tuple(int(t.numel() * t.element_size()) for t in r) for r in runs]
+        return runs if tuple(sizes) == plan else None
 
 
 def _pool_shape(name: str, host: Any) -> PoolShape:
@@ -62,6 +88,12 @@ def _pool_shape(name: str, host: Any) -> PoolShape:
     )
     if sum(layer_bytes) != page_bytes:
         layer_bytes = (page_bytes,)
+    runs = adjacent_runs(regions) if regions else []
+    chunks = chunk_plan(
+        [tuple(int(t.numel() * t.element_size()) for t in r) for r in runs]
+        if sum(layer_bytes) == page_bytes and len(layer_bytes) > 1
+        else []
+    )
     head_dim = getattr(host, "head_dim", None)
     if not isinstance(head_dim, int) or head_dim <= 0:
         rank = getattr(host, "kv_lora_rank", 0) or 0
@@ -80,6 +112,7 @@ def _pool_shape(name: str, host: Any) -> PoolShape:
         head_dim=head_dim,
         page_bytes=page_bytes,
         layer_bytes=layer_bytes,
+        chunks=chunks,
     )
 
 
@@ -91,10 +124,25 @@ def _split(view: memoryview, sizes: tuple[int, ...]) -> list[memoryview]:
     return out
 
 
+def _split_plan(view: memoryview, plan: tuple[tuple[int, ...], ...]) -> list[list[memoryview]]:
+    """A flat page's bytes as the layers of each of its chunks."""
+    out, at = [], 0
+    for sizes in plan:
+        n = sum(sizes)
+        out.append(_split(view[at : at + n], sizes))
+        at += n
+    return out
+
+
 def _prefix(ok: list[bool]) -> list[bool]:
     """Hits count only as a leading run (a load after a miss is not used)."""
     n = ok.index(False) if False in ok else len(ok)
     return [True] * n + [False] * (len(ok) - n)
+
+
+def _pages_ok(ok: list[bool], parts: int) -> list[bool]:
+    """Per page: every one of its ``parts`` chunks ok, as a leading run of pages."""
+    return _prefix([all(ok[p * parts : (p + 1) * parts]) for p in range(len(ok) // parts)])
 
 
 class KvoffloadStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang: untyped
@@ -146,22 +194,35 @@ class KvoffloadStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang: untyped
         shape = _pool_shape(name, host)
         need = shape.page_bytes + ALIGNMENT * len(shape.layer_bytes)
         if need > self.client.staging_bytes:
-            from .identity import SettingsError
-
             raise SettingsError(
                 f"kvoffload: a {name!r} page needs {need} bytes of staging; raise "
                 f"'staging_bytes' in extra_config above {self.client.staging_bytes}"
             )
         contract = make_contract(self.settings, self.coords, shape)
         self.client.register_contract(contract)
+        pool = _Pool(name, host, shape, KeyMapper(contract, name, len(shape.plan)))
+        if self.settings.inplace == "auto":
+            pool.regions = PoolRegions.of(self.client, host)
+            why = 'the pool is not in shared memory: extra_config "allocator": "shm"'
+            if pool.regions is not None and self._spans(pool, [0]) is None:
+                pool.regions, why = None, "a page of this layout is not one or two runs"
+            log.info(
+                "kvoffload: %s pool %r: pages move %s",
+                shape.layout,
+                name,
+                "in place (the sidecar reads and writes its shared-memory file)"
+                if pool.regions is not None
+                else f"through staging ({why})",
+            )
         with self._lock:
-            self._pools[name] = _Pool(name, host, shape, KeyMapper(contract, name))
+            self._pools[name] = pool
 
     def _pool(self, name: str) -> _Pool | None:
         with self._lock:
             return self._pools.get(name)
 
     def _chunk_keys(self, pool: _Pool, keys: list[str]) -> list[bytes] | None:
+        """The chunk keys of ``keys``' pages, ``pool.parts`` per page, page by page."""
         salt = self.client.salt
         return pool.keys.keys(salt, keys) if salt is not None else None
 
@@ -172,7 +233,7 @@ class KvoffloadStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang: untyped
         if pool is None or not keys:
             return 0
         ck = self._chunk_keys(pool, list(keys))
-        return self.client.lookup(ck) if ck else 0
+        return self.client.lookup(ck) // pool.parts if ck else 0
 
     def exists(self, key: str) -> bool:
         return self._leading(KV_POOL, [key]) == 1
@@ -199,6 +260,23 @@ class KvoffloadStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang: untyped
         flat = host_indices.reshape(-1)
         return [int(flat[i * ps].item()) for i in range(n)]
 
+    def _spans(self, pool: _Pool, idx: list[int]) -> list[Span] | None:
+        """Every chunk of the pages at ``idx`` as a span of the pool's files, or None
+        where one is not (then the whole batch stages)."""
+        if pool.regions is None:
+            return None
+        spans: list[Span] = []
+        for i in idx:
+            runs = pool.runs(i)
+            if runs is None:
+                return None
+            for run in runs:
+                sp = pool.regions.span(run)
+                if sp is None:
+                    return None
+                spans.append(sp)
+        return spans
+
     def _get_pages(self, pool_name: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         n = len(keys)
         pool = self._pool(pool_name)
@@ -208,28 +286,39 @@ class KvoffloadStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang: untyped
         ck = self._chunk_keys(pool, list(keys))
         if not ck:
             return [False] * n
+        spans = self._spans(pool, idx)
+        if spans is not None:
+            # Verified by the sidecar, then written into the pool's file (§5.34);
+            # a chunk of other layer sizes is a miss and no byte of it lands.
+            done = self.client.load_in_place(ck, spans)
+            if done is not None:
+                return _pages_ok(done, pool.parts)
+        return self._get_staged(pool, ck, idx)
+
+    def _get_staged(self, pool: _Pool, ck: list[bytes], idx: list[int]) -> list[bool]:
+        parts, plan = pool.parts, pool.shape.plan
         scratch: dict[int, torch.Tensor] = {}
         bad: set[int] = set()
-        expect = list(pool.shape.layer_bytes)
 
         def dest_for(i: int, _key: bytes, sizes: Any) -> list[Any]:
-            if list(sizes) != expect:
-                # Not a page of this geometry: never copied into the pool.
-                bad.add(i)
+            page, part = divmod(i, parts)
+            if tuple(sizes) != plan[part]:
+                # Not a chunk of this geometry: never copied into the pool.
+                bad.add(page)
                 return [bytearray(s) for s in sizes]
-            regions = page_regions(pool.host, idx[i])
-            if regions is not None and len(regions) == len(expect):
-                return [byte_view(r) for r in regions]
-            tmp = pool.host.get_dummy_flat_data_page()
-            scratch[i] = tmp
-            return _split(byte_view(tmp), pool.shape.layer_bytes)
+            runs = pool.runs(idx[page])
+            if runs is not None:
+                return [byte_view(r) for r in runs[part]]
+            if page not in scratch:
+                scratch[page] = pool.host.get_dummy_flat_data_page()
+            return _split_plan(byte_view(scratch[page]), plan)[part]
 
-        ok = self.client.load_to(ck, dest_for)
-        ok = [o and i not in bad for i, o in enumerate(ok)]
-        for i, t in scratch.items():
-            if ok[i]:
-                pool.host.set_from_flat_data_page(idx[i], t)
-        return _prefix(ok)
+        ok = _pages_ok(self.client.load_to(ck, dest_for), parts)
+        ok = _prefix([o and p not in bad for p, o in enumerate(ok)])
+        for p, t in scratch.items():
+            if ok[p]:
+                pool.host.set_from_flat_data_page(idx[p], t)
+        return ok
 
     def _set_pages(self, pool_name: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         n = len(keys)
@@ -243,28 +332,46 @@ class KvoffloadStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang: untyped
         ck = self._chunk_keys(pool, list(keys))
         if not ck:
             return [False] * n
-        chunks = []
+        spans = self._spans(pool, idx)
+        if spans is not None:
+            done = self._save(pool, ck, spans, in_place=True)
+            if done is not None:
+                return done
+        chunks: list[list[memoryview]] = []
         for i in idx:
-            regions = page_regions(pool.host, i)
-            if regions is None or len(regions) != len(pool.shape.layer_bytes):
+            runs = pool.runs(i)
+            if runs is None:
                 flat = pool.host.get_data_page(i, flat=True).contiguous().cpu()
-                chunks.append(_split(byte_view(flat), pool.shape.layer_bytes))
+                chunks.extend(_split_plan(byte_view(flat), pool.shape.plan))
             else:
-                chunks.append([byte_view(r) for r in regions])
-        return self._save(pool, ck, chunks)
+                chunks.extend([byte_view(t) for t in r] for r in runs)
+        got = self._save(pool, ck, chunks, in_place=False)
+        assert got is not None
+        return got
 
-    def _save(self, pool: _Pool, ck: list[bytes], layers: list[list[memoryview]]) -> list[bool]:
+    def _save(
+        self, pool: _Pool, ck: list[bytes], what: list[Any], *, in_place: bool
+    ) -> list[bool] | None:
+        """Store each chunk once (a page named twice in a batch is one chunk); per page,
+        all of its chunks stored. ``what``: spans (in place) or layers (staged);
+        None: the sidecar does not serve in-place stores (the caller stages)."""
         uniq: dict[bytes, int] = {}
         for i, k in enumerate(ck):
             uniq.setdefault(k, i)
         firsts = list(uniq.values())
-        stored = self.client.save(
-            pool.keys.namespace,
-            [(ck[i], layers[i]) for i in firsts],
-            ttl_s=self.settings.ttl_s,
-        )
+        batch = [(ck[i], what[i]) for i in firsts]
+        ttl = self.settings.ttl_s
+        if in_place:
+            stored = self.client.save_in_place(pool.keys.namespace, batch, ttl_s=ttl)
+            if stored is None:
+                return None
+        else:
+            stored = self.client.save(pool.keys.namespace, batch, ttl_s=ttl)
         by_key = {ck[i]: ok for i, ok in zip(firsts, stored, strict=True)}
-        return [by_key[k] for k in ck]
+        parts = pool.parts
+        return [
+            all(by_key[k] for k in ck[p * parts : (p + 1) * parts]) for p in range(len(ck) // parts)
+        ]
 
     def batch_get_v1(
         self,
@@ -307,17 +414,19 @@ class KvoffloadStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang: untyped
         ck = self._chunk_keys(pool, keys)
         if not ck:
             return [None] * len(keys)
-        sizes = pool.shape.layer_bytes
+        parts, plan = pool.parts, pool.shape.plan
+        page_bytes = sum(pool.shape.layer_bytes)
 
         def dest_for(i: int, _key: bytes, got: Any) -> list[Any]:
-            t = targets[i]
-            if list(got) != list(sizes) or t.numel() * t.element_size() != sum(sizes):
-                targets[i] = None
+            page, part = divmod(i, parts)
+            t = targets[page]
+            if t is None or tuple(got) != plan[part] or t.numel() * t.element_size() != page_bytes:
+                targets[page] = None
                 return [bytearray(s) for s in got]
-            return _split(byte_view(t), sizes)
+            return _split_plan(byte_view(t), plan)[part]
 
-        ok = self.client.load_to(ck, dest_for)
-        return [t if o else None for t, o in zip(targets, _prefix(ok), strict=True)]
+        ok = _pages_ok(self.client.load_to(ck, dest_for), parts)
+        return [t if o else None for t, o in zip(targets, ok, strict=True)]
 
     def set(
         self,
@@ -342,16 +451,16 @@ class KvoffloadStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang: untyped
             return False
         if not keys or not self.is_writer:
             return True
-        sizes = pool.shape.layer_bytes
-        chunks = []
+        page_bytes = sum(pool.shape.layer_bytes)
+        chunks: list[list[memoryview]] = []
         for v in vals:
             t = v.contiguous().cpu()
-            if t.numel() * t.element_size() != sum(sizes):
-                log.error("kvoffload: a page of %s bytes, expected %s", t.nbytes, sum(sizes))
+            if t.numel() * t.element_size() != page_bytes:
+                log.error("kvoffload: a page of %s bytes, expected %s", t.nbytes, page_bytes)
                 return False
-            chunks.append(_split(byte_view(t), sizes))
+            chunks.extend(_split_plan(byte_view(t), pool.shape.plan))
         ck = self._chunk_keys(pool, keys)
-        return ck is not None and all(self._save(pool, ck, chunks))
+        return ck is not None and all(self._save(pool, ck, chunks, in_place=False) or [False])
 
     # -- v2: hybrid pools ------------------------------------------------------
 
@@ -362,7 +471,8 @@ class KvoffloadStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang: untyped
         ck = self._chunk_keys(pool, keys)
         if not ck:
             return [False] * len(keys)
-        return [self.client.lookup([k]) == 1 for k in ck]
+        n = pool.parts
+        return [self.client.lookup(ck[p * n : (p + 1) * n]) == n for p in range(len(keys))]
 
     def batch_exists_v2(
         self,
