@@ -15,7 +15,7 @@ first line of stdout once it listens.
   next streamed answer kills this process, as a crashed engine dies, after
   that many of :data:`SSE_CHUNKS`: 0 is right after the response headers, as
   vLLM sends them before the first token); ``GET /_requests`` lists the
-  bodies received.
+  bodies received, parsed and as sent (``raw``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import sys
 from typing import Any
@@ -55,8 +56,9 @@ def main() -> None:
     received: list[dict[str, Any]] = []
 
     async def completions(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        received.append({"path": request.path, "body": body})
+        raw = await request.read()
+        body = json.loads(raw)
+        received.append({"path": request.path, "body": body, "raw": raw.decode("utf-8", "replace")})
         await asyncio.sleep(float(state["delay"]))
         if state["status"] != 200:
             return web.json_response({"error": "told to fail"}, status=int(state["status"]))

@@ -179,6 +179,27 @@ def test_another_tenants_guess_of_a_prompt_is_routed_cold(tmp_path: Path) -> Non
         assert status == 401
 
 
+def test_the_worker_gets_the_clients_bytes_with_only_the_tenants_salt_added(
+    tmp_path: Path,
+) -> None:
+    # Spacing, key order and an unescaped "é" survive only if the bytes are not re-encoded.
+    raw = b'{ "model" : "m",\n  "prompt": [1, 2, 3],  "max_tokens": 4, "note": "\xc3\xa9" }'
+    with cluster(tmp_path, extra=TENANTS) as (router, workers):
+        alice = {"Authorization": "Bearer key-alice"}
+        status, _, _ = request(router.port, "POST", "/v1/completions", raw=raw, headers=alice)
+        assert status == 200
+        own = raw.replace(b'"m",', b'"m", "cache_salt": "mine",')
+        status, _, _ = request(router.port, "POST", "/v1/completions", raw=own, headers=alice)
+        assert status == 200
+        sent = [r for w in workers for r in w.received()]
+        spliced = next(r for r in sent if r["body"]["cache_salt"] == "salt-alice-0123456789")
+        assert spliced["raw"].encode() == b'{"cache_salt":"salt-alice-0123456789",' + raw[1:]
+        # The client's own salt is kept behind the tenant's: one member, re-encoded.
+        mine = next(r for r in sent if r is not spliced)
+        assert mine["raw"].count("cache_salt") == 1
+        assert mine["body"]["cache_salt"] == "salt-alice-0123456789:mine"
+
+
 def test_select_and_reserve_books_the_choice_until_released(tmp_path: Path) -> None:
     with cluster(tmp_path) as (router, _workers):
         status, _, body = router.post("/v1/kv/select", {"tokens": PROMPT, "reserve": True})

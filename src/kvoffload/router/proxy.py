@@ -51,6 +51,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from .body import BadBody, Body, forwarded, parse_body
 from .config import RouterConfig, TenantSpec
 from .core import Decision, Router, Ticket
 from .index import SourceState
@@ -79,6 +80,8 @@ _HOP = {
     "host",
     "authorization",
 }
+#: Request headers the router does not pass on (it sets the content type itself).
+_NOT_FORWARDED = _HOP | {"content-type", TENANT_HEADER.lower()}
 
 
 @dataclass
@@ -298,7 +301,7 @@ class RouterService:
 
     # -- the prompt -----------------------------------------------------------------
 
-    async def _body(self, request: web.Request) -> dict[str, Any] | web.Response:
+    async def _body(self, request: web.Request) -> Body | web.Response:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -309,15 +312,9 @@ class RouterService:
                 "invalid_request_error",
             )
         try:
-            # bytes: json detects UTF-8/16/32 itself, whatever charset the header claims
-            body = json.loads(raw)
-        except RecursionError:
-            return error(400, "the request body is nested too deeply", "invalid_request_error")
-        except ValueError:  # not JSON, not UTF-8, an integer of too many digits
-            return error(400, "the request body is not valid JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return error(400, "the request body must be a JSON object", "invalid_request_error")
-        return body
+            return parse_body(raw)
+        except BadBody as exc:
+            return error(400, str(exc), "invalid_request_error")
 
     async def hashes(
         self, body: Mapping[str, Any], chat: bool, salt: str | None
@@ -353,25 +350,21 @@ class RouterService:
         tenant = self.tenant(request)
         if isinstance(tenant, web.Response):
             return tenant
-        body = await self._body(request)
-        if isinstance(body, web.Response):
-            return body
+        parsed = await self._body(request)
+        if isinstance(parsed, web.Response):
+            return parsed
+        body = parsed.data
         deadline = self.deadline(request, tenant)
         if isinstance(deadline, web.Response):
             return deadline
         salt = self.salt(tenant, body.get("cache_salt"))
-        if salt is not None:
-            body["cache_salt"] = salt
         hashes, n_tokens = await self.hashes(body, chat, salt)
         try:
-            payload = json.dumps(body).encode()
-        except RecursionError:
-            return error(400, "the request body is nested too deeply", "invalid_request_error")
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        headers.pop(TENANT_HEADER, None)
-        # The body forwarded is the router's own serialization: UTF-8 JSON, whatever came in.
-        for k in [k for k in headers if k.lower() == "content-type"]:
-            del headers[k]
+            payload = forwarded(parsed, salt)
+        except BadBody as exc:
+            return error(400, str(exc), "invalid_request_error")
+        # The body forwarded is UTF-8 JSON (the client's own bytes where they are).
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
         headers["Content-Type"] = "application/json"
         tried: list[str] = []
         last_error = "no healthy worker"
@@ -564,9 +557,10 @@ class RouterService:
         tenant = self.tenant(request)
         if isinstance(tenant, web.Response):
             return tenant
-        body = await self._body(request)
-        if isinstance(body, web.Response):
-            return body
+        parsed = await self._body(request)
+        if isinstance(parsed, web.Response):
+            return parsed
+        body = parsed.data
         deadline = self.deadline(request, tenant)
         if isinstance(deadline, web.Response):
             return deadline
@@ -634,9 +628,10 @@ class RouterService:
                 self.router.failed(res.ticket, now)
 
     async def _release(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        if isinstance(body, web.Response):
-            return body
+        parsed = await self._body(request)
+        if isinstance(parsed, web.Response):
+            return parsed
+        body = parsed.data
         rid, outcome = body.get("reservation"), body.get("outcome")
         if outcome not in ("first_token", "finished", "failed"):
             return error(
