@@ -333,7 +333,8 @@ class RouterService:
         return got if got is not None else ([], 0)
 
     def _log(self, decision: Decision) -> None:
-        self.metrics.decisions.labels(decision.mode.value).inc()
+        m = self.metrics
+        m.labelled(m.decisions, decision.mode.value).inc()
         level = logging.INFO if self.cfg.log_decisions else logging.DEBUG
         if decisions_log.isEnabledFor(level):
             decisions_log.log(level, "%s", json.dumps(decision.as_dict(self.cfg.block_size)))
@@ -391,7 +392,7 @@ class RouterService:
                 self.metrics.estimated.observe(chosen.estimate.ttft_s)
                 for tier, n in chosen.estimate.cached_tokens.items():
                     if n:
-                        self.metrics.cached.labels(tier).inc(n)
+                        self.metrics.labelled(self.metrics.cached, tier).inc(n)
             ticket = self.router.dispatch(decision, self.clock())
             tried.append(decision.worker)
             got = await self._send(ticket, request.path, payload, headers)
@@ -434,7 +435,7 @@ class RouterService:
         self.router.failed(ticket, self.clock())
         if down:
             self.mark(name, False)
-        self.metrics.requests.labels(name, outcome).inc()
+        self.metrics.labelled(self.metrics.requests, name, outcome).inc()
         log.warning("worker %s failed before the first byte (%s): retrying elsewhere", name, reason)
         return f"{name}: {reason}"
 
@@ -459,22 +460,26 @@ class RouterService:
         outcome = "ok" if upstream.status < 400 else f"http_{upstream.status}"
         broke: BaseException | None = None
         tail = first[-4:]
+        content = upstream.content
         try:
             request[COMMITTED] = True
+            # The headers go out with the first bytes, and the last bytes with the end of
+            # the answer: one send for an answer that came in one piece, not three.
+            out._send_headers_immediately = False
             await out.prepare(request)
             chunk = first
-            while chunk:
+            while chunk and not content.at_eof():
                 await out.write(chunk)
                 tail = (tail + chunk)[-4:]
                 try:
-                    chunk = await upstream.content.readany()
+                    chunk = await content.readany()
                 except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                     broke = exc
                     break
             if broke is None:
                 if not streaming:
                     self._first_token(ticket, self.clock(), observed=False)
-                await out.write_eof()
+                await out.write_eof(chunk)
         except ConnectionError:  # the client went away: closing upstream aborts the request
             outcome = "client_gone"
         finally:
@@ -487,7 +492,7 @@ class RouterService:
             outcome = "broken"
             log.warning("worker %s: the response broke off (%s)", name, broke or type(broke))
             await self._abort(request, out, streaming, tail, name)
-        self.metrics.requests.labels(name, outcome).inc()
+        self.metrics.labelled(self.metrics.requests, name, outcome).inc()
         return out
 
     async def _abort(
