@@ -50,6 +50,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from prometheus_client import generate_latest
+from yarl import URL
 
 from .body import BadBody, Body, forwarded, parse_body
 from .config import RouterConfig, TenantSpec
@@ -120,6 +121,7 @@ class RouterService:
         self.by_name = {t.name: t for t in cfg.tenants}
         self.metrics = Metrics()
         self.reservations: dict[int, _Reservation] = {}
+        self._urls: dict[tuple[str, str], URL] = {}
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._bridge: Any = None
@@ -163,7 +165,10 @@ class RouterService:
         timeout = aiohttp.ClientTimeout(
             total=self.cfg.request_timeout_s, sock_connect=self.cfg.connect_timeout_s
         )
-        self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        # No cookie jar: a cookie one worker set must never ride on another client's request.
+        self._session = aiohttp.ClientSession(
+            timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
+        )
         await self.prompts.start()
         if self._bridge is not None:
             self._bridge.start()
@@ -402,6 +407,14 @@ class RouterService:
             return await self._relay(request, ticket, *got)
         return error(502, f"the workers failed ({last_error})", "bad_gateway")
 
+    def _url(self, worker: str, path: str) -> URL:
+        """A worker's URL for a path, parsed once."""
+        key = (worker, path)
+        url = self._urls.get(key)
+        if url is None:
+            url = self._urls[key] = URL(self.workers[worker].url + path)
+        return url
+
     async def _send(
         self, ticket: Ticket, path: str, payload: bytes, headers: Mapping[str, str]
     ) -> tuple[aiohttp.ClientResponse, bytes, float] | str:
@@ -416,9 +429,7 @@ class RouterService:
         upstream: aiohttp.ClientResponse | None = None
         down = True
         try:
-            upstream = await self.session.post(
-                self.workers[name].url + path, data=payload, headers=headers
-            )
+            upstream = await self.session.post(self._url(name, path), data=payload, headers=headers)
             if upstream.status >= 500:
                 await upstream.read()
                 reason, outcome, down = f"HTTP {upstream.status}", f"http_{upstream.status}", False
