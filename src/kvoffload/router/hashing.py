@@ -106,6 +106,7 @@ def _xxh128(data: bytes) -> bytes:
     return digest
 
 
+@functools.cache
 def hash_function(name: str) -> Callable[[Any], bytes]:
     """vLLM's ``get_hash_fn_by_name``: the serializer and digest of one algorithm."""
     if name == "sha256":
@@ -154,10 +155,6 @@ class BlockHasher:
     def none_hash(self) -> bytes:
         return hash_function(self.algorithm)(self.seed if self.seed is not None else DEFAULT_SEED)
 
-    @functools.cached_property
-    def _fn(self) -> Callable[[Any], bytes]:
-        return hash_function(self.algorithm)
-
     def extra_keys(
         self, block_index: int, *, cache_salt: str | None, lora: tuple[str, str] | None
     ) -> tuple[Any, ...] | None:
@@ -181,7 +178,7 @@ class BlockHasher:
         Each prompt is hashed once per request, on the router's event loop: the
         loop is kept to one slice, one serialization and one digest per block.
         """
-        fn = self._fn
+        fn = hash_function(self.algorithm)
         parent = self.none_hash
         bs = self.block_size
         tokens = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
