@@ -90,6 +90,28 @@ def test_requests_waiting_together_are_one_batch_and_each_gets_its_own_ids(
     assert counting.sizes[0] == 1 and sorted(counting.sizes[1:]) == [16, 32]
 
 
+def test_a_batch_stops_at_its_character_budget(tok: Tokenizer) -> None:
+    counting = Counting(tok)
+    enc = BatchEncoder(counting, max_chars=100)
+    texts = ["a" * 60, "b" * 30, "c" * 20, "d" * 500, "e"]
+
+    async def run() -> list[list[int]]:
+        counting.gate.clear()
+        first = enc.encode("warm", True)
+        await asyncio.to_thread(counting.entered.wait)
+        rest = [enc.encode(t, True) for t in texts]
+        counting.gate.set()
+        await first
+        return list(await asyncio.gather(*rest))
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        enc.close()
+    assert got == [tok.encode_prompt(t) for t in texts]
+    assert counting.sizes == [1, 2, 1, 1, 1]  # 60+30; 20 (+500 is over); 500 alone; 1
+
+
 def test_a_failing_batch_fails_its_requests_and_the_thread_goes_on(tok: Tokenizer) -> None:
     counting = Counting(tok)
     enc = BatchEncoder(counting)

@@ -33,9 +33,14 @@ _Item = tuple[str, bool, "asyncio.Future[list[int]]"]
 class BatchEncoder:
     """A thread tokenizing, in batches, the texts submitted from event loops."""
 
-    def __init__(self, tokenizer: Encodes, *, max_batch: int = 64) -> None:
+    def __init__(
+        self, tokenizer: Encodes, *, max_batch: int = 64, max_chars: int = 1 << 20
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_batch = max_batch
+        #: A batch is answered when its last text is: short prompts are not kept
+        #: behind more than about this much text (a long one alone goes as it is).
+        self.max_chars = max_chars
         self.batches = 0
         self._cv = threading.Condition()
         self._queue: list[_Item] = []
@@ -74,8 +79,14 @@ class BatchEncoder:
                     self._cv.wait()
                 if not self._queue:
                     return
-                batch = self._queue[: self.max_batch]
-                del self._queue[: self.max_batch]
+                take, chars = 0, 0
+                for text, _, _ in self._queue:  # up to max_batch texts, max_chars characters
+                    if take == self.max_batch or (take and chars + len(text) > self.max_chars):
+                        break
+                    take += 1
+                    chars += len(text)
+                batch = self._queue[:take]
+                del self._queue[:take]
             self.batches += 1
             for special in (True, False):
                 items = [it for it in batch if it[1] is special]
