@@ -7,22 +7,25 @@ are the HTTP path's own), a real ``kvoffload router`` process in front of them
 with a real BPE tokenizer (trained here on the Python standard library's
 sources, byte-level like GPT-2's and Llama 3's, with a BOS token), and one
 client (aiohttp). Every prompt is a different text of about ``--tokens``
-tokens, so the router tokenizes and hashes each one (sha256, vLLM's default).
+tokens, so the router tokenizes and hashes each one (sha256, vLLM's default);
+the same prompts are also sent as token ids (no tokenizing).
 
-- latency, concurrency 1: direct and through the router interleaved request
-  by request, p50/p99 of each and the difference (the router's overhead);
-- throughput, concurrency ``--concurrency``: requests/s direct (the ceiling of
-  these engines and this client on this machine) and through the router, in
-  alternating rounds, with the router's CPU per request.
+One table, a row per (size, prompt as text or token ids, path): direct to the
+engines (the ceiling of these engines and this client on this machine), the
+router, and with ``--peer-src`` a second router from another checkout (a
+before/after in the same run, same engines, client and tokenizer):
+
+- concurrency 1: every path interleaved request by request; p50/p99, and the
+  router's overhead (+p50: median of the paired differences to direct);
+- concurrency ``--concurrency``: requests/s per path in alternating rounds,
+  the ratio to direct, latency p50/p99, and the router's CPU per request.
 
 The targets (issue 33): overhead ≤ 1 ms p50 for a 1k-token request; ≥ 1,000
 requests/s at concurrency 32.
 
-    PYTHONPATH=src python scripts/bench_router.py [--tokens 1000,8000] [--requests 300]
-        [--concurrency 32] [--seconds 5] [--router-src DIR] [--json FILE]
-
-``--router-src`` runs the router from another checkout's ``src`` (a before/after
-comparison) with the same engines, client and tokenizer.
+    PYTHONPATH=src python scripts/bench_router.py [--quick] [--tokens 1000,8000]
+        [--requests 300] [--concurrency 32] [--seconds 5] [--rounds 2]
+        [--peer-src DIR] [--router-src DIR] [--json FILE]
 """
 
 from __future__ import annotations
@@ -233,48 +236,50 @@ async def one(session: Any, url: str, prompt: str | list[int]) -> float:
 
 
 async def latency(
-    direct: list[str], router: str, texts: Sequence[str | list[int]]
-) -> tuple[list[float], list[float]]:
+    direct: list[str], routers: list[str], texts: Sequence[str | list[int]]
+) -> tuple[list[float], list[list[float]]]:
+    """Concurrency 1: each prompt direct and through each router, in turn, order rotating."""
     import aiohttp
 
     d: list[float] = []
-    r: list[float] = []
+    r: list[list[float]] = [[] for _ in routers]
     async with aiohttp.ClientSession() as s:
-        for i, t in enumerate(texts[:8]):  # warm both paths (connections, caches)
+        for i, t in enumerate(texts[:8]):  # warm every path (connections, caches)
             await one(s, direct[i % len(direct)], t)
-            await one(s, router, t)
+            for u in routers:
+                await one(s, u, t)
         for i, t in enumerate(texts):
-            # Interleaved, the order swapped every other request: both see the same noise.
-            if i % 2:
-                d.append(await one(s, direct[i % len(direct)], t))
-                r.append(await one(s, router, t))
-            else:
-                r.append(await one(s, router, t))
-                d.append(await one(s, direct[i % len(direct)], t))
+            # Interleaved, the order rotated every request: all paths see the same noise.
+            paths: list[int] = [-1, *range(len(routers))]
+            k = i % len(paths)
+            for j in paths[k:] + paths[:k]:
+                if j < 0:
+                    d.append(await one(s, direct[i % len(direct)], t))
+                else:
+                    r[j].append(await one(s, routers[j], t))
     return d, r
 
 
 async def throughput(
     urls: list[str], texts: Sequence[str | list[int]], conc: int, seconds: float
-) -> float:
+) -> tuple[float, list[float]]:
+    """``conc`` clients for ``seconds``: requests/s and each request's latency."""
     import aiohttp
 
-    done = 0
+    lat: list[float] = []
     stop = time.perf_counter() + seconds
 
     async def loop(k: int) -> None:
-        nonlocal done
         i = k
         while time.perf_counter() < stop:
-            await one(s, urls[i % len(urls)], texts[i % len(texts)])
-            done += 1
+            lat.append(await one(s, urls[i % len(urls)], texts[i % len(texts)]))
             i += conc
 
     conn = aiohttp.TCPConnector(limit=conc * 2)
     async with aiohttp.ClientSession(connector=conn) as s:
         t0 = time.perf_counter()
         await asyncio.gather(*(loop(k) for k in range(conc)))
-        return done / (time.perf_counter() - t0)
+        return len(lat) / (time.perf_counter() - t0), lat
 
 
 def tree_cpu_s(pid: int) -> float:
@@ -316,13 +321,21 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=16000)
     ap.add_argument("--router-src", type=Path, default=ROOT / "src")
     ap.add_argument(
+        "--peer-src",
+        type=Path,
+        help="a second router from another checkout's src, measured in the same run",
+    )
+    ap.add_argument(
         "--tokenizer-processes", type=int, help="[model] tokenizer_processes (default: unset)"
     )
+    ap.add_argument("--quick", action="store_true", help="1k tokens, 100 requests, 2 rounds of 2 s")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.engine is not None:
         engine(args.engine)
         return
+    if args.quick:
+        args.tokens, args.requests, args.seconds, args.rounds = "1000", 100, 2.0, 2
     sizes = [int(x) for x in args.tokens.split(",")]
     procs: list[subprocess.Popen[bytes]] = []
     out: dict[str, Any] = {"params": {k: str(v) for k, v in vars(args).items()}, "rows": []}
@@ -341,68 +354,21 @@ def main() -> None:
                 p, u = start_engine(d, i)
                 procs.append(p)
                 urls.append(u)
-            rp, rurl = start_router(
-                d, args.router_src.resolve(), tok, urls, args.tokenizer_processes
-            )
-            procs.append(rp)
+            routers: list[tuple[str, subprocess.Popen[bytes], str]] = []
+            named = [("kvoffload router", args.router_src)]
+            if args.peer_src is not None:
+                named.append((f"peer: {args.peer_src}", args.peer_src))
+            for j, (name, src) in enumerate(named):
+                rd = d / f"router{j}"
+                rd.mkdir()
+                rp, rurl = start_router(rd, src.resolve(), tok, urls, args.tokenizer_processes)
+                procs.append(rp)
+                routers.append((name, rp, rurl))
             print(
                 f"router from {args.router_src} (tokenizer_processes: "
                 f"{args.tokenizer_processes}); {os.cpu_count()} cores on this machine"
             )
-            from tokenizers import Tokenizer as Rust
-
-            rust = Rust.from_file(str(tok / "tokenizer.json"))
-            rows = []
-            for n in sizes:
-                texts = prompts(tok, text, n, args.requests)
-                c0 = time.process_time()
-                ids = [e.ids for e in (rust.encode(t) for t in texts)]
-                alone = (time.process_time() - c0) / len(texts)
-                for kind, ps in (("text", texts), ("token ids", ids)):
-                    dl, rl = asyncio.run(latency(urls, rurl, ps))
-                    rows.append(
-                        {
-                            "tokens": n,
-                            "prompt": kind,
-                            "tokenizer_alone_ms": alone * 1e3 if kind == "text" else None,
-                            "direct_p50_ms": pct(dl, 0.5) * 1e3,
-                            "direct_p99_ms": pct(dl, 0.99) * 1e3,
-                            "router_p50_ms": pct(rl, 0.5) * 1e3,
-                            "router_p99_ms": pct(rl, 0.99) * 1e3,
-                            "overhead_p50_ms": statistics.median(
-                                r - x for r, x in zip(rl, dl, strict=True)
-                            )
-                            * 1e3,
-                        }
-                    )
-            out["rows"] = rows
-            texts = prompts(tok, text, sizes[0], 2000)
-            ids = [e.ids for e in (rust.encode(t) for t in texts)]
-            out["throughput"] = []
-            for kind, ps in (("text", texts), ("token ids", ids)):
-                direct_rps: list[float] = []
-                router_rps: list[float] = []
-                cpu_per_req: list[float] = []
-                for _ in range(args.rounds):
-                    direct_rps.append(
-                        asyncio.run(throughput(urls, ps, args.concurrency, args.seconds))
-                    )
-                    c0 = tree_cpu_s(rp.pid)
-                    t1 = time.perf_counter()
-                    rps = asyncio.run(throughput([rurl], ps, args.concurrency, args.seconds))
-                    used = tree_cpu_s(rp.pid) - c0
-                    router_rps.append(rps)
-                    cpu_per_req.append(used / (rps * (time.perf_counter() - t1)))
-                out["throughput"].append(
-                    {
-                        "tokens": sizes[0],
-                        "prompt": kind,
-                        "concurrency": args.concurrency,
-                        "direct_rps": direct_rps,
-                        "router_rps": router_rps,
-                        "router_cpu_ms_per_request": [c * 1e3 for c in cpu_per_req],
-                    }
-                )
+            out["rows"] = measure(args, sizes, tok, text, urls, routers)
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -417,40 +383,132 @@ def main() -> None:
         args.json.write_text(json.dumps(out, indent=1), encoding="utf-8")
 
 
+def measure(
+    args: argparse.Namespace,
+    sizes: list[int],
+    tok: Path,
+    text: str,
+    urls: list[str],
+    routers: list[tuple[str, subprocess.Popen[bytes], str]],
+) -> list[dict[str, Any]]:
+    """One row per (size, prompt kind, path): direct first, then each router."""
+    from tokenizers import Tokenizer as Rust
+
+    rust = Rust.from_file(str(tok / "tokenizer.json"))
+    rows: list[dict[str, Any]] = []
+    for n in sizes:
+        texts = prompts(tok, text, n, max(args.requests, 2000))
+        c0 = time.process_time()
+        ids = [e.ids for e in (rust.encode(t) for t in texts[:100])]
+        alone = (time.process_time() - c0) / 100
+        ids = [e.ids for e in rust.encode_batch(texts)]
+        for kind, ps in (("text", texts), ("token ids", ids)):
+            dl, rls = asyncio.run(latency(urls, [r[2] for r in routers], ps[: args.requests]))
+            paths = [("direct (the ceiling)", None, urls)] + [(r[0], r[1], [r[2]]) for r in routers]
+            tp: dict[str, dict[str, list[float]]] = {
+                name: {"rps": [], "cpu": [], "lat": []} for name, _, _ in paths
+            }
+            for rnd in range(args.rounds):
+                for name, proc, us in paths if rnd % 2 == 0 else paths[::-1]:
+                    c0 = tree_cpu_s(proc.pid) if proc is not None else 0.0
+                    t1 = time.perf_counter()
+                    rps, lat = asyncio.run(throughput(us, ps, args.concurrency, args.seconds))
+                    took = time.perf_counter() - t1
+                    tp[name]["rps"].append(rps)
+                    tp[name]["lat"] += lat
+                    if proc is not None:
+                        used = tree_cpu_s(proc.pid) - c0
+                        tp[name]["cpu"].append(used / max(1.0, rps * took))
+            for j, (name, _, _) in enumerate(paths):
+                c1 = dl if j == 0 else rls[j - 1]
+                row: dict[str, Any] = {
+                    "tokens": n,
+                    "prompt": kind,
+                    "path": name,
+                    "tokenizer_alone_ms": alone * 1e3 if kind == "text" else None,
+                    "c1_p50_ms": pct(c1, 0.5) * 1e3,
+                    "c1_p99_ms": pct(c1, 0.99) * 1e3,
+                    "concurrency": args.concurrency,
+                    "rps_rounds": tp[name]["rps"],
+                    "rps": statistics.median(tp[name]["rps"]),
+                    "cpu_ms_per_request": [c * 1e3 for c in tp[name]["cpu"]],
+                    "cN_p50_ms": pct(tp[name]["lat"], 0.5) * 1e3,
+                    "cN_p99_ms": pct(tp[name]["lat"], 0.99) * 1e3,
+                }
+                if j:
+                    diffs = [r - x for r, x in zip(c1, dl, strict=True)]
+                    row["overhead_p50_ms"] = statistics.median(diffs) * 1e3
+                    row["overhead_p99_ms"] = (pct(c1, 0.99) - pct(dl, 0.99)) * 1e3
+                rows.append(row)
+    return rows
+
+
 def report(out: dict[str, Any], args: argparse.Namespace) -> None:
+    conc = args.concurrency
     print(
-        f"\nlatency, concurrency 1, {args.requests} requests per row (interleaved), "
-        "stand-in engines answering at once; tokenizer alone: this client's CPU per prompt:"
+        f"\nStand-in engines answering at once (the HTTP path's own cost). Concurrency 1: "
+        f"{args.requests} requests per path, interleaved request by request; +p50 is the "
+        f"median of the paired differences to direct, +p99 the difference of the p99s. "
+        f"Concurrency {conc}: median req/s of {args.rounds} rounds of {args.seconds:g} s per "
+        "path, alternating; CPU: the router process's (and its children's) per request."
     )
-    head = ("tokens", "prompt", "tokenizer", "direct p50", "p99", "router p50", "p99", "overhead")
-    print("{:>6} {:>9} {:>10} {:>11} {:>8} {:>11} {:>8} {:>9}".format(*head))
+    head = (
+        "tokens",
+        "prompt",
+        "path",
+        "c1 p50",
+        "p99",
+        "+p50",
+        "+p99",
+        f"c{conc} req/s",
+        "×direct",
+        "p50",
+        "p99",
+        "CPU/req",
+    )
+    fmt = "{:>6} {:>9} {:<22} {:>7} {:>7} {:>6} {:>6} {:>10} {:>7} {:>7} {:>7} {:>8}"
+    print(fmt.format(*head))
+    direct: dict[tuple[int, str], dict[str, Any]] = {}
     for r in out["rows"]:
-        alone = "-" if r["tokenizer_alone_ms"] is None else f"{r['tokenizer_alone_ms']:.2f}ms"
-        cells = [r[k] for k in ("direct_p50_ms", "direct_p99_ms", "router_p50_ms")]
-        cells += [r["router_p99_ms"], r["overhead_p50_ms"]]
-        print(
-            "{:>6} {:>9} {:>10} {:>9.2f}ms {:>6.2f}ms {:>9.2f}ms {:>6.2f}ms {:>7.2f}ms".format(
-                r["tokens"], r["prompt"], alone, *cells
+        key = (r["tokens"], r["prompt"])
+        if "overhead_p50_ms" not in r:
+            direct[key] = r
+        base = direct[key]
+        cpu = r["cpu_ms_per_request"]
+        cells = [
+            r["tokens"],
+            r["prompt"],
+            r["path"][:22],
+            f"{r['c1_p50_ms']:.2f}",
+            f"{r['c1_p99_ms']:.2f}",
+            f"{r['overhead_p50_ms']:.2f}" if "overhead_p50_ms" in r else "-",
+            f"{r['overhead_p99_ms']:.2f}" if "overhead_p99_ms" in r else "-",
+            f"{r['rps']:.0f}",
+            f"{r['rps'] / base['rps']:.2f}",
+            f"{r['cN_p50_ms']:.1f}",
+            f"{r['cN_p99_ms']:.1f}",
+            f"{statistics.median(cpu):.2f}" if cpu else "-",
+        ]
+        print(fmt.format(*cells))
+    print("(ms; req/s rounds and CPU per round in --json)")
+    for r in out["rows"]:
+        if r["tokenizer_alone_ms"] is not None and r["path"] == "direct (the ceiling)":
+            print(
+                f"the tokenizer alone, {r['tokens']} tokens: {r['tokenizer_alone_ms']:.2f} ms "
+                "of CPU per prompt (Rust encode, this client): the text rows' floor"
             )
-        )
-
-    def rounds(xs: list[float], fmt: str = "{:.0f}") -> str:
-        return ", ".join(fmt.format(x) for x in xs)
-
-    for t in out["throughput"]:
-        d, r = max(t["direct_rps"]), max(t["router_rps"])
-        print(
-            f"\nthroughput, concurrency {t['concurrency']}, {t['tokens']}-token prompts as "
-            f"{t['prompt']}, best of {len(t['direct_rps'])} rounds of {args.seconds:.0f}s each:"
-        )
-        print(f"  direct (the ceiling): {d:8.0f} req/s   rounds: {rounds(t['direct_rps'])}")
-        print(f"  through the router:   {r:8.0f} req/s   rounds: {rounds(t['router_rps'])}")
-        cpu = rounds(t["router_cpu_ms_per_request"], "{:.2f}")
-        print(f"  router / direct: {r / d:.2f}; the router's CPU per request: {cpu} ms")
+    print("targets (issue 33): +p50 ≤ 1 ms at 1k tokens; ≥ 1,000 req/s at concurrency 32:")
+    for r in out["rows"]:
+        if r["tokens"] == 1000 and r["path"] == "kvoffload router":
+            p50_ok = "met" if r["overhead_p50_ms"] <= 1.0 else "NOT met"
+            rps_ok = "met" if r["rps"] >= 1000 else "NOT met"
+            print(
+                f"  {r['prompt']:>9}: +p50 {r['overhead_p50_ms']:.2f} ms ({p50_ok}); "
+                f"{r['rps']:.0f} req/s ({rps_ok})"
+            )
     print(
-        "targets: overhead ≤ 1 ms p50 at 1k tokens; ≥ 1,000 req/s at concurrency 32. "
         f"This machine: {os.cpu_count()} cores, shared (load average "
-        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}): client, engines and router on them."
+        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}): client, engines and routers on them."
     )
 
 

@@ -11,11 +11,12 @@ first line of stdout once it listens.
 - ``GET /health`` (200, or 503 when told ``healthy: false``), ``GET /metrics``
   (vLLM's gauge names with the values it is told), ``GET /v1/models``.
 - ``POST /_control`` sets ``delay``, ``healthy``, ``waiting``, ``running``,
-  ``status`` (an HTTP status to answer completions with), ``die_after`` (the
-  next streamed answer kills this process, as a crashed engine dies, after
+  ``status`` (an HTTP status to answer completions with), ``cookie`` (a
+  ``Set-Cookie`` on its JSON answers), ``die_after`` (the next streamed answer
+  kills this process, as a crashed engine dies, after
   that many of :data:`SSE_CHUNKS`: 0 is right after the response headers, as
   vLLM sends them before the first token); ``GET /_requests`` lists the
-  bodies received.
+  bodies received, parsed and as sent (``raw``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import sys
 from typing import Any
@@ -51,12 +53,21 @@ def main() -> None:
         "running": 0,
         "status": 200,
         "die_after": None,
+        "cookie": None,
     }
     received: list[dict[str, Any]] = []
 
     async def completions(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        received.append({"path": request.path, "body": body})
+        raw = await request.read()
+        body = json.loads(raw)
+        received.append(
+            {
+                "path": request.path,
+                "body": body,
+                "raw": raw.decode("utf-8", "replace"),
+                "cookie": request.headers.get("Cookie"),
+            }
+        )
         await asyncio.sleep(float(state["delay"]))
         if state["status"] != 200:
             return web.json_response({"error": "told to fail"}, status=int(state["status"]))
@@ -70,7 +81,9 @@ def main() -> None:
                 await asyncio.sleep(0.01)
             await resp.write_eof()
             return resp
-        return web.json_response({"id": "cmpl-1", "worker": args.name, "choices": [{"text": "hi"}]})
+        answer = {"id": "cmpl-1", "worker": args.name, "choices": [{"text": "hi"}]}
+        cookie = state["cookie"]
+        return web.json_response(answer, headers={"Set-Cookie": cookie} if cookie else None)
 
     async def die(request: web.Request, after: int) -> web.StreamResponse:
         transport = request.transport

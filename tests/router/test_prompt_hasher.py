@@ -15,7 +15,7 @@ import pytest
 from kvoffload.router.hashing import BlockHasher
 from kvoffload.router.tokenize import PromptHasher, Tokenizer, request_tokens
 
-from .tokenizer_dir import make_tokenizer
+from .tokenizer_dir import make_bpe, make_tokenizer
 
 pytest.importorskip("transformers")
 
@@ -25,29 +25,6 @@ TEXTS = [
     "",
     " ".join(f"w{i % 400}" for i in range(900)),
 ]
-
-
-def make_bpe(folder: Path) -> Path:
-    import json
-
-    from tokenizers import Tokenizer as Rust
-    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Rust(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    text = (Path(__file__).parent / "procs.py").read_text(encoding="utf-8").splitlines()
-    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=600, special_tokens=["<s>"]))
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
-    )
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>"}),
-        encoding="utf-8",
-    )
-    return folder
 
 
 @pytest.mark.parametrize("kind", ["wordlevel", "bpe"])

@@ -14,7 +14,7 @@ from typing import Any
 
 from tests.router.proxy_helpers import PROMPT, completion, wait_until, worker_of
 
-from .procs import RouterProc, cluster, request
+from .procs import RouterProc, Worker, cluster, request, write_config
 from .standin_worker import SSE_CHUNKS
 
 
@@ -177,6 +177,45 @@ def test_another_tenants_guess_of_a_prompt_is_routed_cold(tmp_path: Path) -> Non
         assert status == 401 and b"API key" in body
         status, _, _ = router.post("/v1/kv/query", {"tokens": PROMPT}, Authorization="Bearer nope")
         assert status == 401
+
+
+def test_the_worker_gets_the_clients_bytes_with_only_the_tenants_salt_added(
+    tmp_path: Path,
+) -> None:
+    # Spacing, key order and an unescaped "é" survive only if the bytes are not re-encoded.
+    raw = b'{ "model" : "m",\n  "prompt": [1, 2, 3],  "max_tokens": 4, "note": "\xc3\xa9" }'
+    with cluster(tmp_path, extra=TENANTS) as (router, workers):
+        alice = {"Authorization": "Bearer key-alice"}
+        status, _, _ = request(router.port, "POST", "/v1/completions", raw=raw, headers=alice)
+        assert status == 200
+        own = raw.replace(b'"m",', b'"m", "cache_salt": "mine",')
+        status, _, _ = request(router.port, "POST", "/v1/completions", raw=own, headers=alice)
+        assert status == 200
+        sent = [r for w in workers for r in w.received()]
+        spliced = next(r for r in sent if r["body"]["cache_salt"] == "salt-alice-0123456789")
+        assert spliced["raw"].encode() == b'{"cache_salt":"salt-alice-0123456789",' + raw[1:]
+        # The client's own salt is kept behind the tenant's: one member, re-encoded.
+        mine = next(r for r in sent if r is not spliced)
+        assert mine["raw"].count("cache_salt") == 1
+        assert mine["body"]["cache_salt"] == "salt-alice-0123456789:mine"
+
+
+def test_a_cookie_a_worker_sets_rides_on_no_other_request(tmp_path: Path) -> None:
+    # By host name: aiohttp's default cookie jar would keep it (it drops IP-address cookies).
+    worker = Worker("w0")
+    try:
+        worker.url = worker.url.replace("127.0.0.1", "localhost")
+        router = RouterProc(write_config(tmp_path / "router.toml", [worker]), tmp_path / "log")
+        try:
+            worker.control(cookie="session=alice-secret; Path=/")
+            _, headers, _ = router.post("/v1/completions", completion(PROMPT))
+            assert "alice-secret" in headers["set-cookie"]  # its own client gets it
+            router.post("/v1/completions", completion([1, 2, 3]))  # another client
+            assert [r["cookie"] for r in worker.received()] == [None, None]
+        finally:
+            router.stop()
+    finally:
+        worker.stop()
 
 
 def test_select_and_reserve_books_the_choice_until_released(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ str, int, None, bool, tuples/lists) and nothing else; anything else is a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pickle
@@ -105,10 +106,12 @@ def _xxh128(data: bytes) -> bytes:
     return digest
 
 
+@functools.cache
 def hash_function(name: str) -> Callable[[Any], bytes]:
     """vLLM's ``get_hash_fn_by_name``: the serializer and digest of one algorithm."""
     if name == "sha256":
-        return lambda obj: hashlib.sha256(_pickle(obj)).digest()
+        sha256, dumps, proto = hashlib.sha256, pickle.dumps, pickle.HIGHEST_PROTOCOL
+        return lambda obj: sha256(dumps(obj, protocol=proto)).digest()
     if name == "sha256_cbor":
         return lambda obj: hashlib.sha256(cbor_canonical(obj)).digest()
     if name == "xxhash":
@@ -148,7 +151,7 @@ class BlockHasher:
                 "is set; set the same seed here (hash_seed) as on the workers"
             )
 
-    @property
+    @functools.cached_property
     def none_hash(self) -> bytes:
         return hash_function(self.algorithm)(self.seed if self.seed is not None else DEFAULT_SEED)
 
@@ -170,15 +173,26 @@ class BlockHasher:
         cache_salt: str | None = None,
         lora: tuple[str, str] | None = None,
     ) -> list[bytes]:
-        """The full hashes of every full block of ``token_ids`` (a partial tail has none)."""
+        """The full hashes of every full block of ``token_ids`` (a partial tail has none).
+
+        Each prompt is hashed once per request, on the router's event loop: the
+        loop is kept to one slice, one serialization and one digest per block.
+        """
         fn = hash_function(self.algorithm)
         parent = self.none_hash
-        out: list[bytes] = []
         bs = self.block_size
-        for i in range(len(token_ids) // bs):
-            block = tuple(token_ids[i * bs : (i + 1) * bs])
-            parent = fn((parent, block, self.extra_keys(i, cache_salt=cache_salt, lora=lora)))
-            out.append(parent)
+        tokens = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
+        n = len(tokens) // bs * bs
+        if not n:
+            return []
+        extra = self.extra_keys(0, cache_salt=cache_salt, lora=lora)
+        parent = fn((parent, tokens[:bs], extra))
+        out = [parent]
+        append = out.append
+        extra = self.extra_keys(1, cache_salt=cache_salt, lora=lora)
+        for i in range(bs, n, bs):
+            parent = fn((parent, tokens[i : i + bs], extra))
+            append(parent)
         return out
 
     def external_hashes(
@@ -189,8 +203,10 @@ class BlockHasher:
         lora: tuple[str, str] | None = None,
     ) -> list[int]:
         """:meth:`block_hashes` as KV events name them (the router's index keys)."""
+        from_bytes = int.from_bytes
         return [
-            external_hash(h) for h in self.block_hashes(token_ids, cache_salt=cache_salt, lora=lora)
+            from_bytes(h, "big") & _MASK64
+            for h in self.block_hashes(token_ids, cache_salt=cache_salt, lora=lora)
         ]
 
 

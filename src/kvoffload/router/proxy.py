@@ -50,7 +50,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from prometheus_client import generate_latest
+from yarl import URL
 
+from .body import BadBody, Body, forwarded, parse_body
 from .config import RouterConfig, TenantSpec
 from .core import Decision, Router, Ticket
 from .index import SourceState
@@ -79,6 +81,8 @@ _HOP = {
     "host",
     "authorization",
 }
+#: Request headers the router does not pass on (it sets the content type itself).
+_NOT_FORWARDED = _HOP | {"content-type", TENANT_HEADER.lower()}
 
 
 @dataclass
@@ -117,6 +121,7 @@ class RouterService:
         self.by_name = {t.name: t for t in cfg.tenants}
         self.metrics = Metrics()
         self.reservations: dict[int, _Reservation] = {}
+        self._urls: dict[tuple[str, str], URL] = {}
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._bridge: Any = None
@@ -160,7 +165,10 @@ class RouterService:
         timeout = aiohttp.ClientTimeout(
             total=self.cfg.request_timeout_s, sock_connect=self.cfg.connect_timeout_s
         )
-        self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        # No cookie jar: a cookie one worker set must never ride on another client's request.
+        self._session = aiohttp.ClientSession(
+            timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
+        )
         await self.prompts.start()
         if self._bridge is not None:
             self._bridge.start()
@@ -298,7 +306,7 @@ class RouterService:
 
     # -- the prompt -----------------------------------------------------------------
 
-    async def _body(self, request: web.Request) -> dict[str, Any] | web.Response:
+    async def _body(self, request: web.Request) -> Body | web.Response:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -309,15 +317,9 @@ class RouterService:
                 "invalid_request_error",
             )
         try:
-            # bytes: json detects UTF-8/16/32 itself, whatever charset the header claims
-            body = json.loads(raw)
-        except RecursionError:
-            return error(400, "the request body is nested too deeply", "invalid_request_error")
-        except ValueError:  # not JSON, not UTF-8, an integer of too many digits
-            return error(400, "the request body is not valid JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return error(400, "the request body must be a JSON object", "invalid_request_error")
-        return body
+            return parse_body(raw)
+        except BadBody as exc:
+            return error(400, str(exc), "invalid_request_error")
 
     async def hashes(
         self, body: Mapping[str, Any], chat: bool, salt: str | None
@@ -336,7 +338,8 @@ class RouterService:
         return got if got is not None else ([], 0)
 
     def _log(self, decision: Decision) -> None:
-        self.metrics.decisions.labels(decision.mode.value).inc()
+        m = self.metrics
+        m.labelled(m.decisions, decision.mode.value).inc()
         level = logging.INFO if self.cfg.log_decisions else logging.DEBUG
         if decisions_log.isEnabledFor(level):
             decisions_log.log(level, "%s", json.dumps(decision.as_dict(self.cfg.block_size)))
@@ -353,25 +356,21 @@ class RouterService:
         tenant = self.tenant(request)
         if isinstance(tenant, web.Response):
             return tenant
-        body = await self._body(request)
-        if isinstance(body, web.Response):
-            return body
+        parsed = await self._body(request)
+        if isinstance(parsed, web.Response):
+            return parsed
+        body = parsed.data
         deadline = self.deadline(request, tenant)
         if isinstance(deadline, web.Response):
             return deadline
         salt = self.salt(tenant, body.get("cache_salt"))
-        if salt is not None:
-            body["cache_salt"] = salt
         hashes, n_tokens = await self.hashes(body, chat, salt)
         try:
-            payload = json.dumps(body).encode()
-        except RecursionError:
-            return error(400, "the request body is nested too deeply", "invalid_request_error")
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        headers.pop(TENANT_HEADER, None)
-        # The body forwarded is the router's own serialization: UTF-8 JSON, whatever came in.
-        for k in [k for k in headers if k.lower() == "content-type"]:
-            del headers[k]
+            payload = forwarded(parsed, salt)
+        except BadBody as exc:
+            return error(400, str(exc), "invalid_request_error")
+        # The body forwarded is UTF-8 JSON (the client's own bytes where they are).
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
         headers["Content-Type"] = "application/json"
         tried: list[str] = []
         last_error = "no healthy worker"
@@ -398,7 +397,7 @@ class RouterService:
                 self.metrics.estimated.observe(chosen.estimate.ttft_s)
                 for tier, n in chosen.estimate.cached_tokens.items():
                     if n:
-                        self.metrics.cached.labels(tier).inc(n)
+                        self.metrics.labelled(self.metrics.cached, tier).inc(n)
             ticket = self.router.dispatch(decision, self.clock())
             tried.append(decision.worker)
             got = await self._send(ticket, request.path, payload, headers)
@@ -407,6 +406,14 @@ class RouterService:
                 continue
             return await self._relay(request, ticket, *got)
         return error(502, f"the workers failed ({last_error})", "bad_gateway")
+
+    def _url(self, worker: str, path: str) -> URL:
+        """A worker's URL for a path, parsed once."""
+        key = (worker, path)
+        url = self._urls.get(key)
+        if url is None:
+            url = self._urls[key] = URL(self.workers[worker].url + path)
+        return url
 
     async def _send(
         self, ticket: Ticket, path: str, payload: bytes, headers: Mapping[str, str]
@@ -422,9 +429,7 @@ class RouterService:
         upstream: aiohttp.ClientResponse | None = None
         down = True
         try:
-            upstream = await self.session.post(
-                self.workers[name].url + path, data=payload, headers=headers
-            )
+            upstream = await self.session.post(self._url(name, path), data=payload, headers=headers)
             if upstream.status >= 500:
                 await upstream.read()
                 reason, outcome, down = f"HTTP {upstream.status}", f"http_{upstream.status}", False
@@ -441,7 +446,7 @@ class RouterService:
         self.router.failed(ticket, self.clock())
         if down:
             self.mark(name, False)
-        self.metrics.requests.labels(name, outcome).inc()
+        self.metrics.labelled(self.metrics.requests, name, outcome).inc()
         log.warning("worker %s failed before the first byte (%s): retrying elsewhere", name, reason)
         return f"{name}: {reason}"
 
@@ -466,22 +471,26 @@ class RouterService:
         outcome = "ok" if upstream.status < 400 else f"http_{upstream.status}"
         broke: BaseException | None = None
         tail = first[-4:]
+        content = upstream.content
         try:
             request[COMMITTED] = True
+            # The headers go out with the first bytes, and the last bytes with the end of
+            # the answer: one send for an answer that came in one piece, not three.
+            out._send_headers_immediately = False
             await out.prepare(request)
             chunk = first
-            while chunk:
+            while chunk and not content.at_eof():
                 await out.write(chunk)
                 tail = (tail + chunk)[-4:]
                 try:
-                    chunk = await upstream.content.readany()
+                    chunk = await content.readany()
                 except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                     broke = exc
                     break
             if broke is None:
                 if not streaming:
                     self._first_token(ticket, self.clock(), observed=False)
-                await out.write_eof()
+                await out.write_eof(chunk)
         except ConnectionError:  # the client went away: closing upstream aborts the request
             outcome = "client_gone"
         finally:
@@ -494,7 +503,7 @@ class RouterService:
             outcome = "broken"
             log.warning("worker %s: the response broke off (%s)", name, broke or type(broke))
             await self._abort(request, out, streaming, tail, name)
-        self.metrics.requests.labels(name, outcome).inc()
+        self.metrics.labelled(self.metrics.requests, name, outcome).inc()
         return out
 
     async def _abort(
@@ -564,9 +573,10 @@ class RouterService:
         tenant = self.tenant(request)
         if isinstance(tenant, web.Response):
             return tenant
-        body = await self._body(request)
-        if isinstance(body, web.Response):
-            return body
+        parsed = await self._body(request)
+        if isinstance(parsed, web.Response):
+            return parsed
+        body = parsed.data
         deadline = self.deadline(request, tenant)
         if isinstance(deadline, web.Response):
             return deadline
@@ -634,9 +644,10 @@ class RouterService:
                 self.router.failed(res.ticket, now)
 
     async def _release(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        if isinstance(body, web.Response):
-            return body
+        parsed = await self._body(request)
+        if isinstance(parsed, web.Response):
+            return parsed
+        body = parsed.data
         rid, outcome = body.get("reservation"), body.get("outcome")
         if outcome not in ("first_token", "finished", "failed"):
             return error(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -158,3 +159,12 @@ class Metrics:
             ["worker"],
             registry=r,
         )
+        self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
+
+    def labelled(self, metric: Counter, *labels: str) -> Any:
+        """``metric.labels(*labels)``, looked up once (the lookup is per request otherwise)."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child

@@ -11,8 +11,9 @@ The tokenizer is loaded from a local directory only (``local_files_only``);
 transformers is imported when one is loaded, never by the decision code.
 
 :class:`PromptHasher` takes the tokenizing (and in processes, the hashing)
-off the router's event loop: a thread by default, whose Rust tokenizing runs
-beside the loop with the GIL released, or ``[model] tokenizer_processes``
+off the router's event loop: by default one thread that tokenizes the
+prompts of concurrent requests in one Rust batch (:mod:`.batching`: the GIL
+released, the texts over Rust's threads), or ``[model] tokenizer_processes``
 processes that each load the tokenizer and also hash, so that neither holds
 the loop's GIL. A prompt given as token ids is hashed on the loop at once.
 A request the router cannot tokenize exactly (multimodal content parts,
@@ -28,11 +29,12 @@ from collections.abc import Mapping
 from concurrent.futures import Executor, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from .batching import BatchEncoder
 from .hashing import BlockHasher
 
-__all__ = ["PromptHasher", "Tokenizer", "request_tokens"]
+__all__ = ["Prompt", "PromptHasher", "Tokenizer", "known_tokens", "request_text", "request_tokens"]
 
 #: The request fields that decide its prompt tokens (what goes to a tokenizer process).
 _PROMPT_FIELDS = (
@@ -77,13 +79,47 @@ class Tokenizer:
             raise ValueError(f"cannot load the tokenizer from {path}: {exc}") from exc
         return cls(hf)
 
+    @property
+    def batches(self) -> bool:
+        """Whether :meth:`encode_batch` runs in Rust (with the GIL released): a fast tokenizer."""
+        return self._fast is not None
+
+    def encode_batch(self, texts: list[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+        """The ids of each text, as :meth:`encode_prompt` gives them.
+
+        Rust's ``encode_batch_fast``: the ids without the offsets (which nothing
+        here reads), the texts spread over Rust's threads, the GIL released.
+        """
+        if self._fast is not None:
+            encs = self._fast.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+            return [e.ids for e in encs]
+        return [self.encode_prompt(t, add_special_tokens=add_special_tokens) for t in texts]
+
     def encode_prompt(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         if self._fast is not None:
-            enc = self._fast.encode_batch([text], add_special_tokens=add_special_tokens)
+            enc = self._fast.encode_batch_fast([text], add_special_tokens=add_special_tokens)
             fast_ids: list[int] = enc[0].ids
             return fast_ids
         ids: list[int] = self._hf(text, add_special_tokens=add_special_tokens)["input_ids"]
         return ids
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The chat template's text of ``messages``: what the engine tokenizes, adding nothing."""
+        text = self._hf.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            **dict(chat_template_kwargs or {}),
+        )
+        return str(text)
 
     def encode_chat(
         self,
@@ -93,54 +129,84 @@ class Tokenizer:
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        text = self._hf.apply_chat_template(
+        text = self.render_chat(
             messages,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            **dict(chat_template_kwargs or {}),
+            chat_template_kwargs=chat_template_kwargs,
         )
-        return self.encode_prompt(str(text), add_special_tokens=False)
+        return self.encode_prompt(text, add_special_tokens=False)
+
+
+class Prompt(NamedTuple):
+    """A prompt as text: what the tokenizer is given, and whether it adds its special tokens."""
+
+    text: str
+    special: bool
+
+
+_INT = frozenset({int})
 
 
 def _is_token_list(value: object) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
+    # type(), not isinstance(): a JSON true is a bool, and bool is an int. Empty: a list.
+    return isinstance(value, list) and set(map(type, value)) <= _INT
+
+
+def request_text(body: Mapping[str, Any], chat: bool, tokenizer: Tokenizer) -> Prompt | None:
+    """The text the engine tokenizes for a request (chat: the rendered template), or None.
+
+    None where the prompt is not one text the router can tokenize exactly
+    (token ids, a batch, content parts, ``prompt_embeds``).
+    """
+    if body.get("prompt_embeds") is not None:
+        return None
+    if not chat:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            return None
+        return Prompt(prompt, body.get("add_special_tokens", True) is not False)
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("content", ""), str | None):
+            return None  # content parts (images, audio) change the engine's hashes
+    kwargs = body.get("chat_template_kwargs")
+    text = tokenizer.render_chat(
+        messages,
+        add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+        continue_final_message=body.get("continue_final_message", False) is True,
+        chat_template_kwargs=kwargs if isinstance(kwargs, dict) else None,
     )
+    return Prompt(text, False)  # the template has the special tokens
 
 
 def request_tokens(
     body: Mapping[str, Any], chat: bool, tokenizer: Tokenizer | None
 ) -> list[int] | None:
     """The engine's prompt token ids of an OpenAI request body, or None if not exactly known."""
-    if body.get("prompt_embeds") is not None:
+    tokens = known_tokens(body, chat)
+    if tokens is not None or tokenizer is None:
+        return tokens
+    text = request_text(body, chat, tokenizer)
+    if text is None:
         return None
-    if not chat:
-        prompt = body.get("prompt")
-        if _is_token_list(prompt):
-            return list(prompt)  # type: ignore[arg-type]
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-            if _is_token_list(prompt):
-                return list(prompt)
-        if not isinstance(prompt, str) or tokenizer is None:
-            return None
-        return tokenizer.encode_prompt(
-            prompt, add_special_tokens=body.get("add_special_tokens", True) is not False
-        )
-    messages = body.get("messages")
-    if tokenizer is None or not isinstance(messages, list):
+    return tokenizer.encode_prompt(text.text, add_special_tokens=text.special)
+
+
+def known_tokens(body: Mapping[str, Any], chat: bool) -> list[int] | None:
+    """The prompt's token ids where the request gives them (no tokenizer needed)."""
+    if chat or body.get("prompt_embeds") is not None:
         return None
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("content", ""), str | None):
-            return None  # content parts (images, audio) change the engine's hashes
-    kwargs = body.get("chat_template_kwargs")
-    return tokenizer.encode_chat(
-        messages,
-        add_generation_prompt=body.get("add_generation_prompt", True) is not False,
-        continue_final_message=body.get("continue_final_message", False) is True,
-        chat_template_kwargs=kwargs if isinstance(kwargs, dict) else None,
-    )
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if _is_token_list(prompt):
+        return prompt
+    return None
 
 
 def prompt_fields(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -149,13 +215,6 @@ def prompt_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     if body.get("prompt_embeds") is not None:
         out["prompt_embeds"] = True
     return out
-
-
-def known_tokens(body: Mapping[str, Any], chat: bool) -> list[int] | None:
-    """The prompt's token ids where the request gives them (no tokenizer needed)."""
-    if chat or body.get("prompt_embeds") is not None:
-        return None
-    return request_tokens(body, chat, None)
 
 
 _child: tuple[Tokenizer, BlockHasher] | None = None
@@ -199,6 +258,8 @@ class PromptHasher:
         self.processes = processes if tokenizer is not None else 0
         self.path = path
         self._pool: Executor | None = None
+        batches = tokenizer is not None and tokenizer.batches and not self.processes
+        self._encoder = BatchEncoder(tokenizer) if tokenizer is not None and batches else None
 
     async def start(self) -> None:
         """Starts the processes (each loads the tokenizer) and waits until they can work."""
@@ -217,6 +278,8 @@ class PromptHasher:
         )
 
     def close(self) -> None:
+        if self._encoder is not None:
+            self._encoder.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
@@ -238,9 +301,16 @@ class PromptHasher:
                 return None
             if self._pool is not None:
                 return await self._in_process(prompt_fields(body), chat, salt, lora)
-            tokens = await asyncio.to_thread(request_tokens, body, chat, self.tokenizer)
-            if tokens is None:
-                return None
+            if self._encoder is not None:
+                # The chat template renders here (tens of µs); the tokenizing, in a batch.
+                text = request_text(body, chat, self.tokenizer)
+                if text is None:
+                    return None
+                tokens = await self._encoder.encode(text.text, text.special)
+            else:
+                tokens = await asyncio.to_thread(request_tokens, body, chat, self.tokenizer)
+                if tokens is None:
+                    return None
         return self.hasher.external_hashes(tokens, cache_salt=salt, lora=lora), len(tokens)
 
     async def _in_process(
