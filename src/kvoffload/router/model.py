@@ -64,8 +64,35 @@ _CLAMP = 16.0
 _FORGET = 0.998
 _HUBER = 2.0
 _SPREAD = 4.0  # prior variance of each θ: the priors may be several times off
-_SPEED_RATE = 0.05  # weight of one answer in a worker's speed factor
+_SPEED_RATE = 0.05  # weight of one answer in a worker's own speed factor
+_SPEED_TAU_MIN = 0.02  # least log-spread of speeds between one deployment's workers
 _GATE = 4.0  # an answer teaches the fit by (its own prefill's share of its estimate)^_GATE
+_SIGMA0 = 0.25  # prior σ of a prefill's time about its estimate (log scale)
+_SIGMA_RATE = 0.05  # weight of one answer in the learned σ
+
+
+def residual_life(x: float, sigma: float) -> float:
+    """Expected time left of a prefill already ``x`` of its estimate in, over its estimate.
+
+    A prefill's time is its estimate × ``f``, ``f`` lognormal with mean 1 and
+    log-σ ``sigma`` (what the fit's residuals say). ``E[f − x | f > x]``: 1 at
+    the start; at ``sigma = 0`` it is ``1 − x``; with noise a prefill that
+    overran its estimate is most likely a long one and still has a good part
+    left (σ = 0.5: half its estimate once it is past it).
+    """
+    if x <= 0:
+        return 1.0
+    if sigma < 1e-3:
+        return max(0.0, 1.0 - x)
+    mu = -0.5 * sigma * sigma
+    lx = math.log(x)
+    z_tail = (mu - lx) / sigma  # P(f > x) = Φ(z_tail)
+    den = math.erfc(-z_tail / math.sqrt(2.0))
+    if den < 1e-300:
+        # Far in the tail: the lognormal's mean excess, x·σ²/(ln x − μ).
+        return x * sigma * sigma / max(lx - mu, 1e-9)
+    num = math.erfc(-(z_tail + sigma) / math.sqrt(2.0))
+    return max(0.0, num / den - x)
 
 
 @dataclass(frozen=True)
@@ -140,7 +167,7 @@ def _clamp(t: float, low: float) -> float:
 class _Fit:
     """Recursive least squares over θ (multipliers of the priors), relative and robust."""
 
-    __slots__ = ("count", "low", "p", "scale", "theta")
+    __slots__ = ("abs_log", "count", "low", "p", "scale", "theta")
 
     def __init__(self, start: tuple[float, ...] = (1.0,) * _NF) -> None:
         # θ stays within [1/16, 16] of its prior; a term whose prior is 0 starts
@@ -150,7 +177,18 @@ class _Fit:
         # Prior covariance: a wide spread (the priors may be off several times).
         self.p = [[_SPREAD if i == j else 0.0 for j in range(_NF)] for i in range(_NF)]
         self.scale = 0.3  # running mean |relative residual|
+        self.abs_log = _SIGMA0 * math.sqrt(2.0 / math.pi)  # running mean |log residual|
         self.count = 0
+
+    @property
+    def sigma(self) -> float:
+        """The learned log-σ of a prefill's time about its estimate (noise and misfit)."""
+        return self.abs_log * math.sqrt(math.pi / 2.0)
+
+    def observe_spread(self, log_ratio: float, weight: float) -> None:
+        """One answer's log(measured / estimated): the running spread the queue uses."""
+        a = _SIGMA_RATE * weight
+        self.abs_log = (1 - a) * self.abs_log + a * min(abs(log_ratio), 3.0)
 
     def predict(self, z: tuple[float, ...]) -> float:
         return sum(t * x for t, x in zip(self.theta, z, strict=True))
@@ -198,6 +236,10 @@ class WorkerLoad:
     pending_attn: float = 0.0
     drained: float = 0.0
     anchor: float = 0.0
+    # The oldest unanswered request: since when it has been the head, and its
+    # prefill tokens left then (what the residual life of :meth:`_done` runs from).
+    head_since: float = 0.0
+    head_tokens: float = 0.0
     decoding: int = 0  # requests past their first token, not finished
     waiting_external: int = 0  # /metrics waiting beyond what the router sent
     external_tokens: float = 0.0
@@ -211,7 +253,10 @@ class WorkerLoad:
     since: dict[int, float] = field(default_factory=dict)  # decoding: first-token time
     decode_s: float = 10.0  # learned: a request's first token to its end
     fit: _Fit = field(default_factory=_Fit)  # shared by the deployment's workers
-    speed: float = 1.0  # learned: this worker's time over the shared fit's
+    speed: float = 1.0  # learned: this worker's time over the shared fit's, shrunk
+    speed_raw: float = 1.0  # its own answers' mean (what the shared fit learns against)
+    speed_n: float = 0.0  # the answers behind ``speed_raw`` (weighted, forgetting as it does)
+    speed_var: float = 0.0  # the variance of log ``speed`` (how sure the router is of it)
     basis: tuple[float, ...] = (0.0,) * _NF
     budget: int = 8192
 
@@ -241,14 +286,40 @@ class WorkerLoad:
             return 1.0
         return q / max(self.predict(self.features(q, self.pending_attn)), 1e-6)
 
+    def _head_left(self, now: float) -> float:
+        """The oldest request's prefill tokens expected still to run at ``now``.
+
+        Its time is its estimate × a noise the fit's residuals measure: the
+        longer it has run, the more likely it is a slow one, and what is left is
+        its mean residual life (:func:`residual_life`), not the linear drain's.
+        """
+        h0 = self.head_tokens
+        if h0 <= 0:
+            return 0.0
+        m, attn = next(iter(self.pending.values()))
+        t0 = self.predict(self.features(h0, attn * h0 / max(m, 1)))
+        if t0 <= 0:
+            return 0.0
+        return h0 * min(1.0, residual_life((now - self.head_since) / t0, self.fit.sigma))
+
     def _done(self, now: float) -> float:
-        """Queued tokens computed by ``now``: at the modelled rate, and never past the
-        oldest request's last step: until it answers it is still running, so (on
-        average) half of that step is left, and the ones behind it wait."""
+        """Queued tokens computed by ``now``: at the modelled rate, and never past what
+        the oldest request is expected still to run (:meth:`_head_left`; at least
+        half its last step: until it answers it is still running), the ones behind
+        it waiting."""
         head = next(iter(self.pending.values()))[0]
         done = self.drained + max(0.0, now - self.anchor) * self._rate()
         last = min(head, max(1, self.budget - self.decoding))
-        return min(done, head - 0.5 * last)
+        return min(done, head - max(0.5 * last, self._head_left(now)))
+
+    def new_head(self, now: float) -> None:
+        """The oldest unanswered request changed: its residual life starts now."""
+        if self.pending:
+            m = next(iter(self.pending.values()))[0]
+            self.head_since = now
+            self.head_tokens = max(0.0, m - self.drained)
+        else:
+            self.head_tokens = 0.0
 
     def queued(self, now: float) -> tuple[float, float]:
         """(prefill tokens, attention work) still ahead of a request sent ``now``."""
@@ -259,6 +330,23 @@ class WorkerLoad:
         left = max(float(len(self.pending)), self.pending_tokens - self._done(now))
         share = left / self.pending_tokens if self.pending_tokens else 0.0
         return left + ext, self.pending_attn * share
+
+    def spread_sq(self, now: float) -> float:
+        """Σ over the queue of each request's modelled time² (the oldest: its expected
+        time left), in units of the learned σ²: the variance of the queue's time
+        when each prefill's noise is its own (independent)."""
+        if not self.pending:
+            return 0.0
+        items = iter(self.pending.values())
+        m0, attn0 = next(items)
+        left = self._head_left(now)
+        parts = [(left, attn0 * left / max(m0, 1))] if left > 0 else []
+        parts.extend((float(m), attn) for m, attn in items)
+        total = sum(self.predict(self.features(m, attn)) ** 2 for m, attn in parts)
+        if self.waiting_external:
+            each = self.external_tokens / self.waiting_external
+            total += self.waiting_external * self.predict(self.features(each, 0.0)) ** 2
+        return total
 
     def features(self, tokens: float, attn: float) -> tuple[float, ...]:
         per = max(1, self.budget - self.decoding)
@@ -327,6 +415,7 @@ class Estimate:
         "read_total_s",
         "reads",
         "service_s",
+        "spread_s",
         "ttft_s",
         "wait_s",
         "work_s",
@@ -344,7 +433,11 @@ class Estimate:
         wait_s: float = 0.0,
         fit_weight: float = 1.0,
         speed: float = 1.0,
+        spread_s: float = 0.0,
     ) -> None:
+        # ``spread_s``: the estimate's standard deviation (each queued prefill's and
+        # this one's own noise, at the σ the fit's residuals measure).
+        self.spread_s = spread_s
         # ``fit_weight``: how much of the answer's time the fit may attribute to the
         # features (1: nothing queued ahead; less the more a queue it cannot see into).
         self.fit_weight = fit_weight
@@ -397,6 +490,7 @@ class TTFTModel:
     # One fit for the deployment's workers (one model, one GPU kind: one [priors]):
     # each answer teaches it, and each worker's own speed is one learned factor.
     _fit: _Fit | None = None
+    _loads: list[WorkerLoad] = field(default_factory=list)
 
     def new_load(self) -> WorkerLoad:
         load = WorkerLoad()
@@ -412,6 +506,40 @@ class TTFTModel:
             if self._fit is None:
                 self._fit = _Fit(pri.start())
             load.fit = self._fit
+            self._loads.append(load)
+
+    def _speeds(self) -> None:
+        """Each worker's speed factor: its own evidence shrunk toward the fleet's.
+
+        Empirical Bayes.
+
+        A worker's own log speed ``m`` (the running mean of its answers over the
+        shared fit's) has a sampling variance ``v = σ² / n`` (σ the fit's learned
+        spread, ``n`` its weighted answers). How much the workers really differ,
+        ``τ²``, is how far their ``m`` spread about their precision-weighted mean
+        ``μ`` beyond their sampling variance (at least ``_SPEED_TAU_MIN²``). The
+        factor is ``exp(μ + (m − μ) · τ² / (τ² + v))``: a worker with a few lucky
+        answers stays with the fleet, one that is slower answer after answer gets
+        its own speed. A worker never answered stays at 1 (the fit's own). Each
+        keeps the variance of its log speed (``τ² v / (τ² + v)``; never answered:
+        ``τ²``) for the estimate's spread: an unproven worker is a less certain one.
+        """
+        sig2 = self._fit.sigma**2 if self._fit is not None else _SIGMA0**2
+        stats = [
+            (math.log(ld.speed_raw), sig2 / ld.speed_n) for ld in self._loads if ld.speed_n > 0
+        ]
+        if not stats:
+            return
+        mu = sum(m / v for m, v in stats) / sum(1 / v for _, v in stats)
+        spread = sum((m - mu) ** 2 - v for m, v in stats) / len(stats)
+        tau2 = max(_SPEED_TAU_MIN**2, spread)
+        for ld in self._loads:
+            if ld.speed_n > 0:
+                m, v = math.log(ld.speed_raw), sig2 / ld.speed_n
+                ld.speed = math.exp(mu + (m - mu) * tau2 / (tau2 + v))
+                ld.speed_var = tau2 * v / (tau2 + v)
+            else:
+                ld.speed_var = tau2
 
     def bandwidth(self, tier: Tier) -> float:
         return self.priors.bandwidth(tier) * self._bandwidth_scale.get(tier, 1.0)
@@ -447,6 +575,10 @@ class TTFTModel:
         extra = max(0.0, wait - queue_s)
         own = max(0.0, total - queue_s)
         share = own / (own + queue_s + extra) if own > 0 else 0.0
+        spread = math.sqrt(
+            load.fit.sigma**2 * (load.spread_sq(now) + own * own)
+            + load.speed_var * (queue_s + own) ** 2
+        )
         return Estimate(
             queue_s + extra,
             own,
@@ -458,6 +590,7 @@ class TTFTModel:
             extra,
             share**_GATE,
             load.speed,
+            spread,
         )
 
     # -- accounting -----------------------------------------------------------------
@@ -474,6 +607,8 @@ class TTFTModel:
         self._ready(load)
         self._drain_to(load, now)
         load.pending[ticket_id] = (est.missing_tokens, est.attn)
+        if len(load.pending) == 1:
+            load.new_head(now)
         n = est.missing_tokens + sum(est.cached)
         load.held[ticket_id] = n
         load.held_tokens += n
@@ -508,6 +643,8 @@ class TTFTModel:
                 per = max(1, load.budget - load.decoding)
                 left = float(per - (m % per or per))
             load.drained = min(left, float(load.pending_tokens))
+        if was_head:
+            load.new_head(now)
         return True
 
     def first_token(
@@ -541,12 +678,18 @@ class TTFTModel:
         if booked and est.features and y > 0 and est.fit_weight > 0:
             pred = load.fit.predict(est.features)
             if pred > 0:
-                # Slowly, and each answer by at most 2× either way: noise averages out.
-                a = _SPEED_RATE * est.fit_weight
+                w = est.fit_weight
+                load.fit.observe_spread(math.log(y / (pred * load.speed_raw)), w)
+                # Slowly, and each answer by at most 2× either way: noise averages out;
+                # what the choice uses is shrunk toward 1 (_speeds).
+                a = _SPEED_RATE * w
                 ratio = min(2.0, max(0.5, y / pred))
-                sp = math.exp((1 - a) * math.log(load.speed) + a * math.log(ratio))
-                load.speed = min(4.0, max(0.25, sp))
-            load.fit.update(est.features, y / load.speed, est.fit_weight)
+                sp = math.exp((1 - a) * math.log(load.speed_raw) + a * math.log(ratio))
+                load.speed_raw = min(4.0, max(0.25, sp))
+                # The EWMA's effective answer count: Σ weights, forgetting at its rate.
+                load.speed_n = (1 - a) * load.speed_n + w
+                self._speeds()
+            load.fit.update(est.features, y / load.speed_raw, est.fit_weight)
 
     def _release(self, load: WorkerLoad, ticket_id: int) -> float | None:
         """The request's blocks are free again; returns when it started decoding."""
