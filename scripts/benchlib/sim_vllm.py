@@ -56,7 +56,7 @@ class VllmParams:
     event_delay_s: float = 0.05
     metrics_interval_s: float = 1.0
     work_weight: float = 1.0
-    risk: float = 1.0  # the router's weight of an estimate's spread (kvoffload.router.core)
+    risk: float = 2.0  # the router's weight of an estimate's spread (kvoffload.router.core)
     slo_base_s: float = 2.0
     slo_factor: float = 1.5
     step: StepModel = field(default_factory=StepModel)

@@ -17,7 +17,7 @@ import pytest
 
 from kvoffload.router.core import Router, Topology, WorkerInfo
 from kvoffload.router.index import SourceState
-from kvoffload.router.model import Priors, residual_life
+from kvoffload.router.model import Priors, attention_left, residual_life
 
 PRIORS = Priors(prefill_a_s=0.02, prefill_b_s=1e-4, decode_slowdown=0.01)
 TRUE_A, TRUE_B = 0.05, 2.5e-5  # the workers' real step overhead and per-token cost
@@ -128,3 +128,27 @@ def test_a_worker_slower_answer_after_answer_gets_its_own_speed() -> None:
         r.finished(t, now + took)
         now += took + 5.0
     assert r.loads["w1"].speed / r.loads["w0"].speed == pytest.approx(1.5, rel=0.15)
+
+
+def test_a_long_prompt_half_done_has_more_than_half_its_attention_left() -> None:
+    """Chunked prefill runs a prompt's first tokens first; its last chunks attend to
+    the most context. Half of a 60k-token prompt drained leaves ¾ of its attention."""
+    assert attention_left(60_000, 60_000.0 * 60_000, 30_000) == pytest.approx(0.75 * 60_000**2)
+    assert attention_left(60_000, 60_000.0 * 60_000, 60_000) == pytest.approx(60_000.0**2)
+    # After 10k cached tokens: the last 1k of 5k new ones attend to 14k before them.
+    assert attention_left(5_000, 5_000.0 * (2 * 10_000 + 5_000), 1_000) == 1_000 * (
+        2 * 14_000 + 1_000
+    )
+    r = Router(
+        Topology((WorkerInfo("w0", "n0"),)),
+        priors=Priors(prefill_a_s=0.02, prefill_b_s=1e-5, prefill_c_s=1e-9),
+        block_tokens=16,
+    )
+    r.set_worker_source("w0", SourceState.LIVE)
+    r.dispatch(r.decide([], 60_000, now=0.0), 0.0)
+    load = r.loads["w0"]
+    # Half its tokens computed, and (residual life) half of them expected left.
+    load.drained, load.anchor, load.head_tokens, load.head_since = 30_000.0, 0.0, 30_000.0, 0.0
+    tokens, attn = load.queued(0.0)
+    assert tokens == pytest.approx(30_000)
+    assert attn == pytest.approx(0.75 * 60_000**2)

@@ -139,7 +139,7 @@ class Router:
         on_deadline_miss: str = "shed",
         history_capacity: int = 1 << 18,
         work_weight: float = 1.0,
-        risk: float = 1.0,
+        risk: float = 2.0,
     ) -> None:
         if on_deadline_miss not in ("shed", "fastest"):
             raise ValueError(

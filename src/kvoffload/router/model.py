@@ -95,6 +95,21 @@ def residual_life(x: float, sigma: float) -> float:
     return max(0.0, num / den - x)
 
 
+def attention_left(m: int, attn: float, left: float) -> float:
+    """The attention work of a prompt's last ``left`` of its ``m`` uncached tokens.
+
+    ``attn = m · (2k + m)`` for ``k`` cached tokens before them (the sum over the
+    prompt's chunks of ``n · (2c + n)``); its last ``left`` tokens come after
+    ``k + m − left`` others: ``left · (2(k + m − left) + left)``, more than their
+    token share of it (a long prompt's last chunks attend to the most context).
+    """
+    if m <= 0 or left <= 0:
+        return 0.0
+    left = min(left, float(m))
+    k = max(0.0, (attn / m - m) / 2.0)
+    return left * (2.0 * (k + m - left) + left)
+
+
 @dataclass(frozen=True)
 class Priors:
     """Starting values of the model, per deployment (the config's ``[model]``)."""
@@ -297,7 +312,7 @@ class WorkerLoad:
         if h0 <= 0:
             return 0.0
         m, attn = next(iter(self.pending.values()))
-        t0 = self.predict(self.features(h0, attn * h0 / max(m, 1)))
+        t0 = self.predict(self.features(h0, attention_left(m, attn, h0)))
         if t0 <= 0:
             return 0.0
         return h0 * min(1.0, residual_life((now - self.head_since) / t0, self.fit.sigma))
@@ -322,14 +337,21 @@ class WorkerLoad:
             self.head_tokens = 0.0
 
     def queued(self, now: float) -> tuple[float, float]:
-        """(prefill tokens, attention work) still ahead of a request sent ``now``."""
+        """(prefill tokens, attention work) still ahead of a request sent ``now``.
+
+        What has drained is the oldest request's first tokens (the ones behind it
+        wait), so the attention left is its last chunks', each over a longer
+        context than its first ones (:func:`attention_left`), and all of the rest's.
+        """
         ext = self.external_tokens
         if not self.pending:
             return ext, 0.0
         # Each unanswered request has at least its last token left.
         left = max(float(len(self.pending)), self.pending_tokens - self._done(now))
-        share = left / self.pending_tokens if self.pending_tokens else 0.0
-        return left + ext, self.pending_attn * share
+        m, attn = next(iter(self.pending.values()))
+        head_left = max(0.0, left - (self.pending_tokens - m))
+        rest_attn = max(0.0, self.pending_attn - attn)
+        return left + ext, rest_attn + attention_left(m, attn, head_left)
 
     def spread_sq(self, now: float) -> float:
         """Σ over the queue of each request's modelled time² (the oldest: its expected
@@ -340,7 +362,7 @@ class WorkerLoad:
         items = iter(self.pending.values())
         m0, attn0 = next(items)
         left = self._head_left(now)
-        parts = [(left, attn0 * left / max(m0, 1))] if left > 0 else []
+        parts = [(left, attention_left(m0, attn0, left))] if left > 0 else []
         parts.extend((float(m), attn) for m, attn in items)
         total = sum(self.predict(self.features(m, attn)) ** 2 for m, attn in parts)
         if self.waiting_external:
