@@ -16,8 +16,9 @@ import random
 import pytest
 
 from kvoffload.router.core import Router, Topology, WorkerInfo
+from kvoffload.router.fit import attention_left, residual_life
 from kvoffload.router.index import SourceState
-from kvoffload.router.model import Priors, attention_left, residual_life
+from kvoffload.router.model import Priors
 
 PRIORS = Priors(prefill_a_s=0.02, prefill_b_s=1e-4, decode_slowdown=0.01)
 TRUE_A, TRUE_B = 0.05, 2.5e-5  # the workers' real step overhead and per-token cost

@@ -53,61 +53,15 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from .fit import NF, SIGMA0, Fit, attention_left, residual_life
 from .index import Tier, TierMatch
 
 __all__ = ["Estimate", "Priors", "TTFTModel", "WorkerLoad"]
 
 _READ_TIERS = (Tier.CPU, Tier.STORAGE_LOCAL, Tier.STORAGE_REMOTE)
-#: Features: steps, tokens, attention work, decode-steps.
-_NF = 4
-_CLAMP = 16.0
-_FORGET = 0.998
-_HUBER = 2.0
-_SPREAD = 4.0  # prior variance of each θ: the priors may be several times off
 _SPEED_RATE = 0.05  # weight of one answer in a worker's own speed factor
 _SPEED_TAU_MIN = 0.02  # least log-spread of speeds between one deployment's workers
 _GATE = 4.0  # an answer teaches the fit by (its own prefill's share of its estimate)^_GATE
-_SIGMA0 = 0.25  # prior σ of a prefill's time about its estimate (log scale)
-_SIGMA_RATE = 0.05  # weight of one answer in the learned σ
-
-
-def residual_life(x: float, sigma: float) -> float:
-    """Expected time left of a prefill already ``x`` of its estimate in, over its estimate.
-
-    A prefill's time is its estimate × ``f``, ``f`` lognormal with mean 1 and
-    log-σ ``sigma`` (what the fit's residuals say). ``E[f − x | f > x]``: 1 at
-    the start; at ``sigma = 0`` it is ``1 − x``; with noise a prefill that
-    overran its estimate is most likely a long one and still has a good part
-    left (σ = 0.5: half its estimate once it is past it).
-    """
-    if x <= 0:
-        return 1.0
-    if sigma < 1e-3:
-        return max(0.0, 1.0 - x)
-    mu = -0.5 * sigma * sigma
-    lx = math.log(x)
-    z_tail = (mu - lx) / sigma  # P(f > x) = Φ(z_tail)
-    den = math.erfc(-z_tail / math.sqrt(2.0))
-    if den < 1e-300:
-        # Far in the tail: the lognormal's mean excess, x·σ²/(ln x − μ).
-        return x * sigma * sigma / max(lx - mu, 1e-9)
-    num = math.erfc(-(z_tail + sigma) / math.sqrt(2.0))
-    return max(0.0, num / den - x)
-
-
-def attention_left(m: int, attn: float, left: float) -> float:
-    """The attention work of a prompt's last ``left`` of its ``m`` uncached tokens.
-
-    ``attn = m · (2k + m)`` for ``k`` cached tokens before them (the sum over the
-    prompt's chunks of ``n · (2c + n)``); its last ``left`` tokens come after
-    ``k + m − left`` others: ``left · (2(k + m − left) + left)``, more than their
-    token share of it (a long prompt's last chunks attend to the most context).
-    """
-    if m <= 0 or left <= 0:
-        return 0.0
-    left = min(left, float(m))
-    k = max(0.0, (attn / m - m) / 2.0)
-    return left * (2.0 * (k + m - left) + left)
 
 
 @dataclass(frozen=True)
@@ -175,68 +129,6 @@ class Priors:
         )
 
 
-def _clamp(t: float, low: float) -> float:
-    return min(_CLAMP, max(low, t))
-
-
-class _Fit:
-    """Recursive least squares over θ (multipliers of the priors), relative and robust."""
-
-    __slots__ = ("abs_log", "count", "low", "p", "scale", "theta")
-
-    def __init__(self, start: tuple[float, ...] = (1.0,) * _NF) -> None:
-        # θ stays within [1/16, 16] of its prior; a term whose prior is 0 starts
-        # at 0 and may stay there (nothing said it exists; the data may).
-        self.low = [1.0 / _CLAMP if t > 0 else 0.0 for t in start]
-        self.theta = [_clamp(t, lo) for t, lo in zip(start, self.low, strict=True)]
-        # Prior covariance: a wide spread (the priors may be off several times).
-        self.p = [[_SPREAD if i == j else 0.0 for j in range(_NF)] for i in range(_NF)]
-        self.scale = 0.3  # running mean |relative residual|
-        self.abs_log = _SIGMA0 * math.sqrt(2.0 / math.pi)  # running mean |log residual|
-        self.count = 0
-
-    @property
-    def sigma(self) -> float:
-        """The learned log-σ of a prefill's time about its estimate (noise and misfit)."""
-        return self.abs_log * math.sqrt(math.pi / 2.0)
-
-    def observe_spread(self, log_ratio: float, weight: float) -> None:
-        """One answer's log(measured / estimated): the running spread the queue uses."""
-        a = _SIGMA_RATE * weight
-        self.abs_log = (1 - a) * self.abs_log + a * min(abs(log_ratio), 3.0)
-
-    def predict(self, z: tuple[float, ...]) -> float:
-        return sum(t * x for t, x in zip(self.theta, z, strict=True))
-
-    def update(self, z: tuple[float, ...], y: float, weight: float = 1.0) -> None:
-        pred = self.predict(z)
-        if pred <= 0 or y <= 0 or weight <= 0:
-            return
-        zz = [x / pred for x in z]  # relative: the prediction scales to 1
-        e = y / pred - 1.0
-        lim = _HUBER * self.scale
-        w = weight * (1.0 if abs(e) <= lim or self.count < 8 else lim / abs(e))
-        self.scale = 0.9 * self.scale + 0.1 * min(abs(e), 4.0)
-        p = self.p
-        pz = [sum(p[i][j] * zz[j] for j in range(_NF)) for i in range(_NF)]
-        denom = _FORGET + w * sum(zz[i] * pz[i] for i in range(_NF))
-        if denom <= 0:
-            return
-        k = [w * x / denom for x in pz]
-        self.theta = [
-            _clamp(t + ki * e, lo) for t, ki, lo in zip(self.theta, k, self.low, strict=True)
-        ]
-        self.p = [[(p[i][j] - k[i] * pz[j]) / _FORGET for j in range(_NF)] for i in range(_NF)]
-        # Forgetting inflates unexcited directions without bound: keep them sane.
-        for i in range(_NF):
-            if self.p[i][i] > _SPREAD:
-                f = math.sqrt(_SPREAD / self.p[i][i])
-                for j in range(_NF):
-                    self.p[i][j] *= f
-                    self.p[j][i] *= f
-        self.count += 1
-
-
 @dataclass
 class WorkerLoad:
     """What the router knows of one worker's load.
@@ -267,12 +159,12 @@ class WorkerLoad:
     held_tokens: int = 0
     since: dict[int, float] = field(default_factory=dict)  # decoding: first-token time
     decode_s: float = 10.0  # learned: a request's first token to its end
-    fit: _Fit = field(default_factory=_Fit)  # shared by the deployment's workers
+    fit: Fit = field(default_factory=Fit)  # shared by the deployment's workers
     speed: float = 1.0  # learned: this worker's time over the shared fit's, shrunk
     speed_raw: float = 1.0  # its own answers' mean (what the shared fit learns against)
     speed_n: float = 0.0  # the answers behind ``speed_raw`` (weighted, forgetting as it does)
     speed_var: float = 0.0  # the variance of log ``speed`` (how sure the router is of it)
-    basis: tuple[float, ...] = (0.0,) * _NF
+    basis: tuple[float, ...] = (0.0,) * NF
     budget: int = 8192
 
     @property
@@ -494,6 +386,7 @@ class Estimate:
             "estimated_ttft_s": round(self.ttft_s, 6),
             "queue_s": round(self.queue_s, 6),
             "prefill_s": round(self.prefill_s, 6),
+            "spread_s": round(self.spread_s, 6),
             "read_s": {k: round(v, 6) for k, v in self.read_s.items()},
             "missing_tokens": self.missing_tokens,
             "cached_tokens": self.cached_tokens,
@@ -511,7 +404,7 @@ class TTFTModel:
     _costs: tuple[tuple[float, float], ...] | None = None
     # One fit for the deployment's workers (one model, one GPU kind: one [priors]):
     # each answer teaches it, and each worker's own speed is one learned factor.
-    _fit: _Fit | None = None
+    _fit: Fit | None = None
     _loads: list[WorkerLoad] = field(default_factory=list)
 
     def new_load(self) -> WorkerLoad:
@@ -526,7 +419,7 @@ class TTFTModel:
             load.budget = pri.prefill_budget_tokens
             load.decode_s = pri.decode_s
             if self._fit is None:
-                self._fit = _Fit(pri.start())
+                self._fit = Fit(pri.start())
             load.fit = self._fit
             self._loads.append(load)
 
@@ -546,7 +439,7 @@ class TTFTModel:
         keeps the variance of its log speed (``τ² v / (τ² + v)``; never answered:
         ``τ²``) for the estimate's spread: an unproven worker is a less certain one.
         """
-        sig2 = self._fit.sigma**2 if self._fit is not None else _SIGMA0**2
+        sig2 = self._fit.sigma**2 if self._fit is not None else SIGMA0**2
         stats = [
             (math.log(ld.speed_raw), sig2 / ld.speed_n) for ld in self._loads if ld.speed_n > 0
         ]
