@@ -23,28 +23,33 @@ a prompt of ``n`` tokens of which ``k_t`` are reachable in tier ``t``
 
 ``queue_s`` is the same sum for the queue alone (``m = 0``); ``prefill_s`` is
 the rest. The coefficients ``θ`` are one fit for the deployment's workers (one
-model on one GPU kind) and learned online, never given; each worker has its own
-speed factor ``s_w``. Each first token the router sees is an observation
-``(features at dispatch, measured TTFT − reads − modelled KV wait)``, fed to a
-recursive least-squares fit in relative terms (each observation scaled by its
-prediction, so a 10 s answer weighs as much as a 0.1 s one), with Huber
-weights (a residual beyond two running mean absolute residuals counts
-proportionally less: noisy prefill times, a preempted request, cannot drag
-the fit), each weighted by its own prefill's share of its estimate to the 4th
-power (a TTFT that is mostly a queue the router only models teaches little),
-and slow forgetting (a worker that changes is followed). The priors (the
-config's ``[priors]``) are the fit's starting point and its regularisation;
-every coefficient stays within [1/16, 16]× its prior. Read bandwidths are
-learned from the sidecars' read figures (:meth:`TTFTModel.observe_read`), clamped to [¼, 4]×.
+model on one GPU kind) and learned online, never given (:mod:`.fit`); each
+worker has its own speed factor ``s_w``, shrunk toward the fleet's until its
+own answers say otherwise (:meth:`TTFTModel._speeds`). Each first token the
+router sees is an observation ``(features at dispatch, measured TTFT − reads −
+modelled KV wait)``, fed to a recursive least-squares fit in relative terms
+(each observation scaled by its prediction, so a 10 s answer weighs as much as
+a 0.1 s one), with Huber weights (a residual beyond two running mean absolute
+residuals counts proportionally less: noisy prefill times, a preempted request,
+cannot drag the fit), each weighted by its own prefill's share of its estimate
+to the 4th power (a TTFT that is mostly a queue the router only models teaches
+little), and slow forgetting (a worker that changes is followed). The priors
+(the config's ``[priors]``) are the fit's starting point and its
+regularisation; every coefficient stays within [1/16, 16]× its prior. Read
+bandwidths are learned from the sidecars' read figures
+(:meth:`TTFTModel.observe_read`), clamped to [¼, 4]×.
 
 The queue: each request the router sends books its prefill tokens on the
-worker; between answers the queue drains at the modelled rate (``B − D``
-tokens a step, at the modelled step time), and each first token re-anchors
-it: what the answered request did not account for carries over (a worker
-slower than modelled keeps its queue). ``B`` and the worker's KV capacity
-are deployment settings (vLLM's ``max_num_batched_tokens`` and the KV blocks
-it logs), not coefficients. The estimate-vs-observed error of every request
-is kept (:attr:`TTFTModel.errors`).
+worker; between answers the queue drains at the modelled rate (``B − D`` tokens
+a step, at the modelled step time), and each first token re-anchors it: what
+the answered request did not account for carries over (a worker slower than
+modelled keeps its queue). The oldest request's time left is its mean residual
+life under the learned noise (:func:`.fit.residual_life`), and its last chunks
+carry most of its attention (:func:`.fit.attention_left`). Each estimate has a
+spread (:attr:`Estimate.spread_s`) the choice weighs. ``B`` and the worker's KV
+capacity are deployment settings (vLLM's ``max_num_batched_tokens`` and the KV
+blocks it logs), not coefficients. The estimate-vs-observed error of every
+request is kept (:attr:`TTFTModel.errors`).
 """
 
 from __future__ import annotations
