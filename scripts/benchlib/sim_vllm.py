@@ -56,6 +56,7 @@ class VllmParams:
     event_delay_s: float = 0.05
     metrics_interval_s: float = 1.0
     work_weight: float = 1.0
+    risk: float = 2.0  # the router's weight of an estimate's spread (kvoffload.router.core)
     slo_base_s: float = 2.0
     slo_factor: float = 1.5
     step: StepModel = field(default_factory=StepModel)
@@ -87,9 +88,19 @@ def router_priors(vp: VllmParams) -> Any:
 
 
 def simulate_vllm(
-    reqs: Sequence[Any], vp: VllmParams, n_workers: int, policy: str, seed: int
+    reqs: Sequence[Any],
+    vp: VllmParams,
+    n_workers: int,
+    policy: str,
+    seed: int,
+    log: list[dict[str, Any]] | None = None,
 ) -> Measured:
-    """One policy over the trace on ``n_workers`` vLLM-scheduler workers."""
+    """One policy over the trace on ``n_workers`` vLLM-scheduler workers.
+
+    ``log``: when given, one row per request (its worker, arrival, size, the
+    router's estimate for the worker it went to, TTFT, queue wait) is appended,
+    in arrival order, for looking into where a policy loses.
+    """
     import heapq
     import itertools
     import time
@@ -110,6 +121,7 @@ def simulate_vllm(
         block_tokens=bt,
         on_deadline_miss="shed" if policy == "kvoffload-shed" else "fastest",
         work_weight=vp.work_weight,
+        risk=vp.risk,
     )
     for info in infos:
         router.set_worker_source(info.name, SourceState.LIVE)
@@ -141,6 +153,7 @@ def simulate_vllm(
     routed: dict[str, list[float]] = {n: [] for n in workers}
     tree: dict[str, set[int]] = {n: set() for n in workers}
     m = Measured([], [], 0, 0, 0, 0, 0.0, 0, 0.0, 0, None)
+    rows: dict[str, dict[str, Any]] = {}
     last_t = 0.0
     left = len(reqs)
 
@@ -213,6 +226,22 @@ def simulate_vllm(
                 ticket = router.dispatch(d, t, worker=name)
             m.decisions += 1
             rid = f"r{i}"
+            if log is not None:
+                est = ticket.estimate
+                rows[rid] = {
+                    "i": i,
+                    "worker": ticket.worker,
+                    "arrival": t,
+                    "n": r.n,
+                    "gpu_hit": est.cached[0],
+                    "est_ttft": est.ttft_s,
+                    "est_queue": est.queue_s,
+                    "est_prefill": est.prefill_s,
+                    "waiting": [workers[v.name].waiting() for v in infos],
+                    "speed": [router.loads[v.name].speed for v in infos],
+                    "sigma": router.loads[ticket.worker].fit.sigma,
+                }
+                log.append(rows[rid])
             tickets[rid] = (ticket, r, slo)
             routed[ticket.worker].append(t)
             tree[ticket.worker].update(hashes)
@@ -228,6 +257,9 @@ def simulate_vllm(
                 ttft = t - r.arrival
                 m.ttfts.append(ttft)
                 m.queues.append(workers[name].started_at.pop(rid, t) - r.arrival)
+                if log is not None:
+                    rows[rid]["ttft"] = ttft
+                    rows[rid]["queue"] = m.queues[-1]
                 m.slo_ok += ttft <= slo
                 router.first_token(ticket, t)
             for rid in res.done:

@@ -66,7 +66,9 @@ def test_queue_is_the_booked_service_and_follows_the_first_tokens() -> None:
     assert d2.chosen is not None
     assert d2.chosen.estimate.queue_s == pytest.approx(1.0)  # 10k tokens × 1e-4 s
     t2 = r.dispatch(d2, 0.0)
-    assert r.loads["w0"].queue_s(0.5) == pytest.approx(1.5)
+    # Half its modelled time in, the head has a little more than half left: a
+    # prefill's time is noisy, and one still running is more likely a slow one.
+    assert r.loads["w0"].queue_s(0.5) == pytest.approx(1.5, rel=0.01)
     r.first_token(t1, 1.0)
     # t1's last chunk (1,808 tokens) shared its step with t2's first 6,383 (t1 now
     # decodes: 8,191 a step); until t2 answers, at least half a step of it is left

@@ -139,6 +139,7 @@ class Router:
         on_deadline_miss: str = "shed",
         history_capacity: int = 1 << 18,
         work_weight: float = 1.0,
+        risk: float = 2.0,
     ) -> None:
         if on_deadline_miss not in ("shed", "fastest"):
             raise ValueError(
@@ -150,6 +151,7 @@ class Router:
         self.block_tokens = block_tokens
         self.on_deadline_miss = on_deadline_miss
         self.work_weight = work_weight
+        self.risk = risk
         self.loads: dict[str, WorkerLoad] = {
             w.name: self.model.new_load() for w in topology.workers
         }
@@ -275,9 +277,11 @@ class Router:
         depth = sum(c.estimate.queue_s for c in cands) / n / max(self.model.mean_service_s, 1e-3)
         weight = min(64.0, self.work_weight * busy * depth)
         loads = self.loads
+        risk = self.risk
 
         def key(c: Candidate) -> tuple[float, int]:
-            return (c.estimate.ttft_s + weight * c.estimate.work_s, loads[c.worker].inflight)
+            e = c.estimate
+            return (e.ttft_s + risk * e.spread_s + weight * e.work_s, loads[c.worker].inflight)
 
         return key
 

@@ -23,28 +23,33 @@ a prompt of ``n`` tokens of which ``k_t`` are reachable in tier ``t``
 
 ``queue_s`` is the same sum for the queue alone (``m = 0``); ``prefill_s`` is
 the rest. The coefficients ``θ`` are one fit for the deployment's workers (one
-model on one GPU kind) and learned online, never given; each worker has its own
-speed factor ``s_w``. Each first token the router sees is an observation
-``(features at dispatch, measured TTFT − reads − modelled KV wait)``, fed to a
-recursive least-squares fit in relative terms (each observation scaled by its
-prediction, so a 10 s answer weighs as much as a 0.1 s one), with Huber
-weights (a residual beyond two running mean absolute residuals counts
-proportionally less: noisy prefill times, a preempted request, cannot drag
-the fit), each weighted by its own prefill's share of its estimate to the 4th
-power (a TTFT that is mostly a queue the router only models teaches little),
-and slow forgetting (a worker that changes is followed). The priors (the
-config's ``[priors]``) are the fit's starting point and its regularisation;
-every coefficient stays within [1/16, 16]× its prior. Read bandwidths are
-learned from the sidecars' read figures (:meth:`TTFTModel.observe_read`), clamped to [¼, 4]×.
+model on one GPU kind) and learned online, never given (:mod:`.fit`); each
+worker has its own speed factor ``s_w``, shrunk toward the fleet's until its
+own answers say otherwise (:meth:`TTFTModel._speeds`). Each first token the
+router sees is an observation ``(features at dispatch, measured TTFT − reads −
+modelled KV wait)``, fed to a recursive least-squares fit in relative terms
+(each observation scaled by its prediction, so a 10 s answer weighs as much as
+a 0.1 s one), with Huber weights (a residual beyond two running mean absolute
+residuals counts proportionally less: noisy prefill times, a preempted request,
+cannot drag the fit), each weighted by its own prefill's share of its estimate
+to the 4th power (a TTFT that is mostly a queue the router only models teaches
+little), and slow forgetting (a worker that changes is followed). The priors
+(the config's ``[priors]``) are the fit's starting point and its
+regularisation; every coefficient stays within [1/16, 16]× its prior. Read
+bandwidths are learned from the sidecars' read figures
+(:meth:`TTFTModel.observe_read`), clamped to [¼, 4]×.
 
 The queue: each request the router sends books its prefill tokens on the
-worker; between answers the queue drains at the modelled rate (``B − D``
-tokens a step, at the modelled step time), and each first token re-anchors
-it: what the answered request did not account for carries over (a worker
-slower than modelled keeps its queue). ``B`` and the worker's KV capacity
-are deployment settings (vLLM's ``max_num_batched_tokens`` and the KV blocks
-it logs), not coefficients. The estimate-vs-observed error of every request
-is kept (:attr:`TTFTModel.errors`).
+worker; between answers the queue drains at the modelled rate (``B − D`` tokens
+a step, at the modelled step time), and each first token re-anchors it: what
+the answered request did not account for carries over (a worker slower than
+modelled keeps its queue). The oldest request's time left is its mean residual
+life under the learned noise (:func:`.fit.residual_life`), and its last chunks
+carry most of its attention (:func:`.fit.attention_left`). Each estimate has a
+spread (:attr:`Estimate.spread_s`) the choice weighs. ``B`` and the worker's KV
+capacity are deployment settings (vLLM's ``max_num_batched_tokens`` and the KV
+blocks it logs), not coefficients. The estimate-vs-observed error of every
+request is kept (:attr:`TTFTModel.errors`).
 """
 
 from __future__ import annotations
@@ -53,18 +58,14 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from .fit import NF, SIGMA0, Fit, attention_left, residual_life
 from .index import Tier, TierMatch
 
 __all__ = ["Estimate", "Priors", "TTFTModel", "WorkerLoad"]
 
 _READ_TIERS = (Tier.CPU, Tier.STORAGE_LOCAL, Tier.STORAGE_REMOTE)
-#: Features: steps, tokens, attention work, decode-steps.
-_NF = 4
-_CLAMP = 16.0
-_FORGET = 0.998
-_HUBER = 2.0
-_SPREAD = 4.0  # prior variance of each θ: the priors may be several times off
-_SPEED_RATE = 0.05  # weight of one answer in a worker's speed factor
+_SPEED_RATE = 0.05  # weight of one answer in a worker's own speed factor
+_SPEED_TAU_MIN = 0.02  # least log-spread of speeds between one deployment's workers
 _GATE = 4.0  # an answer teaches the fit by (its own prefill's share of its estimate)^_GATE
 
 
@@ -133,57 +134,6 @@ class Priors:
         )
 
 
-def _clamp(t: float, low: float) -> float:
-    return min(_CLAMP, max(low, t))
-
-
-class _Fit:
-    """Recursive least squares over θ (multipliers of the priors), relative and robust."""
-
-    __slots__ = ("count", "low", "p", "scale", "theta")
-
-    def __init__(self, start: tuple[float, ...] = (1.0,) * _NF) -> None:
-        # θ stays within [1/16, 16] of its prior; a term whose prior is 0 starts
-        # at 0 and may stay there (nothing said it exists; the data may).
-        self.low = [1.0 / _CLAMP if t > 0 else 0.0 for t in start]
-        self.theta = [_clamp(t, lo) for t, lo in zip(start, self.low, strict=True)]
-        # Prior covariance: a wide spread (the priors may be off several times).
-        self.p = [[_SPREAD if i == j else 0.0 for j in range(_NF)] for i in range(_NF)]
-        self.scale = 0.3  # running mean |relative residual|
-        self.count = 0
-
-    def predict(self, z: tuple[float, ...]) -> float:
-        return sum(t * x for t, x in zip(self.theta, z, strict=True))
-
-    def update(self, z: tuple[float, ...], y: float, weight: float = 1.0) -> None:
-        pred = self.predict(z)
-        if pred <= 0 or y <= 0 or weight <= 0:
-            return
-        zz = [x / pred for x in z]  # relative: the prediction scales to 1
-        e = y / pred - 1.0
-        lim = _HUBER * self.scale
-        w = weight * (1.0 if abs(e) <= lim or self.count < 8 else lim / abs(e))
-        self.scale = 0.9 * self.scale + 0.1 * min(abs(e), 4.0)
-        p = self.p
-        pz = [sum(p[i][j] * zz[j] for j in range(_NF)) for i in range(_NF)]
-        denom = _FORGET + w * sum(zz[i] * pz[i] for i in range(_NF))
-        if denom <= 0:
-            return
-        k = [w * x / denom for x in pz]
-        self.theta = [
-            _clamp(t + ki * e, lo) for t, ki, lo in zip(self.theta, k, self.low, strict=True)
-        ]
-        self.p = [[(p[i][j] - k[i] * pz[j]) / _FORGET for j in range(_NF)] for i in range(_NF)]
-        # Forgetting inflates unexcited directions without bound: keep them sane.
-        for i in range(_NF):
-            if self.p[i][i] > _SPREAD:
-                f = math.sqrt(_SPREAD / self.p[i][i])
-                for j in range(_NF):
-                    self.p[i][j] *= f
-                    self.p[j][i] *= f
-        self.count += 1
-
-
 @dataclass
 class WorkerLoad:
     """What the router knows of one worker's load.
@@ -198,6 +148,10 @@ class WorkerLoad:
     pending_attn: float = 0.0
     drained: float = 0.0
     anchor: float = 0.0
+    # The oldest unanswered request: since when it has been the head, and its
+    # prefill tokens left then (what the residual life of :meth:`_done` runs from).
+    head_since: float = 0.0
+    head_tokens: float = 0.0
     decoding: int = 0  # requests past their first token, not finished
     waiting_external: int = 0  # /metrics waiting beyond what the router sent
     external_tokens: float = 0.0
@@ -210,9 +164,12 @@ class WorkerLoad:
     held_tokens: int = 0
     since: dict[int, float] = field(default_factory=dict)  # decoding: first-token time
     decode_s: float = 10.0  # learned: a request's first token to its end
-    fit: _Fit = field(default_factory=_Fit)  # shared by the deployment's workers
-    speed: float = 1.0  # learned: this worker's time over the shared fit's
-    basis: tuple[float, ...] = (0.0,) * _NF
+    fit: Fit = field(default_factory=Fit)  # shared by the deployment's workers
+    speed: float = 1.0  # learned: this worker's time over the shared fit's, shrunk
+    speed_raw: float = 1.0  # its own answers' mean (what the shared fit learns against)
+    speed_n: float = 0.0  # the answers behind ``speed_raw`` (weighted, forgetting as it does)
+    speed_var: float = 0.0  # the variance of log ``speed`` (how sure the router is of it)
+    basis: tuple[float, ...] = (0.0,) * NF
     budget: int = 8192
 
     @property
@@ -241,24 +198,74 @@ class WorkerLoad:
             return 1.0
         return q / max(self.predict(self.features(q, self.pending_attn)), 1e-6)
 
+    def _head_left(self, now: float) -> float:
+        """The oldest request's prefill tokens expected still to run at ``now``.
+
+        Its time is its estimate × a noise the fit's residuals measure: the
+        longer it has run, the more likely it is a slow one, and what is left is
+        its mean residual life (:func:`residual_life`), not the linear drain's.
+        """
+        h0 = self.head_tokens
+        if h0 <= 0:
+            return 0.0
+        m, attn = next(iter(self.pending.values()))
+        t0 = self.predict(self.features(h0, attention_left(m, attn, h0)))
+        if t0 <= 0:
+            return 0.0
+        return h0 * min(1.0, residual_life((now - self.head_since) / t0, self.fit.sigma))
+
     def _done(self, now: float) -> float:
-        """Queued tokens computed by ``now``: at the modelled rate, and never past the
-        oldest request's last step: until it answers it is still running, so (on
-        average) half of that step is left, and the ones behind it wait."""
+        """Queued tokens computed by ``now``: at the modelled rate, and never past what
+        the oldest request is expected still to run (:meth:`_head_left`; at least
+        half its last step: until it answers it is still running), the ones behind
+        it waiting."""
         head = next(iter(self.pending.values()))[0]
         done = self.drained + max(0.0, now - self.anchor) * self._rate()
         last = min(head, max(1, self.budget - self.decoding))
-        return min(done, head - 0.5 * last)
+        return min(done, head - max(0.5 * last, self._head_left(now)))
+
+    def new_head(self, now: float) -> None:
+        """The oldest unanswered request changed: its residual life starts now."""
+        if self.pending:
+            m = next(iter(self.pending.values()))[0]
+            self.head_since = now
+            self.head_tokens = max(0.0, m - self.drained)
+        else:
+            self.head_tokens = 0.0
 
     def queued(self, now: float) -> tuple[float, float]:
-        """(prefill tokens, attention work) still ahead of a request sent ``now``."""
+        """(prefill tokens, attention work) still ahead of a request sent ``now``.
+
+        What has drained is the oldest request's first tokens (the ones behind it
+        wait), so the attention left is its last chunks', each over a longer
+        context than its first ones (:func:`attention_left`), and all of the rest's.
+        """
         ext = self.external_tokens
         if not self.pending:
             return ext, 0.0
         # Each unanswered request has at least its last token left.
         left = max(float(len(self.pending)), self.pending_tokens - self._done(now))
-        share = left / self.pending_tokens if self.pending_tokens else 0.0
-        return left + ext, self.pending_attn * share
+        m, attn = next(iter(self.pending.values()))
+        head_left = max(0.0, left - (self.pending_tokens - m))
+        rest_attn = max(0.0, self.pending_attn - attn)
+        return left + ext, rest_attn + attention_left(m, attn, head_left)
+
+    def spread_sq(self, now: float) -> float:
+        """Σ over the queue of each request's modelled time² (the oldest: its expected
+        time left), in units of the learned σ²: the variance of the queue's time
+        when each prefill's noise is its own (independent)."""
+        if not self.pending:
+            return 0.0
+        items = iter(self.pending.values())
+        m0, attn0 = next(items)
+        left = self._head_left(now)
+        parts = [(left, attention_left(m0, attn0, left))] if left > 0 else []
+        parts.extend((float(m), attn) for m, attn in items)
+        total = sum(self.predict(self.features(m, attn)) ** 2 for m, attn in parts)
+        if self.waiting_external:
+            each = self.external_tokens / self.waiting_external
+            total += self.waiting_external * self.predict(self.features(each, 0.0)) ** 2
+        return total
 
     def features(self, tokens: float, attn: float) -> tuple[float, ...]:
         per = max(1, self.budget - self.decoding)
@@ -327,6 +334,7 @@ class Estimate:
         "read_total_s",
         "reads",
         "service_s",
+        "spread_s",
         "ttft_s",
         "wait_s",
         "work_s",
@@ -344,7 +352,11 @@ class Estimate:
         wait_s: float = 0.0,
         fit_weight: float = 1.0,
         speed: float = 1.0,
+        spread_s: float = 0.0,
     ) -> None:
+        # ``spread_s``: the estimate's standard deviation (each queued prefill's and
+        # this one's own noise, at the σ the fit's residuals measure).
+        self.spread_s = spread_s
         # ``fit_weight``: how much of the answer's time the fit may attribute to the
         # features (1: nothing queued ahead; less the more a queue it cannot see into).
         self.fit_weight = fit_weight
@@ -379,6 +391,7 @@ class Estimate:
             "estimated_ttft_s": round(self.ttft_s, 6),
             "queue_s": round(self.queue_s, 6),
             "prefill_s": round(self.prefill_s, 6),
+            "spread_s": round(self.spread_s, 6),
             "read_s": {k: round(v, 6) for k, v in self.read_s.items()},
             "missing_tokens": self.missing_tokens,
             "cached_tokens": self.cached_tokens,
@@ -396,7 +409,8 @@ class TTFTModel:
     _costs: tuple[tuple[float, float], ...] | None = None
     # One fit for the deployment's workers (one model, one GPU kind: one [priors]):
     # each answer teaches it, and each worker's own speed is one learned factor.
-    _fit: _Fit | None = None
+    _fit: Fit | None = None
+    _loads: list[WorkerLoad] = field(default_factory=list)
 
     def new_load(self) -> WorkerLoad:
         load = WorkerLoad()
@@ -410,8 +424,42 @@ class TTFTModel:
             load.budget = pri.prefill_budget_tokens
             load.decode_s = pri.decode_s
             if self._fit is None:
-                self._fit = _Fit(pri.start())
+                self._fit = Fit(pri.start())
             load.fit = self._fit
+            self._loads.append(load)
+
+    def _speeds(self) -> None:
+        """Each worker's speed factor: its own evidence shrunk toward the fleet's.
+
+        Empirical Bayes.
+
+        A worker's own log speed ``m`` (the running mean of its answers over the
+        shared fit's) has a sampling variance ``v = σ² / n`` (σ the fit's learned
+        spread, ``n`` its weighted answers). How much the workers really differ,
+        ``τ²``, is how far their ``m`` spread about their precision-weighted mean
+        ``μ`` beyond their sampling variance (at least ``_SPEED_TAU_MIN²``). The
+        factor is ``exp(μ + (m − μ) · τ² / (τ² + v))``: a worker with a few lucky
+        answers stays with the fleet, one that is slower answer after answer gets
+        its own speed. A worker never answered stays at 1 (the fit's own). Each
+        keeps the variance of its log speed (``τ² v / (τ² + v)``; never answered:
+        ``τ²``) for the estimate's spread: an unproven worker is a less certain one.
+        """
+        sig2 = self._fit.sigma**2 if self._fit is not None else SIGMA0**2
+        stats = [
+            (math.log(ld.speed_raw), sig2 / ld.speed_n) for ld in self._loads if ld.speed_n > 0
+        ]
+        if not stats:
+            return
+        mu = sum(m / v for m, v in stats) / sum(1 / v for _, v in stats)
+        spread = sum((m - mu) ** 2 - v for m, v in stats) / len(stats)
+        tau2 = max(_SPEED_TAU_MIN**2, spread)
+        for ld in self._loads:
+            if ld.speed_n > 0:
+                m, v = math.log(ld.speed_raw), sig2 / ld.speed_n
+                ld.speed = math.exp(mu + (m - mu) * tau2 / (tau2 + v))
+                ld.speed_var = tau2 * v / (tau2 + v)
+            else:
+                ld.speed_var = tau2
 
     def bandwidth(self, tier: Tier) -> float:
         return self.priors.bandwidth(tier) * self._bandwidth_scale.get(tier, 1.0)
@@ -447,6 +495,10 @@ class TTFTModel:
         extra = max(0.0, wait - queue_s)
         own = max(0.0, total - queue_s)
         share = own / (own + queue_s + extra) if own > 0 else 0.0
+        spread = math.sqrt(
+            load.fit.sigma**2 * (load.spread_sq(now) + own * own)
+            + load.speed_var * (queue_s + own) ** 2
+        )
         return Estimate(
             queue_s + extra,
             own,
@@ -458,6 +510,7 @@ class TTFTModel:
             extra,
             share**_GATE,
             load.speed,
+            spread,
         )
 
     # -- accounting -----------------------------------------------------------------
@@ -474,6 +527,8 @@ class TTFTModel:
         self._ready(load)
         self._drain_to(load, now)
         load.pending[ticket_id] = (est.missing_tokens, est.attn)
+        if len(load.pending) == 1:
+            load.new_head(now)
         n = est.missing_tokens + sum(est.cached)
         load.held[ticket_id] = n
         load.held_tokens += n
@@ -508,6 +563,8 @@ class TTFTModel:
                 per = max(1, load.budget - load.decoding)
                 left = float(per - (m % per or per))
             load.drained = min(left, float(load.pending_tokens))
+        if was_head:
+            load.new_head(now)
         return True
 
     def first_token(
@@ -541,12 +598,18 @@ class TTFTModel:
         if booked and est.features and y > 0 and est.fit_weight > 0:
             pred = load.fit.predict(est.features)
             if pred > 0:
-                # Slowly, and each answer by at most 2× either way: noise averages out.
-                a = _SPEED_RATE * est.fit_weight
+                w = est.fit_weight
+                load.fit.observe_spread(math.log(y / (pred * load.speed_raw)), w)
+                # Slowly, and each answer by at most 2× either way: noise averages out;
+                # what the choice uses is shrunk toward 1 (_speeds).
+                a = _SPEED_RATE * w
                 ratio = min(2.0, max(0.5, y / pred))
-                sp = math.exp((1 - a) * math.log(load.speed) + a * math.log(ratio))
-                load.speed = min(4.0, max(0.25, sp))
-            load.fit.update(est.features, y / load.speed, est.fit_weight)
+                sp = math.exp((1 - a) * math.log(load.speed_raw) + a * math.log(ratio))
+                load.speed_raw = min(4.0, max(0.25, sp))
+                # The EWMA's effective answer count: Σ weights, forgetting at its rate.
+                load.speed_n = (1 - a) * load.speed_n + w
+                self._speeds()
+            load.fit.update(est.features, y / load.speed_raw, est.fit_weight)
 
     def _release(self, load: WorkerLoad, ticket_id: int) -> float | None:
         """The request's blocks are free again; returns when it started decoding."""
