@@ -469,7 +469,7 @@ CATALOGUE: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
         "reply",
         _rep(23, p.RegionLoadReply(1, int(ErrorCode.NOT_FOUND))),
     ),
-    # -- revision 19: a tenant's delete (§5.35) --------------------------------
+    # -- revision 18: a tenant's delete (§5.35) --------------------------------
     "delete": ("request", _req(25, p.Delete("acme", (K[0], K[2])))),
     "delete_reply": ("reply", _rep(25, p.DeleteReply((True, False)))),
 }

@@ -1,4 +1,4 @@
-"""A tenant's own ``delete`` (protocol-v1.md §5.35, revision 19) with the real server.
+"""A tenant's own ``delete`` (protocol-v1.md §5.35, revision 18) with the real server.
 
 A real Server on its own loop and a real Store; the client is
 :class:`~kvoffload.client.SidecarClient`. What must hold: the named chunks of
@@ -81,7 +81,7 @@ def test_an_older_server_answers_none_and_the_connection_goes_on(
 ) -> None:
     verbs = dict(session_mod._VERBS)
     verbs.pop(session_mod.Delete)
-    monkeypatch.setattr(session_mod, "_VERBS", verbs)  # as a server before revision 19
+    monkeypatch.setattr(session_mod, "_VERBS", verbs)  # as a server before revision 18
     with _client(server, "alice") as a:
         _save(a, 1)
         assert a.delete([key(0)]) is None

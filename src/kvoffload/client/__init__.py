@@ -533,7 +533,7 @@ class SidecarClient:
 
     def delete(self, keys: Sequence[bytes]) -> list[bool] | None:
         """Remove chunks of the tenant (protocol-v1 §5.35): per key, whether the sidecar
-        held it; None where it cannot (older than revision 19, unavailable, refused)."""
+        held it; None where it cannot (older than revision 18, unavailable, refused)."""
         keys = check_keys(keys)
         with self._lock:
             s = self._ensure_session() if keys else None

@@ -1,4 +1,4 @@
-"""A tenant's own chunks removed (protocol-v1.md §5.35, revision 19).
+"""A tenant's own chunks removed (protocol-v1.md §5.35, revision 18).
 
 ``delete`` names keys of the connection's tenant; the sidecar removes each one
 it holds as an eviction would (file, index entry with its ``BlockRemoved``

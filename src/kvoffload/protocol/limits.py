@@ -35,7 +35,7 @@ MAX_PATH = 4096
 MAX_ALIGNMENT = 1 << 30
 #: The revision of protocol 1 this code speaks (docs/spec/protocol-v1.md §10);
 #: a client names it in ``hello`` (§5.1, ``revision``).
-PROTOCOL_REVISION = 19
+PROTOCOL_REVISION = 18
 #: Region files one connection may register (§5.34).
 MAX_REGIONS = 4
 #: Most load handles one request may complete on the way (``complete``, §5.32).
@@ -78,7 +78,7 @@ class Op(StrEnum):
     REGISTER_REGION = "register_region"
     REGION_STORE = "region_store"
     REGION_LOAD = "region_load"
-    #: Revision 19 (§5.35): a tenant removes chunks of its own.
+    #: Revision 18 (§5.35): a tenant removes chunks of its own.
     DELETE = "delete"
     #: Server-initiated fatal error frame (id 0).
     ERROR = "error"

@@ -98,7 +98,7 @@ class Touch(_TenantKeys, frozen=True):
 
 
 class Delete(_TenantKeys, frozen=True):
-    """§5.35 (revision 19): remove chunks of the tenant from the store."""
+    """§5.35 (revision 18): remove chunks of the tenant from the store."""
 
     OP: ClassVar[Op] = Op.DELETE
 

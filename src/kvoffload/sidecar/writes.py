@@ -275,7 +275,7 @@ class Writes:
     # -- removing (§5.35) ----------------------------------------------------------------
 
     def delete(self, req: Delete) -> Reply:
-        """§5.35 (revision 19): remove chunks of the tenant, each as an eviction
+        """§5.35 (revision 18): remove chunks of the tenant, each as an eviction
         would (RAM image, file, index entry with its ``BlockRemoved``, accounting,
         a shared root's journal); how many it held. A write right is needed, as
         for ``store``; another tenant's chunk of the same key is never reached

@@ -391,7 +391,7 @@ class KVOffloadL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         were there. Waits for the store worker, so a store submitted before this
         call is removed too, and a lookup after it misses.
 
-        Against a sidecar older than revision 19 the keys only leave this
+        Against a sidecar older than revision 18 the keys only leave this
         adapter's accounting and listing, and the sidecar's own eviction
         reclaims the bytes (a hit until then is still the verified chunk)."""
         keys = list(keys)
@@ -423,7 +423,7 @@ class KVOffloadL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                 if tenant not in self._old_sidecar_warned:
                     self._old_sidecar_warned.add(tenant)
                     log.warning(
-                        "kvoffload sidecar has no delete (older than protocol revision 19): "
+                        "kvoffload sidecar has no delete (older than protocol revision 18): "
                         "objects LMCache evicts stay until the sidecar evicts them"
                     )
                 continue
