@@ -529,8 +529,7 @@ class TTFTModel:
         own = max(0.0, total - queue_s)
         share = own / (own + queue_s + extra) if own > 0 else 0.0
         spread = math.sqrt(
-            load.fit.sigma**2 * (queue_sq + own * own)
-            + load.speed_var * (queue_s + own) ** 2
+            load.fit.sigma**2 * (queue_sq + own * own) + load.speed_var * (queue_s + own) ** 2
         )
         return Estimate(
             queue_s + extra,
