@@ -257,13 +257,14 @@ class PrefixIndex:
         if refs is None:
             refs = self._inflight_refs[b] = {}
         inf = self._inflight
+        keep = ~b
         for h in hashes:
             n = refs.get(h, 0)
             if n > 1:
                 refs[h] = n - 1
                 continue
             refs.pop(h, None)
-            m = inf.get(h, 0) & ~b
+            m = inf.get(h, 0) & keep
             if m:
                 inf[h] = m
             else:
