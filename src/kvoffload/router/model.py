@@ -215,16 +215,14 @@ class WorkerLoad:
         return h0 * min(1.0, residual_life((now - self.head_since) / t0, self.fit.sigma))
 
     def _done(self, now: float, head_left: float | None = None) -> float:
-        """Queued tokens computed by ``now``: at the modelled rate, and never past what
-        the oldest request is expected still to run (:meth:`_head_left`, or
-        ``head_left`` when the caller has it; at least half its last step: until it
-        answers it is still running), the ones behind it waiting."""
+        """Queued tokens computed by ``now``: at the modelled rate, and never past what the
+        oldest request is expected still to run (:meth:`_head_left`, or given; at least half
+        its last step: until it answers it is still running), the ones behind it waiting."""
         head = next(iter(self.pending.values()))[0]
         done = self.drained + max(0.0, now - self.anchor) * self._rate()
         last = min(head, max(1, self.budget - self.decoding))
-        if head_left is None:
-            head_left = self._head_left(now)
-        return min(done, head - max(0.5 * last, head_left))
+        left = self._head_left(now) if head_left is None else head_left
+        return min(done, head - max(0.5 * last, left))
 
     def new_head(self, now: float) -> None:
         """The oldest unanswered request changed: its residual life starts now."""
@@ -278,8 +276,7 @@ class WorkerLoad:
         return total
 
     def ahead(self, now: float) -> tuple[float, float, float]:
-        """:meth:`queued` and :meth:`spread_sq` at ``now``, the head's residual life
-        computed once (what :meth:`TTFTModel.estimate` reads of a worker)."""
+        """:meth:`queued` and :meth:`spread_sq` at ``now``, the head's residual life once."""
         if not self.pending:
             return self.external_tokens, 0.0, 0.0
         left = self._head_left(now)
@@ -287,8 +284,7 @@ class WorkerLoad:
         return q, qa, self._spread_sq(left)
 
     def _cost(self, tokens: float, attn: float) -> float:
-        """``predict(features(tokens, attn))`` without the tuple: the same arithmetic in
-        the same order (so the same float), on the decision path's every queued request."""
+        """``predict(features(tokens, attn))``, no tuple: the same arithmetic, the same float."""
         dec = self.decoding
         per = max(1, self.budget - dec)
         steps = float(math.ceil(tokens / per)) if tokens > 0 else 0.0
