@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from statistics import NormalDist
+
 import pytest
 
 from kvoffload.router.core import Mode, Router, Topology, WorkerInfo
@@ -202,3 +205,69 @@ def test_an_answer_seen_whole_settles_without_calibrating() -> None:
     assert r.loads["w0"].inflight == 0
     assert r.loads["w0"].prefill_scale == 1.0 and r.loads["w0"].fit.count == 0
     assert r.model.error_summary()["count"] == 0
+
+
+def _residual_life(x: float, sigma: float) -> float:
+    """E[f − x | f > x] for f lognormal with mean 1 and log-σ ``sigma``, from the normal CDF."""
+    phi = NormalDist().cdf
+    mu = -sigma * sigma / 2
+    tail = 1 - phi((math.log(x) - mu) / sigma)  # P(f > x)
+    above = 1 - phi((math.log(x) - mu - sigma * sigma) / sigma)  # E[f; f > x]
+    return above / tail - x
+
+
+def test_a_fixed_sequence_decides_and_estimates_as_the_model_says() -> None:
+    """Three decisions worked out by hand from the model's documented terms.
+
+    With PRIORS (no step overhead, no attention term, θ at its start) a worker's
+    time for ``t`` tokens is ``t·1e-4 + steps·D·0.08192`` (``D`` decoding, a full
+    step's 10 % each), ``steps = ⌈t / (8192 − D)⌉ + ½`` while it is busy; the
+    learned σ is its prior 0.25 and no worker has a speed variance yet.
+    """
+    r = router(2)
+    sigma, tok = 0.25, 1e-4
+
+    # 1. An idle cluster: both equal; the first worker wins the tie.
+    a = r.decide(list(range(1, 65)), 1024, now=0.0)
+    assert a.worker == "w0"
+    for c in a.candidates:
+        assert c.estimate.ttft_s == pytest.approx(0.1024, rel=1e-9)
+        assert c.estimate.spread_s == pytest.approx(sigma * 0.1024, rel=1e-9)
+    ta = r.dispatch(a, 0.0)
+
+    # 2. At 0.03 s a prompt sharing A's first 48 blocks (A in flight on w0).
+    now = 0.03
+    b = r.decide([*range(1, 49), *range(1001, 1017)], 1024, now=now)
+    head_left = 1024 * min(1.0, _residual_life(now / 0.1024, sigma))
+    done = min(now * 1024 / 0.1024, 1024 - max(0.5 * 1024, head_left))
+    queue_s = (1024 - done) * tok
+    own = 256 * tok  # 768 tokens in w0's GPU (in flight)
+    expect = {
+        "w0": (queue_s + own, sigma * math.hypot(head_left * tok, own), own),
+        "w1": (0.1024, sigma * 0.1024, 0.1024),
+    }
+    mean_service = 0.8 * 0.1 + 0.2 * 0.1024  # the EWMA after A
+    weight = 1.0 * 0.5 * (queue_s / 2) / mean_service  # one of two busy
+    for c in b.candidates:
+        ttft, spread, work = expect[c.worker]
+        assert c.match.gpu == (48 if c.worker == "w0" else 0)
+        assert c.estimate.ttft_s == pytest.approx(ttft, rel=1e-9)
+        assert c.estimate.spread_s == pytest.approx(spread, rel=1e-9)
+        assert c.estimate.work_s == pytest.approx(work, rel=1e-9)
+    keys = {w: t + 2.0 * s + weight * k for w, (t, s, k) in expect.items()}
+    assert b.worker == min(keys, key=keys.__getitem__) == "w0"
+    r.dispatch(b, now)
+
+    # 3. A answers at 0.1 s (seen whole: nothing learned) and decodes. Its last
+    # chunk's step left 8192 − 1024 tokens of budget to B, all of B's 256; until B
+    # answers, half its last step is left: 128 tokens, one step under way.
+    r.first_token(ta, 0.1, observed=False)
+    c3 = r.decide(list(range(2001, 2065)), 1024, now=0.1)
+    step = 0.1 * 8192 * tok  # one decoding request's share of a step
+    queue_s = 128 * tok + 1.5 * step
+    own = 1024 * tok + (math.ceil((128 + 1024) / 8191) + 0.5) * step - 1.5 * step
+    w0 = next(c for c in c3.candidates if c.worker == "w0")
+    assert w0.estimate.queue_s == pytest.approx(queue_s, rel=1e-9)
+    assert w0.estimate.prefill_s == pytest.approx(own, rel=1e-9)
+    assert w0.estimate.spread_s == pytest.approx(sigma * own, rel=1e-9)  # no head left
+    assert c3.worker == "w1"

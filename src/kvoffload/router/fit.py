@@ -95,7 +95,11 @@ class Fit:
         self.abs_log = (1 - a) * self.abs_log + a * min(abs(log_ratio), 3.0)
 
     def predict(self, z: tuple[float, ...]) -> float:
-        return sum(t * x for t, x in zip(self.theta, z, strict=True))
+        if len(z) != NF:
+            raise ValueError(f"{len(z)} features, not {NF}")
+        t = self.theta
+        # Term by term from 0, as ``sum`` adds them (the same float).
+        return 0.0 + t[0] * z[0] + t[1] * z[1] + t[2] * z[2] + t[3] * z[3]
 
     def update(self, z: tuple[float, ...], y: float, weight: float = 1.0) -> None:
         pred = self.predict(z)

@@ -115,7 +115,7 @@ class PrefixIndex:
         self._routed: dict[Location, _History] = {}
         self._state: dict[Location, SourceState] = {}
         self._inflight: dict[int, int] = {}
-        self._inflight_refs: dict[tuple[int, int], int] = {}
+        self._inflight_refs: dict[int, dict[int, int]] = {}  # bit → hash → requests
         self.history_capacity = history_capacity
 
     # -- locations and their sources ------------------------------------------------
@@ -221,11 +221,13 @@ class PrefixIndex:
         if hist is None:
             hist = self._routed[location] = _History(self.history_capacity)
         od = self._history
+        blocks = hist.blocks
+        move = blocks.move_to_end
         for h in hashes:
-            if h in hist.blocks:
-                hist.blocks.move_to_end(h)
+            if h in blocks:
+                move(h)
             else:
-                hist.blocks[h] = None
+                blocks[h] = None
                 od[h] = od.get(h, 0) | b
         while len(hist.blocks) > hist.capacity:
             old, _ = hist.blocks.popitem(last=False)
@@ -239,27 +241,30 @@ class PrefixIndex:
 
     def add_inflight(self, location: Location, hashes: Iterable[int]) -> None:
         b = self.bit(location)
-        refs = self._inflight_refs
+        refs = self._inflight_refs.get(b)
+        if refs is None:
+            refs = self._inflight_refs[b] = {}
         inf = self._inflight
         for h in hashes:
-            k = (b, h)
-            n = refs.get(k, 0)
-            refs[k] = n + 1
+            n = refs.get(h, 0)
+            refs[h] = n + 1
             if not n:
                 inf[h] = inf.get(h, 0) | b
 
     def drop_inflight(self, location: Location, hashes: Iterable[int]) -> None:
         b = self.bit(location)
-        refs = self._inflight_refs
+        refs = self._inflight_refs.get(b)
+        if refs is None:
+            refs = self._inflight_refs[b] = {}
         inf = self._inflight
+        keep = ~b
         for h in hashes:
-            k = (b, h)
-            n = refs.get(k, 0)
+            n = refs.get(h, 0)
             if n > 1:
-                refs[k] = n - 1
+                refs[h] = n - 1
                 continue
-            refs.pop(k, None)
-            m = inf.get(h, 0) & ~b
+            refs.pop(h, None)
+            m = inf.get(h, 0) & keep
             if m:
                 inf[h] = m
             else:

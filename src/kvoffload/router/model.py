@@ -196,7 +196,7 @@ class WorkerLoad:
         q = float(self.pending_tokens)
         if q <= 0:
             return 1.0
-        return q / max(self.predict(self.features(q, self.pending_attn)), 1e-6)
+        return q / max(self._cost(q, self.pending_attn), 1e-6)
 
     def _head_left(self, now: float) -> float:
         """The oldest request's prefill tokens expected still to run at ``now``.
@@ -209,20 +209,20 @@ class WorkerLoad:
         if h0 <= 0:
             return 0.0
         m, attn = next(iter(self.pending.values()))
-        t0 = self.predict(self.features(h0, attention_left(m, attn, h0)))
+        t0 = self._cost(h0, attention_left(m, attn, h0))
         if t0 <= 0:
             return 0.0
         return h0 * min(1.0, residual_life((now - self.head_since) / t0, self.fit.sigma))
 
-    def _done(self, now: float) -> float:
-        """Queued tokens computed by ``now``: at the modelled rate, and never past what
-        the oldest request is expected still to run (:meth:`_head_left`; at least
-        half its last step: until it answers it is still running), the ones behind
-        it waiting."""
+    def _done(self, now: float, head_left: float | None = None) -> float:
+        """Queued tokens computed by ``now``: at the modelled rate, and never past what the
+        oldest request is expected still to run (:meth:`_head_left`, or given; at least half
+        its last step: until it answers it is still running), the ones behind it waiting."""
         head = next(iter(self.pending.values()))[0]
         done = self.drained + max(0.0, now - self.anchor) * self._rate()
         last = min(head, max(1, self.budget - self.decoding))
-        return min(done, head - max(0.5 * last, self._head_left(now)))
+        left = self._head_left(now) if head_left is None else head_left
+        return min(done, head - max(0.5 * last, left))
 
     def new_head(self, now: float) -> None:
         """The oldest unanswered request changed: its residual life starts now."""
@@ -240,11 +240,15 @@ class WorkerLoad:
         wait), so the attention left is its last chunks', each over a longer
         context than its first ones (:func:`attention_left`), and all of the rest's.
         """
-        ext = self.external_tokens
         if not self.pending:
-            return ext, 0.0
+            return self.external_tokens, 0.0
+        return self._queued(now, self._head_left(now))
+
+    def _queued(self, now: float, head_left: float) -> tuple[float, float]:
+        """:meth:`queued`, the queue not empty and the head's :meth:`_head_left` given."""
+        ext = self.external_tokens
         # Each unanswered request has at least its last token left.
-        left = max(float(len(self.pending)), self.pending_tokens - self._done(now))
+        left = max(float(len(self.pending)), self.pending_tokens - self._done(now, head_left))
         m, attn = next(iter(self.pending.values()))
         head_left = max(0.0, left - (self.pending_tokens - m))
         rest_attn = max(0.0, self.pending_attn - attn)
@@ -256,16 +260,41 @@ class WorkerLoad:
         when each prefill's noise is its own (independent)."""
         if not self.pending:
             return 0.0
+        return self._spread_sq(self._head_left(now))
+
+    def _spread_sq(self, left: float) -> float:
+        """:meth:`spread_sq`, the queue not empty and the head's :meth:`_head_left` given."""
         items = iter(self.pending.values())
         m0, attn0 = next(items)
-        left = self._head_left(now)
-        parts = [(left, attention_left(m0, attn0, left))] if left > 0 else []
-        parts.extend((float(m), attn) for m, attn in items)
-        total = sum(self.predict(self.features(m, attn)) ** 2 for m, attn in parts)
+        cost = self._cost
+        total = cost(left, attention_left(m0, attn0, left)) ** 2 if left > 0 else 0.0
+        for m, attn in items:
+            total += cost(float(m), attn) ** 2
         if self.waiting_external:
             each = self.external_tokens / self.waiting_external
-            total += self.waiting_external * self.predict(self.features(each, 0.0)) ** 2
+            total += self.waiting_external * cost(each, 0.0) ** 2
         return total
+
+    def ahead(self, now: float) -> tuple[float, float, float]:
+        """:meth:`queued` and :meth:`spread_sq` at ``now``, the head's residual life once."""
+        if not self.pending:
+            return self.external_tokens, 0.0, 0.0
+        left = self._head_left(now)
+        q, qa = self._queued(now, left)
+        return q, qa, self._spread_sq(left)
+
+    def _cost(self, tokens: float, attn: float) -> float:
+        """``predict(features(tokens, attn))``, no tuple: the same arithmetic, the same float."""
+        dec = self.decoding
+        per = max(1, self.budget - dec)
+        steps = float(math.ceil(tokens / per)) if tokens > 0 else 0.0
+        if self.pending or dec:
+            steps += 0.5
+        b = self.basis
+        t = self.fit.theta
+        # ``Fit.predict``'s sum, term by term from 0 (features' products grouped as there).
+        z = 0.0 + t[0] * (steps * b[0]) + t[1] * (tokens * b[1])
+        return self.speed * (z + t[2] * (attn * b[2]) + t[3] * (steps * dec * b[3]))
 
     def features(self, tokens: float, attn: float) -> tuple[float, ...]:
         per = max(1, self.budget - self.decoding)
@@ -279,7 +308,7 @@ class WorkerLoad:
         q, a = self.queued(now)
         if q <= 0:
             return 0.0
-        return self.predict(self.features(q, a))
+        return self._cost(q, a)
 
     def kv_wait(self, need: int, capacity: int, now: float, queue_s: float) -> float:
         """Seconds until a prompt of ``need`` tokens can be admitted (0: it fits now).
@@ -487,8 +516,8 @@ class TTFTModel:
         missing = max(1, n_tokens - g - c - sl - sr)
         cached = n_tokens - missing
         attn = float(missing) * (2.0 * cached + missing)
-        q, qa = load.queued(now)
-        queue_s = load.predict(load.features(q, qa)) if q > 0 else 0.0
+        q, qa, queue_sq = load.ahead(now)
+        queue_s = load._cost(q, qa) if q > 0 else 0.0
         feats = load.features(q + missing, qa + attn)
         total = load.predict(feats)
         wait = load.kv_wait(n_tokens, self.priors.kv_capacity_tokens, now, queue_s)
@@ -496,8 +525,7 @@ class TTFTModel:
         own = max(0.0, total - queue_s)
         share = own / (own + queue_s + extra) if own > 0 else 0.0
         spread = math.sqrt(
-            load.fit.sigma**2 * (load.spread_sq(now) + own * own)
-            + load.speed_var * (queue_s + own) ** 2
+            load.fit.sigma**2 * (queue_sq + own * own) + load.speed_var * (queue_s + own) ** 2
         )
         return Estimate(
             queue_s + extra,
