@@ -149,6 +149,21 @@ def test_lookup_stops_at_an_expired_record(idx: Index) -> None:
     assert idx.lookup("t1", keys[::2], now_ns=10**18) == 2  # 0: never expires
 
 
+def test_lookup_refuses_a_bad_tenant_every_time(idx: Index) -> None:
+    # Lookups remember the key prefix of the tenants they saw (index_records.
+    # tenant_prefix): a refused name must be refused again, never remembered.
+    idx.put(rec(0, tenant="a"))
+    for _ in range(2):
+        for bad in ("a\x00", "a\x00b", "x" * 256, "\ud800"):
+            with pytest.raises(ValueError):
+                idx.lookup(bad, [key(0)])
+        with pytest.raises(TypeError):
+            idx.lookup(b"a", [key(0)])  # type: ignore[arg-type]
+        assert idx.lookup("a", [key(0)]) == 1
+        assert idx.lookup("ab", [key(0)]) == 0
+        assert idx.lookup("é" * 127, [key(0)]) == 0  # 254 bytes: a valid name
+
+
 def test_tenants_are_isolated(idx: Index) -> None:
     a = rec(7, tenant="a", size=100)
     b = rec(7, tenant="b", size=300)

@@ -56,6 +56,7 @@ from .index_records import (
     lmdb_failure,
     split_key,
     tenant_bytes,
+    tenant_prefix,
 )
 
 __all__ = ["Index", "IndexCorrupt", "IndexFailure", "IndexVersionError"]
@@ -65,6 +66,8 @@ __all__ = ["Index", "IndexCorrupt", "IndexFailure", "IndexVersionError"]
 MAX_MAP_SIZE: Final = 1 << 40
 
 _BATCH: Final = 1024
+#: Where a record's expires_ns starts (created_ns and last_access_ns precede it).
+_EXPIRES_AT: Final = RECORD.size - U64.size
 _DB_NAMES: Final = ("chunks", "lru", "expiry", "tenants", "namespaces", "meta", "blocks", "events")
 
 _T = TypeVar("_T")
@@ -81,11 +84,21 @@ class _SharedHold:
     def __init__(self, lock: _SharedExclusiveLock) -> None:
         self._lock = lock
 
+    # Inline, one frame per side: every index read, lookups included, takes it.
     def __enter__(self) -> None:
-        self._lock._enter_shared()
+        rw = self._lock
+        with rw._lock:  # the condition's own lock
+            while rw._exclusive or rw._waiting:
+                rw._cond.wait()
+            rw._shared += 1
 
     def __exit__(self, *_exc: object) -> None:
-        self._lock._exit_shared()
+        rw = self._lock
+        with rw._lock:
+            rw._shared -= 1
+            # Only an exclusive request waits for the shared holders to leave.
+            if not rw._shared and rw._waiting:
+                rw._cond.notify_all()
 
 
 class _SharedExclusiveLock:
@@ -109,19 +122,6 @@ class _SharedExclusiveLock:
         """The shared side, as a context manager (one reusable object, no generator:
         every index read takes it, lookups included)."""
         return self._hold
-
-    def _enter_shared(self) -> None:
-        with self._lock:  # the condition's own lock
-            while self._exclusive or self._waiting:
-                self._cond.wait()
-            self._shared += 1
-
-    def _exit_shared(self) -> None:
-        with self._lock:
-            self._shared -= 1
-            # Only an exclusive request waits for the shared holders to leave.
-            if not self._shared and self._waiting:
-                self._cond.notify_all()
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -158,6 +158,7 @@ class Index:
         # only a writer triggers) has exactly one candidate at a time.
         self._write_mutex = threading.Lock()
         self._rw = _SharedExclusiveLock()
+        self._reading = self._rw.shared()
         self._batch = _BATCH
         self._env: lmdb.Environment | None = None
         self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -221,7 +222,7 @@ class Index:
 
     def _read(self, fn: Callable[[_Txn], _T]) -> _T:
         try:
-            with self._rw.shared(), self._require_env().begin() as txn:
+            with self._reading, self._require_env().begin() as txn:
                 return fn(txn)
         except lmdb.Error as exc:
             raise lmdb_failure(exc) from exc
@@ -235,7 +236,7 @@ class Index:
         with self._write_mutex:
             while True:
                 try:
-                    with self._rw.shared(), self._require_env().begin(write=True) as txn:
+                    with self._reading, self._require_env().begin(write=True) as txn:
                         return fn(txn)
                 except lmdb.MapFullError:
                     self._grow()
@@ -440,17 +441,18 @@ class Index:
         """
         if not keys:
             return 0
-        prefix = tenant_bytes(tenant) + b"\x00"
+        prefix = tenant_prefix(tenant)
         # The checks of _check_key, over the whole batch in C (map, set, all):
         # a lookup is on the scheduler's path, and per-key Python adds up.
         if set(map(len, keys)) != {KEY_SIZE} or not all(map(isinstance, keys, repeat(bytes))):
             raise ValueError(f"chunk_key must be {KEY_SIZE} bytes")
+        env = self._env if self._env is not None else self._require_env()
         try:
             # Values as buffers into the map, not copies.
-            with self._rw.shared(), self._require_env().begin(buffers=True) as txn:
+            with self._reading, env.begin(buffers=True) as txn:
                 cur = txn.cursor(db=self._chunks)
                 index_keys = map(prefix.__add__, keys)
-                unpack, at = U64.unpack_from, RECORD.size - U64.size  # expires_ns, last
+                unpack, at = U64.unpack_from, _EXPIRES_AT
                 # The expiry table is ordered by time: its first key says whether
                 # any record of the index is due.
                 exp = txn.cursor(db=self._expiry)

@@ -8,6 +8,7 @@ key``; ``tenants`` and ``namespaces``: :data:`USAGE` (bytes, count).
 
 from __future__ import annotations
 
+import functools
 import struct
 from typing import Final
 
@@ -47,11 +48,19 @@ def tenant_bytes(tenant: str) -> bytes:
         raise ValueError(f"tenant {tenant!r} is not valid unicode") from exc
     # The separator must never occur inside a tenant, or tenant "a"'s prefix
     # scan would also see tenant "a\x00...".
-    if b"\x00" in raw:
+    if 0 in raw:  # as ``b"\x00" in raw``, without an int conversion failing inside
         raise ValueError(f"tenant {tenant!r} contains NUL")
     if len(raw) > MAX_TENANT_BYTES:
         raise ValueError(f"tenant name longer than {MAX_TENANT_BYTES} bytes")
     return raw
+
+
+@functools.lru_cache(maxsize=1024)
+def tenant_prefix(tenant: str) -> bytes:
+    """``tenant_bytes(tenant) + b"\x00"``, the leading part of its index keys,
+    remembered for the tenants seen last (lookups ask for it on every call; a
+    bad name raises as :func:`tenant_bytes` does, and is not remembered)."""
+    return tenant_bytes(tenant) + b"\x00"
 
 
 def check_key(name: str, value: bytes) -> None:
@@ -144,4 +153,5 @@ __all__ = [
     "lmdb_failure",
     "split_key",
     "tenant_bytes",
+    "tenant_prefix",
 ]
