@@ -10,6 +10,7 @@
     ├── ConnectorConfigError  (ValueError)  a bad engine integration config: vLLM, SGLang, LMCache
     ├── ProtocolError                       peer input that breaks protocol v1
     ├── EventDecodeError      (ValueError)  a KV-event frame or batch that breaks events-v1
+    ├── BadBody               (ValueError)  a router request body that is no JSON object (a 400)
     ├── Reject                              a verb the sidecar refuses as a whole (an error reply)
     ├── TransportError                      the connection failed and is closed
     │   ├── TransportClosed                 the peer closed or reset it, or this end did
@@ -58,6 +59,7 @@ from enum import IntEnum
 
 __all__ = [
     "AuditFormatError",
+    "BadBody",
     "ChunkTooLarge",
     "ConfigError",
     "ConnectorConfigError",
@@ -118,6 +120,10 @@ class KeyDerivationError(KVOffloadError, ValueError):
 
 class EventDecodeError(KVOffloadError, ValueError):
     """A KV-event frame, batch or event that does not decode (docs/spec/events-v1.md)."""
+
+
+class BadBody(KVOffloadError, ValueError):
+    """A request body the router cannot read: the message is the client's one line."""
 
 
 class ConfigError(KVOffloadError, ValueError):

@@ -27,14 +27,12 @@ from typing import Any
 
 import msgspec
 
+from ..errors import BadBody
+
 __all__ = ["BadBody", "Body", "forwarded", "parse_body"]
 
 _decode = msgspec.json.Decoder().decode
 _WS = b" \t\r\n"
-
-
-class BadBody(ValueError):
-    """A body the router cannot read: the message is the client's one line."""
 
 
 class Body:
