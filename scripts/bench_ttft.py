@@ -71,7 +71,7 @@ from kvoffload.cli.admin import SidecarTarget
 from kvoffload.client import SidecarClient
 from kvoffload.integrations import demo_model as kd
 from kvoffload.integrations.demo_run import dev_sidecar
-from kvoffload.integrations.payoff import Offer, RecomputeGuard
+from kvoffload.integrations.payoff import Offer, RecomputeGuard, plan_seconds
 from kvoffload.integrations.sealed_loads import SealedLoader
 from kvoffload.keys import chunk_keys
 from kvoffload.layouts import v1
@@ -309,6 +309,9 @@ class Bench:
             for tier in ("normal", "slow", "moderate")
         }
         self.decisions: dict[str, list[str]] = {"normal": [], "slow": [], "moderate": []}
+        #: Per decision, the guard's own estimates (seconds): its plan, recompute, and
+        #: loading the whole offer, from the rates it had measured by then.
+        self.estimates: dict[str, list[dict[str, float]]] = {t: [] for t in self.decisions}
         self.decide_s: list[float] = []
         self.reference_s = 0.0
         #: CPU time (this process, every thread) of each timed operation, by op name.
@@ -433,8 +436,15 @@ class Bench:
         guard = self.guards[tier]
         t0 = time.perf_counter()
         c0 = time.thread_time()
-        decision = guard.decide(self.offer(tier))
+        offer = self.offer(tier)
+        decision = guard.decide(offer)
         tokens = decision.tokens
+        load_rate, prefill_rate = guard.load_rate(), guard.prefill_rate()
+        whole_s = (
+            plan_seconds(offer, offer.offered, guard.safety() / load_rate, 1.0 / prefill_rate)
+            if load_rate and prefill_rate
+            else 0.0
+        )
         due = guard.claim_probe()
         decide_cpu = time.thread_time() - c0
         if due and tier in self.probes:
@@ -455,6 +465,9 @@ class Bench:
             n = self.reused_chunks
             what = "load" if chunks == n else f"load {chunks}/{n}" if chunks else "recompute"
             self.decisions[tier].append(what)
+            self.estimates[tier].append(
+                {"plan_s": decision.plan_s, "recompute_s": decision.recompute_s, "whole_s": whole_s}
+            )
             self.decide_s.append(decide_cpu)
             self.progress(f"    guard, {tier} tier: {decision.reason}")
         return dt
@@ -642,6 +655,7 @@ def summary(bench: Bench) -> dict[str, Any]:
         "reuse_moderate_s": rows["reuse layer-wise, moderate tier (no guard)"].median,
         "recompute_peer_s": peer,
         "decisions": bench.decisions,
+        "estimates": bench.estimates,
         "decide_cpu_s_max": max(bench.decide_s, default=0.0),
         "probes": {t: {"started": p.started, "done": p.done} for t, p in bench.probes.items()},
     }

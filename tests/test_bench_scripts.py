@@ -461,10 +461,20 @@ def test_bench_ttft_quick_reports_every_row_and_stops_its_sidecar(tmp_path: Path
     # The same bytes, the same computation: layer-wise reuse changes no bit.
     assert exact["layerwise_vs_whole_max_abs_diff"] == 0
     # Never slower than recompute: with the tier slower than recompute the guard
-    # recomputes; with the real tier (far faster here) it loads.
+    # recomputes. The real tier is usually far faster here and loads, but this
+    # machine's load can make a 0.5 MiB cold read lose to recompute: whichever
+    # the guard chose must be the one its own measured estimates call faster.
     guard = summary["never_slower_than_recompute"]
     assert guard["reuse_slow_s"] > summary["recompute_s"]
-    assert guard["decisions"]["normal"] == ["load"] and guard["decisions"]["slow"] == ["recompute"]
+    assert guard["decisions"]["slow"] == ["recompute"]
+    for tier in ("normal", "slow"):
+        (chose,), (est,) = guard["decisions"][tier], guard["estimates"][tier]
+        assert est["recompute_s"] > 0 and est["whole_s"] > 0, (tier, est)
+        if chose == "load":
+            assert est["plan_s"] == pytest.approx(est["whole_s"]), (tier, est)
+            assert est["whole_s"] < est["recompute_s"], (tier, est)
+        else:
+            assert chose == "recompute" and est["whole_s"] >= est["recompute_s"], (tier, est)
     # The layer-wise moderate tier: whatever this machine's timings made the guard
     # choose, it was a plan of whole chunks (8 here).
     assert guard["decisions"]["moderate"][0] in {
