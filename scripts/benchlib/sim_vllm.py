@@ -240,6 +240,11 @@ def simulate_vllm(
                     "waiting": [workers[v.name].waiting() for v in infos],
                     "speed": [router.loads[v.name].speed for v in infos],
                     "sigma": router.loads[ticket.worker].fit.sigma,
+                    # Every candidate's estimate: (worker, TTFT, queue, spread).
+                    "cands": [
+                        (c.worker, c.estimate.ttft_s, c.estimate.queue_s, c.estimate.spread_s)
+                        for c in d.candidates
+                    ],
                 }
                 log.append(rows[rid])
             tickets[rid] = (ticket, r, slo)

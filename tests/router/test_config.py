@@ -42,6 +42,7 @@ def test_a_full_config_loads_into_typed_values(tmp_path: Path) -> None:
             + f"""
 [router]
 port = 9000
+risk = 1.5
 on_deadline_miss = "fastest"
 default_deadline = "1500ms"
 salt_secret_file = "{secret}"
@@ -68,6 +69,7 @@ cache_salt = "explicit-salt"
         env={"KVOFFLOAD_ROUTER_PORT": "9100"},
     )
     assert cfg.port == 9100  # the environment wins over the file
+    assert cfg.risk == 1.5
     assert cfg.on_deadline_miss == "fastest" and cfg.default_deadline_s == 1.5
     assert cfg.workers[1].url == "http://10.0.0.2:8000"
     assert cfg.workers[0].metrics == "http://10.0.0.1:8000/metrics"
@@ -96,6 +98,8 @@ def _write(tmp_path: Path, text: str) -> Path:
         (BASE + "[routr]\n", "unknown section \\[routr\\]"),
         (BASE + "[router]\nport = 70000\n", "\\[router\\] port: not a port"),
         (BASE + '[router]\non_deadline_miss = "drop"\n', "shed or fastest"),
+        (BASE + '[router]\nrisk = "high"\n', "\\[router\\] risk: not a number"),
+        (BASE + "[router]\nrisk = -1\n", "\\[router\\] risk: must not be negative"),
         (BASE + '[router]\ndefault_deadline = "-1s"\n', "default_deadline"),
         (BASE + '[model]\nhash_algorithm = "md5"\n', "hash_algorithm: must be one of"),
         (BASE + '[model]\nhash_algorithm = "xxhash"\n', "PYTHONHASHSEED"),

@@ -16,6 +16,7 @@ errors that name the file and the key, like the sidecar's config::
     max_body = "64MiB"               # a larger request body is a 413
     log_decisions = false            # every decision, with each candidate's terms, at INFO
     work_weight = 1.0                # the weight of added work under load (core.Router)
+    risk = 2.0                       # the weight of an estimate's spread (std. dev.) in the choice
     salt_secret_file = "/etc/kvoffload/router-salt"  # derives each tenant's cache_salt
     trust_tenant_header = false      # take X-KVOffload-Tenant from a trusted gateway
 
@@ -158,6 +159,7 @@ class RouterConfig:
     max_body_bytes: int = 64 << 20
     log_decisions: bool = False
     work_weight: float = 1.0
+    risk: float = 2.0
     salt_secret_file: Path | None = None
     trust_tenant_header: bool = False
     model_name: str | None = None
@@ -228,7 +230,10 @@ def _int(v: object) -> int:
 def _float(v: object) -> float:
     if isinstance(v, bool) or not isinstance(v, int | float | str):
         raise ValueError(f"not a number: {v!r}")
-    return float(v)
+    try:
+        return float(v)
+    except ValueError:
+        raise ValueError(f"not a number: {v!r}") from None
 
 
 def _str(v: object) -> str:
@@ -305,6 +310,7 @@ _ROUTER_KEYS: dict[str, tuple[str, Any]] = {
     "max_body": ("max_body_bytes", _positive_size),
     "log_decisions": ("log_decisions", _bool),
     "work_weight": ("work_weight", _float),
+    "risk": ("risk", lambda v: _nonneg(_float(v))),
     "salt_secret_file": ("salt_secret_file", Path),
     "trust_tenant_header": ("trust_tenant_header", _bool),
 }

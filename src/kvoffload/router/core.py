@@ -115,6 +115,16 @@ class Decision:
         }
 
 
+@dataclass(slots=True)
+class _Watch:
+    """A request not answered yet, as its KV events show its progress."""
+
+    hashes: tuple[int, ...]
+    credited: int  # tokens it was credited from a cache (not its own progress)
+    stored: int  # blocks of it the worker's GPU holds by events
+    looked: float  # when the router last looked
+
+
 @dataclass
 class Ticket:
     """A request the router sent: what it booked, to settle on its first token."""
@@ -162,6 +172,8 @@ class Router:
                 self.index.bit(loc)
         self.decisions = 0
         self._tickets = 0
+        # Per worker, its requests not answered yet, by ticket id.
+        self._watch: dict[str, dict[int, _Watch]] = {w.name: {} for w in topology.workers}
         self._mode_cache: tuple[tuple[int, tuple[str, ...], bool], Mode] | None = None
 
     # -- sources --------------------------------------------------------------------
@@ -219,6 +231,9 @@ class Router:
             w.name for w in self.topology.workers if self.healthy[w.name] and w.name not in skip
         ]
         mode = self.mode(workers)
+        if mode is Mode.EXACT:
+            for w in workers:
+                self._see(w, now)
         empty = TierMatch()
         matches = (
             self.matches(hashes, workers)
@@ -230,6 +245,28 @@ class Router:
             for w in workers
         ]
         return mode, cands
+
+    def _see(self, worker: str, now: float) -> None:
+        """The worker's oldest unanswered request's progress, from its KV events.
+
+        vLLM stores (and publishes) a prompt's blocks as its chunks are computed, so
+        the run of its hashes the worker's GPU holds by events is how far its prefill
+        is: the model learns where it is and how fast it goes (:meth:`TTFTModel.seen`).
+        Seen between the last look and now: the midpoint is when it counts.
+        """
+        load = self.loads[worker]
+        if not load.pending:
+            return
+        watch = self._watch[worker].get(next(iter(load.pending)))
+        if watch is None:
+            return
+        k = self.index.stored_run(watch.hashes, watch.stored, self._locs[worker][0])
+        last, watch.looked = watch.looked, now
+        if k > watch.stored:
+            watch.stored = k
+            done = k * self.block_tokens - watch.credited
+            if done > 0:
+                self.model.seen(load, float(done), 0.5 * (last + now))
 
     def decide(
         self,
@@ -297,6 +334,13 @@ class Router:
         self._tickets += 1
         expected = self.model.dispatched(load, self._tickets, cand.estimate, now)
         gpu = self._locs[name][0]
+        # Progress counts from what it was credited, or what the GPU's events already
+        # hold of it (cached, not computed: no progress of its own).
+        credited = sum(cand.estimate.cached)
+        first = min(len(decision.hashes), credited // self.block_tokens)
+        first = self.index.stored_run(decision.hashes, first, gpu)
+        credited = max(credited, first * self.block_tokens)
+        self._watch[name][self._tickets] = _Watch(decision.hashes, credited, first, now)
         self.index.record_routed(gpu, decision.hashes)
         self.index.add_inflight(gpu, decision.hashes)
         return Ticket(name, cand.estimate, now, expected, self._tickets, decision.hashes)
@@ -306,6 +350,7 @@ class Router:
         if ticket.settled:
             return
         ticket.settled = True
+        self._watch[ticket.worker].pop(ticket.id, None)
         self.model.first_token(
             self.loads[ticket.worker],
             ticket.id,
@@ -330,6 +375,7 @@ class Router:
             return
         ticket.settled = True
         ticket.done = True
+        self._watch[ticket.worker].pop(ticket.id, None)
         self.index.drop_inflight(self._locs[ticket.worker][0], ticket.hashes)
         self.model.failed(self.loads[ticket.worker], ticket.id, ticket.estimate, now)
 

@@ -175,6 +175,17 @@ class PrefixIndex:
                     k.add(h)
             prev = h
 
+    def stored_run(self, hashes: Sequence[int], start: int, location: Location) -> int:
+        """How far from ``start`` the blocks of ``hashes`` are at ``location`` by its
+        events (what it has stored; routing history and in-flight credit do not count)."""
+        b = self.bit(location)
+        ev = self._events
+        k = start
+        n = len(hashes)
+        while k < n and ev.get(hashes[k], 0) & b:
+            k += 1
+        return k
+
     def apply_removed(self, location: Location, hashes: Iterable[int]) -> None:
         """``BlockRemoved``: those blocks, and what this location holds below them.
 

@@ -58,6 +58,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from .estimate import Estimate
 from .fit import NF, SIGMA0, Fit, attention_left, residual_life
 from .index import Tier, TierMatch
 
@@ -152,6 +153,13 @@ class WorkerLoad:
     # prefill tokens left then (what the residual life of :meth:`_done` runs from).
     head_since: float = 0.0
     head_tokens: float = 0.0
+    # Its progress as its KV events show it (the blocks it has stored): tokens done
+    # (-1: none seen), when, and what that says of its speed: its time over the
+    # modelled (``seen_slow``), believed by ``seen_weight`` (0: not at all, 1: fully).
+    seen_tokens: float = -1.0
+    seen_at: float = 0.0
+    seen_slow: float = 1.0
+    seen_weight: float = 0.0
     decoding: int = 0  # requests past their first token, not finished
     waiting_external: int = 0  # /metrics waiting beyond what the router sent
     external_tokens: float = 0.0
@@ -209,6 +217,14 @@ class WorkerLoad:
         if h0 <= 0:
             return 0.0
         m, attn = next(iter(self.pending.values()))
+        if self.seen_tokens >= 0:
+            # What its events showed done, then the rest at the speed they showed.
+            left = max(1.0, m - self.seen_tokens)
+            t0 = self._cost(left, attention_left(m, attn, left)) * self.seen_slow
+            if t0 <= 0:
+                return 0.0
+            sig = self.fit.sigma * math.sqrt(max(0.0, 1.0 - self.seen_weight))
+            return left * min(1.0, residual_life((now - self.seen_at) / t0, sig))
         t0 = self._cost(h0, attention_left(m, attn, h0))
         if t0 <= 0:
             return 0.0
@@ -222,10 +238,22 @@ class WorkerLoad:
         done = self.drained + max(0.0, now - self.anchor) * self._rate()
         last = min(head, max(1, self.budget - self.decoding))
         left = self._head_left(now) if head_left is None else head_left
+        if self.seen_tokens >= 0:
+            return head - max(0.5 * last, left)  # its events say where it is
         return min(done, head - max(0.5 * last, left))
+
+    def head_extra_s(self, now: float, left: float) -> float:
+        """The time the oldest request's ``left`` tokens take beyond the modelled
+        (negative: less), at the speed its events showed (:meth:`TTFTModel.seen`)."""
+        if self.seen_tokens < 0 or left <= 0 or not self.pending:
+            return 0.0
+        m, attn = next(iter(self.pending.values()))
+        left = min(left, float(m))
+        return (self.seen_slow - 1.0) * self._cost(left, attention_left(m, attn, left))
 
     def new_head(self, now: float) -> None:
         """The oldest unanswered request changed: its residual life starts now."""
+        self.seen_tokens, self.seen_slow, self.seen_weight = -1.0, 1.0, 0.0
         if self.pending:
             m = next(iter(self.pending.values()))[0]
             self.head_since = now
@@ -268,6 +296,7 @@ class WorkerLoad:
         m0, attn0 = next(items)
         cost = self._cost
         total = cost(left, attention_left(m0, attn0, left)) ** 2 if left > 0 else 0.0
+        total *= (1.0 - self.seen_weight) * self.seen_slow**2
         for m, attn in items:
             total += cost(float(m), attn) ** 2
         if self.waiting_external:
@@ -275,13 +304,14 @@ class WorkerLoad:
             total += self.waiting_external * cost(each, 0.0) ** 2
         return total
 
-    def ahead(self, now: float) -> tuple[float, float, float]:
-        """:meth:`queued` and :meth:`spread_sq` at ``now``, the head's residual life once."""
+    def ahead(self, now: float) -> tuple[float, float, float, float]:
+        """:meth:`queued`, :meth:`spread_sq` and :meth:`head_extra_s` at ``now``, the
+        head's residual life once."""
         if not self.pending:
-            return self.external_tokens, 0.0, 0.0
+            return self.external_tokens, 0.0, 0.0, 0.0
         left = self._head_left(now)
         q, qa = self._queued(now, left)
-        return q, qa, self._spread_sq(left)
+        return q, qa, self._spread_sq(left), self.head_extra_s(now, left)
 
     def _cost(self, tokens: float, attn: float) -> float:
         """``predict(features(tokens, attn))``, no tuple: the same arithmetic, the same float."""
@@ -342,89 +372,6 @@ class WorkerLoad:
         # over about once a decode (each admitted request frees its blocks a decode
         # after its first token).
         return max(queue_s, at) + (need - free) * dec / capacity
-
-
-class Estimate:
-    """One worker's estimated TTFT and its terms (seconds); immutable by convention.
-
-    ``reads`` are the CPU, local-store and shared-store read times; ``cached``
-    the tokens credited to GPU, CPU, local store and shared store;
-    ``features`` what the fit learns from when its first token comes.
-    """
-
-    __slots__ = (
-        "attn",
-        "cached",
-        "features",
-        "fit_weight",
-        "missing_tokens",
-        "prefill_s",
-        "queue_s",
-        "read_total_s",
-        "reads",
-        "service_s",
-        "spread_s",
-        "ttft_s",
-        "wait_s",
-        "work_s",
-    )
-
-    def __init__(
-        self,
-        queue_s: float,
-        prefill_s: float,
-        reads: tuple[float, float, float],
-        missing_tokens: int,
-        cached: tuple[int, int, int, int],
-        features: tuple[float, ...] = (),
-        attn: float = 0.0,
-        wait_s: float = 0.0,
-        fit_weight: float = 1.0,
-        speed: float = 1.0,
-        spread_s: float = 0.0,
-    ) -> None:
-        # ``spread_s``: the estimate's standard deviation (each queued prefill's and
-        # this one's own noise, at the σ the fit's residuals measure).
-        self.spread_s = spread_s
-        # ``fit_weight``: how much of the answer's time the fit may attribute to the
-        # features (1: nothing queued ahead; less the more a queue it cannot see into).
-        self.fit_weight = fit_weight
-        # ``wait_s``: the wait for free KV beyond the prefill queue (in ``queue_s``).
-        self.wait_s = wait_s
-        self.queue_s = queue_s
-        self.prefill_s = prefill_s
-        self.reads = reads
-        self.missing_tokens = missing_tokens
-        self.cached = cached
-        self.features = features
-        self.attn = attn
-        self.read_total_s = reads[0] + reads[1] + reads[2]
-        self.service_s = prefill_s + self.read_total_s
-        # The work the request brings, at the deployment's speed (not the worker's:
-        # what its cache saves, not a noisy speed factor, is what the choice weighs).
-        self.work_s = prefill_s / speed + self.read_total_s
-        self.ttft_s = queue_s + self.service_s
-
-    @property
-    def read_s(self) -> dict[str, float]:
-        return dict(zip(("cpu", "storage_local", "storage_remote"), self.reads, strict=True))
-
-    @property
-    def cached_tokens(self) -> dict[str, int]:
-        return dict(
-            zip(("gpu", "cpu", "storage_local", "storage_remote"), self.cached, strict=True)
-        )
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "estimated_ttft_s": round(self.ttft_s, 6),
-            "queue_s": round(self.queue_s, 6),
-            "prefill_s": round(self.prefill_s, 6),
-            "spread_s": round(self.spread_s, 6),
-            "read_s": {k: round(v, 6) for k, v in self.read_s.items()},
-            "missing_tokens": self.missing_tokens,
-            "cached_tokens": self.cached_tokens,
-        }
 
 
 @dataclass
@@ -516,12 +463,14 @@ class TTFTModel:
         missing = max(1, n_tokens - g - c - sl - sr)
         cached = n_tokens - missing
         attn = float(missing) * (2.0 * cached + missing)
-        q, qa, queue_sq = load.ahead(now)
+        q, qa, queue_sq, slow = load.ahead(now)
         queue_s = load._cost(q, qa) if q > 0 else 0.0
         feats = load.features(q + missing, qa + attn)
         total = load.predict(feats)
         wait = load.kv_wait(n_tokens, self.priors.kv_capacity_tokens, now, queue_s)
-        extra = max(0.0, wait - queue_s)
+        # Beyond the features: the wait for KV, and the head's speed its events showed
+        # (the fit learns from the answer less both: ``wait_s``).
+        extra = max(0.0, wait - queue_s) + max(slow, -queue_s)
         own = max(0.0, total - queue_s)
         share = own / (own + queue_s + extra) if own > 0 else 0.0
         spread = math.sqrt(
@@ -566,6 +515,33 @@ class TTFTModel:
         self.mean_service_s = (1 - a) * self.mean_service_s + a * est.service_s
         self.mean_tokens = (1 - a) * self.mean_tokens + a * est.missing_tokens
         return now + est.ttft_s
+
+    def seen(self, load: WorkerLoad, done: float, at: float) -> None:
+        """The oldest request's KV events show ``done`` of its prefill tokens computed by
+        ``at``: where it is, and its speed (its time so far over the modelled, believed
+        by its share of the budget's chunks: one chunk half, four 80 %)."""
+        if not load.pending:
+            return
+        m, attn = next(iter(load.pending.values()))
+        done = min(done, m - 1.0)
+        if done <= max(0.0, load.seen_tokens):
+            return
+        start = max(0.0, m - load.head_tokens)  # drained before it became the head
+        ran, took = done - start, at - load.head_since
+        load.seen_tokens, load.seen_at = done, at
+        if ran <= 0 or took <= 0:
+            return
+        work = attention_left(m, attn, m - start) - attention_left(m, attn, m - done)
+        per = max(1, load.budget - load.decoding)
+        # Whole steps ran (the +½ step of :meth:`WorkerLoad._cost` is a step under way).
+        t, b = load.fit.theta, load.basis
+        half = 0.5 * load.speed * (t[0] * b[0] + t[3] * load.decoding * b[3])
+        modelled = load._cost(ran, work) - half
+        if modelled <= 0:
+            return
+        w = ran / (ran + per)
+        slow = math.exp(w * math.log(min(8.0, max(0.125, took / modelled))))
+        load.seen_slow, load.seen_weight = slow, w
 
     def _unbook(self, load: WorkerLoad, ticket_id: int, now: float) -> bool:
         """Settle a booking: what the worker computed for it leaves the queue."""

@@ -110,6 +110,7 @@ class RouterService:
             block_tokens=cfg.block_size,
             on_deadline_miss=cfg.on_deadline_miss,
             work_weight=cfg.work_weight,
+            risk=cfg.risk,
         )
         self.hasher = cfg.hasher()
         self.prompts = PromptHasher(
