@@ -134,8 +134,11 @@ def test_lookup_counts_the_present_prefix(idx: Index) -> None:
     for bad in (key(0) + b"x", bytearray(key(0)), memoryview(key(0)), "k" * 32):
         with pytest.raises(ValueError):
             idx.lookup("t1", [key(0), key(1), bad])  # type: ignore[list-item]
+        with pytest.raises(ValueError):  # a batch of one takes checks of its own
+            idx.lookup("t1", [bad], now_ns=1)  # type: ignore[list-item]
     with pytest.raises(ValueError):
         idx.lookup("t1", [key(9), b""])
+    assert [idx.lookup("t1", [key(n)], now_ns=1) for n in range(4)] == [1, 1, 0, 1]
 
 
 def test_lookup_stops_at_an_expired_record(idx: Index) -> None:
@@ -147,6 +150,10 @@ def test_lookup_stops_at_an_expired_record(idx: Index) -> None:
     assert idx.lookup("t1", keys, now_ns=499) == 3
     assert idx.lookup("t1", keys, now_ns=500) == 1
     assert idx.lookup("t1", keys[::2], now_ns=10**18) == 2  # 0: never expires
+    # One key alone (a path of its own): the same answers.
+    assert [idx.lookup("t1", [k], now_ns=500) for k in keys] == [1, 0, 1]
+    assert idx.lookup("t1", keys[1:2], now_ns=499) == 1
+    assert idx.lookup("t1", keys[:1], now_ns=1, created_after_ns=10**18) == 0
 
 
 def test_lookup_refuses_a_bad_tenant_every_time(idx: Index) -> None:

@@ -431,40 +431,41 @@ class Index:
         With ``now_ns``, a record whose expiry has passed ends the prefix too;
         so does one created at or before ``created_after_ns`` or last accessed
         at or before ``accessed_after_ns`` (the tenant's max_age and idle_ttl).
-        One read transaction per lookup, and no Python code per key: the
-        ``expiry`` table's first entry says whether any record of the index has
-        expired yet; if none has (the common case: no TTL, or none due), the
-        keys are built, looked up and counted up to the first miss by C
-        iterators (``map``/``takewhile``). Only when some record is due, or the
-        tenant has an age or idle cutoff, are the times of the records found
-        read, key by key.
+        One read transaction, and no Python code per key: the ``expiry``
+        table's first entry says whether any record has expired yet (a cursor
+        step, ~1k instructions: cheaper than any cache of it kept safe against
+        other writers); if none has, the keys are looked up and counted up to
+        the first miss by C iterators (one key: one ``set_key``). Only when
+        some record is due, or the tenant has an age or idle cutoff, are the
+        times of the records found read, key by key.
         """
         if not keys:
             return 0
         prefix = tenant_prefix(tenant)
-        # The checks of _check_key, over the whole batch in C (map, set, all):
-        # a lookup is on the scheduler's path, and per-key Python adds up.
-        if set(map(len, keys)) != {KEY_SIZE} or not all(map(isinstance, keys, repeat(bytes))):
+        # The checks of check_key, in C over the batch (one key: directly).
+        if len(keys) == 1:
+            if not isinstance(keys[0], bytes) or len(keys[0]) != KEY_SIZE:
+                raise ValueError(f"chunk_key must be {KEY_SIZE} bytes")
+        elif set(map(len, keys)) != {KEY_SIZE} or not all(map(isinstance, keys, repeat(bytes))):
             raise ValueError(f"chunk_key must be {KEY_SIZE} bytes")
         env = self._env if self._env is not None else self._require_env()
         try:
             # Values as buffers into the map, not copies.
             with self._reading, env.begin(buffers=True) as txn:
                 cur = txn.cursor(db=self._chunks)
-                index_keys = map(prefix.__add__, keys)
                 unpack, at = U64.unpack_from, _EXPIRES_AT
-                # The expiry table is ordered by time: its first key says whether
-                # any record of the index is due.
-                exp = txn.cursor(db=self._expiry)
-                # A tenant's max_age / idle_ttl cutoffs need each record's times.
-                due = now_ns is not None and (
-                    bool(created_after_ns or accessed_after_ns)
-                    or (exp.first() and unpack(exp.key(), 0)[0] <= now_ns)
-                )
+                due = False
+                if now_ns is not None:  # the expiry table is ordered by time
+                    exp = txn.cursor(db=self._expiry)
+                    due = bool(created_after_ns or accessed_after_ns) or (
+                        exp.first() and unpack(exp.key(), 0)[0] <= now_ns
+                    )
                 if not due:
-                    return len(list(takewhile(bool, map(cur.set_key, index_keys))))
+                    if len(keys) == 1:
+                        return 1 if cur.set_key(prefix + keys[0]) else 0
+                    return len(list(takewhile(bool, map(cur.set_key, map(prefix.__add__, keys)))))
                 n = 0
-                for k in index_keys:
+                for k in map(prefix.__add__, keys):
                     if not cur.set_key(k):
                         break
                     value = cur.value()
