@@ -219,7 +219,7 @@ def test_serve_events_and_a_tail_that_explains_saves_without_hashes(
     finally:
         if tail.poll() is None:
             tail.kill()
-            tail.wait()
+            tail.communicate()  # closes its pipes: no ResourceWarning in a later test
     # Ctrl-C: one line saying what stopped, exit 130 (item 16).
     assert tail.returncode == ExitCode.INTERRUPTED == 130
     assert rest.strip().splitlines() == ["interrupted: kvoffload events tail stopped at Ctrl-C"]
@@ -229,6 +229,45 @@ def test_serve_events_and_a_tail_that_explains_saves_without_hashes(
     assert (data["stored_without_hashes"], data["stored_announced"]) == (3, 0)
     human = run(workdir, "--dev", "stats").stdout
     assert "events: on ipc://" in human and "3 without engine block hashes" in human
+
+
+def test_a_ctrl_c_dropped_in_a_finalizer_still_stops_the_tail(procs: Procs, workdir: Path) -> None:
+    """Python runs a signal's handler at the next bytecode, which may be inside a
+    ``__del__`` (the tail's once-a-second stats call makes and drops sockets): the
+    KeyboardInterrupt raised there is printed as "Exception ignored" and dropped.
+    Here the Ctrl-C is sent from inside a finalizer, so it lands there every time;
+    the tail must still stop at once with its one line and 130, not follow on to
+    its --timeout and exit 0."""
+    _serve(procs, workdir, "--events")
+    prelude = (
+        "import gc, os, signal, kvoffload.cli.events_cmds as ev\n"
+        "class _Drop:\n"
+        "    def __del__(self):\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "        for _ in range(1000): pass  # the handler runs here, inside __del__\n"
+        "_check = ev._SilenceHints.check\n"
+        "def check(self, *, now=False):\n"
+        "    _check(self, now=now)\n"
+        "    if not getattr(ev, '_sent', False):\n"
+        "        ev._sent = True\n"
+        "        _Drop()\n"
+        "ev._SilenceHints.check = check\n"
+        "from kvoffload.cli import main\n"
+        "main()\n"
+    )
+    tail = subprocess.run(
+        [sys.executable, "-c", prelude, "--dev", "events", "tail", "--timeout", "30"],
+        cwd=workdir,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "Exception ignored" in tail.stderr  # the KeyboardInterrupt was dropped...
+    assert tail.returncode == ExitCode.INTERRUPTED == 130, tail.stderr  # ...and still stopped it
+    assert tail.stderr.strip().splitlines()[-1] == (
+        "interrupted: kvoffload events tail stopped at Ctrl-C"
+    )
 
 
 # -- item 16: the small things -------------------------------------------------------------------

@@ -86,7 +86,7 @@ class _Sigint:
         self.seen = False
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        self.seen = True
+        self.seen = state.interrupted = True
         signal.default_int_handler(signum, frame)
 
     def install(self) -> None:

@@ -80,6 +80,10 @@ class _State:
     #: ``serve --log-format json``: every line on stderr is a JSON object, the
     #: failure that ends the command too (:func:`kvoffload.cli.main`).
     log_json: bool = False
+    #: A Ctrl-C was seen (:func:`kvoffload.cli.main`'s handler). Python drops a
+    #: KeyboardInterrupt raised inside a finalizer ("Exception ignored in"), so a
+    #: command that loops until interrupted checks this too.
+    interrupted: bool = False
 
 
 state = _State()

@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .app import JsonOpt, app, config, out, socket_group_hint
+from .app import JsonOpt, app, config, out, socket_group_hint, state
 from .exits import _CliUsageError, _SidecarUnreachable
 
 #: How long a ``stats`` call for the hints may take.
@@ -259,6 +259,8 @@ def _follow(
     from ..events.wire import unpack_frames
 
     while True:
+        if state.interrupted:  # its KeyboardInterrupt may have been dropped in a finalizer
+            raise KeyboardInterrupt
         if timeout is not None and time.monotonic() - show.last_event > timeout:
             hints.check(now=True)
             return
