@@ -104,9 +104,9 @@ typecheck: $(STAMP)
 # Coverage of the whole package (sidecar subprocesses included, see
 # [tool.coverage.run] in pyproject.toml); the total is printed last.
 # The main tier runs on $(PYTEST_WORKERS) pytest-xdist workers (0: in-process, no
-# xdist); tests that need a resource to themselves share an xdist_group (loadgroup
-# runs a group on one worker). pytest-cov combines the workers' data.
-PYTEST_WORKERS ?= 3
+# xdist); a test that needs a resource to itself would mark an xdist_group
+# (loadgroup runs a group on one worker). pytest-cov combines the workers' data.
+PYTEST_WORKERS ?= 2
 PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
 pytest: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_XDIST) --cov --cov-report= --ignore=tests/vllm \
