@@ -17,7 +17,7 @@ TORCH := 2.13.0
 TORCH_INDEX ?=
 TORCH_PIP := torch==$(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
-.PHONY: serve demo test lint typecheck pytest pytest-vllm pytest-lmcache pytest-sglang clean
+.PHONY: serve demo test venvs checks lint typecheck pytest pytest-vllm pytest-lmcache pytest-sglang clean
 VVENV := .venv-vllm
 # The least coverage of the package CI accepts, as `make pytest` measures it (the
 # main tier only): 86.1 % when it was set; 83.0 % once the SGLang, LMCache and
@@ -103,9 +103,14 @@ typecheck: $(STAMP)
 # tests/vllm and tests/e2e need vLLM and transformers: they run in the vLLM venv.
 # Coverage of the whole package (sidecar subprocesses included, see
 # [tool.coverage.run] in pyproject.toml); the total is printed last.
+# The main tier runs on $(PYTEST_WORKERS) pytest-xdist workers (0: in-process, no
+# xdist); a test that needs a resource to itself would mark an xdist_group
+# (loadgroup runs a group on one worker). pytest-cov combines the workers' data.
+PYTEST_WORKERS ?= 2
+PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
 pytest: $(STAMP)
-	$(BIN)/python -m pytest --cov --cov-report= --ignore=tests/vllm --ignore=tests/e2e \
-	  --ignore=tests/lmcache $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_XDIST) --cov --cov-report= --ignore=tests/vllm \
+	  --ignore=tests/e2e --ignore=tests/lmcache --durations=25 $(PYTEST_ARGS)
 	@echo "coverage of kvoffload: $$($(BIN)/coverage report --format=total)%"
 	@$(BIN)/coverage report --format=total --fail-under=$(COVERAGE_FLOOR) >/dev/null || \
 	  { echo "coverage is below its floor of $(COVERAGE_FLOOR)%"; exit 1; }
@@ -131,7 +136,18 @@ pytest-lmcache: $(LSTAMP)
 pytest-sglang: $(SSTAMP)
 	$(SVENV)/bin/python -m pytest tests/sglang $(PYTEST_ARGS)
 
-test: lint typecheck pytest pytest-vllm pytest-lmcache pytest-sglang
+# make test: the five venvs built at once (pip mostly waits on I/O), then lint,
+# mypy and the four test tiers at once. -k: every step runs and every failure
+# shows; -O: each step's output is printed whole when it ends, never interleaved;
+# make exits non-zero if any step failed.
+VENV_STAMPS := $(STAMP) $(VSTAMP) $(LSTAMP) $(SSTAMP) $(SRSTAMP)
+venvs: $(VENV_STAMPS)
+
+checks: lint typecheck pytest pytest-vllm pytest-lmcache pytest-sglang
+
+test:
+	$(MAKE) --no-print-directory -j5 -O venvs
+	$(MAKE) --no-print-directory -k -j6 -O checks
 
 clean:
 	rm -rf $(VENV) $(VVENV) $(LVENV) $(SVENV) $(SRVENV) .mypy_cache .ruff_cache .pytest_cache .coverage .coverage.*

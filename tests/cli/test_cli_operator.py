@@ -160,8 +160,10 @@ def test_config_check_with_the_sidecar_running_is_a_note(tmp_path: Path, short_d
 def test_a_wedged_sidecar_is_one_line_naming_its_socket(tmp_path: Path, short_dir: Path) -> None:
     """A stopped (SIGSTOP) sidecar still accepts connections (the kernel queues
     them) but answers nothing: every verb gives up after the hello's timeout,
-    not the job's, and says which socket."""
+    not the job's, and says which socket. The verbs run at once (each its own
+    CLI process and connection): five 5 s waits side by side, not one after another."""
     import signal
+    from concurrent.futures import ThreadPoolExecutor
 
     sock = short_dir / "kvo.sock"
     env = {"KVOFFLOAD_SERVER_SOCKET": str(sock)}
@@ -169,7 +171,8 @@ def test_a_wedged_sidecar_is_one_line_naming_its_socket(tmp_path: Path, short_di
     with served(tmp_path, sock, "--dev", env=env) as proc:
         os.kill(proc.pid, signal.SIGSTOP)
         try:
-            results = [run(tmp_path, "--dev", *args, env=env) for args in verbs]
+            with ThreadPoolExecutor(len(verbs)) as pool:
+                results = list(pool.map(lambda args: run(tmp_path, "--dev", *args, env=env), verbs))
         finally:
             os.kill(proc.pid, signal.SIGCONT)
     for args, r in zip(verbs, results, strict=True):
