@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from kvoffload.cli.router import event_loop
 from kvoffload.errors import ConfigError
+
+from .tokenizer_dir import make_bpe
 
 
 def test_asyncio_when_asked() -> None:
@@ -49,3 +54,28 @@ def test_auto_takes_uvloop_where_installed() -> None:
         assert type(loop).__module__.startswith("uvloop")
     finally:
         loop.close()
+
+
+def _run_router(tmp_path: Path, tokenizer: Path | None) -> subprocess.CompletedProcess[str]:
+    cfg = tmp_path / "router.toml"
+    lines = ["[router]", "[model]"]
+    if tokenizer is not None:
+        lines.append(f'tokenizer = "{tokenizer}"')
+    lines += ["[[workers]]", 'name = "a"', 'url = "http://127.0.0.1:9"', 'node = "n"']
+    cfg.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2] / "src")
+    cmd = [sys.executable, "-m", "kvoffload.cli", "--config", str(cfg), "router", "--loop", "trio"]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_no_tokenizer_warning_only_without_one(tmp_path: Path) -> None:
+    """It used to be printed whenever no events endpoint was configured, tokenizer or not."""
+    pytest.importorskip("transformers")
+    bare = _run_router(tmp_path, None)
+    assert bare.returncode == 1 and "--loop: 'trio'" in bare.stderr
+    assert "no [model] tokenizer" in bare.stderr
+    tok = _run_router(tmp_path, make_bpe(tmp_path / "tok"))
+    assert tok.returncode == 1 and "--loop: 'trio'" in tok.stderr
+    assert "no [model] tokenizer" not in tok.stderr
+    assert "Traceback" not in tok.stderr

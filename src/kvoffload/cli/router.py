@@ -105,7 +105,7 @@ def router(
             raise ConfigError(f"[model] tokenizer: {exc}") from exc
     if any(w.events for w in cfg.workers) or any(s.events for s in cfg.stores):
         _need("zmq", "an events endpoint")
-    elif not check:
+    if tokenizer is None and not check:
         err.print(
             Text.assemble(
                 ("warning:", "yellow"),
@@ -126,12 +126,18 @@ def router(
         logging.getLogger("kvoffload.router.decisions").setLevel(logging.INFO)
     loop = event_loop(loop_choice)
     service = RouterService(cfg, tokenizer)
+    if tokenizer is None:
+        segments = "-"
+    else:
+        segments = "on" if tokenizer.cache is not None else f"off ({tokenizer.cache_refused})"
     logging.getLogger("kvoffload.router").info(
-        "kvoffload router on http://%s:%d in front of %d workers (event loop: %s)",
+        "kvoffload router on http://%s:%d in front of %d workers (event loop: %s; "
+        "tokenizer segment cache: %s)",
         cfg.host,
         cfg.port,
         len(cfg.workers),
         type(loop).__module__.split(".")[0],
+        segments,
     )
     try:
         web.run_app(
