@@ -175,11 +175,11 @@ def test_a_segment_is_reused_only_within_its_scope(tmp_path: Path) -> None:
 
 
 def test_the_cache_is_bounded(tmp_path: Path) -> None:
-    tok = Tokenizer.load(build(tmp_path / "t", "bytelevel"), cache_chars=200)
+    tok = Tokenizer.load(build(tmp_path / "t", "bytelevel"), cache_bytes=2000)
     assert tok.cache is not None
     for i in range(50):
         tok.encode_batch([f"<s>turn {i} " + "x" * 30], add_special_tokens=False, scopes=["a"])
-    assert tok.cache.chars <= 200
+    assert 0 < tok.cache.bytes <= 2000
 
 
 def _refused(folder: Path, edit: Any) -> str:

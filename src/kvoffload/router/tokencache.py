@@ -27,7 +27,8 @@ cache; the reason in :attr:`SegmentCache.refused`) where it is not sure:
 
 Keys are ``(scope, starts the text, segment)``: the caller's scope (the
 router's: the request's cache salt) keeps one tenant's segments from ever
-answering another's. Bounded by characters held, least recently used first.
+answering another's. Bounded by an estimate of the bytes held (the texts, and
+the ids as a Python list of ints), least recently used first.
 One lock around each batch (the router has one tokenizing thread, or one per process).
 """
 
@@ -135,6 +136,11 @@ def _components_refused(cfg: dict[str, Any]) -> str | None:
     return None
 
 
+def _cost(key: tuple[str, bool, str], ids: list[int]) -> int:
+    """About what an entry holds: its strings, and a list of ids (8 + 32 bytes an int)."""
+    return 200 + len(key[0]) + len(key[2]) + 40 * len(ids)
+
+
 class SegmentCache:
     """The ids of a text from the cached ids of its segments (see the module's docstring)."""
 
@@ -144,23 +150,23 @@ class SegmentCache:
         splitter: re.Pattern[str],
         anchor: tuple[str, int],
         affixes: dict[bool, tuple[list[int], list[int]]],
-        max_chars: int,
+        max_bytes: int,
     ) -> None:
         self._fast = fast
         self._split = splitter
         self._anchor, self._anchor_id = anchor
         self._affixes = affixes
-        self.max_chars = max_chars
-        self.chars = 0
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self.hits = 0
         self.misses = 0
         self._lru: OrderedDict[tuple[str, bool, str], list[int]] = OrderedDict()
         self._lock = threading.Lock()
 
     @classmethod
-    def for_tokenizer(cls, fast: Any, *, max_chars: int = 16 << 20) -> SegmentCache | str:
+    def for_tokenizer(cls, fast: Any, *, max_bytes: int = 64 << 20) -> SegmentCache | str:
         """A cache for a Rust ``tokenizers.Tokenizer``, or why it would not be exact."""
-        if max_chars <= 0:
+        if max_bytes <= 0:
             return "turned off"
         if getattr(fast, "encode_special_tokens", False):
             return "special tokens are split like text (encode_special_tokens)"
@@ -184,7 +190,7 @@ class SegmentCache:
             if got is None:
                 return "the post-processor's ids are not a fixed prefix and suffix"
             affixes[special] = got
-        cache = cls(fast, splitter, anchor, affixes, max_chars)
+        cache = cls(fast, splitter, anchor, affixes, max_bytes)
         second = next((c for c, _ in raw if c != anchor[0]), anchor[0])
         probes = [p.format(anchor[0], second) for p in _PROBES]
         for special in (True, False):
@@ -214,7 +220,7 @@ class SegmentCache:
 
     def clear(self) -> None:
         self._lru.clear()
-        self.chars = self.hits = self.misses = 0
+        self.bytes = self.hits = self.misses = 0
 
     def segments(self, text: str) -> list[tuple[bool, str]] | None:
         """``(starts the text, segment)`` of ``text``: added tokens and the text between them.
@@ -291,8 +297,8 @@ class SegmentCache:
             out.append(ids)
         for key, ids in fresh.items():
             lru[key] = ids
-            self.chars += len(key[2]) + len(key[0])
-        while self.chars > self.max_chars and lru:
-            key, _ = lru.popitem(last=False)
-            self.chars -= len(key[2]) + len(key[0])
+            self.bytes += _cost(key, ids)
+        while self.bytes > self.max_bytes and lru:
+            key, ids = lru.popitem(last=False)
+            self.bytes -= _cost(key, ids)
         return out

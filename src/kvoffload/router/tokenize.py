@@ -66,12 +66,12 @@ class Tokenizer:
 
     Where the tokenizer's configuration makes it exact, the ids of the
     segments between its added tokens are cached
-    (:class:`~kvoffload.router.tokencache.SegmentCache`, up to ``cache_chars``
-    characters; 0: none) for the texts given a ``scope``; else
+    (:class:`~kvoffload.router.tokencache.SegmentCache`, up to about ``cache_bytes``
+    bytes; 0: none) for the texts given a ``scope``; else
     :attr:`cache_refused` says why not.
     """
 
-    def __init__(self, hf: Any, *, cache_chars: int = 16 << 20) -> None:
+    def __init__(self, hf: Any, *, cache_bytes: int = 64 << 20) -> None:
         self._hf = hf
         self._fast: Any = None
         self.cache: SegmentCache | None = None
@@ -85,21 +85,21 @@ class Tokenizer:
             fast.no_padding()
             fast.encode_special_tokens = bool(getattr(hf, "split_special_tokens", False))
             self._fast = fast
-            got = SegmentCache.for_tokenizer(fast, max_chars=cache_chars)
+            got = SegmentCache.for_tokenizer(fast, max_bytes=cache_bytes)
             if isinstance(got, str):
                 self.cache_refused = got
             else:
                 self.cache, self.cache_refused = got, None
 
     @classmethod
-    def load(cls, path: Path, *, cache_chars: int = 16 << 20) -> Tokenizer:
+    def load(cls, path: Path, *, cache_bytes: int = 64 << 20) -> Tokenizer:
         from transformers import AutoTokenizer
 
         try:
             hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as exc:
             raise ValueError(f"cannot load the tokenizer from {path}: {exc}") from exc
-        return cls(hf, cache_chars=cache_chars)
+        return cls(hf, cache_bytes=cache_bytes)
 
     @property
     def batches(self) -> bool:
