@@ -25,7 +25,7 @@ requests/s at concurrency 32.
 
     PYTHONPATH=src python scripts/bench_router.py [--quick] [--tokens 1000,8000]
         [--requests 300] [--concurrency 32] [--seconds 5] [--rounds 2]
-        [--peer-src DIR] [--router-src DIR] [--json FILE]
+        [--peer-src DIR] [--router-src DIR] [--loop L] [--peer-loop L] [--json FILE]
 """
 
 from __future__ import annotations
@@ -151,6 +151,17 @@ def prompts(folder: Path, text: str, tokens: int, n: int) -> list[str]:
     return [text[i * step : i * step + width] for i in range(n)]
 
 
+def chats(tok: Path, text: str, tokens: int, n: int, turns: int = 5) -> list[str]:
+    """``n`` chat-like prompts of about ``tokens`` tokens: ``turns`` turns, one new per prompt.
+
+    Prompt ``i`` is turns ``i .. i + turns - 1`` of one long conversation, each
+    ``<s>…</s>`` (special tokens, as a chat template writes them): four of its
+    five turns were in the prompt before, as in a chat's later turns.
+    """
+    window = prompts(tok, text, tokens // turns, n + turns)
+    return ["".join(f"<s>{w}</s>" for w in window[i : i + turns]) for i in range(n)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -188,7 +199,7 @@ def start_engine(d: Path, i: int) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def start_router(
-    d: Path, src: Path, tok: Path, urls: list[str], processes: int | None
+    d: Path, src: Path, tok: Path, urls: list[str], processes: int | None, loop: str | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     lines = ["[router]", 'health_interval = "1s"', 'metrics_interval = "1s"', "[model]"]
@@ -200,7 +211,11 @@ def start_router(
     cfg = d / "router.toml"
     cfg.write_text("\n".join(lines) + "\n", encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
-    env["PYTHONPATH"] = str(src)
+    # The checkout's src first; the caller's other paths after it (an optional
+    # package installed aside, e.g. uvloop), never the caller's own checkout.
+    here = {str(ROOT / "src"), str(src)}
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in here]
+    env["PYTHONPATH"] = os.pathsep.join([str(src), *extra])
     log = (d / "router.log").open("wb")
     proc = subprocess.Popen(
         [
@@ -212,6 +227,7 @@ def start_router(
             "router",
             "--port",
             str(port),
+            *(["--loop", loop] if loop is not None else []),
         ],
         env=env,
         stdout=log,
@@ -328,6 +344,17 @@ def main() -> None:
     ap.add_argument(
         "--tokenizer-processes", type=int, help="[model] tokenizer_processes (default: unset)"
     )
+    ap.add_argument(
+        "--loop",
+        choices=("auto", "uvloop", "asyncio"),
+        help="the router's --loop (default: none given, i.e. auto)",
+    )
+    ap.add_argument("--peer-loop", choices=("auto", "uvloop", "asyncio"), help="the peer's")
+    ap.add_argument(
+        "--chat",
+        action="store_true",
+        help="also chat-like text prompts (turns between special tokens, 4 of 5 seen before)",
+    )
     ap.add_argument("--quick", action="store_true", help="1k tokens, 100 requests, 2 rounds of 2 s")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -355,13 +382,15 @@ def main() -> None:
                 procs.append(p)
                 urls.append(u)
             routers: list[tuple[str, subprocess.Popen[bytes], str]] = []
-            named = [("kvoffload router", args.router_src)]
+            named = [("kvoffload router", args.router_src, args.loop)]
             if args.peer_src is not None:
-                named.append((f"peer: {args.peer_src}", args.peer_src))
-            for j, (name, src) in enumerate(named):
+                named.append((f"peer: {args.peer_src}", args.peer_src, args.peer_loop))
+            for j, (name, src, loop) in enumerate(named):
                 rd = d / f"router{j}"
                 rd.mkdir()
-                rp, rurl = start_router(rd, src.resolve(), tok, urls, args.tokenizer_processes)
+                rp, rurl = start_router(
+                    rd, src.resolve(), tok, urls, args.tokenizer_processes, loop
+                )
                 procs.append(rp)
                 routers.append((name, rp, rurl))
             print(
@@ -402,7 +431,11 @@ def measure(
         ids = [e.ids for e in (rust.encode(t) for t in texts[:100])]
         alone = (time.process_time() - c0) / 100
         ids = [e.ids for e in rust.encode_batch(texts)]
-        for kind, ps in (("text", texts), ("token ids", ids)):
+        kinds: list[tuple[str, Sequence[str | list[int]]]] = [("text", texts), ("token ids", ids)]
+        if args.chat:
+            # Enough that no prompt comes twice to a router in one run.
+            kinds.append(("chat", chats(tok, text, n, max(args.requests, 6000))))
+        for kind, ps in kinds:
             dl, rls = asyncio.run(latency(urls, [r[2] for r in routers], ps[: args.requests]))
             paths = [("direct (the ceiling)", None, urls)] + [(r[0], r[1], [r[2]]) for r in routers]
             tp: dict[str, dict[str, list[float]]] = {

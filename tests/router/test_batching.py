@@ -54,13 +54,15 @@ class Counting:
         self.gate.set()
         self.entered = threading.Event()
 
-    def encode_batch(self, texts: list[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+    def encode_batch(
+        self, texts: list[str], *, add_special_tokens: bool = True, scopes: list[str] | None = None
+    ) -> list[list[int]]:
         self.entered.set()
         self.gate.wait()
         self.sizes.append(len(texts))
         if self.fail:
             raise ValueError("tokenizer failed")
-        return self.tok.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return self.tok.encode_batch(texts, add_special_tokens=add_special_tokens, scopes=scopes)
 
 
 def test_requests_waiting_together_are_one_batch_and_each_gets_its_own_ids(

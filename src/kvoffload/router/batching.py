@@ -23,11 +23,16 @@ __all__ = ["BatchEncoder", "Encodes"]
 
 class Encodes(Protocol):
     def encode_batch(
-        self, texts: list[str], *, add_special_tokens: bool = True
+        self,
+        texts: list[str],
+        *,
+        add_special_tokens: bool = True,
+        scopes: list[str] | None = None,
     ) -> list[list[int]]: ...
 
 
-_Item = tuple[str, bool, "asyncio.Future[list[int]]"]
+#: A text, whether its special tokens are added, its cache scope, and its answer.
+_Item = tuple[str, bool, str | None, "asyncio.Future[list[int]]"]
 
 
 class BatchEncoder:
@@ -47,8 +52,13 @@ class BatchEncoder:
         self._closed = False
         self._thread: threading.Thread | None = None
 
-    def encode(self, text: str, add_special_tokens: bool) -> asyncio.Future[list[int]]:
-        """A future of ``text``'s ids, settled on the calling loop."""
+    def encode(
+        self, text: str, add_special_tokens: bool, scope: str | None = None
+    ) -> asyncio.Future[list[int]]:
+        """A future of ``text``'s ids, settled on the calling loop.
+
+        ``scope``: where the tokenizer may reuse cached ids (none: not cached).
+        """
         fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
         with self._cv:
             if self._closed:
@@ -58,7 +68,7 @@ class BatchEncoder:
                     target=self._run, name="kvoffload-tokenize", daemon=True
                 )
                 self._thread.start()
-            self._queue.append((text, add_special_tokens, fut))
+            self._queue.append((text, add_special_tokens, scope, fut))
             if len(self._queue) == 1:
                 self._cv.notify()
         return fut
@@ -80,7 +90,7 @@ class BatchEncoder:
                 if not self._queue:
                     return
                 take, chars = 0, 0
-                for text, _, _ in self._queue:  # up to max_batch texts, max_chars characters
+                for text, _, _, _ in self._queue:  # up to max_batch texts, max_chars characters
                     if take == self.max_batch or (take and chars + len(text) > self.max_chars):
                         break
                     take += 1
@@ -95,15 +105,20 @@ class BatchEncoder:
 
     def _encode(self, items: list[_Item], special: bool) -> None:
         try:
-            ids = self.tokenizer.encode_batch([it[0] for it in items], add_special_tokens=special)
+            scopes = [it[2] for it in items if it[2] is not None]
+            ids = self.tokenizer.encode_batch(
+                [it[0] for it in items],
+                add_special_tokens=special,
+                scopes=scopes if len(scopes) == len(items) else None,
+            )
             failed: BaseException | None = None
         except Exception as exc:  # the requests are routed cold; the thread goes on
             ids, failed = [], exc
         by_loop: dict[asyncio.AbstractEventLoop, list[int]] = {}
         for i, it in enumerate(items):
-            by_loop.setdefault(it[2].get_loop(), []).append(i)
+            by_loop.setdefault(it[3].get_loop(), []).append(i)
         for loop, idx in by_loop.items():
-            futs = [items[i][2] for i in idx]
+            futs = [items[i][3] for i in idx]
             got = [ids[i] for i in idx] if failed is None else None
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for these
                 loop.call_soon_threadsafe(_settle, futs, got, failed)

@@ -33,8 +33,17 @@ from typing import Any, NamedTuple
 
 from .batching import BatchEncoder
 from .hashing import BlockHasher
+from .tokencache import SegmentCache
 
-__all__ = ["Prompt", "PromptHasher", "Tokenizer", "known_tokens", "request_text", "request_tokens"]
+__all__ = [
+    "Prompt",
+    "PromptHasher",
+    "Tokenizer",
+    "cache_scope",
+    "known_tokens",
+    "request_text",
+    "request_tokens",
+]
 
 #: The request fields that decide its prompt tokens (what goes to a tokenizer process).
 _PROMPT_FIELDS = (
@@ -54,11 +63,19 @@ class Tokenizer:
     Rust tokenizer, as transformers itself calls it (no truncation, no
     padding, its ``split_special_tokens``), skipping the Python layer around
     it: the same ids at about half the CPU. ``encode_batch`` releases the GIL.
+
+    Where the tokenizer's configuration makes it exact, the ids of the
+    segments between its added tokens are cached
+    (:class:`~kvoffload.router.tokencache.SegmentCache`, up to about ``cache_bytes``
+    bytes; 0: none) for the texts given a ``scope``; else
+    :attr:`cache_refused` says why not.
     """
 
-    def __init__(self, hf: Any) -> None:
+    def __init__(self, hf: Any, *, cache_bytes: int = 64 << 20) -> None:
         self._hf = hf
         self._fast: Any = None
+        self.cache: SegmentCache | None = None
+        self.cache_refused: str | None = "not a fast (tokenizers) tokenizer"
         backend = getattr(hf, "backend_tokenizer", None) if getattr(hf, "is_fast", False) else None
         if backend is not None:
             from tokenizers import Tokenizer as RustTokenizer
@@ -68,34 +85,53 @@ class Tokenizer:
             fast.no_padding()
             fast.encode_special_tokens = bool(getattr(hf, "split_special_tokens", False))
             self._fast = fast
+            got = SegmentCache.for_tokenizer(fast, max_bytes=cache_bytes)
+            if isinstance(got, str):
+                self.cache_refused = got
+            else:
+                self.cache, self.cache_refused = got, None
 
     @classmethod
-    def load(cls, path: Path) -> Tokenizer:
+    def load(cls, path: Path, *, cache_bytes: int = 64 << 20) -> Tokenizer:
         from transformers import AutoTokenizer
 
         try:
             hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as exc:
             raise ValueError(f"cannot load the tokenizer from {path}: {exc}") from exc
-        return cls(hf)
+        return cls(hf, cache_bytes=cache_bytes)
 
     @property
     def batches(self) -> bool:
         """Whether :meth:`encode_batch` runs in Rust (with the GIL released): a fast tokenizer."""
         return self._fast is not None
 
-    def encode_batch(self, texts: list[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+    def encode_batch(
+        self,
+        texts: list[str],
+        *,
+        add_special_tokens: bool = True,
+        scopes: list[str] | None = None,
+    ) -> list[list[int]]:
         """The ids of each text, as :meth:`encode_prompt` gives them.
 
         Rust's ``encode_batch_fast``: the ids without the offsets (which nothing
         here reads), the texts spread over Rust's threads, the GIL released.
+        With ``scopes`` (one per text), through the segment cache where there is
+        one: a segment's ids are reused only within its scope.
         """
+        if self.cache is not None and scopes is not None:
+            return self.cache.encode_batch(texts, add_special_tokens, scopes)
         if self._fast is not None:
             encs = self._fast.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
             return [e.ids for e in encs]
         return [self.encode_prompt(t, add_special_tokens=add_special_tokens) for t in texts]
 
-    def encode_prompt(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    def encode_prompt(
+        self, text: str, *, add_special_tokens: bool = True, scope: str | None = None
+    ) -> list[int]:
+        if self.cache is not None and scope is not None:
+            return self.cache.encode_batch([text], add_special_tokens, [scope])[0]
         if self._fast is not None:
             enc = self._fast.encode_batch_fast([text], add_special_tokens=add_special_tokens)
             fast_ids: list[int] = enc[0].ids
@@ -185,16 +221,28 @@ def request_text(body: Mapping[str, Any], chat: bool, tokenizer: Tokenizer) -> P
 
 
 def request_tokens(
-    body: Mapping[str, Any], chat: bool, tokenizer: Tokenizer | None
+    body: Mapping[str, Any], chat: bool, tokenizer: Tokenizer | None, scope: str | None = None
 ) -> list[int] | None:
-    """The engine's prompt token ids of an OpenAI request body, or None if not exactly known."""
+    """The engine's prompt token ids of an OpenAI request body, or None if not exactly known.
+
+    ``scope``: where the tokenizer's segment cache may reuse ids (:func:`cache_scope`).
+    """
     tokens = known_tokens(body, chat)
     if tokens is not None or tokenizer is None:
         return tokens
     text = request_text(body, chat, tokenizer)
     if text is None:
         return None
-    return tokenizer.encode_prompt(text.text, add_special_tokens=text.special)
+    return tokenizer.encode_prompt(text.text, add_special_tokens=text.special, scope=scope)
+
+
+def cache_scope(salt: str | None) -> str:
+    """The segment cache's scope of a request: its cache salt (one per tenant), or none.
+
+    A segment tokenized for one salt is never reused for another, so the
+    cache can never carry anything from one tenant's requests to another's.
+    """
+    return "-" if salt is None else "salt:" + salt
 
 
 def known_tokens(body: Mapping[str, Any], chat: bool) -> list[int] | None:
@@ -234,7 +282,7 @@ def _child_hashes(
 ) -> tuple[list[int], int] | None:
     assert _child is not None, "a tokenizer process without its tokenizer"
     tok, hasher = _child
-    tokens = request_tokens(fields, chat, tok)
+    tokens = request_tokens(fields, chat, tok, cache_scope(salt))
     if tokens is None:
         return None
     return hasher.external_hashes(tokens, cache_salt=salt, lora=lora), len(tokens)
@@ -306,9 +354,11 @@ class PromptHasher:
                 text = request_text(body, chat, self.tokenizer)
                 if text is None:
                     return None
-                tokens = await self._encoder.encode(text.text, text.special)
+                tokens = await self._encoder.encode(text.text, text.special, cache_scope(salt))
             else:
-                tokens = await asyncio.to_thread(request_tokens, body, chat, self.tokenizer)
+                tokens = await asyncio.to_thread(
+                    request_tokens, body, chat, self.tokenizer, cache_scope(salt)
+                )
                 if tokens is None:
                     return None
         return self.hasher.external_hashes(tokens, cache_salt=salt, lora=lora), len(tokens)
