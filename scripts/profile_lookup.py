@@ -85,19 +85,25 @@ def child(row: str, n: int) -> None:
             store.close()
 
 
+def _reduce_instructions(out_file: str, *child_args: str) -> int:
+    """This script run as ``child_args`` under callgrind, collecting inside its one
+    ``functools.reduce`` only: the instructions counted there."""
+    cmd = [
+        "valgrind", "--tool=callgrind", f"--callgrind-out-file={out_file}",
+        "--collect-atstart=no", "--toggle-collect=functools_reduce",
+        sys.executable, __file__, *child_args,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    found = re.search(r"Collected : (\d+)", done.stderr)
+    if done.returncode or found is None:
+        sys.exit(f"callgrind run failed ({done.returncode}): {done.stderr.strip()[-400:]}")
+    return int(found.group(1))
+
+
 def _instructions(row: str, n: int) -> int:
     with tempfile.TemporaryDirectory() as out:
-        cmd = [
-            "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.out",
-            "--collect-atstart=no", "--toggle-collect=functools_reduce",
-            sys.executable, __file__, "--child", row, "--n", str(n),
-        ]  # fmt: skip
-        env = {**os.environ, "PYTHONHASHSEED": "0"}
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-        found = re.search(r"Collected : (\d+)", done.stderr)
-        if done.returncode or found is None:
-            sys.exit(f"callgrind run failed ({done.returncode}): {done.stderr.strip()[-400:]}")
-        return int(found.group(1))
+        return _reduce_instructions(f"{out}/cg.out", "--child", row, "--n", str(n))
 
 
 # ------------------------------------------------------------------ --sidecar
@@ -183,17 +189,8 @@ def client_child(sock: Path, n: int) -> None:
 def client_row(n: int) -> float:
     """Instructions per 1-key lookup in the client (a native sidecar answers)."""
     with tempfile.TemporaryDirectory(prefix="kvprof-") as tmp, _sidecar(Path(tmp), []) as (_, s):
-        cmd = [
-            "valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/client.cg",
-            "--collect-atstart=no", "--toggle-collect=functools_reduce",
-            sys.executable, __file__, "--client-child", str(s), "--n", str(n),
-        ]  # fmt: skip
-        env = {**os.environ, "PYTHONHASHSEED": "0"}
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-        found = re.search(r"Collected : (\d+)", done.stderr)
-        if done.returncode or found is None:
-            sys.exit(f"callgrind run failed ({done.returncode}): {done.stderr.strip()[-400:]}")
-        return int(found.group(1)) / n
+        got = _reduce_instructions(f"{tmp}/client.cg", "--client-child", str(s), "--n", str(n))
+        return got / n
 
 
 def main() -> None:
