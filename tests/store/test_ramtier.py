@@ -281,3 +281,27 @@ def test_drop_cache_empties_a_running_sidecars_tier(tmp_path: Path, short_dir: P
         assert [c.ok for c in loaded] == [True]
         assert [bytes(x) for x in loaded[0].layers] == layers(i - 1)
         assert client.stats()["ram_tier"]["hits"] == 1  # read from the file this time
+
+
+def test_close_after_a_ctrl_c_interrupted_the_fillers_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl-C can land inside ``Thread.start()`` (it waits for the new thread
+    to run): the filler is then never started, or not yet. Closing the tier, as a
+    store's clean-up does next, must not fail on it (``join`` refuses a thread
+    not started); seen when a benchmark was interrupted while settling its tier."""
+    import threading
+
+    from kvoffload.store import ramtier
+
+    class Interrupted(threading.Thread):  # a test double: start() hit by a Ctrl-C
+        def start(self) -> None:
+            raise KeyboardInterrupt
+
+    ram = RamTier(capacity=3 * 8192, min_size=4096)
+    monkeypatch.setattr(ramtier.threading, "Thread", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ram.lend(8192)
+    monkeypatch.undo()
+    ram.close()  # before: RuntimeError: cannot join thread before it is started
+    assert ram.stats()["held_bytes"] == 0

@@ -309,7 +309,10 @@ class RamTier:
             self._want.notify_all()
         t = self._filler
         if t is not None:
-            t.join(timeout=5)
+            # A Ctrl-C inside ``start()`` leaves it never (or not yet) started, which
+            # ``join`` refuses; a filler that starts late finds the tier closed.
+            with contextlib.suppress(RuntimeError):
+                t.join(timeout=5)
 
     # ------------------------------------------------------------ stats
 
